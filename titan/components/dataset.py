@@ -1,0 +1,201 @@
+"""Text datasets packed into fixed-length (input, label) windows, sharded by data-parallel rank.
+
+Local files (jsonl/json/parquet/txt) are tokenized once into one token stream and cut into
+`seq_len + 1` windows with a global index. Step s of training uses windows
+[s*G, (s+1)*G) of the (per-epoch shuffled) order, G = global batch; dp rank r takes the
+r-th contiguous slice of each global batch, as Megatron's pretraining sampler does. So the
+set of sequences in every optimizer step is the same whatever the data-parallel degree,
+and losses compare across layouts.
+
+Hub datasets are streamed; no global index exists there, so each dp rank reads its own
+shard (`split_dataset_by_node`) and packs it on the fly: losses then depend on the dp degree.
+"""
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from titan.components.tokenizer import Tokenizer
+from titan.paths import resolve
+
+logger = logging.getLogger(__name__)
+
+BUNDLED = {
+    "kjv": "assets/corpus/kjv_train.jsonl",
+    "kjv_valid": "assets/corpus/kjv_valid.jsonl",
+}
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+class DataError(ValueError):
+    pass
+
+
+def _local_files(name: str, path: str | None) -> list[Path] | None:
+    """Files of a local dataset, or None when `name` must be a hub dataset."""
+    candidate = path or BUNDLED.get(name) or name
+    p = resolve(candidate)
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.suffix in _FORMATS)
+        if not files:
+            raise DataError(f"dataset folder {p} holds no {'/'.join(_FORMATS)} files")
+    elif path is not None:
+        raise DataError(f"dataset path '{path}' does not exist; fix training.dataset_path")
+    else:
+        return None
+    kinds = {_FORMATS.get(f.suffix) for f in files}
+    if None in kinds or len(kinds) > 1:
+        raise DataError(
+            f"dataset files {[str(f) for f in files][:3]} must all be one of "
+            f"{', '.join(_FORMATS)}"
+        )
+    return files
+
+
+def _load_local_texts(files: list[Path], text_field: str) -> list[str]:
+    from datasets import load_dataset
+
+    fmt = _FORMATS[files[0].suffix]
+    kwargs = {"sample_by": "paragraph"} if fmt == "text" else {}
+    ds = load_dataset(fmt, data_files=[str(f) for f in files], split="train",
+                      keep_in_memory=True, **kwargs)
+    field = "text" if fmt == "text" else text_field
+    if field not in ds.column_names:
+        raise DataError(
+            f"dataset {files[0]} has no column '{field}' (columns: {ds.column_names}); "
+            "set training.dataset_text_field"
+        )
+    return ds[field]
+
+
+def tokenize_stream(texts: list[str], tokenizer: Tokenizer, chunk: int = 1024) -> np.ndarray:
+    """All documents as one stream, each wrapped in BOS ... EOS."""
+    parts = []
+    for i in range(0, len(texts), chunk):
+        for ids in tokenizer.encode_batch(texts[i:i + chunk]):
+            parts.append(np.asarray(ids, dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+class PackedDataset(IterableDataset):
+    """Globally indexed packed windows of a local token stream; checkpointable in O(1)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, dp_rank: int, dp_world_size: int,
+                 global_batch_size: int, seed: int, shuffle: bool, infinite: bool = True,
+                 name: str = "dataset"):
+        if global_batch_size % dp_world_size:
+            raise DataError(
+                f"global batch {global_batch_size} is not divisible by the dp degree {dp_world_size}"
+            )
+        self.tokens = torch.from_numpy(tokens)
+        self.seq_len = seq_len
+        self.num_windows = len(tokens) // (seq_len + 1)
+        if self.num_windows == 0:
+            raise DataError(
+                f"{name} has {len(tokens)} tokens, fewer than one sequence of seq_len + 1 = "
+                f"{seq_len + 1}; use more data or a smaller training.seq_len"
+            )
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.global_batch_size = global_batch_size
+        self.per_rank = global_batch_size // dp_world_size
+        self.seed, self.shuffle, self.infinite, self.name = seed, shuffle, infinite, name
+        self.sample_idx = 0  # samples this rank has yielded so far
+        self._perm_epoch, self._perm = -1, None
+
+    def global_index(self, j: int) -> int:
+        """Position in the global stream of this rank's j-th sample."""
+        step, within = divmod(j, self.per_rank)
+        return step * self.global_batch_size + self.dp_rank * self.per_rank + within
+
+    def _window(self, g: int) -> int:
+        epoch, pos = divmod(g, self.num_windows)
+        if not self.shuffle:
+            return pos
+        if epoch != self._perm_epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.num_windows, generator=gen)
+            self._perm_epoch = epoch
+        return int(self._perm[pos])
+
+    def __iter__(self):
+        while True:
+            g = self.global_index(self.sample_idx)
+            if not self.infinite and g >= self.num_windows - self.num_windows % self.global_batch_size:
+                return
+            prev = self.global_index(self.sample_idx - 1) if self.sample_idx else 0
+            if g // self.num_windows > prev // self.num_windows:
+                logger.info("%s: all %d sequences seen, starting epoch %d",
+                            self.name, self.num_windows, g // self.num_windows)
+            start = self._window(g) * (self.seq_len + 1)
+            window = self.tokens[start:start + self.seq_len + 1]
+            self.sample_idx += 1
+            yield window[:-1], window[1:]
+
+    def state_dict(self) -> dict:
+        return {"sample_idx": self.sample_idx}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sample_idx = int(state["sample_idx"])
+
+
+class StreamingPackedDataset(IterableDataset):
+    """A streamed hub dataset, split per dp rank and packed on the fly."""
+
+    def __init__(self, name: str, tokenizer: Tokenizer, seq_len: int, dp_rank: int,
+                 dp_world_size: int, text_field: str, seed: int):
+        from datasets import load_dataset
+        from datasets.distributed import split_dataset_by_node
+
+        try:
+            ds = load_dataset(name, split="train", streaming=True)
+        except Exception as e:  # noqa: BLE001  any hub failure gets one actionable message
+            offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
+            raise DataError(
+                f"training.dataset '{name}' is neither a bundled name ({', '.join(BUNDLED)}) nor "
+                f"a local path, and loading it from the HF hub failed"
+                f"{' (HF offline mode is set)' if offline else ''}: {type(e).__name__}: {e}. "
+                "Without network access, point training.dataset_path at local "
+                "jsonl/json/parquet/txt files."
+            ) from None
+        self.ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_world_size)
+        self.tokenizer, self.seq_len, self.text_field = tokenizer, seq_len, text_field
+        self.seed, self.epoch, self.buffer = seed, 0, []
+        self.name = name
+
+    def __iter__(self):
+        while True:
+            self.ds.set_epoch(self.epoch)
+            for sample in self.ds:
+                self.buffer.extend(self.tokenizer.encode(sample[self.text_field]))
+                while len(self.buffer) > self.seq_len:
+                    window = torch.tensor(self.buffer[:self.seq_len + 1])
+                    self.buffer = self.buffer[self.seq_len + 1:]
+                    yield window[:-1], window[1:]
+            self.epoch += 1
+            logger.info("%s: stream exhausted, starting epoch %d", self.name, self.epoch)
+
+    def state_dict(self) -> dict:
+        return {"ds": self.ds.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ds.load_state_dict(state["ds"])
+        self.buffer, self.epoch = list(state["buffer"]), int(state["epoch"])
+
+
+def build_dataset(name: str, path: str | None, tokenizer: Tokenizer, seq_len: int,
+                  dp_rank: int, dp_world_size: int, global_batch_size: int, seed: int,
+                  text_field: str = "text", shuffle: bool = True,
+                  infinite: bool = True) -> IterableDataset:
+    files = _local_files(name, path)
+    if files is None:
+        return StreamingPackedDataset(name, tokenizer, seq_len, dp_rank, dp_world_size,
+                                      text_field, seed)
+    tokens = tokenize_stream(_load_local_texts(files, text_field), tokenizer)
+    return PackedDataset(tokens, seq_len, dp_rank, dp_world_size, global_batch_size, seed,
+                         shuffle, infinite, name=name)

@@ -1,0 +1,137 @@
+"""Training metrics to the console, TensorBoard and `<dump_folder>/metrics.jsonl`.
+
+Tools and tests read the JSONL (one object per logged step); the console line is for people.
+"""
+
+import json
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_COLORS = {"step": "\033[36m", "loss": "\033[32m", "mem": "\033[33m", "tps": "\033[34m",
+           "mfu": "\033[35m", "reset": "\033[0m"}
+
+
+def memory_gib(device: torch.device) -> dict[str, float]:
+    """Peak memory since the last call: the CUDA caching allocator, or process RSS on CPU."""
+    if device.type == "cuda":
+        stats = {
+            "memory_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+            "memory_active_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        }
+        torch.cuda.reset_peak_memory_stats(device)
+        return stats
+    # ru_maxrss is in KiB on Linux: the high-water mark of the whole process
+    return {"memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+@dataclass
+class _Window:
+    """What happened since the last logged step."""
+
+    start: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    data_s: float = 0.0
+    gc_s: float = 0.0
+    steps: int = 0
+    excluded_s: float = 0.0
+
+
+class MetricsLogger:
+    def __init__(self, log_freq: int, dump_folder: str, enable_tensorboard: bool,
+                 save_tb_folder: str, disable_color_printing: bool, is_logging_rank: bool,
+                 rank: int, device: torch.device, flops_per_token: float, peak_flops: float,
+                 append: bool = False):
+        self.log_freq = log_freq
+        self.device = device
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.color = (lambda k: "") if disable_color_printing else _COLORS.get
+        self.enabled = is_logging_rank
+        self.window = _Window()
+        self.tb = None
+        self.jsonl = None
+        if not is_logging_rank:
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        # a fresh run starts the history anew; a resumed run continues it
+        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a" if append else "w")
+        self.val_jsonl_path = os.path.join(dump_folder, "validation.jsonl")
+        if not append and os.path.exists(self.val_jsonl_path):
+            os.remove(self.val_jsonl_path)
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            self.tb = SummaryWriter(os.path.join(dump_folder, save_tb_folder, stamp, f"rank_{rank}"))
+
+    def should_log(self, step: int, last_step: int) -> bool:
+        return step == 1 or step % self.log_freq == 0 or step == last_step
+
+    def record_step(self, tokens: int, data_s: float, gc_s: float) -> None:
+        w = self.window
+        w.tokens += tokens
+        w.data_s += data_s
+        w.gc_s += gc_s
+        w.steps += 1
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, **extra) -> dict:
+        """Emit one record for the window ending at `step`; every rank must call it."""
+        w = self.window
+        elapsed = max(time.perf_counter() - w.start - w.excluded_s, 1e-9)
+        tps = w.tokens / elapsed
+        tflops = tps * self.flops_per_token / 1e12
+        record = {
+            "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
+            "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops,
+            **memory_gib(self.device),
+            "data_pct": 100 * w.data_s / elapsed, "gc_s": w.gc_s,
+            "step_time_s": elapsed / max(w.steps, 1), **extra,
+        }
+        self.window = _Window()
+        if not self.enabled:
+            return record
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"train/{k}", v, step)
+            self.tb.flush()
+        c = self.color
+        logger.info(
+            f"{c('step')}step: {step:>6}  {c('loss')}loss: {loss:8.4f}{c('reset')}  "
+            f"grad_norm: {grad_norm:7.4f}  lr: {lr:.2e}  "
+            f"{c('mem')}memory: {record['memory_gib']:6.2f}GiB  "
+            f"{c('tps')}tps: {tps:>10,.0f}  tflops: {tflops:7.2f}  "
+            f"{c('mfu')}mfu: {record['mfu']:5.2f}%{c('reset')}  "
+            f"data: {record['data_pct']:4.1f}%  gc: {w.gc_s:.3f}s"
+            + "".join(f"  {k}: {v}" for k, v in extra.items())
+        )
+        return record
+
+    def log_validation(self, step: int, loss: float, steps: int) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "val_loss": loss, "val_batches": steps}
+        with open(self.val_jsonl_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalar("validation/loss", loss, step)
+            self.tb.flush()
+        logger.info(f"validation  step: {step:>6}  loss: {loss:8.4f}  batches: {steps}")
+
+    def exclude(self, seconds: float) -> None:
+        """Keep time spent outside training steps (validation, checkpoints) out of tokens/s."""
+        self.window.excluded_s += seconds
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

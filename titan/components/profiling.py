@@ -1,0 +1,44 @@
+"""torch profiler traces every `profile_freq` steps, one file per rank and traced step."""
+
+import contextlib
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def maybe_profile(enable: bool, trace_dir: str, rank: int, profile_freq: int, warmup: int,
+                  active: int, first_step: int = 1):
+    """Yields a profiler to `.step()` once per training step, or None when disabled."""
+    if not enable:
+        yield None
+        return
+    os.makedirs(trace_dir, exist_ok=True)
+    steps_done = [first_step - 1]
+
+    def on_trace_ready(prof):
+        step = steps_done[0]
+        folder = os.path.join(trace_dir, f"iteration_{step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"rank{rank}_trace.json")
+        prof.export_chrome_trace(path)
+        logger.info("profiler trace for step %d written to %s", step, path)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    schedule = torch.profiler.schedule(wait=profile_freq - warmup - active, warmup=warmup,
+                                       active=active, skip_first=(first_step - 1) % profile_freq)
+    with torch.profiler.profile(activities=activities, schedule=schedule,
+                                on_trace_ready=on_trace_ready) as prof:
+        original_step = prof.step
+
+        def step():
+            steps_done[0] += 1
+            original_step()
+
+        prof.step = step
+        yield prof

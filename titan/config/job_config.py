@@ -1,0 +1,182 @@
+"""The job config: one dataclass per concern, field names after torchtitan.
+
+Every field carries a one-line doc in its metadata; `--help` prints it. This module
+must not import torch: the launcher validates configs before any heavy import.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def opt(default, doc: str):
+    """A config field with its `--help` line."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class Job:
+    config_file: str | None = opt(None, "TOML file read before CLI overrides are applied")
+    dump_folder: str = opt("./outputs", "Folder for logs, metrics.jsonl, TensorBoard and traces")
+    description: str = opt("", "Free-text description of the run, printed at start")
+    print_config: bool = opt(False, "Print the merged config (defaults < TOML < CLI) at start")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "Model family, a key of the train-spec registry")
+    flavor: str = opt("debugmodel", "Model size within the family (e.g. debugmodel, 1B, 8B)")
+    tokenizer_path: str = opt(
+        "assets/tokenizer/tokenizer.json", "HF tokenizers tokenizer.json (or a folder holding one)"
+    )
+
+
+@dataclass
+class Training:
+    dataset: str = opt(
+        "kjv", "Dataset: a bundled name (kjv), a local file/folder, or an HF hub name (streamed)"
+    )
+    dataset_path: str | None = opt(None, "Local path that overrides where `dataset` is read from")
+    dataset_text_field: str = opt("text", "Column holding the document text")
+    dataset_shuffle: bool = opt(True, "Shuffle packed sequences each epoch (local datasets)")
+    local_batch_size: int = opt(8, "Sequences per microbatch on each data-parallel rank")
+    global_batch_size: int = opt(
+        -1, "Sequences per optimizer step over all ranks; -1 = local x dp (no accumulation)"
+    )
+    seq_len: int = opt(2048, "Tokens per training sequence")
+    max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping")
+    steps: int = opt(10000, "Optimizer steps to train")
+    mixed_precision_param: Literal["bfloat16", "float32"] = opt(
+        "bfloat16", "Compute dtype of parameters in forward/backward (master weights stay fp32)"
+    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = opt(
+        "float32", "Dtype of gradient reductions across data-parallel ranks"
+    )
+    enable_cpu_offload: bool = opt(False, "With FSDP: keep params, grads and optimizer state in host memory")
+    seed: int = opt(0, "Seed for weight init, data order and RNG; same seed -> same weights")
+    deterministic: bool = opt(False, "Use deterministic algorithms (slower; for debugging)")
+    gc_freq: int = opt(50, "Run a timed gc.collect every N steps (automatic GC is disabled)")
+    on_nonfinite: Literal["stop", "skip"] = opt(
+        "stop", "On a NaN/Inf loss or grad norm: stop with an error, or skip the optimizer step"
+    )
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer")
+    lr: float = opt(8e-4, "Peak learning rate")
+    beta1: float = opt(0.9, "Adam beta1")
+    beta2: float = opt(0.95, "Adam beta2")
+    eps: float = opt(1e-8, "Adam epsilon")
+    weight_decay: float = opt(0.1, "Decoupled weight decay")
+    implementation: Literal["fused", "foreach", "for-loop"] = opt(
+        "fused", "Kernel: fused, foreach, or for-loop (fused falls back where unsupported)"
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "Linear warmup steps from ~0 to the peak lr")
+    decay_ratio: float | None = opt(
+        None, "Fraction of steps spent decaying at the end; None = all after warmup (<1 gives WSD)"
+    )
+    decay_type: Literal["linear", "sqrt", "cosine"] = opt("linear", "Shape of the decay phase")
+    min_lr_factor: float = opt(0.0, "Final lr as a fraction of the peak lr")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = opt(
+        1, "Replicas of the model (DDP, or the outer dim of HSDP); 1 = none"
+    )
+    data_parallel_shard_degree: int = opt(
+        -1, "FSDP shard degree; -1 = whatever the other degrees leave of the world size"
+    )
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = opt(
+        "default", "Free gathered params after forward: default = yes, except with pipelining"
+    )
+    tensor_parallel_degree: int = opt(1, "Tensor-parallel degree (heads and FFN split)")
+    enable_sequence_parallel: bool = opt(
+        True, "With TP: shard norms and residuals along the sequence (saves activation memory)"
+    )
+    disable_loss_parallel: bool = opt(
+        False, "With TP: gather logits instead of computing the loss on vocab shards"
+    )
+    context_parallel_degree: int = opt(1, "Context-parallel degree (sequence split, ring attention)")
+    pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree (layers split into stages)")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = opt(
+        "none", "Recompute activations in backward: none, full (every block) or selective"
+    )
+    selective_ac_option: str = opt(
+        "2", "Selective AC: 'op' = save matmul/attention outputs per op; an integer N = "
+        "checkpoint every N-th block"
+    )
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile the model (per transformer block; whole model with TP on CPU)")
+    backend: str = opt("inductor", "torch.compile backend")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log metrics every N steps")
+    enable_tensorboard: bool = opt(True, "Write TensorBoard events under <dump_folder>/<save_tb_folder>")
+    save_tb_folder: str = opt("tb", "TensorBoard folder inside the dump folder")
+    peak_flops: float = opt(
+        0.0, "Peak FLOP/s of one device for MFU; 0 = device table (GPU) or a measured matmul (CPU)"
+    )
+    disable_color_printing: bool = opt(False, "Plain console output without ANSI colors")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Collect torch profiler traces")
+    save_traces_folder: str = opt("profile_traces", "Trace folder inside the dump folder")
+    profile_freq: int = opt(10, "Profile one step out of every N")
+    profiler_warmup: int = opt(3, "Profiler warmup steps before each traced step")
+    profiler_active: int = opt(1, "Steps traced each time")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "Collective timeout until the first step completes")
+    train_timeout_seconds: int = opt(100, "Collective timeout after the first step")
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "Evaluate loss on a held-out dataset during training")
+    dataset: str = opt("kjv_valid", "Validation dataset (same forms as training.dataset)")
+    dataset_path: str | None = opt(None, "Local path that overrides where the dataset is read from")
+    freq: int = opt(500, "Validate every N steps (and after the last step)")
+    steps: int = opt(-1, "Batches per validation; -1 = one full pass over the dataset")
+    local_batch_size: int = opt(8, "Sequences per validation batch on each data-parallel rank")
+
+
+@dataclass
+class Debug:
+    nan_at_step: int = opt(-1, "Test hook: make the loss NaN at this step (-1 = never)")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+    validation: Validation = field(default_factory=Validation)
+    debug: Debug = field(default_factory=Debug)

@@ -1,0 +1,333 @@
+"""Build a JobConfig from defaults < TOML file < command line, failing early and clearly.
+
+Kept free of torch so that a bad config is reported in a fraction of a second,
+before a process group, a folder or a log file exists.
+"""
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+from titan.config.job_config import JobConfig
+
+
+class ConfigError(ValueError):
+    """A config problem a user must fix; the message names the key, its source and the fix."""
+
+
+def _sections(cfg: JobConfig) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _field_types(section_obj) -> dict[str, Any]:
+    return typing.get_type_hints(type(section_obj))
+
+
+def _all_keys(cfg: JobConfig) -> list[str]:
+    return [
+        f"{s}.{f.name}" for s, obj in _sections(cfg).items() for f in dataclasses.fields(obj)
+    ]
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _unwrap_optional(tp):
+    """(inner type, allows None)."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _type_name(tp) -> str:
+    inner, nullable = _unwrap_optional(tp)
+    if get_origin(inner) is Literal:
+        name = "|".join(str(a) for a in get_args(inner))
+    elif get_origin(inner) is list:
+        name = f"list[{get_args(inner)[0].__name__}] (comma-separated)"
+    else:
+        name = inner.__name__
+    return f"{name} or None" if nullable else name
+
+
+def _coerce(value, tp, key: str, source: str):
+    """Check/convert one value against a field type. Strings come from the CLI."""
+    inner, nullable = _unwrap_optional(tp)
+    from_cli = source.startswith("command line")
+
+    def bad(why=""):
+        raise ConfigError(
+            f"{key} = {value!r} (from {source}) is not a valid {_type_name(tp)}{why}"
+        )
+
+    if value is None or (nullable and value in ("None", "none", "null")):
+        if nullable:
+            return None
+        bad()
+    if get_origin(inner) is Literal:
+        choices = get_args(inner)
+        if value not in choices:
+            hint = _suggest(str(value), [str(c) for c in choices])
+            bad(f"; choose one of {', '.join(map(str, choices))}{hint}")
+        return value
+    if get_origin(inner) is list:
+        elem = get_args(inner)[0]
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list):
+            bad()
+        return [_coerce(v.strip() if isinstance(v, str) else v, elem, key, source)
+                for v in items if not (isinstance(v, str) and not v.strip())]
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "1", "yes"):
+            return True
+        if from_cli and isinstance(value, str) and value.lower() in ("false", "0", "no"):
+            return False
+        bad()
+    if inner is int:
+        if isinstance(value, bool):
+            bad()
+        if isinstance(value, int):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                bad()
+        bad()
+    if inner is float:
+        if isinstance(value, bool):
+            bad()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                bad()
+        bad()
+    if inner is str:
+        if isinstance(value, str):
+            return value
+        bad()
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _lookup(cfg: JobConfig, dotted: str, source: str):
+    """(section object, field name, field type) for 'section.key', or a ConfigError."""
+    sections = _sections(cfg)
+    if "." not in dotted:
+        raise ConfigError(
+            f"'{dotted}' (from {source}) is not of the form section.key"
+            f"{_suggest(dotted, _all_keys(cfg))}"
+        )
+    section, key = dotted.split(".", 1)
+    if section not in sections:
+        raise ConfigError(
+            f"unknown config section '{section}' (from {source})"
+            f"{_suggest(section, list(sections))} Sections: {', '.join(sections)}."
+        )
+    obj = sections[section]
+    types_ = _field_types(obj)
+    if key not in types_:
+        raise ConfigError(
+            f"unknown config key '{dotted}' (from {source})"
+            f"{_suggest(dotted, _all_keys(cfg))} See --help for every key."
+        )
+    return obj, key, types_[key]
+
+
+def _apply_toml(cfg: JobConfig, path: str, sources: dict[str, str]) -> None:
+    source = f"config file {path}"
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"config file '{path}' does not exist; pass an existing TOML file with "
+            "--job.config_file (or CONFIG_FILE=... for run_train.sh)"
+        )
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"'{section}' (from {source}) must be a [section] table, not a top-level value"
+            )
+        for key, value in table.items():
+            obj, name, tp = _lookup(cfg, f"{section}.{key}", source)
+            setattr(obj, name, _coerce(value, tp, f"{section}.{key}", source))
+            sources[f"{section}.{key}"] = source
+
+
+def _parse_cli(cfg: JobConfig, argv: list[str]) -> list[tuple[str, Any, str]]:
+    """Turn argv into (dotted key, raw value, source) triples; bool flags become True/False."""
+    out = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        source = f"command line '{arg}'"
+        if not arg.startswith("--"):
+            raise ConfigError(
+                f"unexpected argument '{arg}' on the command line; overrides look like "
+                "--section.key value (see --help)"
+            )
+        body = arg[2:]
+        value = None
+        if "=" in body:
+            body, value = body.split("=", 1)
+        section, _, key = body.partition(".")
+        negated = key.startswith("no_")
+        if negated and section in _sections(cfg):
+            obj = _sections(cfg)[section]
+            types_ = _field_types(obj)
+            if key not in types_ and types_.get(key[3:]) is bool:
+                if value is not None:
+                    raise ConfigError(f"{arg}: a --{section}.no_x flag takes no value")
+                out.append((f"{section}.{key[3:]}", False, source))
+                i += 1
+                continue
+        _, name, tp = _lookup(cfg, body, source)
+        if value is None:
+            if tp is bool and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+                value = True
+            elif i + 1 >= len(argv):
+                raise ConfigError(f"--{body} (on the command line) needs a value")
+            else:
+                i += 1
+                value = argv[i]
+                source = f"command line '--{body} {value}'"
+        out.append((body, value, source))
+        i += 1
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """defaults < TOML (--job.config_file) < CLI, then cross-field validation."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = JobConfig()
+    sources: dict[str, str] = {}
+    overrides = _parse_cli(cfg, argv)
+    config_files = [v for k, v, _ in overrides if k == "job.config_file"]
+    if config_files and config_files[-1] not in (None, "", "None"):
+        _apply_toml(cfg, config_files[-1], sources)
+    for dotted, value, source in overrides:
+        obj, name, tp = _lookup(cfg, dotted, source)
+        setattr(obj, name, _coerce(value, tp, dotted, source))
+        sources[dotted] = source
+    cfg.sources = sources
+    validate(cfg)
+    return cfg
+
+
+def source_of(cfg: JobConfig, key: str) -> str:
+    """Where a value came from, for error messages: a file, the command line, or the default."""
+    return getattr(cfg, "sources", {}).get(key, "the default")
+
+
+def require(cfg: JobConfig, ok: bool, key: str, why: str) -> None:
+    """Raise a ConfigError naming key, its value and where it came from, unless ok."""
+    if not ok:
+        section, _, name = key.partition(".")
+        value = getattr(getattr(cfg, section), name)
+        raise ConfigError(f"{key} = {value!r} (from {source_of(cfg, key)}): {why}")
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need only the config itself (model/world-size checks come later)."""
+    t, o, s, m, p, c, v = (cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.metrics,
+                           cfg.profiling, cfg.comm, cfg.validation)
+    checks = [
+        (t.steps >= 0, "training.steps", "must be >= 0"),
+        (t.seq_len >= 1, "training.seq_len", "must be >= 1"),
+        (t.local_batch_size >= 1, "training.local_batch_size", "must be >= 1"),
+        (t.global_batch_size == -1 or t.global_batch_size >= 1, "training.global_batch_size",
+         "must be -1 (local x dp) or >= 1"),
+        (t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)"),
+        (t.gc_freq >= 1, "training.gc_freq", "must be >= 1"),
+        (o.lr >= 0, "optimizer.lr", "must be >= 0"),
+        (0 <= o.beta1 < 1, "optimizer.beta1", "must lie in [0, 1)"),
+        (0 <= o.beta2 < 1, "optimizer.beta2", "must lie in [0, 1)"),
+        (o.eps > 0, "optimizer.eps", "must be > 0"),
+        (o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
+        (s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0"),
+        (s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio",
+         "must be None or in [0, 1]"),
+        (0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", "must be in [0, 1]"),
+        (m.log_freq >= 1, "metrics.log_freq", "must be >= 1"),
+        (m.peak_flops >= 0, "metrics.peak_flops", "must be >= 0 (0 = automatic)"),
+        (p.profile_freq >= 1, "profiling.profile_freq", "must be >= 1"),
+        (p.profiler_active >= 1, "profiling.profiler_active", "must be >= 1"),
+        (p.profiler_warmup >= 0 and p.profiler_warmup + p.profiler_active <= p.profile_freq,
+         "profiling.profiler_warmup",
+         f"warmup + active ({p.profiler_active}) steps must fit in profiling.profile_freq "
+         f"({p.profile_freq})"),
+        (c.init_timeout_seconds >= 1, "comm.init_timeout_seconds", "must be >= 1"),
+        (c.train_timeout_seconds >= 1, "comm.train_timeout_seconds", "must be >= 1"),
+        (v.freq >= 1, "validation.freq", "must be >= 1"),
+        (v.steps == -1 or v.steps >= 1, "validation.steps", "must be -1 (full pass) or >= 1"),
+        (v.local_batch_size >= 1, "validation.local_batch_size", "must be >= 1"),
+    ]
+    for ok, key, why in checks:
+        require(cfg, ok, key, why)
+
+
+def help_text() -> str:
+    cfg = JobConfig()
+    lines = [
+        "usage: ./run_train.sh [--section.key VALUE | --section.key=VALUE | --section.flag |"
+        " --section.no_flag] ...",
+        "",
+        "Precedence: command line > TOML file (--job.config_file) > defaults.",
+        "Lists are comma-separated. Env for run_train.sh: NGPU, CONFIG_FILE, LOG_RANK.",
+    ]
+    for section, obj in _sections(cfg).items():
+        lines.append(f"\n[{section}]")
+        types_ = _field_types(obj)
+        for f in dataclasses.fields(obj):
+            flag = f"--{section}.{f.name}"
+            default = getattr(obj, f.name)
+            lines.append(f"  {flag:<44} {f.metadata['doc']}")
+            lines.append(f"  {'':<44} ({_type_name(types_[f.name])}, default: {default!r})")
+    return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The merged config in TOML form (readable back by parse_args)."""
+    out = []
+    for section, obj in _sections(cfg).items():
+        out.append(f"[{section}]")
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            # TOML has no null: an unset optional is shown commented out
+            out.append(f"# {f.name} = None" if v is None else f"{f.name} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def to_dict(cfg: JobConfig) -> dict:
+    return dataclasses.asdict(cfg)

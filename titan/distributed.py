@@ -1,0 +1,66 @@
+"""Process-group life cycle: device choice, init with timeouts, and a clean exit."""
+
+import datetime
+import logging
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: torch.device, init_timeout_s: int) -> tuple[int, int]:
+    """Always a process group, world size 1 included, so one code path serves 1 and N ranks."""
+    if "RANK" not in os.environ:  # started as plain `python -m titan.train`
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # gloo beside nccl lets CPU tensors (checkpoint metadata, timing) use collectives too
+        backend = "cuda:nccl,cpu:gloo"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend,
+                            timeout=datetime.timedelta(seconds=init_timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """Shorten the timeout once the first step has run (init and compile are slow, steps not)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+
+
+def clean_exit(code: int) -> None:
+    """End the worker without letting gloo's threads race the interpreter's finalization.
+
+    Letting Python exit normally aborts in ~15% of gloo runs; barrier -> destroy ->
+    flush -> os._exit does not.
+    """
+    if dist.is_initialized():
+        try:
+            if code == 0:
+                dist.barrier()
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001  exiting anyway; say why once
+            logger.warning("process group teardown failed: %s", e)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

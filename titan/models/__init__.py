@@ -1,0 +1,3 @@
+"""Model families; importing this package registers their train specs."""
+
+import titan.models.llama3  # noqa: F401

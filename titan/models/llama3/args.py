@@ -1,0 +1,79 @@
+"""Llama 3 hyper-parameters and the published flavors."""
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Llama3Args:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 long-context frequency scaling; None keeps plain RoPE
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    max_seq_len: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def with_updates(self, **kw) -> "Llama3Args":
+        return replace(self, **kw)
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        d, hd = self.dim, self.head_dim
+        attn = d * self.n_heads * hd * 2 + d * self.kv_heads * hd * 2
+        ffn = 3 * d * self.ffn_hidden_dim
+        per_layer = attn + ffn + 2 * d
+        total = self.n_layers * per_layer + d + self.vocab_size * d  # final norm + output
+        return total + (self.vocab_size * d if include_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul params (forward+backward) plus attention scores.
+
+        The attention term 12*L*H*Dh*T counts QK^T and AV over the full causal square,
+        the convention PaLM's MFU and torchtitan use, so figures compare across projects.
+        """
+        return 6 * self.num_params(include_embedding=False) + 12 * self.n_layers * self.n_heads * (
+            self.head_dim * seq_len
+        )
+
+
+_LLAMA31_ROPE = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                     rope_high_freq_factor=4.0, rope_original_max_len=8192)
+_LLAMA32_ROPE = dict(_LLAMA31_ROPE, rope_scaling_factor=32.0)
+
+LLAMA3_FLAVORS: dict[str, Llama3Args] = {
+    "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048,
+                             multiple_of=256),
+    "1B": Llama3Args(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+                     multiple_of=256, **_LLAMA32_ROPE),
+    "3B": Llama3Args(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
+                     multiple_of=256, **_LLAMA32_ROPE),
+    "8B": Llama3Args(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                     multiple_of=1024, **_LLAMA31_ROPE),
+    "70B": Llama3Args(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                      multiple_of=4096, **_LLAMA31_ROPE),
+    "405B": Llama3Args(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                       ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA31_ROPE),
+}

@@ -1,0 +1,68 @@
+"""Activation checkpointing of transformer blocks: full, every N-th block, or per op."""
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+# outputs worth keeping: expensive to recompute, cheap to store relative to their cost
+_SAVE_LIST = {
+    _aten.mm.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+class ACConfigError(ValueError):
+    pass
+
+
+def _op_policy_context():
+    # save every other matmul: halves the stored matmul outputs at a fraction of the recompute
+    def policy(ctx, op, *args, **kwargs):
+        key = "recompute" if ctx.is_recompute else "forward"
+        if op == _aten.mm.default:
+            counts[key] += 1
+            return (CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 0
+                    else CheckpointPolicy.PREFER_RECOMPUTE)
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+
+    counts = defaultdict(int)
+
+    def context_fn():
+        counts.clear()
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+def apply_ac(layers: nn.ModuleDict, mode: str, selective_option: str) -> None:
+    """Wrap blocks in place; non-reentrant wrappers keep state-dict keys unchanged."""
+    if mode == "none":
+        return
+    every = 1
+    context_fn = None
+    if mode == "selective":
+        if selective_option == "op":
+            context_fn = _op_policy_context()
+        elif selective_option.isdigit() and int(selective_option) >= 1:
+            every = int(selective_option)
+        else:
+            raise ACConfigError(
+                f"activation_checkpoint.selective_ac_option = {selective_option!r}: use 'op' or "
+                "a positive integer N (checkpoint every N-th block)"
+            )
+    for i, (name, block) in enumerate(list(layers.items())):
+        if i % every:
+            continue
+        kw = {"context_fn": context_fn} if context_fn else {}
+        layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                          preserve_rng_state=False, **kw)

@@ -1,0 +1,253 @@
+"""The trainer: `python -m titan.train [overrides]`, normally started by run_train.sh.
+
+Read top to bottom: build everything from the config, then loop over steps.
+"""
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan.components.dataloader import DataShard, build_dataloader
+from titan.components.dataset import DataError
+from titan.components.flops import peak_flops
+from titan.components.gc import ScheduledGC
+from titan.components.grad_clip import clip_grad_norm_
+from titan.components.lr_scheduler import build_lr_scheduler
+from titan.components.metrics import MetricsLogger
+from titan.components.optimizer import build_optimizer
+from titan.components.profiling import maybe_profile
+from titan.config import ConfigError, JobConfig, parse_args, to_toml
+from titan.distributed import clean_exit, init_distributed, pick_device, set_collective_timeout
+from titan.logging_setup import init_logging
+from titan.preflight import RunPlan, plan_run
+
+logger = logging.getLogger("titan")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+class Trainer:
+    def __init__(self, job: JobConfig, plan: RunPlan):
+        self.job, self.plan = job, plan
+        t = job.training
+        self.device = pick_device()
+        self.rank, self.world_size = init_distributed(self.device, job.comm.init_timeout_seconds)
+        self._set_determinism(t.seed, t.deterministic)
+
+        dims = plan.dims
+        dims.build_mesh(self.device.type)
+        self.dp_mesh = dims["dp"]
+        self.loss_mesh = dims["dp_cp"]
+        shard = DataShard(self.dp_mesh.get_local_rank(), self.dp_mesh.size())
+        self.dataloader = build_dataloader(
+            t.dataset, t.dataset_path, plan.tokenizer, t.seq_len, t.local_batch_size,
+            plan.global_batch_size, shard, t.seed, t.dataset_text_field, t.dataset_shuffle,
+        )
+
+        with torch.device("meta"):
+            model = plan.spec.model_cls(plan.model_args)
+        model = plan.spec.parallelize_fn(model, dims, job)
+        model.to_empty(device=self.device)
+        model.init_weights(t.seed, buffer_device=self.device)
+        model.train()
+        self.model = model
+        n_params = plan.model_args.num_params()
+        logger.info("model %s %s: %.3fM parameters, layout %s, grad accumulation %d",
+                    job.model.name, job.model.flavor, n_params / 1e6, dims, plan.grad_accum_steps)
+
+        o, s = job.optimizer, job.lr_scheduler
+        self.optimizer = build_optimizer([model], o.name, o.lr, o.beta1, o.beta2, o.eps,
+                                         o.weight_decay, o.implementation)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, s.warmup_steps,
+                                               s.decay_ratio, s.decay_type, s.min_lr_factor)
+        self.amp = self._autocast(t.mixed_precision_param, dims.fsdp_enabled)
+        self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
+
+        m = job.metrics
+        compute_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
+        peak, peak_source = peak_flops(self.device, compute_dtype, m.peak_flops)
+        logger.info("MFU is relative to %.4g TFLOP/s (%s)", peak / 1e12, peak_source)
+        self.metrics = MetricsLogger(
+            m.log_freq, job.job.dump_folder, m.enable_tensorboard, m.save_tb_folder,
+            m.disable_color_printing, is_logging_rank=self.rank == 0, rank=self.rank,
+            device=self.device, flops_per_token=plan.model_args.flops_per_token(t.seq_len),
+            peak_flops=peak,
+        )
+        self.step = 0
+        self.skipped_steps = 0
+
+    @staticmethod
+    def _set_determinism(seed: int, deterministic: bool) -> None:
+        torch.manual_seed(seed)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+
+    def _autocast(self, param_dtype: str, fsdp: bool):
+        # FSDP casts parameters itself; a single replica needs autocast for bf16 compute
+        if param_dtype == "bfloat16" and not fsdp:
+            return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                         token_scale: float) -> torch.Tensor:
+        ctx = (torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel
+               else contextlib.nullcontext())
+        with ctx:
+            with self.amp():
+                logits = self.model(inputs)
+            loss = cross_entropy_sum(logits, labels) / token_scale
+            if self.step == self.job.debug.nan_at_step:
+                loss = loss * float("nan")
+            loss.backward()
+        return loss.detach()
+
+    def train_step(self, microbatches) -> tuple[float, float, bool]:
+        """One optimizer step over the microbatches; returns (loss, grad norm, skipped)."""
+        self.lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.zero_grad(set_to_none=True)
+        # normalize by every token of this rank's step, so accumulation equals one big batch
+        tokens = sum(labels.numel() for _, labels in microbatches)
+        loss = torch.zeros((), device=self.device)
+        for inputs, labels in microbatches:
+            loss += self.forward_backward(inputs.to(self.device), labels.to(self.device), tokens)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.job.training.max_norm)
+        if self.loss_mesh.size() > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
+        loss_v, norm_v = loss.item(), grad_norm.item()
+        if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
+            if self.job.training.on_nonfinite == "stop":
+                raise NonFiniteLossError(
+                    f"non-finite loss ({loss_v}) or grad norm ({norm_v}) at step {self.step}; "
+                    "lower optimizer.lr, check the data, or set training.on_nonfinite = 'skip'"
+                )
+            logger.warning("step %d: non-finite loss %s / grad norm %s, optimizer step skipped",
+                           self.step, loss_v, norm_v)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.lr_scheduler.step()
+            return loss_v, norm_v, True
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return loss_v, norm_v, False
+
+    def next_microbatches(self, data_iter):
+        return [next(data_iter) for _ in range(self.plan.grad_accum_steps)]
+
+    def train(self) -> None:
+        t, p = self.job.training, self.job.profiling
+        gc_sched = ScheduledGC(t.gc_freq)
+        data_iter = iter(self.dataloader)
+        trace_dir = os.path.join(self.job.job.dump_folder, p.save_traces_folder)
+        logger.info("training %d steps, global batch %d sequences x %d tokens", t.steps,
+                    self.plan.global_batch_size, t.seq_len)
+        with maybe_profile(p.enable_profiling, trace_dir, self.rank, p.profile_freq,
+                           p.profiler_warmup, p.profiler_active, self.step + 1) as prof:
+            while self.step < t.steps:
+                self.step += 1
+                t0 = time.perf_counter()
+                microbatches = self.next_microbatches(data_iter)
+                data_s = time.perf_counter() - t0
+                loss, grad_norm, skipped = self.train_step(microbatches)
+                self.skipped_steps += skipped
+                if self.step == 1:
+                    set_collective_timeout(self.job.comm.train_timeout_seconds)
+                tokens = sum(x.numel() for x, _ in microbatches)
+                self.metrics.record_step(tokens, data_s, gc_sched.step(self.step))
+                if self.metrics.should_log(self.step, t.steps):
+                    extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+                    self.metrics.log(self.step, loss, grad_norm, self.lr, **extra)
+                if self._validation_due():
+                    self.validate()
+                if prof is not None:
+                    prof.step()
+        gc_sched.close()
+        logger.info("training done after %d steps", self.step)
+
+    def _validation_due(self) -> bool:
+        v = self.job.validation
+        return v.enable and (self.step % v.freq == 0 or self.step == self.job.training.steps)
+
+    @torch.no_grad()
+    def validate(self) -> None:
+        t0 = time.perf_counter()
+        v, t = self.job.validation, self.job.training
+        if not hasattr(self, "val_loader"):
+            shard = DataShard(self.dp_mesh.get_local_rank(), self.dp_mesh.size())
+            self.val_loader = build_dataloader(
+                v.dataset, v.dataset_path, self.plan.tokenizer, t.seq_len, v.local_batch_size,
+                v.local_batch_size * shard.dp_world_size, shard, t.seed, t.dataset_text_field,
+                shuffle=False, infinite=False,
+            )
+        self.val_loader.dataset.load_state_dict({"sample_idx": 0})
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        batches = 0
+        ctx = (torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel
+               else contextlib.nullcontext())
+        for inputs, labels in self.val_loader:
+            with ctx, self.amp():
+                logits = self.model(inputs.to(self.device))
+                total += cross_entropy_sum(logits, labels.to(self.device)) / labels.numel()
+            batches += 1
+            if batches == v.steps:
+                break
+        if batches == 0:
+            raise DataError(
+                f"validation dataset {v.dataset!r} has fewer sequences than one validation batch "
+                f"({v.local_batch_size * self.dp_mesh.size()}); lower validation.local_batch_size"
+            )
+        loss = total / batches
+        if self.loss_mesh.size() > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
+        self.model.train()
+        self.metrics.log_validation(self.step, loss.item(), batches)
+        self.metrics.exclude(time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    init_logging()
+    try:
+        job = parse_args(argv)
+        plan = plan_run(job)
+    except ConfigError as e:
+        print(f"titan: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if job.job.print_config and int(os.environ.get("RANK", "0")) == 0:
+        print(to_toml(job), flush=True)
+    trainer = None
+    code = 0
+    try:
+        trainer = Trainer(job, plan)
+        trainer.train()
+    except (NonFiniteLossError, DataError) as e:
+        logger.error("%s", e)
+        code = 1
+    except Exception:
+        logger.exception("training failed")
+        code = 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+    clean_exit(code)
+
+
+if __name__ == "__main__":
+    main()
