@@ -152,8 +152,9 @@ class StreamingPackedDataset(IterableDataset):
         from datasets import load_dataset
         from datasets.distributed import split_dataset_by_node
 
+        repo, _, subset = name.partition(":")  # "allenai/c4:en" names a subset
         try:
-            ds = load_dataset(name, split="train", streaming=True)
+            ds = load_dataset(repo, subset or None, split="train", streaming=True)
         except Exception as e:  # noqa: BLE001  any hub failure gets one actionable message
             offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
             raise DataError(

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -51,7 +52,8 @@ class MetricsLogger:
         self.log_freq = log_freq
         self.device = device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.color = (lambda k: "") if disable_color_printing else _COLORS.get
+        plain = disable_color_printing or not sys.stderr.isatty()
+        self.color = (lambda k: "") if plain else _COLORS.get
         self.enabled = is_logging_rank
         self.window = _Window()
         self.tb = None

@@ -35,7 +35,7 @@ class Model:
 @dataclass
 class Training:
     dataset: str = opt(
-        "kjv", "Dataset: a bundled name (kjv), a local file/folder, or an HF hub name (streamed)"
+        "kjv", "Dataset: bundled name (kjv), local file/folder, or HF hub name[:subset] (streamed)"
     )
     dataset_path: str | None = opt(None, "Local path that overrides where `dataset` is read from")
     dataset_text_field: str = opt("text", "Column holding the document text")

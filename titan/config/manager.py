@@ -39,8 +39,10 @@ def _all_keys(cfg: JobConfig) -> list[str]:
 
 
 def _suggest(name: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    # case-insensitive, so 'adamw' suggests 'AdamW' rather than 'Adam'
+    lowered = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
+    return f"; did you mean '{lowered[close[0]]}'?" if close else ""
 
 
 def _unwrap_optional(tp):
@@ -205,7 +207,8 @@ def _parse_cli(cfg: JobConfig, argv: list[str]) -> list[tuple[str, Any, str]]:
         if value is None:
             if tp is bool and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
                 value = True
-            elif i + 1 >= len(argv):
+            elif i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                # a value that starts with -- is passed as --section.key=--value
                 raise ConfigError(f"--{body} (on the command line) needs a value")
             else:
                 i += 1
@@ -306,11 +309,24 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n",
+                 "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_char(c: str) -> str:
+    """One character of a TOML basic string: quotes, backslashes and controls escaped."""
+    if c in _TOML_ESCAPES:
+        return _TOML_ESCAPES[c]
+    if ord(c) < 0x20 or ord(c) == 0x7F:
+        return f"\\u{ord(c):04X}"
+    return c
+
+
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_toml_char(c) for c in v) + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)

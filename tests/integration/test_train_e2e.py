@@ -1,0 +1,127 @@
+"""The real ./run_train.sh on one CPU rank: learning, logs, TensorBoard, errors."""
+
+import json
+import subprocess
+import sys
+
+from conftest import FAST
+
+from titan.paths import REPO_ROOT
+
+REQUIRED = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "gc_s"}
+
+
+def test_debug_model_learns_and_logs(train_run):
+    proc, records, dump = train_run(1, "--training.steps", "30", "--metrics.log_freq", "1",
+                                    "--training.gc_freq", "10", timeout=400)
+    assert [r["step"] for r in records] == list(range(1, 31))
+    for r in records:
+        assert REQUIRED <= r.keys(), r
+        assert r["tps"] > 0 and r["tflops"] > 0 and 0 < r["mfu"] and r["memory_gib"] > 0
+    first, last = records[0]["loss"], records[-1]["loss"]
+    # uniform guessing over the 2048-token vocabulary is ln(2048) = 7.62
+    assert 7.3 < first < 8.5
+    assert last < first - 2.0, (first, last)
+    assert records[9]["gc_s"] > 0 and records[8]["gc_s"] == 0  # gc every 10 steps, timed
+    # warmup of 5 steps to lr 3e-3, then linear decay to 0.1x
+    assert abs(records[0]["lr"] - 3e-3 / 5) < 1e-12
+    assert abs(records[4]["lr"] - 3e-3) < 1e-12
+    assert abs(records[-1]["lr"] - 3e-4) < 1e-9
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    event_dirs = [p.parent for p in (dump / "tb").rglob("events.out.tfevents*")]
+    assert len(event_dirs) == 1
+    acc = EventAccumulator(str(event_dirs[0]))
+    acc.Reload()
+    tb_loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert [s for s, _ in tb_loss] == list(range(1, 31))
+    assert abs(tb_loss[-1][1] - last) < 1e-5
+    assert "loss:" in proc.stderr  # the human-readable line exists too
+    assert "\033[" not in proc.stderr  # no color codes when not writing to a terminal
+
+
+def test_config_error_exits_2_before_writing(tmp_path):
+    dump = tmp_path / "never"
+    proc = subprocess.run(
+        [str(REPO_ROOT / "run_train.sh"), "--training.stepz", "3", "--job.dump_folder", str(dump)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "training.stepz" in proc.stderr and "did you mean 'training.steps'" in proc.stderr
+    assert proc.stderr.count("config error") == 1
+    assert not dump.exists()
+
+    proc = subprocess.run(
+        [str(REPO_ROOT / "run_train.sh"), "--training.steps", "-4", "--job.dump_folder", str(dump)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "training.steps = -4" in proc.stderr
+    proc = subprocess.run([str(REPO_ROOT / "run_train.sh")], capture_output=True, text=True,
+                          timeout=120, env={"CONFIG_FILE": "missing.toml", "PATH": _path()})
+    assert proc.returncode == 2 and "missing.toml" in proc.stderr and "does not exist" in proc.stderr
+    assert not dump.exists()
+
+
+def _path():
+    import os
+
+    return os.environ["PATH"]
+
+
+def test_help_lists_every_field():
+    proc = subprocess.run([str(REPO_ROOT / "run_train.sh"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0
+    for key in ("--training.steps", "--optimizer.lr", "--parallelism.tensor_parallel_degree",
+                "--metrics.log_freq", "--comm.train_timeout_seconds"):
+        assert key in proc.stdout
+
+
+def test_print_config_shows_merged_values(train_run):
+    proc, records, _ = train_run(1, *FAST, "--training.steps", "1", "--job.print_config",
+                                 "--optimizer.lr=0.01")
+    assert "lr = 0.01" in proc.stdout and "steps = 1" in proc.stdout
+    assert len(records) == 1
+
+
+def test_profiler_traces_carry_rank(train_run):
+    _, records, dump = train_run(1, *FAST, "--training.steps", "4", "--profiling.enable_profiling",
+                                 "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0")
+    traces = sorted(p.relative_to(dump / "profile_traces").as_posix()
+                    for p in (dump / "profile_traces").rglob("*.json"))
+    assert traces == ["iteration_2/rank0_trace.json", "iteration_4/rank0_trace.json"]
+    trace = json.loads((dump / "profile_traces" / traces[0]).read_text())
+    assert trace["traceEvents"]
+    assert len(records) == 4
+
+
+def test_nonfinite_loss_stop_and_skip(train_run):
+    proc, records, _ = train_run(1, *FAST, "--training.steps", "5", "--debug.nan_at_step", "3",
+                                 check=False, name="stop")
+    assert proc.returncode != 0
+    assert "at step 3" in proc.stdout + proc.stderr
+    assert [r["step"] for r in records] == [1, 2]
+
+    proc, records, _ = train_run(1, *FAST, "--training.steps", "5", "--debug.nan_at_step", "3",
+                                 "--training.on_nonfinite", "skip", name="skip")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[2].get("skipped_steps") == 1 and records[-1]["skipped_steps"] == 1
+    assert all(r["loss"] == r["loss"] for i, r in enumerate(records) if i != 2)  # finite again
+
+
+def test_validation_and_plain_python_entry(tmp_path):
+    """`python -m titan.train` works without torchrun and writes validation.jsonl."""
+    dump = tmp_path / "plain"
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan.train", "--job.config_file",
+         "train_configs/debug_model.toml", *FAST, "--training.steps", "4",
+         "--validation.enable", "--validation.freq", "2", "--validation.steps", "3",
+         "--job.dump_folder", str(dump)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    val = [json.loads(x) for x in (dump / "validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in val] == [2, 4]
+    assert all(v["val_batches"] == 3 for v in val)
+    assert val[1]["val_loss"] < val[0]["val_loss"] < 8.5

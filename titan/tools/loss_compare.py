@@ -1,0 +1,128 @@
+"""Run training configurations through run_train.sh and compare their metrics step by step.
+
+Used by the integration tests and by `scripts/loss_compare.py`. Each run gets its own dump
+folder; numbers come from metrics.jsonl, never from the console.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from titan.paths import REPO_ROOT
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Run:
+    nproc: int
+    overrides: list[str]
+    env: dict | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "Run":
+        """'NPROC:--a.b 1 --c.d 2' -> Run."""
+        nproc, _, rest = spec.partition(":")
+        return cls(int(nproc), shlex.split(rest))
+
+    def label(self) -> str:
+        return f"{self.nproc} rank{'s' if self.nproc > 1 else ''} " + " ".join(self.overrides)
+
+
+def read_metrics(dump_folder: str | Path, name: str = "metrics.jsonl") -> list[dict]:
+    path = Path(dump_folder) / name
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def launch(nproc: int, overrides: list[str], dump_folder: str | Path, timeout: float = 600,
+           env: dict | None = None, config_file: str | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """./run_train.sh with NGPU=nproc; the process group is killed if it outlives `timeout`."""
+    full_env = {**os.environ, "NGPU": str(nproc), "LOG_RANK": "0", **(env or {})}
+    if config_file:
+        full_env["CONFIG_FILE"] = config_file
+    cmd = [str(REPO_ROOT / "run_train.sh"), *overrides, "--job.dump_folder", str(dump_folder)]
+    try:
+        proc = subprocess.run(cmd, env=full_env, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"")[-4000:]
+        raise RunFailed(f"{' '.join(cmd)} (NGPU={nproc}) timed out after {timeout}s:\n{out}") from None
+    if check and proc.returncode != 0:
+        raise RunFailed(
+            f"{' '.join(cmd)} (NGPU={nproc}) exited {proc.returncode}:\n"
+            f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def train(run: Run, common: list[str], dump_folder: str | Path, timeout: float = 600) -> list[dict]:
+    launch(run.nproc, [*common, *run.overrides], dump_folder, timeout, run.env)
+    records = read_metrics(dump_folder)
+    if not records:
+        raise RunFailed(f"{run.label()} wrote no metrics to {dump_folder}/metrics.jsonl")
+    return records
+
+
+def compare(base: list[dict], other: list[dict], key: str = "loss") -> list[tuple]:
+    """Rows (step, base value, other value, relative difference) over the common steps."""
+    other_by_step = {r["step"]: r for r in other}
+    rows = []
+    for r in base:
+        o = other_by_step.get(r["step"])
+        if o is None:
+            raise ValueError(f"step {r['step']} is missing from the compared run")
+        a, b = r[key], o[key]
+        rows.append((r["step"], a, b, abs(a - b) / max(abs(a), 1e-12)))
+    return rows
+
+
+def format_table(rows: list[tuple], key: str, base_label: str, other_label: str) -> str:
+    lines = [f"{key} per step — A: {base_label}\n{'':>{len(key) + 12}}B: {other_label}",
+             f"{'step':>6} {'A':>14} {'B':>14} {'rel diff':>10}"]
+    lines += [f"{s:>6} {a:>14.8f} {b:>14.8f} {d:>10.2e}" for s, a, b, d in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        description="Train two configurations (same seed and data) and compare losses per step. "
+                    "Exits 1 if any step differs by more than --rtol (relative).")
+    ap.add_argument("--baseline", required=True, help="'NPROC:overrides', e.g. '1:'")
+    ap.add_argument("--candidate", required=True, action="append",
+                    help="'NPROC:overrides', e.g. '4:--parallelism.data_parallel_shard_degree 4'")
+    ap.add_argument("--common", default="", help="overrides for every run")
+    ap.add_argument("--keys", default="loss", help="comma-separated metrics to compare")
+    ap.add_argument("--rtol", type=float, default=1e-5)
+    ap.add_argument("--out", default="./outputs/loss_compare", help="parent of the dump folders")
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args(argv)
+
+    common = shlex.split(args.common)
+    base = Run.parse(args.baseline)
+    base_records = train(base, common, Path(args.out) / "baseline", args.timeout)
+    worst = 0.0
+    for i, spec in enumerate(args.candidate):
+        cand = Run.parse(spec)
+        records = train(cand, common, Path(args.out) / f"candidate{i}", args.timeout)
+        for key in args.keys.split(","):
+            rows = compare(base_records, records, key)
+            print(format_table(rows, key, base.label(), cand.label()))
+            worst = max(worst, max(d for *_, d in rows))
+    verdict = "PASS" if worst <= args.rtol else "FAIL"
+    print(f"{verdict}: largest relative difference {worst:.2e} (tolerance {args.rtol:.0e})")
+    return 0 if worst <= args.rtol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
