@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan.components.dataloader import DataShard, build_dataloader
 from titan.components.dataset import DataError
@@ -115,7 +116,9 @@ class Trainer:
             if self.step == self.job.debug.nan_at_step:
                 loss = loss * float("nan")
             loss.backward()
-        return loss.detach()
+        loss = loss.detach()
+        # loss parallel leaves a replicated DTensor; the step's bookkeeping is plain tensors
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def train_step(self, microbatches) -> tuple[float, float, bool]:
         """One optimizer step over the microbatches; returns (loss, grad norm, skipped)."""

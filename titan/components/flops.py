@@ -14,10 +14,9 @@ _GPU_PEAK_BF16 = [
 
 
 def gpu_peak_flops(device_name: str) -> float | None:
-    for key, peak in _GPU_PEAK_BF16:
-        if key in device_name:
-            return peak
-    return None
+    # the longest key found in the name wins: "NVIDIA GB200" holds "B200" too
+    matches = [(len(key), peak) for key, peak in _GPU_PEAK_BF16 if key in device_name]
+    return max(matches)[1] if matches else None
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1536,

@@ -7,7 +7,7 @@ feed_forward(w1, w2, w3), attention_norm and ffn_norm.
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -59,4 +59,14 @@ def parallelize_transformer(model: nn.Module, tp_mesh: DeviceMesh, sequence_para
         # params in one foreach optimizer step and in the global grad-norm reduction
         for module in model.modules():
             if isinstance(module, nn.RMSNorm):
-                distribute_module(module, tp_mesh)
+                distribute_module(module, tp_mesh, input_fn=_replicate_inputs,
+                                  output_fn=_local_output)
+
+
+def _replicate_inputs(module, inputs, mesh):
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_output(module, output, mesh):
+    return output.to_local() if isinstance(output, DTensor) else output

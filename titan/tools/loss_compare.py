@@ -57,9 +57,11 @@ def launch(nproc: int, overrides: list[str], dump_folder: str | Path, timeout: f
         out = (e.stdout or b"")[-4000:]
         raise RunFailed(f"{' '.join(cmd)} (NGPU={nproc}) timed out after {timeout}s:\n{out}") from None
     if check and proc.returncode != 0:
+        # the workers' own lines say what went wrong; torchrun's summary follows them
+        worker = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("[rank")]
         raise RunFailed(
-            f"{' '.join(cmd)} (NGPU={nproc}) exited {proc.returncode}:\n"
-            f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+            f"{' '.join(cmd)} (NGPU={nproc}) exited {proc.returncode}; last worker lines:\n"
+            + "\n".join(worker[-60:]) + f"\n--- stderr tail ---\n{proc.stderr[-3000:]}"
         )
     return proc
 

@@ -1,0 +1,357 @@
+"""Packed data: windows and labels, checkpoint resume, dp sharding, epochs, formats, errors."""
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+import titan.components.dataset as dataset_mod
+from titan.components.dataloader import DataShard, build_dataloader
+from titan.components.dataset import DataError, PackedDataset, build_dataset
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cached_tokenization():
+    """Tokenize each corpus once per module: kjv takes ~0.7 s per loader otherwise.
+
+    The first call per corpus goes through the real tokenize_stream; the packing tests
+    below check its output against the tokenizer independently.
+    """
+    real = dataset_mod.tokenize_stream
+    cache = {}
+
+    def cached(texts, tokenizer, chunk=1024):
+        key = (str(tokenizer.path), hash(tuple(texts)))
+        if key not in cache:
+            cache[key] = real(texts, tokenizer, chunk)
+        return cache[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dataset_mod, "tokenize_stream", cached)
+        yield
+
+
+def loader(tokenizer, local, global_, rank=0, dp=1, seed=0, dataset="kjv", path=None,
+           seq_len=SEQ, shuffle=True, infinite=True, text_field="text"):
+    return build_dataloader(dataset, path, tokenizer, seq_len, local, global_,
+                            DataShard(dp_rank=rank, dp_world_size=dp), seed,
+                            text_field=text_field, shuffle=shuffle, infinite=infinite)
+
+
+def take(dl_or_iter, n):
+    it = iter(dl_or_iter)
+    return [next(it) for _ in range(n)]
+
+
+def assert_batches_equal(a, b):
+    assert len(a) == len(b)
+    for (xa, ya), (xb, yb) in zip(a, b):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def write_jsonl(path, docs, field="text"):
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+DOCS = [
+    "In the beginning God created the heaven and the earth.",
+    "And the earth was without form, and void; and darkness was upon the face of the deep.",
+    "And God said, Let there be light: and there was light.",
+    "And God saw the light, that it was good: and God divided the light from the darkness.",
+    "And God called the light Day, and the darkness he called Night.",
+]
+
+
+def stream_of(tokenizer, docs):
+    return torch.tensor([t for d in docs for t in tokenizer.encode(d)])
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def test_packing_windows_and_labels(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    seq = 8
+    stream = stream_of(tokenizer, DOCS)
+    n_windows = len(stream) // (seq + 1)
+    assert n_windows >= 6
+    dl = loader(tokenizer, 2, 2, dataset="d", path=str(path), seq_len=seq, shuffle=False,
+                infinite=False)
+    batches = list(dl)
+    assert len(batches) == n_windows // 2  # finite mode drops the incomplete global batch
+    k = 0
+    for x, y in batches:
+        assert x.shape == y.shape == (2, seq) and x.dtype == y.dtype == torch.int64
+        for row in range(2):
+            start = k * (seq + 1)
+            assert torch.equal(x[row], stream[start:start + seq])
+            assert torch.equal(y[row], stream[start + 1:start + seq + 1])
+            k += 1
+
+
+def test_kjv_batches_are_shifted(tokenizer):
+    for x, y in take(loader(tokenizer, 4, 4), 3):
+        assert x.shape == y.shape == (4, SEQ)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        assert int(x.min()) >= 0 and int(x.max()) < tokenizer.vocab_size
+
+
+def test_unshuffled_kjv_is_the_token_stream(tokenizer):
+    from titan.paths import resolve
+
+    (x, y), = take(loader(tokenizer, 2, 2, shuffle=False), 1)
+    with open(resolve(dataset_mod.BUNDLED["kjv"])) as f:
+        first_doc = tokenizer.encode(json.loads(f.readline())["text"])
+    # consecutive windows are consecutive, non-overlapping stretches of the stream
+    whole = torch.cat([x[0], y[0, -1:], x[1], y[1, -1:]])
+    assert len(first_doc) > len(whole) == 2 * (SEQ + 1)
+    assert whole.tolist() == first_doc[:len(whole)]
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("dp,rank", [(1, 0), (2, 1)])
+def test_resume_matches_uninterrupted(tokenizer, dp, rank):
+    local, global_ = 4, 4 * dp
+    reference = take(loader(tokenizer, local, global_, rank, dp), 7)
+
+    # restore at the very start
+    fresh = loader(tokenizer, local, global_, rank, dp)
+    state0 = fresh.state_dict()
+    restored = loader(tokenizer, local, global_, rank, dp)
+    restored.load_state_dict(state0)
+    assert_batches_equal(take(restored, 2), reference[:2])
+
+    # restore after a few batches
+    first = loader(tokenizer, local, global_, rank, dp)
+    it = iter(first)
+    assert_batches_equal([next(it) for _ in range(3)], reference[:3])
+    state = first.state_dict()
+    assert_batches_equal([next(it)], reference[3:4])  # the old loader keeps going unharmed
+    resumed = loader(tokenizer, local, global_, rank, dp)
+    resumed.load_state_dict(state)
+    assert_batches_equal(take(resumed, 4), reference[3:7])
+
+
+def test_resume_with_state_through_torch_save(tokenizer, tmp_path):
+    reference = take(loader(tokenizer, 2, 2, seed=5), 4)
+    dl = loader(tokenizer, 2, 2, seed=5)
+    take(dl, 2)
+    torch.save(dl.state_dict(), tmp_path / "dl.pt")
+    resumed = loader(tokenizer, 2, 2, seed=5)
+    resumed.load_state_dict(torch.load(tmp_path / "dl.pt", weights_only=True))
+    assert_batches_equal(take(resumed, 2), reference[2:4])
+
+
+def test_resume_across_epoch_boundary(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    kw = dict(dataset="d", path=str(path), seq_len=8, seed=3)
+    reference = take(loader(tokenizer, 3, 3, **kw), 8)  # ~15 windows: crosses an epoch
+    dl = loader(tokenizer, 3, 3, **kw)
+    take(dl, 5)
+    resumed = loader(tokenizer, 3, 3, **kw)
+    resumed.load_state_dict(dl.state_dict())
+    assert_batches_equal(take(resumed, 3), reference[5:8])
+
+
+# ----------------------------------------------------------------------------- dp sharding
+
+
+def test_dp_sharding_equivalence(tokenizer):
+    local, dp, steps = 2, 2, 5
+    single = take(loader(tokenizer, local * dp, local * dp), steps)
+    ranks = [take(loader(tokenizer, local, local * dp, r, dp), steps) for r in range(dp)]
+    for s in range(steps):
+        x = torch.cat([ranks[r][s][0] for r in range(dp)])
+        y = torch.cat([ranks[r][s][1] for r in range(dp)])
+        assert torch.equal(x, single[s][0]) and torch.equal(y, single[s][1])
+    # the ranks really read different data
+    assert not torch.equal(ranks[0][0][0], ranks[1][0][0])
+
+
+def test_dp_sharding_with_grad_accumulation(tokenizer):
+    local, dp, accum, steps = 2, 2, 4, 3
+    global_ = accum * local * dp
+    single = take(loader(tokenizer, global_, global_), steps)
+    ranks = [take(loader(tokenizer, local, global_, r, dp), steps * accum) for r in range(dp)]
+    for s in range(steps):
+        # rank r's consecutive microbatches are its contiguous slice of the global batch
+        parts = [ranks[r][s * accum + m] for r in range(dp) for m in range(accum)]
+        x = torch.cat([p[0] for p in parts])
+        y = torch.cat([p[1] for p in parts])
+        assert torch.equal(x, single[s][0]) and torch.equal(y, single[s][1])
+
+
+def test_global_batch_not_divisible_by_dp(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    with pytest.raises(DataError, match="not divisible"):
+        loader(tokenizer, 2, 5, rank=0, dp=2, dataset="d", path=str(path), seq_len=8)
+
+
+# ----------------------------------------------------------------------------- epochs
+
+
+def test_epoch_wrap(tokenizer, tmp_path, caplog):
+    path = write_jsonl(tmp_path / "tiny.jsonl", DOCS)
+    seq = 8
+    n = len(stream_of(tokenizer, DOCS)) // (seq + 1)
+    caplog.set_level(logging.INFO, logger="titan.components.dataset")
+    samples = take(loader(tokenizer, 1, 1, dataset="tiny", path=str(path), seq_len=seq,
+                          shuffle=False), 2 * n + 3)
+    assert len(samples) == 2 * n + 3  # kept yielding past the end
+    for k in range(n + 3):
+        assert torch.equal(samples[n + k][0], samples[k][0])  # unshuffled: same order again
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("starting epoch 1" in m for m in messages), messages
+    assert any("starting epoch 2" in m for m in messages), messages
+    assert sum("starting epoch" in m for m in messages) == 2
+
+
+def test_epoch_reshuffles(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "tiny.jsonl", DOCS * 3)
+    seq = 8
+    n = len(stream_of(tokenizer, DOCS * 3)) // (seq + 1)
+    samples = take(loader(tokenizer, 1, 1, dataset="tiny", path=str(path), seq_len=seq), 2 * n)
+    epoch0 = [tuple(s[0][0].tolist()) for s in samples[:n]]
+    epoch1 = [tuple(s[0][0].tolist()) for s in samples[n:]]
+    assert sorted(epoch0) == sorted(epoch1)  # each epoch sees every window once
+    assert len(set(epoch0)) == n
+    assert epoch0 != epoch1  # in a new order
+
+
+# ----------------------------------------------------------------------------- shuffle
+
+
+def test_shuffle_determinism(tokenizer):
+    a = take(loader(tokenizer, 4, 4, seed=1), 3)
+    b = take(loader(tokenizer, 4, 4, seed=1), 3)
+    c = take(loader(tokenizer, 4, 4, seed=2), 3)
+    plain = take(loader(tokenizer, 4, 4, seed=1, shuffle=False), 3)
+    assert_batches_equal(a, b)
+    assert not torch.equal(a[0][0], c[0][0])
+    assert not torch.equal(a[0][0], plain[0][0])
+
+
+def test_shuffle_is_a_permutation(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS * 4)
+    seq = 8
+    kw = dict(dataset="d", path=str(path), seq_len=seq, infinite=False)
+    plain = [tuple(r.tolist()) for x, _ in loader(tokenizer, 1, 1, shuffle=False, **kw) for r in x]
+    shuf = [tuple(r.tolist()) for x, _ in loader(tokenizer, 1, 1, shuffle=True, **kw) for r in x]
+    assert sorted(plain) == sorted(shuf) and plain != shuf
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def _first_window(tokenizer, path, seq, **kw):
+    dl = loader(tokenizer, 1, 1, dataset="x", path=str(path), seq_len=seq, shuffle=False, **kw)
+    return next(iter(dl))[0][0]
+
+
+def test_jsonl_file(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    stream = stream_of(tokenizer, DOCS)
+    assert torch.equal(_first_window(tokenizer, path, 16), stream[:16])
+
+
+def test_jsonl_custom_text_field(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS, field="content")
+    stream = stream_of(tokenizer, DOCS)
+    assert torch.equal(_first_window(tokenizer, path, 16, text_field="content"), stream[:16])
+    with pytest.raises(DataError, match="no column 'text'"):
+        _first_window(tokenizer, path, 16)
+
+
+def test_parquet_file(tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": DOCS, "id": list(range(len(DOCS)))}), path)
+    stream = stream_of(tokenizer, DOCS)
+    assert torch.equal(_first_window(tokenizer, path, 16), stream[:16])
+
+
+def test_txt_file_paragraphs(tokenizer, tmp_path):
+    path = tmp_path / "d.txt"
+    path.write_text("\n\n".join(DOCS) + "\n")
+    ds = build_dataset("x", str(path), tokenizer, 8, 0, 1, 1, 0, shuffle=False)
+    tokens = ds.tokens.tolist()
+    assert tokens.count(tokenizer.bos_id) == len(DOCS)  # one document per paragraph
+    text = tokenizer.decode(tokens, skip_special=True)
+    for d in DOCS:
+        assert d in text
+
+
+def test_folder_of_files(tokenizer, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", DOCS[:2])
+    write_jsonl(folder / "b.jsonl", DOCS[2:])
+    ds = build_dataset("x", str(folder), tokenizer, 8, 0, 1, 1, 0, shuffle=False)
+    assert torch.equal(ds.tokens, stream_of(tokenizer, DOCS))
+
+
+def test_mixed_formats_rejected(tokenizer, tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", DOCS)
+    (tmp_path / "b.txt").write_text(DOCS[0])
+    with pytest.raises(DataError, match="must all be one of"):
+        build_dataset("x", str(tmp_path), tokenizer, 8, 0, 1, 1, 0)
+
+
+def test_empty_folder(tokenizer, tmp_path):
+    with pytest.raises(DataError, match="holds no"):
+        build_dataset("x", str(tmp_path), tokenizer, 8, 0, 1, 1, 0)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_dataset_path(tokenizer, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(DataError) as e:
+        loader(tokenizer, 1, 1, path=str(missing))
+    assert str(missing) in str(e.value) and "training.dataset_path" in str(e.value)
+
+
+def test_unknown_hub_name_offline(tokenizer, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    # the libraries read these at import time: set the env vars and their parsed copies
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    name = "no-such-org-titan-test/no-such-dataset"
+    t0 = time.perf_counter()
+    with pytest.raises(DataError) as e:
+        loader(tokenizer, 1, 1, dataset=name)
+    assert time.perf_counter() - t0 < 10, "offline failure must not wait on the network"
+    msg = str(e.value)
+    assert name in msg and "offline" in msg and "training.dataset_path" in msg
+    assert "kjv" in msg  # lists the bundled names
+
+
+def test_dataset_too_small(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "small.jsonl", ["tiny"])
+    with pytest.raises(DataError) as e:
+        loader(tokenizer, 1, 1, dataset="small", path=str(path), seq_len=64)
+    msg = str(e.value)
+    assert "fewer than one sequence" in msg and "65" in msg and "training.seq_len" in msg
+
+
+def test_exactly_one_window(tokenizer):
+    tokens = torch.arange(9).numpy()
+    ds = PackedDataset(tokens, seq_len=8, dp_rank=0, dp_world_size=1, global_batch_size=1,
+                       seed=0, shuffle=True)
+    x, y = next(iter(ds))
+    assert x.tolist() == list(range(8)) and y.tolist() == list(range(1, 9))

@@ -1,0 +1,91 @@
+"""FLOPs per token and device peak FLOP/s for MFU."""
+
+import pytest
+import torch
+
+import titan.components.flops as flops
+from titan.components.flops import gpu_peak_flops, measure_matmul_flops, peak_flops
+from titan.models.llama3.args import LLAMA3_FLAVORS
+
+
+def test_flops_per_token_8b_by_hand():
+    L, d, H, kv, Dh, ffn, V, T = 32, 4096, 32, 8, 128, 14336, 128256, 8192
+    per_layer = (
+        d * H * Dh        # wq
+        + 2 * d * kv * Dh  # wk, wv
+        + H * Dh * d      # wo
+        + 3 * d * ffn     # w1, w2, w3
+        + 2 * d           # two RMSNorms
+    )
+    n_nonembed = L * per_layer + d + V * d  # final norm + output projection
+    expected = 6 * n_nonembed + 12 * L * H * Dh * T
+    args = LLAMA3_FLAVORS["8B"]
+    assert args.num_params(include_embedding=False) == n_nonembed
+    assert args.flops_per_token(T) == expected
+    # about 6 x 7.5e9 + 12.9e9 attention at this length
+    assert args.flops_per_token(T) == pytest.approx(5.79e10, rel=0.01)
+
+
+def test_flops_per_token_grows_linearly_with_seq_len():
+    a = LLAMA3_FLAVORS["debugmodel"]
+    d1 = a.flops_per_token(2048) - a.flops_per_token(1024)
+    assert d1 == 12 * a.n_layers * a.n_heads * a.head_dim * 1024
+    assert a.flops_per_token(0) == 6 * a.num_params(include_embedding=False)
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100", 989e12),
+    ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA H20", 148e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA A100-SXM4-40GB", 312e12),
+    ("NVIDIA B200", 2250e12),
+    ("NVIDIA GB200", 2500e12),
+    ("NVIDIA L40S", 362e12),
+    ("NVIDIA L4", 121e12),
+    ("AMD Instinct MI300X", 1307e12),
+])
+def test_gpu_peak_table(name, peak):
+    assert gpu_peak_flops(name) == peak
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-16GB", ""])
+def test_gpu_peak_unknown(name):
+    assert gpu_peak_flops(name) is None
+
+
+def test_peak_flops_override():
+    assert peak_flops(torch.device("cpu"), torch.float32, override=123e12) == (
+        123e12, "metrics.peak_flops")
+    # the override wins over the device table too
+    assert peak_flops(torch.device("cuda"), torch.bfloat16, override=5e12)[0] == 5e12
+
+
+def test_peak_flops_cuda_table(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    peak, source = peak_flops(torch.device("cuda"), torch.bfloat16)
+    assert peak == 989e12 and "H100" in source and "datasheet" in source
+
+
+def test_peak_flops_unknown_cuda_measures(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU")
+    monkeypatch.setattr(flops, "measure_matmul_flops",
+                        lambda device, dtype, n=0, **kw: calls.append((device, dtype, n)) or 7e12)
+    peak, source = peak_flops(torch.device("cuda"), torch.float32)
+    assert peak == 7e12 and "measured" in source and "Mystery GPU" in source
+    assert calls == [(torch.device("cuda"), torch.bfloat16, 4096)]
+
+
+def test_peak_flops_cpu_measures(monkeypatch):
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda device, dtype, **kw: 1e11)
+    peak, source = peak_flops(torch.device("cpu"), torch.float32)
+    assert peak == 1e11 and "CPU" in source
+
+
+def test_measure_matmul_flops_small():
+    got = measure_matmul_flops(torch.device("cpu"), torch.float32, n=64, iters=2, repeats=2)
+    assert 1e6 < got < 1e14
