@@ -85,10 +85,17 @@ class Trainer:
             m.log_freq, job.job.dump_folder, m.enable_tensorboard, m.save_tb_folder,
             m.disable_color_printing, is_logging_rank=self.rank == 0, rank=self.rank,
             device=self.device, flops_per_token=plan.model_args.flops_per_token(t.seq_len),
-            peak_flops=peak,
+            peak_flops=peak, max_over_ranks=self._max_over_ranks,
         )
         self.step = 0
         self.skipped_steps = 0
+
+    def _max_over_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor(value, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
 
     @staticmethod
     def _set_determinism(seed: int, deterministic: bool) -> None:

@@ -150,7 +150,8 @@ def test_negated_flag_takes_no_value():
 
 
 def test_optional_fields_set_to_none(tmp_path):
-    path = write(tmp_path, '[training]\ndataset_path = "x.jsonl"\n[lr_scheduler]\ndecay_ratio = 0.2\n')
+    path = write(tmp_path,
+                 '[training]\ndataset_path = "x.jsonl"\n[lr_scheduler]\ndecay_ratio = 0.2\n')
     cfg = parse_args(["--job.config_file", path])
     assert cfg.training.dataset_path == "x.jsonl" and cfg.lr_scheduler.decay_ratio == 0.2
     cfg = parse_args(["--job.config_file", path, "--training.dataset_path", "None",

@@ -36,9 +36,10 @@ def test_round_trip_identical(model, adapter):
     for name, t in sd.items():
         assert back[name].shape == t.shape and torch.equal(back[name], t), name
     # q/k really are permuted on the way (else the test below would be vacuous), v is not
-    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], sd["layers.0.attention.wq.weight"])
-    assert not torch.equal(hf["model.layers.0.self_attn.k_proj.weight"], sd["layers.0.attention.wk.weight"])
-    assert torch.equal(hf["model.layers.0.self_attn.v_proj.weight"], sd["layers.0.attention.wv.weight"])
+    hf0, sd0 = "model.layers.0.self_attn.", "layers.0.attention."
+    assert not torch.equal(hf[hf0 + "q_proj.weight"], sd[sd0 + "wq.weight"])
+    assert not torch.equal(hf[hf0 + "k_proj.weight"], sd[sd0 + "wk.weight"])
+    assert torch.equal(hf[hf0 + "v_proj.weight"], sd[sd0 + "wv.weight"])
     # the loaded state dict is accepted by a fresh model
     with torch.device("meta"):
         fresh = Transformer(ARGS)

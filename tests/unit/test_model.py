@@ -84,7 +84,8 @@ def test_debug_forward_shapes(debug_model):
     assert torch.isfinite(logits).all()
     # the rope buffer was recomputed by init_weights (to_empty left it uninitialized)
     assert debug_model.rope.shape == (DEBUG.max_seq_len, DEBUG.head_dim // 2, 2)
-    assert torch.equal(debug_model.rope[0], torch.tensor([[1.0, 0.0]]).expand(DEBUG.head_dim // 2, 2))
+    cos_sin_at_0 = torch.tensor([[1.0, 0.0]]).expand(DEBUG.head_dim // 2, 2)
+    assert torch.equal(debug_model.rope[0], cos_sin_at_0)
 
 
 def test_initial_loss_near_uniform(debug_model):

@@ -23,7 +23,8 @@ def test_rope_cache_shape_and_values():
     pos = 37
     torch.testing.assert_close(cache[pos, :, 0], torch.cos(pos * freqs).float())
     torch.testing.assert_close(cache[pos, :, 1], torch.sin(pos * freqs).float())
-    assert torch.equal(cache[0, :, 0], torch.ones(32)) and torch.equal(cache[0, :, 1], torch.zeros(32))
+    assert torch.equal(cache[0, :, 0], torch.ones(32))
+    assert torch.equal(cache[0, :, 1], torch.zeros(32))
 
 
 def test_rope_cache_8b_shape():
@@ -52,7 +53,8 @@ def test_apply_rope_interleaved_pair_rotation():
     a = p * freqs[i].item()
     x0, x1 = x[0, p, 0, 2 * i].item(), x[0, p, 0, 2 * i + 1].item()
     assert y[0, p, 0, 2 * i].item() == pytest.approx(x0 * math.cos(a) - x1 * math.sin(a), abs=1e-5)
-    assert y[0, p, 0, 2 * i + 1].item() == pytest.approx(x0 * math.sin(a) + x1 * math.cos(a), abs=1e-5)
+    y1 = x0 * math.sin(a) + x1 * math.cos(a)
+    assert y[0, p, 0, 2 * i + 1].item() == pytest.approx(y1, abs=1e-5)
 
 
 def test_apply_rope_relative_position():

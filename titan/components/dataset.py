@@ -12,7 +12,6 @@ shard (`split_dataset_by_node`) and packs it on the fly: losses then depend on t
 """
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -156,7 +155,10 @@ class StreamingPackedDataset(IterableDataset):
         try:
             ds = load_dataset(repo, subset or None, split="train", streaming=True)
         except Exception as e:  # noqa: BLE001  any hub failure gets one actionable message
-            offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
+            from datasets import config as hf_config
+
+            # the libraries read the switches once, at import: ask them, not os.environ
+            offline = hf_config.HF_HUB_OFFLINE
             raise DataError(
                 f"training.dataset '{name}' is neither a bundled name ({', '.join(BUNDLED)}) nor "
                 f"a local path, and loading it from the HF hub failed"

@@ -48,13 +48,15 @@ class MetricsLogger:
     def __init__(self, log_freq: int, dump_folder: str, enable_tensorboard: bool,
                  save_tb_folder: str, disable_color_printing: bool, is_logging_rank: bool,
                  rank: int, device: torch.device, flops_per_token: float, peak_flops: float,
-                 append: bool = False):
+                 append: bool = False, max_over_ranks=None):
         self.log_freq = log_freq
         self.device = device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         plain = disable_color_printing or not sys.stderr.isatty()
         self.color = (lambda k: "") if plain else _COLORS.get
         self.enabled = is_logging_rank
+        # every rank must call log(): the cross-rank memory maximum is a collective
+        self.max_over_ranks = max_over_ranks
         self.window = _Window()
         self.tb = None
         self.jsonl = None
@@ -91,20 +93,20 @@ class MetricsLogger:
         record = {
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
             "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops,
-            **memory_gib(self.device),
+            **self._memory(),
             "data_pct": 100 * w.data_s / elapsed, "gc_s": w.gc_s,
             "step_time_s": elapsed / max(w.steps, 1), **extra,
         }
         self.window = _Window()
-        if not self.enabled:
-            return record
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"train/{k}", v, step)
-            self.tb.flush()
+        if self.enabled:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+            if self.tb is not None:
+                for k, v in record.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        self.tb.add_scalar(f"train/{k}", v, step)
+                self.tb.flush()
+        # each rank prints its own line (memory differs per rank); LOG_RANK picks what is shown
         c = self.color
         logger.info(
             f"{c('step')}step: {step:>6}  {c('loss')}loss: {loss:8.4f}{c('reset')}  "
@@ -116,6 +118,12 @@ class MetricsLogger:
             + "".join(f"  {k}: {v}" for k, v in extra.items())
         )
         return record
+
+    def _memory(self) -> dict[str, float]:
+        mem = memory_gib(self.device)
+        if self.max_over_ranks is not None:
+            mem["memory_max_gib"] = self.max_over_ranks(mem["memory_gib"])
+        return mem
 
     def log_validation(self, step: int, loss: float, steps: int) -> None:
         if not self.enabled:

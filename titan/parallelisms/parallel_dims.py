@@ -24,7 +24,7 @@ class ParallelDims:
         for name in ("dp_replicate", "cp", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ParallelismError(f"parallel degree {name} = {getattr(self, name)} must be >= 1")
-        if self.dp_shard == -1 or self.dp_shard == 0:
+        if self.dp_shard == -1:
             rest = self.dp_replicate * self.cp * self.tp * self.pp
             if self.world_size % rest:
                 raise ParallelismError(

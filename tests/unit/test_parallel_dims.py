@@ -1,0 +1,197 @@
+"""Parallel degrees, model/batch checks, and preflight's run plan."""
+
+import pytest
+
+from titan.config import ConfigError, parse_args
+from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, validate_against_model
+from titan.preflight import plan_run
+
+
+def dims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, world_size=8):
+    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp,
+                        world_size=world_size)
+
+
+# ----------------------------------------------------------------------------- ParallelDims
+
+
+@pytest.mark.parametrize("kw,shard", [
+    (dict(world_size=8), 8),
+    (dict(tp=2, world_size=8), 4),
+    (dict(dp_replicate=2, tp=2, world_size=8), 2),
+    (dict(cp=2, pp=2, world_size=8), 2),
+    (dict(tp=8, world_size=8), 1),
+    (dict(world_size=1), 1),
+])
+def test_fill_minus_one(kw, shard):
+    d = dims(**kw)
+    assert d.dp_shard == shard
+    assert d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp == d.world_size
+    assert d.dp == d.dp_replicate * d.dp_shard
+
+
+def test_enabled_flags():
+    d = dims(dp_replicate=2, tp=2, world_size=8)
+    assert d.dp == 4 and d.dp_enabled and d.fsdp_enabled and d.tp_enabled
+    assert not d.cp_enabled and not d.pp_enabled
+    one = dims(world_size=1)
+    assert not (one.dp_enabled or one.fsdp_enabled or one.tp_enabled)
+    ddp = dims(dp_replicate=2, dp_shard=1, world_size=2)
+    assert ddp.dp_enabled and not ddp.fsdp_enabled
+    cp_only = dims(dp_shard=1, cp=2, world_size=2)
+    assert cp_only.fsdp_enabled  # FSDP shards over dp_shard x cp
+
+
+def test_zero_shard_degree_is_an_error():
+    with pytest.raises(ParallelismError, match="must be -1 or >= 1"):
+        dims(dp_shard=0, tp=2, world_size=4)
+
+
+def test_fill_not_divisible():
+    with pytest.raises(ParallelismError, match="not divisible") as e:
+        dims(tp=3, world_size=8)
+    assert "NGPU" in str(e.value)
+
+
+def test_product_mismatch():
+    with pytest.raises(ParallelismError) as e:
+        dims(dp_shard=3, tp=2, world_size=8)
+    msg = str(e.value)
+    assert "= 6" in msg and "world size is 8" in msg
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(tp=0), "tp"), (dict(pp=0), "pp"), (dict(cp=-1), "cp"),
+    (dict(dp_replicate=0), "dp_replicate"),
+    (dict(dp_shard=-2), "data_parallel_shard_degree"),
+])
+def test_degree_below_one(kw, name):
+    with pytest.raises(ParallelismError, match=name):
+        dims(**kw)
+
+
+def test_mesh_needs_build():
+    with pytest.raises(RuntimeError, match="build_mesh"):
+        dims(world_size=1)["dp"]
+
+
+# ----------------------------------------------------------------------------- model checks
+
+
+def check(d, n_heads=32, n_kv=8, n_layers=16, seq_len=2048, local=2, global_=None):
+    validate_against_model(d, n_heads, n_kv, n_layers, seq_len, local,
+                           global_ if global_ is not None else local * d.dp)
+
+
+def test_model_checks_pass():
+    check(dims(tp=8, world_size=8))
+    check(dims(cp=4, world_size=8), seq_len=2048)
+    check(dims(pp=4, world_size=8), n_layers=4)
+    check(dims(world_size=4), local=2, global_=32)
+
+
+def test_tp_must_divide_heads():
+    with pytest.raises(ParallelismError, match="n_heads"):
+        check(dims(tp=3, world_size=3), n_heads=32, n_kv=8)
+    with pytest.raises(ParallelismError, match="n_kv_heads"):
+        check(dims(tp=16, world_size=16), n_heads=32, n_kv=8)  # divides heads, not kv heads
+
+
+def test_pp_exceeds_layers():
+    with pytest.raises(ParallelismError, match="layers"):
+        check(dims(pp=8, world_size=8), n_layers=6)
+
+
+def test_batch_not_divisible_by_dp():
+    with pytest.raises(ParallelismError) as e:
+        check(dims(world_size=4), local=2, global_=12)  # 12 % (2 x 4)
+    assert "global_batch_size 12" in str(e.value) and "2 x 4 = 8" in str(e.value)
+    with pytest.raises(ParallelismError):
+        check(dims(world_size=1), local=4, global_=6)
+
+
+def test_cp_seq_len_rule():
+    check(dims(cp=4, world_size=4), seq_len=128)  # 128 % 8 == 0
+    with pytest.raises(ParallelismError, match="2 x context_parallel_degree"):
+        check(dims(cp=4, world_size=4), seq_len=100)
+    with pytest.raises(ParallelismError):
+        check(dims(cp=2, world_size=2), seq_len=2050)  # even, but not a multiple of 4
+    check(dims(world_size=1), seq_len=101)  # no rule without CP
+
+
+# ----------------------------------------------------------------------------- plan_run
+
+
+def job(*argv):
+    return parse_args(list(argv))
+
+
+def test_plan_defaults():
+    plan = plan_run(job(), world_size=1)
+    assert plan.spec.name == "llama3"
+    assert plan.model_args.vocab_size == plan.tokenizer.vocab_size == 2048
+    assert plan.model_args.max_seq_len == 2048
+    assert plan.dims.dp == 1 and plan.global_batch_size == 8 and plan.grad_accum_steps == 1
+
+
+def test_plan_grad_accum():
+    plan = plan_run(job("--training.local_batch_size", "2", "--training.global_batch_size", "32"),
+                    world_size=4)
+    assert plan.dims.dp == 4
+    assert plan.global_batch_size == 32 and plan.grad_accum_steps == 4
+    plan = plan_run(job("--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree",
+                        "2", "--training.global_batch_size", "12"), world_size=4)
+    assert plan.dims.dp == 2 and plan.grad_accum_steps == 3
+    plan = plan_run(job("--training.local_batch_size", "3", "--training.seq_len", "64"),
+                    world_size=2)
+    assert plan.global_batch_size == 6 and plan.grad_accum_steps == 1
+    assert plan.model_args.max_seq_len == 64
+
+
+def test_plan_world_size_from_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert plan_run(job()).dims.dp == 2
+
+
+def plan_error(argv, world_size=1):
+    with pytest.raises(ConfigError) as e:
+        plan_run(job(*argv), world_size=world_size)
+    return str(e.value)
+
+
+def test_plan_unknown_model():
+    msg = plan_error(["--model.name", "gpt5"])
+    assert "'gpt5'" in msg and "model.name" in msg and "llama3" in msg
+
+
+def test_plan_unknown_flavor():
+    msg = plan_error(["--model.flavor", "13B"])
+    assert "model.flavor" in msg and "'13B'" in msg and "8B" in msg and "command line" in msg
+
+
+@pytest.mark.parametrize("key", ["pipeline_parallel_degree", "context_parallel_degree"])
+def test_plan_pp_cp_unsupported(key):
+    msg = plan_error([f"--parallelism.{key}", "2"], world_size=2)
+    assert f"parallelism.{key}" in msg and "not supported" in msg
+
+
+def test_plan_missing_tokenizer(tmp_path):
+    missing = str(tmp_path / "tok.json")
+    msg = plan_error(["--model.tokenizer_path", missing])
+    assert missing in msg and "model.tokenizer_path" in msg
+
+
+def test_plan_parallelism_errors_become_config_errors():
+    msg = plan_error(["--parallelism.tensor_parallel_degree", "3"], world_size=3)
+    assert "tensor_parallel_degree 3" in msg
+    msg = plan_error(["--parallelism.data_parallel_shard_degree", "3"], world_size=4)
+    assert "world size is 4" in msg
+    msg = plan_error(["--training.local_batch_size", "2", "--training.global_batch_size", "6"],
+                     world_size=2)
+    assert "global_batch_size 6" in msg
+
+
+def test_plan_cpu_offload_needs_fsdp():
+    msg = plan_error(["--training.enable_cpu_offload"], world_size=1)
+    assert "enable_cpu_offload" in msg and "FSDP" in msg
+    plan_run(job("--training.enable_cpu_offload"), world_size=2)
