@@ -120,7 +120,7 @@ def parse_chapters(text: str) -> list[tuple[str, int, list[str]]]:
         m = VERSE_RE.match(line)
         if m is None:
             raise ValueError(f"unexpected line: {line!r}")
-        abbrev, chap, verse = m[1], int(m[2]), m[3]
+        abbrev, chap, _verse = m[1], int(m[2]), m[3]
         if not abbrevs or abbrevs[-1] != abbrev:
             abbrevs.append(abbrev)
         book = BOOKS[len(abbrevs) - 1]

@@ -13,11 +13,9 @@ from titan.config import ConfigError, JobConfig
 from titan.config.manager import require
 from titan.models.spec import TrainSpec, get_train_spec, registered_names
 from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, validate_against_model
+from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipeline
 
-_UNAVAILABLE = {
-    "pipeline_parallel_degree": "pipeline parallelism",
-    "context_parallel_degree": "context parallelism",
-}
+
 
 
 @dataclass
@@ -50,9 +48,6 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     # the tokenizer decides the vocabulary; the RoPE table covers exactly one sequence
     model_args = spec.flavors[m.flavor].with_updates(vocab_size=tokenizer.vocab_size,
                                                      max_seq_len=t.seq_len)
-    for key, what in _UNAVAILABLE.items():
-        require(job, getattr(par, key) == 1, f"parallelism.{key}",
-                f"{what} is not supported by this version of titan; set it to 1")
     try:
         dims = ParallelDims(
             dp_replicate=par.data_parallel_replicate_degree,
@@ -66,7 +61,37 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
                                t.seq_len, t.local_batch_size, global_batch)
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
+    if dims.cp_enabled:
+        import torch
+
+        from titan.parallelisms.context_parallel import check_torch_version
+
+        try:
+            check_torch_version("cuda" if torch.cuda.is_available() else "cpu")
+        except RuntimeError as e:
+            raise ConfigError(f"parallelism.context_parallel_degree = {dims.cp}: {e}") from None
+    if dims.pp_enabled:
+        require(job, spec.pipelining_fn is not None, "parallelism.pipeline_parallel_degree",
+                f"model {m.name} registers no pipeline split function")
+        pipeline_plan(job, model_args.n_layers, pp_rank=0)
+        require(job, not job.validation.enable
+                or job.validation.local_batch_size == t.local_batch_size,
+                "validation.local_batch_size",
+                f"with pipeline parallelism it must equal training.local_batch_size "
+                f"({t.local_batch_size}): the schedule's microbatch shapes are fixed")
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,
                    global_batch // (t.local_batch_size * dims.dp))
+
+
+def pipeline_plan(job: JobConfig, n_layers: int, pp_rank: int) -> PipelinePlan:
+    par = job.parallelism
+    try:
+        return plan_pipeline(n_layers, par.pipeline_parallel_degree, pp_rank,
+                             par.pipeline_parallel_schedule, job.training.local_batch_size,
+                             par.pipeline_parallel_microbatch_size,
+                             par.pipeline_parallel_layers_per_stage,
+                             par.pipeline_parallel_split_points)
+    except PipelineConfigError as e:
+        raise ConfigError(f"parallelism: {e}") from None

@@ -27,7 +27,9 @@ from titan.components.profiling import maybe_profile
 from titan.config import ConfigError, JobConfig, parse_args, to_toml
 from titan.distributed import clean_exit, init_distributed, pick_device, set_collective_timeout
 from titan.logging_setup import init_logging
-from titan.preflight import RunPlan, plan_run
+from titan.parallelisms.context_parallel import context_parallel_ctx
+from titan.parallelisms.pipeline import build_schedule
+from titan.preflight import RunPlan, pipeline_plan, plan_run
 
 logger = logging.getLogger("titan")
 
@@ -58,24 +60,23 @@ class Trainer:
             plan.global_batch_size, shard, t.seed, t.dataset_text_field, t.dataset_shuffle,
         )
 
-        with torch.device("meta"):
-            model = plan.spec.model_cls(plan.model_args)
-        model = plan.spec.parallelize_fn(model, dims, job)
-        model.to_empty(device=self.device)
-        model.init_weights(t.seed, buffer_device=self.device)
-        model.train()
-        self.model = model
-        n_params = plan.model_args.num_params()
-        logger.info("model %s %s: %.3fM parameters, layout %s, grad accumulation %d",
-                    job.model.name, job.model.flavor, n_params / 1e6, dims, plan.grad_accum_steps)
+        # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks
+        self.tokens_per_rank_step = plan.global_batch_size // dims.dp * t.seq_len // dims.cp
+        self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
+        self.model_parts, self.pp_schedule, self.pp_plan = self._build_model(plan, dims, job)
+        logger.info("model %s %s: %.3fM parameters, layout %s, grad accumulation %d%s",
+                    job.model.name, job.model.flavor, plan.model_args.num_params() / 1e6, dims,
+                    plan.grad_accum_steps,
+                    f", pipeline stages {self.pp_plan.stage_ids} of {self.pp_plan.num_stages} "
+                    f"({self.pp_plan.schedule}, {self.pp_plan.n_microbatches} microbatches)"
+                    if self.pp_plan else "")
 
         o, s = job.optimizer, job.lr_scheduler
-        self.optimizer = build_optimizer([model], o.name, o.lr, o.beta1, o.beta2, o.eps,
+        self.optimizer = build_optimizer(self.model_parts, o.name, o.lr, o.beta1, o.beta2, o.eps,
                                          o.weight_decay, o.implementation)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.steps, s.warmup_steps,
                                                s.decay_ratio, s.decay_type, s.min_lr_factor)
         self.amp = self._autocast(t.mixed_precision_param, dims.fsdp_enabled)
-        self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
 
         m = job.metrics
         compute_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
@@ -89,6 +90,37 @@ class Trainer:
         )
         self.step = 0
         self.skipped_steps = 0
+
+    def _build_model(self, plan: RunPlan, dims, job):
+        """Meta-device model -> pipeline stages (if pp) -> parallelisms -> real memory -> init."""
+        with torch.device("meta"):
+            whole = plan.spec.model_cls(plan.model_args)
+        pp_plan = None
+        parts = [whole]
+        if dims.pp_enabled:
+            pp_plan = pipeline_plan(job, plan.model_args.n_layers, dims["pp"].get_local_rank())
+            parts = [plan.spec.pipelining_fn(whole, sid, pp_plan) for sid in pp_plan.stage_ids]
+        for i, part in enumerate(parts):
+            part = plan.spec.parallelize_fn(part, dims, job)
+            part.to_empty(device=self.device)
+            # weights come from (seed, parameter name): identical whatever the layout
+            part.init_weights(job.training.seed, buffer_device=self.device)
+            part.train()
+            parts[i] = part
+        schedule = None
+        if pp_plan is not None:
+            schedule = build_schedule(parts, pp_plan, dims["pp"], self.device, self._pp_loss)
+        return parts, schedule, pp_plan
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        loss = cross_entropy_sum(logits, labels) / scale
+        if self.step == self.job.debug.nan_at_step:
+            loss = loss * float("nan")
+        return loss
+
+    def _pp_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # normalized by every token of this rank's step, as in the non-pipelined path
+        return self._loss(logits, labels, self.tokens_per_rank_step)
 
     def _max_over_ranks(self, value: float) -> float:
         if self.world_size == 1:
@@ -112,31 +144,67 @@ class Trainer:
             return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
-                         token_scale: float) -> torch.Tensor:
-        ctx = (torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel
-               else contextlib.nullcontext())
-        with ctx:
+    def _loss_parallel_ctx(self):
+        return (torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel
+                else contextlib.nullcontext())
+
+    def _cp_ctx(self, *batch: torch.Tensor | None):
+        """Shard the batch and every stage's RoPE table along the sequence for ring attention."""
+        dims = self.plan.dims
+        if not dims.cp_enabled:
+            return contextlib.nullcontext()
+        par = self.job.parallelism
+        batch = [b for b in batch if b is not None]
+        ropes = [part.rope for part in self.model_parts]
+        return context_parallel_ctx(
+            dims["cp"], batch + ropes, [1] * len(batch) + [0] * len(ropes), set(batch),
+            par.context_parallel_rotate_method, par.context_parallel_load_balance,
+        )
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss of one microbatch (already divided by the step's token count), after backward."""
+        with self._cp_ctx(inputs, labels), self._loss_parallel_ctx():
             with self.amp():
-                logits = self.model(inputs)
-            loss = cross_entropy_sum(logits, labels) / token_scale
-            if self.step == self.job.debug.nan_at_step:
-                loss = loss * float("nan")
+                logits = self.model_parts[0](inputs)
+            loss = self._loss(logits, labels, self.tokens_per_rank_step)
             loss.backward()
         loss = loss.detach()
         # loss parallel leaves a replicated DTensor; the step's bookkeeping is plain tensors
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
+    def pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                                  train: bool = True) -> torch.Tensor:
+        """Run the schedule over one batch; the loss sum is nonzero only where the last stage is."""
+        last = self.pp_plan.num_stages - 1
+        has_first, has_last = 0 in self.pp_plan.stage_ids, last in self.pp_plan.stage_ids
+        losses = [] if has_last else None
+        run = self.pp_schedule.step if train else self.pp_schedule.eval
+        inputs, labels = (inputs if has_first else None), (labels if has_last else None)
+        with self._cp_ctx(inputs, labels), self._loss_parallel_ctx():
+            run(*((inputs,) if has_first else ()), target=labels, losses=losses)
+        total = torch.zeros((), device=self.device)
+        for loss in losses or []:
+            loss = loss.detach()
+            total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return total
+
     def train_step(self, microbatches) -> tuple[float, float, bool]:
         """One optimizer step over the microbatches; returns (loss, grad norm, skipped)."""
         self.lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
-        # normalize by every token of this rank's step, so accumulation equals one big batch
-        tokens = sum(labels.numel() for _, labels in microbatches)
         loss = torch.zeros((), device=self.device)
         for inputs, labels in microbatches:
-            loss += self.forward_backward(inputs.to(self.device), labels.to(self.device), tokens)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.job.training.max_norm)
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            if self.pp_schedule is not None:
+                loss += self.pipeline_forward_backward(inputs, labels)
+            else:
+                loss += self.forward_backward(inputs, labels)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        pp_group = self.plan.dims["pp"].get_group() if self.pp_schedule is not None else None
+        grad_norm = clip_grad_norm_(params, self.job.training.max_norm, extra_group=pp_group)
+        if pp_group is not None:
+            # only ranks holding the last stage saw the loss
+            dist.all_reduce(loss, group=pp_group)
         if self.loss_mesh.size() > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
         loss_v, norm_v = loss.item(), grad_norm.item()
@@ -176,7 +244,8 @@ class Trainer:
                 self.skipped_steps += skipped
                 if self.step == 1:
                     set_collective_timeout(self.job.comm.train_timeout_seconds)
-                tokens = sum(x.numel() for x, _ in microbatches)
+                # tp/cp/pp ranks share their batch: count each token once per device group
+                tokens = sum(x.numel() for x, _ in microbatches) // self.plan.dims.non_dp
                 self.metrics.record_step(tokens, data_s, gc_sched.step(self.step))
                 if self.metrics.should_log(self.step, t.steps):
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
@@ -204,15 +273,22 @@ class Trainer:
                 shuffle=False, infinite=False,
             )
         self.val_loader.dataset.load_state_dict({"sample_idx": 0})
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         total = torch.zeros((), device=self.device)
         batches = 0
-        ctx = (torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel
-               else contextlib.nullcontext())
         for inputs, labels in self.val_loader:
-            with ctx, self.amp():
-                logits = self.model(inputs.to(self.device))
-                total += cross_entropy_sum(logits, labels.to(self.device)) / labels.numel()
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            n_tokens = labels.numel()  # counted before context parallelism shards it in place
+            if self.pp_schedule is not None:
+                # the schedule's loss is scaled for a training step; rescale to a per-token mean
+                loss = self.pipeline_forward_backward(inputs, labels, train=False)
+                total += loss * self.tokens_per_rank_step * self.plan.dims.cp / n_tokens
+            else:
+                with self._cp_ctx(inputs, labels), self._loss_parallel_ctx(), self.amp():
+                    logits = self.model_parts[0](inputs)
+                    loss = cross_entropy_sum(logits, labels) / (n_tokens / self.plan.dims.cp)
+                total += loss.full_tensor() if isinstance(loss, DTensor) else loss
             batches += 1
             if batches == v.steps:
                 break
@@ -222,9 +298,12 @@ class Trainer:
                 f"({v.local_batch_size * self.dp_mesh.size()}); lower validation.local_batch_size"
             )
         loss = total / batches
+        if self.pp_schedule is not None:
+            dist.all_reduce(loss, group=self.plan.dims["pp"].get_group())
         if self.loss_mesh.size() > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         self.metrics.log_validation(self.step, loss.item(), batches)
         self.metrics.exclude(time.perf_counter() - t0)
 

@@ -169,10 +169,30 @@ def test_plan_unknown_flavor():
     assert "model.flavor" in msg and "'13B'" in msg and "8B" in msg and "command line" in msg
 
 
-@pytest.mark.parametrize("key", ["pipeline_parallel_degree", "context_parallel_degree"])
-def test_plan_pp_cp_unsupported(key):
-    msg = plan_error([f"--parallelism.{key}", "2"], world_size=2)
-    assert f"parallelism.{key}" in msg and "not supported" in msg
+def test_plan_pipeline_errors():
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2"]
+    msg = plan_error([*pp2, "--parallelism.pipeline_parallel_schedule", "gpipe"], world_size=2)
+    assert "did you mean 'GPipe'" in msg
+    msg = plan_error([*pp2, "--training.local_batch_size", "1"], world_size=2)
+    assert "cannot fill 2 pipeline ranks" in msg
+    msg = plan_error([*pp2, "--parallelism.pipeline_parallel_layers_per_stage", "2"],
+                     world_size=2)
+    assert "3 pipeline stages do not divide evenly" in msg  # 6 layers / 2 per stage
+    msg = plan_error([*pp2, "--parallelism.pipeline_parallel_layers_per_stage", "1"],
+                     world_size=2)
+    assert "one stage per rank" in msg  # 6 stages on 2 ranks with the single-stage 1F1B
+    msg = plan_error([*pp2, "--validation.enable", "--validation.local_batch_size", "2"],
+                     world_size=2)
+    assert "validation.local_batch_size" in msg
+    msg = plan_error([*pp2, "--parallelism.pipeline_parallel_split_points", "layers.x"],
+                     world_size=2)
+    assert "must name a layer" in msg
+
+
+def test_plan_context_parallel_seq_len():
+    msg = plan_error(["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
+                     world_size=2)
+    assert "2 x context_parallel_degree = 4" in msg
 
 
 def test_plan_missing_tokenizer(tmp_path):

@@ -104,7 +104,27 @@ class Parallelism:
         False, "With TP: gather logits instead of computing the loss on vocab shards"
     )
     context_parallel_degree: int = opt(1, "Context-parallel degree (sequence split, ring attention)")
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
+        "allgather", "How K/V shards travel in ring attention: all-gather once, or pass round"
+    )
+    context_parallel_load_balance: bool = opt(
+        True, "Head-tail sequence sharding so every cp rank gets equal causal-attention work"
+    )
     pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree (layers split into stages)")
+    pipeline_parallel_schedule: str = opt(
+        "1F1B", "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble "
+        "or DualPipeV"
+    )
+    pipeline_parallel_microbatch_size: int = opt(
+        1, "Sequences per pipeline microbatch (local_batch_size must divide by it)"
+    )
+    pipeline_parallel_layers_per_stage: int | None = opt(
+        None, "Layers per stage (sets the number of stages); None = 1 stage per rank "
+        "(2 for multi-stage schedules)"
+    )
+    pipeline_parallel_split_points: list[str] = opt(
+        [], "Explicit stage boundaries: first layer of each later stage, e.g. layers.2,layers.4"
+    )
 
 
 @dataclass

@@ -18,7 +18,7 @@ class TrainSpec:
     flavors: dict[str, Any]
     # (model, parallel_dims, job_config) -> model, applied TP -> CP -> AC -> compile -> FSDP
     parallelize_fn: Callable
-    # (model, parallel_dims, job_config, device, loss_fn) -> pipeline schedule and stages
+    # (meta-device model, stage id, PipelinePlan) -> the module of that pipeline stage
     pipelining_fn: Callable | None = None
     # maps this family's state dict to and from the HF layout
     state_dict_adapter: type | None = None

@@ -47,6 +47,11 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def non_dp(self) -> int:
+        """Ranks that work on the same batch (their tokens are counted once)."""
+        return self.cp * self.tp * self.pp
+
+    @property
     def dp_enabled(self) -> bool:
         return self.dp > 1
 

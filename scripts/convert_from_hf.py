@@ -1,0 +1,62 @@
+"""Convert an HF Llama folder (config.json + safetensors) to a model-only titan DCP checkpoint.
+
+    python scripts/download_hf_assets.py --repo meta-llama/Llama-3.1-8B --weights
+    python scripts/convert_from_hf.py assets/hf/Llama-3.1-8B assets/dcp/llama3_8b
+
+then start training from it with
+
+    [checkpoint]
+    initial_load_path = "assets/dcp/llama3_8b"
+
+and the training config's model.flavor set to the flavor this script reports (it checks
+the HF config against titan's registered flavors), model.tokenizer_path to the HF folder.
+
+Only safetensors are read (never .bin pickles). Weights are stored as --dtype (default
+float32, titan's master-weight dtype). Tied embeddings (Llama 3.2 1B/3B) are untied: the
+output layer starts as a copy of the embedding, with a warning. Unsupported configs
+(biases, non-llama3 RoPE scaling, head_dim != hidden/heads, ...) are refused.
+"""
+
+import argparse
+import sys
+import time
+import warnings
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("hf_dir", help="HF model folder holding config.json and *.safetensors")
+    ap.add_argument("output", help="DCP folder to write (gets the .complete marker when done)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="dtype of the stored weights (default float32)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    args = ap.parse_args(argv)
+
+    from titan.components import hf_io
+
+    t0 = time.time()
+    try:
+        config = hf_io.read_hf_config(args.hf_dir)
+        model_args = hf_io.llama3_args_from_hf_config(config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = hf_io.load_hf(args.hf_dir, dtype=args.dtype, args=model_args)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
+        out = hf_io.save_dcp_model_state(state, args.output, overwrite=args.overwrite)
+    except hf_io.CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+
+    flavor = hf_io.matching_flavor(model_args)
+    n = sum(t.numel() for t in state.values())
+    print(f"wrote {out} ({n / 1e6:.1f}M parameters, {args.dtype}) in {time.time() - t0:.1f}s")
+    if flavor is not None:
+        print(f"matches titan flavor '{flavor}' (vocab_size {model_args.vocab_size}): "
+              f"set model.flavor = \"{flavor}\"")
+    else:
+        print(f"warning: no registered flavor has this architecture; titan needs a flavor equal to "
+              f"{model_args}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

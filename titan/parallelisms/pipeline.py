@@ -1,0 +1,153 @@
+"""Pipeline parallelism: split a decoder into stages by layer, place them, build a schedule.
+
+Stages keep the original parameter names (layers not in a stage are deleted, embedding/head
+set to None), so weight init, checkpoints and HF conversion see the same names in every layout.
+"""
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    get_schedule_class,
+)
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+             "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+class PipelineConfigError(ValueError):
+    pass
+
+
+def is_multi_stage(schedule: str) -> bool:
+    return issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
+
+
+def stage_layer_ranges(n_layers: int, num_stages: int, split_points: list[int]) -> list[range]:
+    """Contiguous layer ranges per stage: at `split_points` (first layer of each stage after the
+    first) if given, else as even as possible with earlier stages taking the remainder."""
+    if split_points:
+        bounds = [0, *split_points, n_layers]
+        if len(bounds) - 1 != num_stages or bounds != sorted(set(bounds)):
+            raise PipelineConfigError(
+                f"pipeline_parallel_split_points {split_points} must be {num_stages - 1} increasing "
+                f"layer indices in (0, {n_layers}) to give {num_stages} stages"
+            )
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    if num_stages > n_layers:
+        raise PipelineConfigError(f"{num_stages} pipeline stages exceed the model's {n_layers} layers")
+    base, extra = divmod(n_layers, num_stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    schedule: str
+    num_stages: int
+    stage_ids: tuple[int, ...]  # stages held by this pp rank
+    layer_ranges: tuple[range, ...]  # per stage, over all stages
+    n_microbatches: int
+
+
+def plan_pipeline(n_layers: int, pp: int, pp_rank: int, schedule: str, local_batch_size: int,
+                  microbatch_size: int, layers_per_stage: int | None,
+                  split_points: list[str]) -> PipelinePlan:
+    if schedule not in SCHEDULES:
+        close = [s for s in SCHEDULES if s.lower() == schedule.lower()]
+        raise PipelineConfigError(
+            f"unknown pipeline_parallel_schedule {schedule!r}"
+            + (f"; did you mean {close[0]!r}?" if close else f"; choose one of {', '.join(SCHEDULES)}")
+        )
+    multi = is_multi_stage(schedule)
+    if split_points:
+        points = [_layer_index(p) for p in split_points]
+        num_stages = len(points) + 1
+    elif layers_per_stage:
+        points = []
+        num_stages = math.ceil(n_layers / layers_per_stage)
+    else:
+        points = []
+        num_stages = pp * (2 if multi else 1)
+    if num_stages % pp:
+        raise PipelineConfigError(
+            f"{num_stages} pipeline stages do not divide evenly over pipeline_parallel_degree {pp}"
+        )
+    per_rank = num_stages // pp
+    if not multi and per_rank != 1:
+        raise PipelineConfigError(
+            f"schedule {schedule} runs one stage per rank, but the split gives {per_rank}; "
+            "use a multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+            "ZBVZeroBubble, DualPipeV) or fewer stages"
+        )
+    if schedule in V_SCHEDULES and per_rank != 2:
+        raise PipelineConfigError(f"{schedule} needs exactly 2 stages per rank, got {per_rank}")
+    if local_batch_size % microbatch_size:
+        raise PipelineConfigError(
+            f"training.local_batch_size {local_batch_size} is not divisible by "
+            f"pipeline_parallel_microbatch_size {microbatch_size}"
+        )
+    n_micro = local_batch_size // microbatch_size
+    if n_micro < pp:
+        raise PipelineConfigError(
+            f"{n_micro} microbatches (local_batch_size {local_batch_size} / microbatch size "
+            f"{microbatch_size}) cannot fill {pp} pipeline ranks; need at least {pp}"
+        )
+    if schedule in V_SCHEDULES and n_micro < num_stages:
+        raise PipelineConfigError(
+            f"{schedule} needs at least as many microbatches as stages ({num_stages}), got {n_micro}"
+        )
+    ranges = stage_layer_ranges(n_layers, num_stages, points)
+    if schedule in V_SCHEDULES:
+        # V placement: rank r holds stage r on the way down and 2*pp-1-r on the way back
+        ids = (pp_rank, num_stages - 1 - pp_rank)
+    else:
+        ids = tuple(range(pp_rank, num_stages, pp))
+    return PipelinePlan(schedule, num_stages, ids, tuple(ranges), n_micro)
+
+
+def _layer_index(point: str) -> int:
+    name = point.removeprefix("layers.")
+    if not name.isdigit():
+        raise PipelineConfigError(f"split point {point!r} must name a layer, e.g. 'layers.4'")
+    return int(name)
+
+
+def stage_module(whole: nn.Module, stage_id: int, plan: PipelinePlan) -> nn.Module:
+    """A copy of the (meta-device) model holding only this stage's part."""
+    stage = copy.deepcopy(whole)
+    keep = {str(i) for i in plan.layer_ranges[stage_id]}
+    for name in list(stage.layers.keys()):
+        if name not in keep:
+            del stage.layers[name]
+    if stage_id != 0:
+        stage.tok_embeddings = None
+    if stage_id != plan.num_stages - 1:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def build_schedule(stages: list[nn.Module], plan: PipelinePlan, pp_mesh: DeviceMesh,
+                   device: torch.device, loss_fn: Callable):
+    pipeline_stages = [
+        PipelineStage(m, sid, plan.num_stages, device, group=pp_mesh.get_group())
+        for m, sid in zip(stages, plan.stage_ids)
+    ]
+    cls = get_schedule_class(plan.schedule)
+    # the loss is already normalized over every token of the step: no extra scaling
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(pipeline_stages[0], n_microbatches=plan.n_microbatches, loss_fn=loss_fn,
+                   scale_grads=False)
+    return cls(pipeline_stages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn,
+               scale_grads=False)
