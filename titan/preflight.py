@@ -79,6 +79,14 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
                 "validation.local_batch_size",
                 f"with pipeline parallelism it must equal training.local_batch_size "
                 f"({t.local_batch_size}): the schedule's microbatch shapes are fixed")
+    ck = job.checkpoint
+    require(job, not ck.create_seed_checkpoint or ck.enable, "checkpoint.create_seed_checkpoint",
+            "needs checkpoint.enable (the seed is written to the checkpoint folder)")
+    if ck.async_mode == "async_with_pinned_mem":
+        import torch
+
+        require(job, torch.cuda.is_available(), "checkpoint.async_mode",
+                "pinned staging memory needs CUDA; use async on CPU")
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,

@@ -15,9 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from titan.components.checkpoint import Checkpointer, DataState, ModelState, TrainState
 from titan.components.dataloader import DataShard, build_dataloader
 from titan.components.dataset import DataError
 from titan.components.flops import peak_flops
+from titan.components.hf_io import CheckpointError
 from titan.components.gc import ScheduledGC
 from titan.components.grad_clip import clip_grad_norm_
 from titan.components.lr_scheduler import build_lr_scheduler
@@ -78,6 +80,15 @@ class Trainer:
                                                s.decay_ratio, s.decay_type, s.min_lr_factor)
         self.amp = self._autocast(t.mixed_precision_param, dims.fsdp_enabled)
 
+        self.train_state = TrainState()
+        self.checkpointer = Checkpointer(job.checkpoint, job.job.dump_folder, {
+            "model": ModelState(self.model_parts), "optimizer": self.optimizer,
+            "lr_scheduler": self.lr_scheduler, "dataloader": DataState(self.dataloader, shard.dp_rank),
+            "train_state": self.train_state,
+        }, self.rank)
+        resumed = self.checkpointer.load()
+        self.step = self.train_state.step
+
         m = job.metrics
         compute_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
         peak, peak_source = peak_flops(self.device, compute_dtype, m.peak_flops)
@@ -87,8 +98,8 @@ class Trainer:
             m.disable_color_printing, is_logging_rank=self.rank == 0, rank=self.rank,
             device=self.device, flops_per_token=plan.model_args.flops_per_token(t.seq_len),
             peak_flops=peak, max_over_ranks=self._max_over_ranks,
+            resume_step=self.step if resumed else None,
         )
-        self.step = 0
         self.skipped_steps = 0
 
     def _build_model(self, plan: RunPlan, dims, job):
@@ -228,7 +239,12 @@ class Trainer:
 
     def train(self) -> None:
         t, p = self.job.training, self.job.profiling
+        if self.job.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save(0, model_only=True, blocking=True)
+            logger.info("seed checkpoint written; start training with checkpoint.enable")
+            return
         gc_sched = ScheduledGC(t.gc_freq)
+        first_step = self.step + 1
         data_iter = iter(self.dataloader)
         trace_dir = os.path.join(self.job.job.dump_folder, p.save_traces_folder)
         logger.info("training %d steps, global batch %d sequences x %d tokens", t.steps,
@@ -242,18 +258,30 @@ class Trainer:
                 data_s = time.perf_counter() - t0
                 loss, grad_norm, skipped = self.train_step(microbatches)
                 self.skipped_steps += skipped
-                if self.step == 1:
+                if self.step == first_step:
                     set_collective_timeout(self.job.comm.train_timeout_seconds)
+                batch_tokens = sum(x.numel() for x, _ in microbatches)
+                self.train_state.step = self.step
+                self.train_state.tokens_seen += batch_tokens * self.plan.dims.dp
                 # tp/cp/pp ranks share their batch: count each token once per device group
-                tokens = sum(x.numel() for x, _ in microbatches) // self.plan.dims.non_dp
+                tokens = batch_tokens // self.plan.dims.non_dp
                 self.metrics.record_step(tokens, data_s, gc_sched.step(self.step))
                 if self.metrics.should_log(self.step, t.steps):
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
                     self.metrics.log(self.step, loss, grad_norm, self.lr, **extra)
                 if self._validation_due():
                     self.validate()
+                stop = self.step == t.exit_at_step
+                if self.checkpointer.due(self.step, last=self.step == t.steps or stop):
+                    final = self.step == t.steps
+                    model_only = final and self.job.checkpoint.last_save_model_only
+                    self.metrics.exclude(self.checkpointer.save(
+                        self.step, model_only=model_only, blocking=final or stop))
                 if prof is not None:
                     prof.step()
+                if stop:
+                    logger.info("stopping after step %d (training.exit_at_step)", self.step)
+                    break
         gc_sched.close()
         logger.info("training done after %d steps", self.step)
 
@@ -272,7 +300,7 @@ class Trainer:
                 v.local_batch_size * shard.dp_world_size, shard, t.seed, t.dataset_text_field,
                 shuffle=False, infinite=False,
             )
-        self.val_loader.dataset.load_state_dict({"sample_idx": 0})
+        self.val_loader.dataset.rewind()
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), device=self.device)
@@ -308,6 +336,7 @@ class Trainer:
         self.metrics.exclude(time.perf_counter() - t0)
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
 
 
@@ -326,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         trainer = Trainer(job, plan)
         trainer.train()
-    except (NonFiniteLossError, DataError) as e:
+    except (NonFiniteLossError, DataError, CheckpointError) as e:
         logger.error("%s", e)
         code = 1
     except Exception:

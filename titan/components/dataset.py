@@ -85,6 +85,9 @@ def tokenize_stream(texts: list[str], tokenizer: Tokenizer, chunk: int = 1024) -
 class PackedDataset(IterableDataset):
     """Globally indexed packed windows of a local token stream; checkpointable in O(1)."""
 
+    # its position is a count of global batches: the same on every rank, for any dp degree
+    global_index = True
+
     def __init__(self, tokens: np.ndarray, seq_len: int, dp_rank: int, dp_world_size: int,
                  global_batch_size: int, seed: int, shuffle: bool, infinite: bool = True,
                  name: str = "dataset"):
@@ -137,14 +140,20 @@ class PackedDataset(IterableDataset):
             yield window[:-1], window[1:]
 
     def state_dict(self) -> dict:
-        return {"sample_idx": self.sample_idx}
+        batches, offset = divmod(self.sample_idx, self.per_rank)
+        return {"global_batches": batches, "offset": offset}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sample_idx = int(state["sample_idx"])
+        self.sample_idx = int(state["global_batches"]) * self.per_rank + int(state["offset"])
+
+    def rewind(self) -> None:
+        self.sample_idx = 0
 
 
 class StreamingPackedDataset(IterableDataset):
     """A streamed hub dataset, split per dp rank and packed on the fly."""
+
+    global_index = False
 
     def __init__(self, name: str, tokenizer: Tokenizer, seq_len: int, dp_rank: int,
                  dp_world_size: int, text_field: str, seed: int):

@@ -1,9 +1,9 @@
 """Warmup, optional stable phase (WSD), then linear/sqrt/cosine decay to a min-lr factor."""
 
 import math
+from functools import partial
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float | None,
@@ -28,9 +28,45 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int,
+class LRSchedulersContainer:
+    """Sets every param group's lr from the step count; a Stateful for DCP.
+
+    The schedule is a pure function of the step, so its checkpoint state is one integer.
+    """
+
+    def __init__(self, optimizer, total_steps: int, warmup_steps: int,
+                 decay_ratio: float | None, decay_type: str, min_lr_factor: float):
+        self.optimizer = optimizer
+        self.factor = partial(lr_factor, total_steps=total_steps, warmup_steps=warmup_steps,
+                              decay_ratio=decay_ratio, decay_type=decay_type,
+                              min_lr_factor=min_lr_factor)
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.steps_done = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        # the lr of step s (1-based) is set after s - 1 steps are done
+        f = self.factor(self.steps_done + 1)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * f
+
+    def step(self) -> None:
+        self.steps_done += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"steps_done": torch.tensor(self.steps_done, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps_done = int(state["steps_done"])
+        self._apply()
+
+
+def build_lr_scheduler(optimizer, total_steps: int, warmup_steps: int,
                        decay_ratio: float | None, decay_type: str,
-                       min_lr_factor: float) -> LambdaLR:
-    # LambdaLR evaluates its lambda at 0 on construction; the lr of step s is lambda(s - 1)
-    return LambdaLR(optimizer, lambda i: lr_factor(i + 1, total_steps, warmup_steps, decay_ratio,
-                                                   decay_type, min_lr_factor))
+                       min_lr_factor: float) -> LRSchedulersContainer:
+    return LRSchedulersContainer(optimizer, total_steps, warmup_steps, decay_ratio, decay_type,
+                                 min_lr_factor)

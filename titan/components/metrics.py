@@ -32,6 +32,17 @@ def memory_gib(device: torch.device) -> dict[str, float]:
     return {"memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def _truncate_history(path: str, keep_until: int | None) -> None:
+    if keep_until is None or not os.path.exists(path):
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    with open(path) as f:
+        kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= keep_until]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
 @dataclass
 class _Window:
     """What happened since the last logged step."""
@@ -48,7 +59,7 @@ class MetricsLogger:
     def __init__(self, log_freq: int, dump_folder: str, enable_tensorboard: bool,
                  save_tb_folder: str, disable_color_printing: bool, is_logging_rank: bool,
                  rank: int, device: torch.device, flops_per_token: float, peak_flops: float,
-                 append: bool = False, max_over_ranks=None):
+                 resume_step: int | None = None, max_over_ranks=None):
         self.log_freq = log_freq
         self.device = device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -63,11 +74,13 @@ class MetricsLogger:
         if not is_logging_rank:
             return
         os.makedirs(dump_folder, exist_ok=True)
-        # a fresh run starts the history anew; a resumed run continues it
-        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a" if append else "w")
+        # a fresh run starts the history anew; a resumed run continues it from its checkpoint,
+        # dropping what a crashed run logged after that step
+        path = os.path.join(dump_folder, "metrics.jsonl")
         self.val_jsonl_path = os.path.join(dump_folder, "validation.jsonl")
-        if not append and os.path.exists(self.val_jsonl_path):
-            os.remove(self.val_jsonl_path)
+        for p in (path, self.val_jsonl_path):
+            _truncate_history(p, resume_step)
+        self.jsonl = open(path, "a")
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

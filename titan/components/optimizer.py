@@ -1,19 +1,27 @@
-"""AdamW/Adam with the fastest kernel the parameters allow."""
+"""AdamW/Adam, one optimizer per model part (pipeline stage), stepped as one.
+
+One optimizer per part keeps optimizer state addressable by each part's own parameter names,
+which is what lets a checkpoint written under one pipeline split load under another.
+"""
 
 import logging
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 logger = logging.getLogger(__name__)
 
+# tensors only (exp_avg, exp_avg_sq, step): hyper-parameters come from the config on resume
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-def build_optimizer(model_parts: list[nn.Module], name: str, lr: float, beta1: float,
-                    beta2: float, eps: float, weight_decay: float,
-                    implementation: str) -> torch.optim.Optimizer:
-    params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
+
+def _build_one(params, name: str, implementation: str, kw: dict) -> torch.optim.Optimizer:
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[name]
-    kw = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
     if implementation == "fused":
         try:
             return cls(params, fused=True, **kw)
@@ -22,3 +30,49 @@ def build_optimizer(model_parts: list[nn.Module], name: str, lr: float, beta1: f
             logger.warning("fused %s unavailable (%s); using foreach", name, e)
             implementation = "foreach"
     return cls(params, foreach=implementation == "foreach", **kw)
+
+
+class OptimizersContainer:
+    """Looks like one optimizer; is a Stateful for DCP."""
+
+    def __init__(self, model_parts: list[nn.Module], name: str, lr: float, beta1: float,
+                 beta2: float, eps: float, weight_decay: float, implementation: str):
+        kw = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        self.model_parts = model_parts
+        self.optimizers = [
+            _build_one([p for p in part.parameters() if p.requires_grad], name, implementation, kw)
+            for part in model_parts
+        ]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        out = {}
+        for part, opt in zip(self.model_parts, self.optimizers, strict=True):
+            sd = get_optimizer_state_dict(part, opt, options=_OPTIONS)
+            out.update({k: v for k, v in sd.items() if k.startswith("state.")})
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        for part, opt in zip(self.model_parts, self.optimizers, strict=True):
+            # start from the live dict (param groups, this part's keys) and fill in saved state
+            sd = get_optimizer_state_dict(part, opt, options=_OPTIONS)
+            sd.update({k: state[k] for k in sd if k in state})
+            set_optimizer_state_dict(part, opt, sd, options=_OPTIONS)
+
+
+def build_optimizer(model_parts: list[nn.Module], name: str, lr: float, beta1: float,
+                    beta2: float, eps: float, weight_decay: float,
+                    implementation: str) -> OptimizersContainer:
+    return OptimizersContainer(model_parts, name, lr, beta1, beta2, eps, weight_decay,
+                               implementation)

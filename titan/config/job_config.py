@@ -46,7 +46,11 @@ class Training:
     )
     seq_len: int = opt(2048, "Tokens per training sequence")
     max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping")
-    steps: int = opt(10000, "Optimizer steps to train")
+    steps: int = opt(10000, "Optimizer steps to train (the lr schedule spans them)")
+    exit_at_step: int = opt(
+        -1, "Stop after this step (saving a checkpoint if enabled) keeping the schedule of "
+        "training.steps, e.g. for time-limited jobs; -1 = train all steps"
+    )
     mixed_precision_param: Literal["bfloat16", "float32"] = opt(
         "bfloat16", "Compute dtype of parameters in forward/backward (master weights stay fp32)"
     )
@@ -145,6 +149,37 @@ class Compile:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save DCP checkpoints and resume from the newest complete one")
+    folder: str = opt("checkpoint", "Checkpoint folder inside the dump folder (step-N subfolders)")
+    interval: int = opt(500, "Save every N steps (and after the last step)")
+    keep_latest_k: int = opt(10, "Keep the newest k complete checkpoints, purge older ones; 0 = all")
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
+        "disabled", "Save in a background process; pinned staging memory needs CUDA"
+    )
+    enable_first_step_checkpoint: bool = opt(False, "Also save right after step 1")
+    load_step: int = opt(-1, "Resume from this step's checkpoint instead of the newest (-1)")
+    initial_load_path: str | None = opt(
+        None, "When the checkpoint folder is empty: start from this checkpoint (a step folder) "
+        "or, with initial_load_in_hf, an HF safetensors folder"
+    )
+    initial_load_model_only: bool = opt(True, "From initial_load_path load only the model weights")
+    initial_load_in_hf: bool = opt(False, "initial_load_path is an HF folder (safetensors)")
+    exclude_from_loading: list[str] = opt(
+        [], "State parts not restored on resume: optimizer, lr_scheduler, dataloader, train_state"
+    )
+    last_save_model_only: bool = opt(
+        False, "The final save holds only the model (in export_dtype), for export or eval"
+    )
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
+        "float32", "Dtype of a model-only final save"
+    )
+    create_seed_checkpoint: bool = opt(
+        False, "Initialize the model, save it as step-0 and exit (not needed for same-seed runs)"
+    )
+
+
+@dataclass
 class Metrics:
     log_freq: int = opt(10, "Log metrics every N steps")
     enable_tensorboard: bool = opt(True, "Write TensorBoard events under <dump_folder>/<save_tb_folder>")
@@ -195,6 +230,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

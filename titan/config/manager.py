@@ -284,6 +284,17 @@ def validate(cfg: JobConfig) -> None:
         (v.freq >= 1, "validation.freq", "must be >= 1"),
         (v.steps == -1 or v.steps >= 1, "validation.steps", "must be -1 (full pass) or >= 1"),
         (v.local_batch_size >= 1, "validation.local_batch_size", "must be >= 1"),
+        (t.exit_at_step == -1 or t.exit_at_step >= 1, "training.exit_at_step",
+         "must be -1 (never) or >= 1"),
+        (cfg.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1"),
+        (cfg.checkpoint.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0 (0 = all)"),
+        (cfg.checkpoint.load_step >= -1, "checkpoint.load_step", "must be -1 (newest) or >= 0"),
+        (set(cfg.checkpoint.exclude_from_loading) <= {"model", "optimizer", "lr_scheduler",
+                                                      "dataloader", "train_state"},
+         "checkpoint.exclude_from_loading",
+         "may list only model, optimizer, lr_scheduler, dataloader, train_state"),
+        (not cfg.checkpoint.initial_load_in_hf or bool(cfg.checkpoint.initial_load_path),
+         "checkpoint.initial_load_in_hf", "needs checkpoint.initial_load_path (an HF folder)"),
     ]
     for ok, key, why in checks:
         require(cfg, ok, key, why)

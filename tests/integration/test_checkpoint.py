@@ -1,0 +1,174 @@
+"""Checkpoints: exact resume (bitwise on CPU fp32), resume onto other layouts, retention,
+partial loads, seed checkpoints, damaged checkpoints, HF import."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import dp_batch
+
+from titan.paths import REPO_ROOT
+from titan.tools.loss_compare import launch, read_metrics
+
+STEPS = 20
+BASE = ["--training.steps", str(STEPS), "--training.seq_len", "64",
+        "--training.mixed_precision_param", "float32", "--training.deterministic",
+        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "3",
+        "--metrics.no_enable_tensorboard", "--checkpoint.interval", "10"]
+CK = ["--checkpoint.enable"]
+
+
+def losses(dump):
+    return {r["step"]: r["loss"] for r in read_metrics(dump)}
+
+
+def steps_on_disk(dump):
+    root = dump / "checkpoint"
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*")
+                  if (p / ".complete").is_file())
+
+
+def straight_then_resumed(tmp_path, nproc, layout, extra=()):
+    """(losses of 20 straight steps, losses of 10 steps + resume + 10 steps)."""
+    launch(nproc, [*BASE, *layout], tmp_path / "straight", timeout=600)
+    resumed = tmp_path / "resumed"
+    launch(nproc, [*BASE, *layout, *CK, *extra, "--training.exit_at_step", "10"], resumed,
+           timeout=600)
+    assert sorted(losses(resumed)) == list(range(1, 11))
+    assert steps_on_disk(resumed) == [10]
+    proc = launch(nproc, [*BASE, *layout, *CK, *extra], resumed, timeout=600)
+    assert "resumed from" in proc.stderr and "step-10" in proc.stderr
+    return losses(tmp_path / "straight"), losses(resumed)
+
+
+@pytest.mark.parametrize("case,nproc,layout,extra", [
+    ("1rank", 1, dp_batch(1), []),
+    ("fsdp2", 2, dp_batch(2), []),
+    ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)], []),
+    ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(1)], []),
+    ("fsdp2_async", 2, dp_batch(2), ["--checkpoint.async_mode", "async"]),
+])
+def test_exact_resume_is_bitwise(case, nproc, layout, extra, tmp_path):
+    straight, resumed = straight_then_resumed(tmp_path, nproc, layout, extra)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert resumed == straight  # bit for bit, every step, data order included
+
+
+def test_resume_onto_other_layouts(tmp_path):
+    fsdp4 = [*dp_batch(4)]
+    launch(4, [*BASE, *fsdp4], tmp_path / "straight", timeout=600)
+    straight = losses(tmp_path / "straight")
+    saved = tmp_path / "saved"
+    launch(4, [*BASE, *fsdp4, *CK, "--training.exit_at_step", "10"], saved, timeout=600)
+    for name, nproc, layout in [
+        ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)]),
+        ("pp2_fsdp2", 4, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(2)]),
+    ]:
+        dump = tmp_path / name
+        shutil.copytree(saved, dump)
+        launch(nproc, [*BASE, *layout, *CK], dump, timeout=600)
+        got = losses(dump)
+        assert sorted(got) == list(range(1, STEPS + 1))
+        for step in range(11, STEPS + 1):
+            assert abs(got[step] - straight[step]) <= 1e-5 * straight[step], (name, step)
+
+
+def test_interval_first_step_and_keep_latest_k(train_run, tmp_path):
+    common = [*BASE, *CK, "--training.steps", "7", "--checkpoint.interval", "3",
+              "--checkpoint.enable_first_step_checkpoint", *dp_batch(1)]
+    _, _, dump = train_run(1, *common, "--checkpoint.keep_latest_k", "0", name="all")
+    assert steps_on_disk(dump) == [1, 3, 6, 7]
+    _, _, dump = train_run(1, *common, "--checkpoint.keep_latest_k", "2", name="k2")
+    assert steps_on_disk(dump) == [6, 7]
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-6", "step-7"]
+
+
+def test_truncated_newest_checkpoint_falls_back(tmp_path):
+    common = [*BASE, *CK, "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
+              *dp_batch(1)]
+    launch(1, [*common], tmp_path / "straight_ref", timeout=300)
+    dump = tmp_path / "run"
+    launch(1, [*common, "--training.exit_at_step", "10"], dump, timeout=300)
+    shard = next((dump / "checkpoint" / "step-10").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc = launch(1, common, dump, timeout=300)
+    assert "step-10 is unusable (truncated file" in proc.stderr
+    assert "resumed from" in proc.stderr and "step-5" in proc.stderr
+    assert losses(dump) == losses(tmp_path / "straight_ref")
+
+
+def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    dump = tmp_path / "run"
+    launch(1, [*BASE, *CK, "--training.exit_at_step", "10", *dp_batch(1)], dump, timeout=300)
+    (dump / "checkpoint" / "step-10" / ".metadata").write_bytes(b"garbage")
+    proc = launch(1, [*BASE, *CK, *dp_batch(1)], dump, timeout=300, check=False)
+    assert proc.returncode != 0
+    assert "no usable checkpoint" in proc.stderr and "unreadable metadata" in proc.stderr
+    assert sorted(losses(dump)) == list(range(1, 11))  # the history was not overwritten
+
+
+def test_exclude_from_loading_and_model_only_initial_load(tmp_path):
+    common = [*BASE, *dp_batch(1)]
+    src = tmp_path / "src"
+    launch(1, [*common, *CK, "--training.exit_at_step", "10"], src, timeout=300)
+    step10 = src / "checkpoint" / "step-10"
+    # model only: weights of step 10, but step, data, optimizer and lr start from scratch
+    fresh = tmp_path / "model_only"
+    launch(1, [*common, *CK, "--checkpoint.initial_load_path", str(step10),
+               "--training.steps", "3"], fresh, timeout=300)
+    got = losses(fresh)
+    assert sorted(got) == [1, 2, 3]
+    first_run = losses(src)
+    assert got[1] < first_run[1] - 1.0  # trained weights: far below the initial loss
+    # resume excluding the dataloader: step and weights restored, data restarts at batch 0
+    excl = tmp_path / "excl"
+    shutil.copytree(src, excl)
+    launch(1, [*common, *CK, "--checkpoint.exclude_from_loading", "dataloader"], excl, timeout=300)
+    resumed_full = tmp_path / "full"
+    shutil.copytree(src, resumed_full)
+    launch(1, [*common, *CK], resumed_full, timeout=300)
+    assert sorted(losses(excl)) == list(range(1, STEPS + 1))
+    assert losses(excl)[11] != losses(resumed_full)[11]
+
+
+def test_seed_checkpoint_gives_same_losses_across_layouts(tmp_path):
+    seed_dump = tmp_path / "seed"
+    launch(1, [*BASE, *CK, "--checkpoint.create_seed_checkpoint", "--training.seed", "7"],
+           seed_dump, timeout=300)
+    assert steps_on_disk(seed_dump) == [0]
+    assert read_metrics(seed_dump) == []
+    runs = {}
+    for name, nproc, layout in [("one", 1, dp_batch(1)), ("fsdp2", 2, dp_batch(2))]:
+        dump = tmp_path / name
+        shutil.copytree(seed_dump, dump)
+        launch(nproc, [*BASE, *CK, "--training.steps", "5", *layout], dump, timeout=300)
+        runs[name] = losses(dump)
+    launch(1, [*BASE, "--training.steps", "5", *dp_batch(1)], tmp_path / "noseed", timeout=300)
+    assert sorted(runs["one"]) == [1, 2, 3, 4, 5]
+    for s in runs["one"]:
+        assert abs(runs["one"][s] - runs["fsdp2"][s]) <= 1e-5 * runs["one"][s]
+    assert runs["one"][1] != losses(tmp_path / "noseed")[1]  # the seed's weights were used
+
+
+def test_hf_export_then_initial_load_in_hf(tmp_path):
+    src = tmp_path / "src"
+    launch(1, [*BASE, *CK, "--training.steps", "4", "--checkpoint.last_save_model_only",
+               *dp_batch(1)], src, timeout=300)
+    marker = json.loads((src / "checkpoint" / "step-4" / ".complete").read_text())
+    assert marker["model_only"] is True
+    hf = tmp_path / "hf"
+    subprocess.run([sys.executable, "scripts/convert_to_hf.py", str(src / "checkpoint"), str(hf),
+                    "--flavor", "debugmodel", "--max-seq-len", "64"],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    from_hf, from_dcp = tmp_path / "from_hf", tmp_path / "from_dcp"
+    common = [*BASE, *CK, "--training.steps", "3", *dp_batch(1)]
+    launch(1, [*common, "--checkpoint.initial_load_path", str(hf),
+               "--checkpoint.initial_load_in_hf"], from_hf, timeout=300)
+    launch(2, [*common[:-2], *dp_batch(2), "--checkpoint.initial_load_path",
+               str(src / "checkpoint" / "step-4")], from_dcp, timeout=300)
+    a, b = losses(from_hf), losses(from_dcp)
+    assert sorted(a) == [1, 2, 3]
+    for s in a:
+        assert abs(a[s] - b[s]) <= 1e-5 * a[s]

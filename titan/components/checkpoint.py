@@ -1,0 +1,329 @@
+"""DCP checkpoints: one folder per step, visible only once complete, exact resume.
+
+Layout: `<dump_folder>/<folder>/step-N/` holds DCP shards, `.metadata`, and a `.complete`
+marker that rank 0 writes (atomically) only after every rank's data and the metadata are on
+disk. Resume takes the newest folder that is complete and whose files match its metadata;
+torn or corrupt ones are skipped with a warning.
+
+Everything saved is a tensor (model and optimizer state by parameter name, the lr step, the
+data position, step/token counters and RNG state), so checkpoints load into any parallel
+layout and nothing is unpickled but DCP's own metadata.
+"""
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from titan.components.hf_io import COMPLETE_MARKER, CheckpointError, _step_dirs, to_dtype
+
+logger = logging.getLogger(__name__)
+
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def encode_json(obj) -> torch.Tensor:
+    """Non-tensor state as a uint8 tensor: DCP then never needs to pickle it."""
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
+
+
+def decode_json(t: torch.Tensor):
+    return json.loads(bytes(t.tolist()).decode())
+
+
+class ModelState:
+    """All model parts (pipeline stages) as one state dict keyed by parameter name."""
+
+    def __init__(self, parts: list[nn.Module], export_dtype: torch.dtype | None = None):
+        self.parts, self.export_dtype = parts, export_dtype
+
+    def state_dict(self) -> dict:
+        sd = {}
+        for part in self.parts:
+            sd.update(get_model_state_dict(part))
+        if self.export_dtype is not None:
+            sd = {k: v.to(self.export_dtype) for k, v in sd.items()}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for part in self.parts:
+            own = get_model_state_dict(part)
+            set_model_state_dict(part, {k: sd[k] for k in own})
+
+
+def load_full_model_state(parts: list[nn.Module], full: dict[str, torch.Tensor]) -> None:
+    """Load full (unsharded, CPU) tensors into sharded parts: each rank keeps its slices."""
+    opts = StateDictOptions(full_state_dict=True, strict=False)
+    for part in parts:
+        own = get_model_state_dict(part)
+        missing = [k for k in own if k not in full]
+        if missing:
+            raise CheckpointError(f"initial weights lack {len(missing)} parameters, e.g. {missing[:3]}")
+        set_model_state_dict(part, {k: full[k] for k in own}, options=opts)
+
+
+class TrainState:
+    def __init__(self):
+        self.step = 0
+        self.tokens_seen = 0
+
+    def state_dict(self) -> dict:
+        sd = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
+              "rng_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["rng_cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+        torch.set_rng_state(sd["rng_cpu"])
+        if torch.cuda.is_available() and "rng_cuda" in sd:
+            torch.cuda.set_rng_state(sd["rng_cuda"])
+
+
+class DataState:
+    """The data position. Globally indexed datasets store the number of global batches consumed
+    (the same on every rank, valid for any dp degree); streamed ones store each dp rank's own
+    stream state under its rank."""
+
+    def __init__(self, dataloader, dp_rank: int):
+        self.dataset, self.dp_rank = dataloader.dataset, dp_rank
+        self.global_index = self.dataset.global_index
+        self.load_sizes: dict[str, int] = {}  # set before a load: DCP fills same-size buffers
+
+    def _key(self) -> str:
+        return "global" if self.global_index else f"dp_rank_{self.dp_rank}"
+
+    def state_dict(self) -> dict:
+        key = self._key()
+        if key in self.load_sizes:
+            return {key: torch.zeros(self.load_sizes[key], dtype=torch.uint8)}
+        return {key: encode_json(self.dataset.state_dict())}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.dataset.load_state_dict(decode_json(sd[self._key()]))
+
+
+def _problem(path: Path) -> str | None:
+    """Why a step folder cannot be loaded, or None if it is complete and its files add up."""
+    if not (path / COMPLETE_MARKER).is_file():
+        return "incomplete (no completion marker: the save was interrupted)"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001  any unreadable metadata means unusable
+        return f"unreadable metadata ({type(e).__name__}: {e})"
+    sizes: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    for name, needed in sizes.items():
+        f = path / name
+        if not f.is_file():
+            return f"missing file {name}"
+        if f.stat().st_size < needed:
+            return f"truncated file {name} ({f.stat().st_size} of {needed} bytes)"
+    return None
+
+
+def saved_keys(path: Path) -> set[str]:
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+
+
+class Checkpointer:
+    def __init__(self, cfg, dump_folder: str, states: dict, rank: int):
+        self.cfg = cfg
+        self.root = Path(dump_folder) / cfg.folder
+        self.states = states  # STATE_KEYS -> Stateful objects
+        self.rank = rank
+        self._pending = None  # (future, step) of an async save in flight
+        self._purge_queue: queue.Queue = queue.Queue()
+        self._purger = None
+        if cfg.enable and rank == 0 and cfg.keep_latest_k > 0:
+            self._purger = threading.Thread(target=self._purge_loop, daemon=True)
+            self._purger.start()
+
+    # ------------------------------------------------------------------ load
+
+    def _resume_candidate(self) -> Path | None:
+        if self.cfg.load_step >= 0:
+            path = self.root / f"step-{self.cfg.load_step}"
+            why = _problem(path) if path.is_dir() else "does not exist"
+            if why:
+                raise CheckpointError(f"checkpoint.load_step = {self.cfg.load_step}: {path} {why}")
+            return path
+        steps = _step_dirs(self.root) if self.root.is_dir() else []
+        skipped = []
+        for _, path in reversed(steps):
+            why = _problem(path)
+            if why is None:
+                for name, reason in skipped:
+                    logger.warning("checkpoint %s is unusable (%s); resuming from %s instead",
+                                   name, reason, path.name)
+                return path
+            skipped.append((path.name, why))
+        completed = [(n, r) for n, r in skipped if not r.startswith("incomplete")]
+        if completed:
+            details = "; ".join(f"{n}: {r}" for n, r in skipped)
+            raise CheckpointError(
+                f"no usable checkpoint in {self.root} ({details}). Fix or remove the damaged "
+                "folders, or point checkpoint.folder / job.dump_folder elsewhere to start fresh"
+            )
+        for name, reason in skipped:
+            logger.warning("ignoring checkpoint %s: %s", name, reason)
+        return None
+
+    def load(self) -> bool:
+        """Restore from the newest usable checkpoint (or the initial load path); True if resumed."""
+        if not self.cfg.enable:
+            return False
+        path = self._resume_candidate()
+        if path is None:
+            return self._initial_load()
+        keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
+        present = saved_keys(path)
+        absent = [k for k in keys if k not in present]
+        if absent:
+            logger.info("checkpoint %s holds no %s (model-only save): those start fresh",
+                        path.name, ", ".join(absent))
+        self._dcp_load({k: self.states[k] for k in keys if k in present}, path)
+        logger.info("resumed from %s at step %d", path, self.states["train_state"].step)
+        return True
+
+    def _dcp_load(self, state: dict, path: Path) -> None:
+        t0 = time.perf_counter()
+        if "dataloader" in state:
+            md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            data = state["dataloader"]
+            data.load_sizes = {
+                k.split(".", 1)[1]: m.size[0] for k, m in md.items() if k.startswith("dataloader.")}
+            if data._key() not in data.load_sizes:
+                raise CheckpointError(
+                    f"{path} holds no data position for {data._key()}: streamed datasets are "
+                    "saved per dp rank, so resume them with the same data-parallel degree, or "
+                    "set checkpoint.exclude_from_loading = [\"dataloader\"]")
+        try:
+            dcp.load(state, checkpoint_id=str(path),
+                     planner=DefaultLoadPlanner(allow_partial_load=False))
+        finally:
+            if "dataloader" in state:
+                state["dataloader"].load_sizes = {}
+        logger.info("loaded %s from %s in %.2fs", ", ".join(state), path, time.perf_counter() - t0)
+
+    def _initial_load(self) -> bool:
+        cfg = self.cfg
+        if not cfg.initial_load_path:
+            return False
+        path = Path(cfg.initial_load_path)
+        if cfg.initial_load_in_hf:
+            from titan.components.hf_io import load_hf
+
+            load_full_model_state(self.states["model"].parts, load_hf(path))
+            logger.info("initialized the model from HF weights in %s", path)
+            return False
+        why = _problem(path) if path.is_dir() else "does not exist"
+        if why:
+            raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}")
+        keys = ["model"] if cfg.initial_load_model_only else [
+            k for k in STATE_KEYS if k not in cfg.exclude_from_loading and k in saved_keys(path)]
+        self._dcp_load({k: self.states[k] for k in keys}, path)
+        return not cfg.initial_load_model_only
+
+    # ------------------------------------------------------------------ save
+
+    def due(self, step: int, last: bool) -> bool:
+        c = self.cfg
+        return c.enable and (step % c.interval == 0 or last
+                             or (step == 1 and c.enable_first_step_checkpoint))
+
+    def save(self, step: int, model_only: bool = False, blocking: bool = False) -> float:
+        """Save `step`; returns the seconds training was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        if model_only:
+            # an export (final save) in export_dtype; a seed checkpoint (step 0) as initialized
+            dtype = to_dtype(self.cfg.export_dtype) if step > 0 else None
+            state = {"model": ModelState(self.states["model"].parts, dtype)}
+        else:
+            state = dict(self.states)
+        path = self.root / f"step-{step}"
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a re-run of a step rewrites it whole
+            path.mkdir(parents=True)
+        dist.barrier()
+        mode = self.cfg.async_mode
+        if mode == "disabled" or blocking:
+            dcp.save(state, checkpoint_id=str(path))
+            self._mark_complete(path, step, model_only)
+        else:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            pinned = mode == "async_with_pinned_mem"
+            stager = DefaultStager(StagingOptions(pinned, pinned, pinned, pinned))
+            future = dcp.async_save(state, checkpoint_id=str(path), async_stager=stager,
+                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            self._pending = (future, path, step, stager)
+        blocked = time.perf_counter() - t0
+        logger.info("checkpoint step %d %s (%s, training blocked %.2fs)", step,
+                    "saved" if self._pending is None else "staged", mode, blocked)
+        return blocked
+
+    def wait(self) -> None:
+        """Finish an async save in flight and mark it complete."""
+        if self._pending is None:
+            return
+        future, path, step, stager = self._pending
+        self._pending = None
+        future.result()
+        stager.close()
+        self._mark_complete(path, step, model_only=False)
+
+    def _mark_complete(self, path: Path, step: int, model_only: bool) -> None:
+        # every rank's writes and the metadata are done when dcp.save / the future returns
+        if self.rank != 0:
+            return
+        tmp = path / (COMPLETE_MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"step": step, "model_only": model_only, "time": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / COMPLETE_MARKER)
+        if self._purger is not None:
+            self._purge_queue.put(step)
+
+    def _purge_loop(self) -> None:
+        while True:
+            newest = self._purge_queue.get()
+            if newest is None:
+                return
+            steps = [(s, p) for s, p in _step_dirs(self.root) if s <= newest]
+            complete = [(s, p) for s, p in steps if (p / COMPLETE_MARKER).is_file()]
+            doomed = [p for _, p in complete[:-self.cfg.keep_latest_k]]
+            # torn saves older than the newest complete one will never be completed
+            doomed += [p for s, p in steps if s < newest and not (p / COMPLETE_MARKER).is_file()]
+            for p in doomed:
+                shutil.rmtree(p, ignore_errors=True)
+                logger.info("removed old checkpoint %s (keep_latest_k=%d)", p.name,
+                            self.cfg.keep_latest_k)
+
+    def close(self) -> None:
+        self.wait()
+        if self._purger is not None:
+            self._purge_queue.put(None)
+            self._purger.join()
