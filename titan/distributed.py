@@ -35,8 +35,17 @@ def init_distributed(device: torch.device, init_timeout_s: int) -> tuple[int, in
         backend = "cuda:nccl,cpu:gloo"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend,
-                            timeout=datetime.timedelta(seconds=init_timeout_s))
+    timeout = datetime.timedelta(seconds=init_timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        # after a torchrun restart, gloo would read the dead attempt's peer addresses from the
+        # agent's store and hang connecting to them: give every attempt its own key space
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        store = dist.PrefixStore(f"titan/attempt_{attempt}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -5,8 +5,12 @@ after torchrun starts N workers); each worker runs it again, as workers may be s
 by other launchers.
 """
 
+import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from titan.components.tokenizer import Tokenizer, TokenizerError
 from titan.config import ConfigError, JobConfig
@@ -16,6 +20,8 @@ from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, val
 from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipeline
 
 
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +93,7 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
 
         require(job, torch.cuda.is_available(), "checkpoint.async_mode",
                 "pinned staging memory needs CUDA; use async on CPU")
+    check_writable(job, model_args.num_params())
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,
@@ -103,3 +110,49 @@ def pipeline_plan(job: JobConfig, n_layers: int, pp_rank: int) -> PipelinePlan:
                              par.pipeline_parallel_split_points)
     except PipelineConfigError as e:
         raise ConfigError(f"parallelism: {e}") from None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _probe_write(folder: Path) -> str | None:
+    """Why a file cannot be created in `folder` (None if it can). Leaves nothing behind.
+
+    A real write, not os.access: root ignores permission bits but not read-only mounts or
+    immutable folders.
+    """
+    if not folder.is_dir():
+        return f"{folder} exists but is not a folder"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".titan-write-check-", dir=folder)
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        return f"{folder} is not writable ({e.strerror})"
+    return None
+
+
+def check_writable(job: JobConfig, n_params: int) -> None:
+    """Dump and checkpoint folders must be writable before anything starts; warn when the
+    disk cannot hold one more checkpoint."""
+    dump = Path(job.job.dump_folder)
+    targets = [("job.dump_folder", dump)]
+    if job.checkpoint.enable:
+        targets.append(("checkpoint.folder", dump / job.checkpoint.folder))
+    for key, path in targets:
+        why = _probe_write(_existing_ancestor(path))
+        if why:
+            raise ConfigError(f"{key}: cannot write {path}: {why}; choose a writable location")
+    if job.checkpoint.enable:
+        # fp32 weights + two AdamW moments; a model-only export is a third of that
+        estimate = n_params * 4 * 3
+        free = shutil.disk_usage(_existing_ancestor(dump / job.checkpoint.folder)).free
+        if free < estimate:
+            logger.warning(
+                "only %.1f GiB free under %s, less than one checkpoint (~%.1f GiB): saves will "
+                "fail; free space or lower checkpoint.keep_latest_k", free / 2**30,
+                dump / job.checkpoint.folder, estimate / 2**30)

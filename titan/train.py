@@ -26,6 +26,7 @@ from titan.components.lr_scheduler import build_lr_scheduler
 from titan.components.metrics import MetricsLogger
 from titan.components.optimizer import build_optimizer
 from titan.components.profiling import maybe_profile
+from titan.components.watchdog import StepWatchdog, record_for_torchrun
 from titan.config import ConfigError, JobConfig, parse_args, to_toml
 from titan.distributed import clean_exit, init_distributed, pick_device, set_collective_timeout
 from titan.logging_setup import init_logging
@@ -85,7 +86,7 @@ class Trainer:
             "model": ModelState(self.model_parts), "optimizer": self.optimizer,
             "lr_scheduler": self.lr_scheduler, "dataloader": DataState(self.dataloader, shard.dp_rank),
             "train_state": self.train_state,
-        }, self.rank)
+        }, self.rank, debug=job.debug)
         resumed = self.checkpointer.load()
         self.step = self.train_state.step
 
@@ -204,6 +205,10 @@ class Trainer:
         self.lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), device=self.device)
+        d = self.job.debug
+        if self.step == d.sleep_at_step and self.rank == d.sleep_rank:
+            logger.warning("debug.sleep_at_step: rank %d sleeps %.0fs", self.rank, d.sleep_seconds)
+            time.sleep(d.sleep_seconds)
         for inputs, labels in microbatches:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             if self.pp_schedule is not None:
@@ -245,6 +250,10 @@ class Trainer:
             return
         gc_sched = ScheduledGC(t.gc_freq)
         first_step = self.step + 1
+        # at 80% of the collective timeout, so a stuck rank reports itself before its peers'
+        # collectives time out (they only know that *someone* is late)
+        watchdog = StepWatchdog(0.8 * self.job.comm.train_timeout_seconds, self.rank,
+                                self.job.job.dump_folder)
         data_iter = iter(self.dataloader)
         trace_dir = os.path.join(self.job.job.dump_folder, p.save_traces_folder)
         logger.info("training %d steps, global batch %d sequences x %d tokens", t.steps,
@@ -259,7 +268,9 @@ class Trainer:
                 loss, grad_norm, skipped = self.train_step(microbatches)
                 self.skipped_steps += skipped
                 if self.step == first_step:
+                    # start-up and compilation are slow; steady-state steps are not
                     set_collective_timeout(self.job.comm.train_timeout_seconds)
+                    watchdog.start()
                 batch_tokens = sum(x.numel() for x, _ in microbatches)
                 self.train_state.step = self.step
                 self.train_state.tokens_seen += batch_tokens * self.plan.dims.dp
@@ -275,13 +286,16 @@ class Trainer:
                 if self.checkpointer.due(self.step, last=self.step == t.steps or stop):
                     final = self.step == t.steps
                     model_only = final and self.job.checkpoint.last_save_model_only
-                    self.metrics.exclude(self.checkpointer.save(
-                        self.step, model_only=model_only, blocking=final or stop))
+                    with watchdog.paused():
+                        self.metrics.exclude(self.checkpointer.save(
+                            self.step, model_only=model_only, blocking=final or stop))
+                watchdog.progress(f"step {self.step}")
                 if prof is not None:
                     prof.step()
                 if stop:
                     logger.info("stopping after step %d (training.exit_at_step)", self.step)
                     break
+        watchdog.stop()
         gc_sched.close()
         logger.info("training done after %d steps", self.step)
 
@@ -357,9 +371,17 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train()
     except (NonFiniteLossError, DataError, CheckpointError) as e:
         logger.error("%s", e)
+        record_for_torchrun(e)
         code = 1
-    except Exception:
+    except Exception as e:
         logger.exception("training failed")
+        if trainer is not None and "timed out" in str(e).lower():
+            logger.error(
+                "rank %d: a collective timed out during step %d. Another rank is stuck or has "
+                "died: look for its watchdog report (%s/watchdog/rank*_stacks.txt) or its error "
+                "above. comm.train_timeout_seconds sets the limit.", trainer.rank,
+                trainer.step, job.job.dump_folder)
+        record_for_torchrun(e)
         code = 1
     finally:
         if trainer is not None:

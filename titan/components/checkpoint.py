@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -146,11 +147,12 @@ def saved_keys(path: Path) -> set[str]:
 
 
 class Checkpointer:
-    def __init__(self, cfg, dump_folder: str, states: dict, rank: int):
+    def __init__(self, cfg, dump_folder: str, states: dict, rank: int, debug=None):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.states = states  # STATE_KEYS -> Stateful objects
         self.rank = rank
+        self.debug = debug
         self._pending = None  # (future, step) of an async save in flight
         self._purge_queue: queue.Queue = queue.Queue()
         self._purger = None
@@ -269,6 +271,7 @@ class Checkpointer:
         mode = self.cfg.async_mode
         if mode == "disabled" or blocking:
             dcp.save(state, checkpoint_id=str(path))
+            self._maybe_die_here(step)
             self._mark_complete(path, step, model_only)
         else:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -284,6 +287,14 @@ class Checkpointer:
                     "saved" if self._pending is None else "staged", mode, blocked)
         return blocked
 
+    def _maybe_die_here(self, step: int) -> None:
+        """Test hook: die after writing the data, before the checkpoint is marked complete."""
+        d = self.debug
+        if (d is not None and d.kill_in_checkpoint_step == step and d.kill_rank == self.rank
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            logger.warning("debug.kill_in_checkpoint_step: rank %d kills itself now", self.rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def wait(self) -> None:
         """Finish an async save in flight and mark it complete."""
         if self._pending is None:
@@ -292,6 +303,7 @@ class Checkpointer:
         self._pending = None
         future.result()
         stager.close()
+        self._maybe_die_here(step)
         self._mark_complete(path, step, model_only=False)
 
     def _mark_complete(self, path: Path, step: int, model_only: bool) -> None:

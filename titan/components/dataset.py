@@ -110,7 +110,7 @@ class PackedDataset(IterableDataset):
         self.sample_idx = 0  # samples this rank has yielded so far
         self._perm_epoch, self._perm = -1, None
 
-    def global_index(self, j: int) -> int:
+    def stream_position(self, j: int) -> int:
         """Position in the global stream of this rank's j-th sample."""
         step, within = divmod(j, self.per_rank)
         return step * self.global_batch_size + self.dp_rank * self.per_rank + within
@@ -127,10 +127,10 @@ class PackedDataset(IterableDataset):
 
     def __iter__(self):
         while True:
-            g = self.global_index(self.sample_idx)
+            g = self.stream_position(self.sample_idx)
             if not self.infinite and g >= self.num_windows - self.num_windows % self.global_batch_size:
                 return
-            prev = self.global_index(self.sample_idx - 1) if self.sample_idx else 0
+            prev = self.stream_position(self.sample_idx - 1) if self.sample_idx else 0
             if g // self.num_windows > prev // self.num_windows:
                 logger.info("%s: all %d sequences seen, starting epoch %d",
                             self.name, self.num_windows, g // self.num_windows)

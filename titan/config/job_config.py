@@ -202,7 +202,10 @@ class Profiling:
 @dataclass
 class Comm:
     init_timeout_seconds: int = opt(300, "Collective timeout until the first step completes")
-    train_timeout_seconds: int = opt(100, "Collective timeout after the first step")
+    train_timeout_seconds: int = opt(
+        100, "After the first step: collective timeout, and the limit a step (plus its "
+        "checkpoint/validation) may run before the watchdog dumps stacks and exits"
+    )
 
 
 @dataclass
@@ -218,6 +221,14 @@ class Validation:
 @dataclass
 class Debug:
     nan_at_step: int = opt(-1, "Test hook: make the loss NaN at this step (-1 = never)")
+    sleep_at_step: int = opt(-1, "Test hook: debug.sleep_rank sleeps inside this step (-1 = never)")
+    sleep_rank: int = opt(0, "Test hook: the rank that sleeps at debug.sleep_at_step")
+    sleep_seconds: float = opt(3600.0, "Test hook: how long that rank sleeps")
+    kill_in_checkpoint_step: int = opt(
+        -1, "Test hook: debug.kill_rank SIGKILLs itself while saving this step's checkpoint, "
+        "on the first launch only (-1 = never)"
+    )
+    kill_rank: int = opt(0, "Test hook: the rank killed by debug.kill_in_checkpoint_step")
 
 
 @dataclass

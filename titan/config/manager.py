@@ -18,6 +18,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 from titan.config.job_config import JobConfig
+from titan.paths import resolve
 
 
 class ConfigError(ValueError):
@@ -155,6 +156,7 @@ def _lookup(cfg: JobConfig, dotted: str, source: str):
 
 def _apply_toml(cfg: JobConfig, path: str, sources: dict[str, str]) -> None:
     source = f"config file {path}"
+    path = str(resolve(path))
     if not os.path.isfile(path):
         raise ConfigError(
             f"config file '{path}' does not exist; pass an existing TOML file with "

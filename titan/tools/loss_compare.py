@@ -7,6 +7,7 @@ folder; numbers come from metrics.jsonl, never from the console.
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -42,18 +43,40 @@ def read_metrics(dump_folder: str | Path, name: str = "metrics.jsonl") -> list[d
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def command(nproc: int, overrides: list[str], dump_folder: str | Path, env: dict | None = None,
+            config_file: str | None = None) -> tuple[list[str], dict]:
+    """The run_train.sh command line and environment for one run."""
+    full_env = {**os.environ, "NGPU": str(nproc), "LOG_RANK": "0", **(env or {})}
+    if config_file:
+        full_env["CONFIG_FILE"] = config_file
+    return [str(REPO_ROOT / "run_train.sh"), *overrides, "--job.dump_folder", str(dump_folder)], full_env
+
+
+def kill_workers(dump_folder: str | Path) -> None:
+    """SIGKILL every titan worker writing to `dump_folder` (torchrun puts workers in their own
+    sessions, so killing the launcher alone would orphan them)."""
+    needle = str(dump_folder).encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            if needle in cmdline and any(b"titan" in c for c in cmdline):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
 def launch(nproc: int, overrides: list[str], dump_folder: str | Path, timeout: float = 600,
            env: dict | None = None, config_file: str | None = None,
            check: bool = True) -> subprocess.CompletedProcess:
     """./run_train.sh with NGPU=nproc; the process group is killed if it outlives `timeout`."""
-    full_env = {**os.environ, "NGPU": str(nproc), "LOG_RANK": "0", **(env or {})}
-    if config_file:
-        full_env["CONFIG_FILE"] = config_file
-    cmd = [str(REPO_ROOT / "run_train.sh"), *overrides, "--job.dump_folder", str(dump_folder)]
+    cmd, full_env = command(nproc, overrides, dump_folder, env, config_file)
     try:
         proc = subprocess.run(cmd, env=full_env, cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=timeout, start_new_session=True)
     except subprocess.TimeoutExpired as e:
+        kill_workers(dump_folder)
         out = (e.stdout or b"")[-4000:]
         raise RunFailed(f"{' '.join(cmd)} (NGPU={nproc}) timed out after {timeout}s:\n{out}") from None
     if check and proc.returncode != 0:

@@ -1,0 +1,121 @@
+"""Faults: a killed rank, a rank killed mid-checkpoint, a stuck rank, an unwritable folder."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import dp_batch
+
+from titan.tools.loss_compare import command, kill_workers, launch, read_metrics
+
+STEPS = 16
+BASE = ["--training.steps", str(STEPS), "--training.seq_len", "64",
+        "--training.mixed_precision_param", "float32", "--training.deterministic",
+        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "3",
+        "--metrics.no_enable_tensorboard"]
+CK = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
+
+
+def losses(dump):
+    return {r["step"]: r["loss"] for r in read_metrics(dump)}
+
+
+def worker_pid(dump: Path, rank: int) -> int | None:
+    """The pid of the titan worker with this RANK writing to `dump` (scanned from /proc)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"titan.train" not in cmdline or str(dump).encode() not in cmdline:
+                continue
+            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0")
+                       if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode():
+            return int(proc.name)
+    return None
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Uninterrupted reference runs, by dp degree."""
+    refs = {}
+    for n in (2, 4):
+        dump = tmp_path_factory.mktemp(f"straight{n}")
+        launch(n, [*BASE, *dp_batch(n)], dump, timeout=600)
+        refs[n] = losses(dump)
+    return refs
+
+
+@pytest.mark.parametrize("nproc,victim", [(2, 1), (4, 2)])
+def test_sigkilled_rank_restarts_and_resumes_exactly(nproc, victim, straight, tmp_path):
+    dump = tmp_path / "run"
+    cmd, env = command(nproc, [*BASE, *CK, *dp_batch(nproc)], dump,
+                       env={"MAX_RESTARTS": "2"})
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while max(losses(dump), default=0) < 6:  # past the step-4 checkpoint
+            assert proc.poll() is None and time.monotonic() < deadline, "run ended early"
+            time.sleep(0.2)
+        pid = worker_pid(dump, victim)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_workers(dump)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in err
+    got = losses(dump)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got == straight[nproc]  # bit for bit, before and after the restart
+
+
+def test_rank_killed_while_saving_uses_previous_checkpoint(straight, tmp_path):
+    dump = tmp_path / "run"
+    proc = launch(2, [*BASE, *CK, *dp_batch(2), "--debug.kill_in_checkpoint_step", "8",
+                      "--debug.kill_rank", "0"], dump, env={"MAX_RESTARTS": "1"}, timeout=600)
+    assert "debug.kill_in_checkpoint_step" in proc.stderr
+    assert "resumed from" in proc.stderr and "step-4 at step 4" in proc.stderr
+    assert losses(dump) == straight[2]
+
+
+def test_stuck_rank_fails_within_timeout_naming_it(tmp_path):
+    t0 = time.monotonic()
+    proc = launch(2, [*BASE, *dp_batch(2), "--debug.sleep_at_step", "3",
+                      "--debug.sleep_rank", "1", "--comm.train_timeout_seconds", "10"],
+                  tmp_path, timeout=300, check=False)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 120  # not the hour-long sleep
+    assert "rank 1: no training progress" in proc.stderr  # torchrun's root-cause report
+    stacks = (tmp_path / "watchdog" / "rank1_stacks.txt").read_text()
+    assert "in train_step" in stacks and "rank 1" in stacks
+    assert not (tmp_path / "watchdog" / "rank0_stacks.txt").exists()
+
+
+def test_unwritable_checkpoint_folder_fails_before_training(tmp_path):
+    dump = tmp_path / "run"
+    folder = dump / "checkpoint"
+    folder.mkdir(parents=True)
+    # chattr +i stops root too (tests may run as root, which ignores permission bits)
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        if os.geteuid() == 0:
+            pytest.skip("chattr is not permitted here and root ignores chmod")
+        folder.chmod(0o555)
+    try:
+        proc = launch(1, [*BASE, *CK], dump, timeout=120, check=False)
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+        folder.chmod(0o755)
+    assert proc.returncode == 2
+    assert "checkpoint.folder: cannot write" in proc.stderr and "not writable" in proc.stderr
+    assert sorted(p.name for p in dump.iterdir()) == ["checkpoint"]
+    assert list(folder.iterdir()) == []
