@@ -27,6 +27,8 @@ def test_pp2_schedule(schedule, baseline, tmp_path):
     ("pp2_fsdp2_tp2", 8, [*PP2, "--parallelism.tensor_parallel_degree", "2",
                           "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                           *dp_batch(2)]),
+    ("pp2_fsdp2_full_ac_compile", 4, [*PP2, "--activation_checkpoint.mode", "full",
+                                      "--compile.enable", *dp_batch(2)]),
     ("pp2_split_points", 2, [*PP2, "--parallelism.pipeline_parallel_split_points", "layers.2",
                              *dp_batch(1)]),
 ])
