@@ -11,7 +11,9 @@ Hub datasets are streamed; no global index exists there, so each dp rank reads i
 shard (`split_dataset_by_node`) and packs it on the fly: losses then depend on the dp degree.
 """
 
+import hashlib
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -200,6 +202,41 @@ class StreamingPackedDataset(IterableDataset):
         self.buffer, self.epoch = list(state["buffer"]), int(state["epoch"])
 
 
+def _cache_path(files: list[Path], tokenizer: Tokenizer, text_field: str) -> Path:
+    h = hashlib.sha256()
+    for f in [*files, tokenizer.path]:
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|".encode())
+    h.update(f"{text_field}|{tokenizer.bos_id}|{tokenizer.eos_id}".encode())
+    root = Path(os.environ.get("TITAN_CACHE_DIR", "~/.cache/titan")).expanduser()
+    return root / f"tokens-{h.hexdigest()[:20]}.npy"
+
+
+def load_token_stream(files: list[Path], tokenizer: Tokenizer, text_field: str) -> np.ndarray:
+    """Tokenize local files once; later runs (and the other ranks) read the cached stream.
+
+    The cache key covers the files' and the tokenizer's paths, sizes and modification times;
+    TITAN_CACHE_DIR moves the cache (default ~/.cache/titan). A cache that cannot be written
+    only costs the re-tokenization.
+    """
+    path = _cache_path(files, tokenizer, text_field)
+    if path.is_file():
+        try:
+            return np.load(path)
+        except (OSError, ValueError):
+            logger.warning("token cache %s is unreadable; re-tokenizing", path)
+    tokens = tokenize_stream(_load_local_texts(files, text_field), tokenizer)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, tokens)
+        os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
+    except OSError as e:
+        logger.info("token cache not written (%s)", e)
+    return tokens
+
+
 def build_dataset(name: str, path: str | None, tokenizer: Tokenizer, seq_len: int,
                   dp_rank: int, dp_world_size: int, global_batch_size: int, seed: int,
                   text_field: str = "text", shuffle: bool = True,
@@ -208,6 +245,6 @@ def build_dataset(name: str, path: str | None, tokenizer: Tokenizer, seq_len: in
     if files is None:
         return StreamingPackedDataset(name, tokenizer, seq_len, dp_rank, dp_world_size,
                                       text_field, seed)
-    tokens = tokenize_stream(_load_local_texts(files, text_field), tokenizer)
+    tokens = load_token_stream(files, tokenizer, text_field)
     return PackedDataset(tokens, seq_len, dp_rank, dp_world_size, global_batch_size, seed,
                          shuffle, infinite, name=name)

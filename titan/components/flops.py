@@ -19,7 +19,7 @@ def gpu_peak_flops(device_name: str) -> float | None:
     return max(matches)[1] if matches else None
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1536,
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024,
                          iters: int = 4, repeats: int = 3) -> float:
     """Best achieved FLOP/s of a square matmul: the ceiling on CPUs, which publish no peak."""
     a = torch.randn(n, n, device=device, dtype=dtype)

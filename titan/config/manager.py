@@ -101,25 +101,14 @@ def _coerce(value, tp, key: str, source: str):
         if from_cli and isinstance(value, str) and value.lower() in ("false", "0", "no"):
             return False
         bad()
-    if inner is int:
-        if isinstance(value, bool):
-            bad()
-        if isinstance(value, int):
-            return value
+    if inner in (int, float):
+        # TOML ints are fine for float fields, never the reverse; bools are not numbers here
+        accepted = (int,) if inner is int else (int, float)
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return inner(value)
         if from_cli and isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                bad()
-        bad()
-    if inner is float:
-        if isinstance(value, bool):
-            bad()
-        if isinstance(value, (int, float)):
-            return float(value)
-        if from_cli and isinstance(value, str):
-            try:
-                return float(value)
+                return inner(value)
             except ValueError:
                 bad()
         bad()
