@@ -32,6 +32,8 @@ class RunPlan:
     tokenizer: Tokenizer
     global_batch_size: int
     grad_accum_steps: int
+    # data-parallel replicas in all: the mesh's dp times torchft replica groups
+    data_parallel_size: int
 
 
 def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
@@ -61,10 +63,12 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
             tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
             world_size=world_size,
         )
+        ft = job.fault_tolerance
+        dp_size = dims.dp * (ft.group_size if ft.enable else 1)
         global_batch = (t.global_batch_size if t.global_batch_size != -1
-                        else t.local_batch_size * dims.dp)
+                        else t.local_batch_size * dp_size)
         validate_against_model(dims, model_args.n_heads, model_args.kv_heads, model_args.n_layers,
-                               t.seq_len, t.local_batch_size, global_batch)
+                               t.seq_len, t.local_batch_size, global_batch, dp_size)
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
     if dims.cp_enabled:
@@ -96,8 +100,9 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     check_writable(job, model_args.num_params())
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
+    check_fault_tolerance(job, dims)
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,
-                   global_batch // (t.local_batch_size * dims.dp))
+                   global_batch // (t.local_batch_size * dp_size), dp_size)
 
 
 def pipeline_plan(job: JobConfig, n_layers: int, pp_rank: int) -> PipelinePlan:
@@ -156,3 +161,29 @@ def check_writable(job: JobConfig, n_params: int) -> None:
                 "only %.1f GiB free under %s, less than one checkpoint (~%.1f GiB): saves will "
                 "fail; free space or lower checkpoint.keep_latest_k", free / 2**30,
                 dump / job.checkpoint.folder, estimate / 2**30)
+
+
+def check_fault_tolerance(job: JobConfig, dims: ParallelDims) -> None:
+    ft = job.fault_tolerance
+    if not ft.enable:
+        return
+    require(job, 0 <= ft.replica_id < ft.group_size, "fault_tolerance.replica_id",
+            f"must lie in [0, fault_tolerance.group_size = {ft.group_size})")
+    require(job, 1 <= ft.min_replica_size <= ft.group_size, "fault_tolerance.min_replica_size",
+            f"must lie in [1, fault_tolerance.group_size = {ft.group_size}]")
+    require(job, dims.dp_replicate == 1, "parallelism.data_parallel_replicate_degree",
+            "must be 1 with fault_tolerance: the torchft replica groups are the replicate dim")
+    require(job, not dims.pp_enabled, "parallelism.pipeline_parallel_degree",
+            "pipeline parallelism is not supported with fault_tolerance yet; set it to 1")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "fault_tolerance.enable needs torchft: pip install -e '.[fault_tolerance]'"
+        ) from None
+    if not os.environ.get("TORCHFT_LIGHTHOUSE"):
+        raise ConfigError(
+            "fault_tolerance.enable needs a torchft lighthouse: start `torchft_lighthouse "
+            "--min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000` and set "
+            "TORCHFT_LIGHTHOUSE=http://HOST:29510 for every replica group"
+        )

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from titan.components.checkpoint import Checkpointer, DataState, ModelState, TrainState
 from titan.components.dataloader import DataShard, build_dataloader
 from titan.components.dataset import DataError
+from titan.components.fault_tolerance import FaultTolerance
 from titan.components.flops import peak_flops
 from titan.components.hf_io import CheckpointError
 from titan.components.gc import ScheduledGC
@@ -57,14 +58,15 @@ class Trainer:
         dims.build_mesh(self.device.type)
         self.dp_mesh = dims["dp"]
         self.loss_mesh = dims["dp_cp"]
-        shard = DataShard(self.dp_mesh.get_local_rank(), self.dp_mesh.size())
+        shard = self._data_shard()
         self.dataloader = build_dataloader(
             t.dataset, t.dataset_path, plan.tokenizer, t.seq_len, t.local_batch_size,
             plan.global_batch_size, shard, t.seed, t.dataset_text_field, t.dataset_shuffle,
         )
 
         # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks
-        self.tokens_per_rank_step = plan.global_batch_size // dims.dp * t.seq_len // dims.cp
+        self.tokens_per_rank_step = (plan.global_batch_size // plan.data_parallel_size
+                                     * t.seq_len // dims.cp)
         self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
         self.model_parts, self.pp_schedule, self.pp_plan = self._build_model(plan, dims, job)
         logger.info("model %s %s: %.3fM parameters, layout %s, grad accumulation %d%s",
@@ -89,6 +91,16 @@ class Trainer:
         }, self.rank, debug=job.debug)
         resumed = self.checkpointer.load()
         self.step = self.train_state.step
+        self.ft = None
+        if job.fault_tolerance.enable:
+            ft = job.fault_tolerance
+            self.ft = FaultTolerance(ft.replica_id, ft.min_replica_size, ft.timeout_seconds,
+                                     self.device)
+            self.ft.average_gradients_across_groups(self.model_parts)
+            self.ft.register_state(
+                {"model": ModelState(self.model_parts), "optimizer": self.optimizer,
+                 "lr_scheduler": self.lr_scheduler, "train_state": self.train_state},
+                on_heal=self._on_heal)
 
         m = job.metrics
         compute_dtype = torch.bfloat16 if t.mixed_precision_param == "bfloat16" else torch.float32
@@ -102,6 +114,13 @@ class Trainer:
             resume_step=self.step if resumed else None,
         )
         self.skipped_steps = 0
+
+    def _data_shard(self) -> DataShard:
+        """This rank's slice of each global batch; torchft groups extend the dp dimension."""
+        ft = self.job.fault_tolerance
+        group = ft.replica_id if ft.enable else 0
+        dp = self.dp_mesh.size()
+        return DataShard(group * dp + self.dp_mesh.get_local_rank(), self.plan.data_parallel_size)
 
     def _build_model(self, plan: RunPlan, dims, job):
         """Meta-device model -> pipeline stages (if pp) -> parallelisms -> real memory -> init."""
@@ -123,6 +142,12 @@ class Trainer:
         if pp_plan is not None:
             schedule = build_schedule(parts, pp_plan, dims["pp"], self.device, self._pp_loss)
         return parts, schedule, pp_plan
+
+    def _on_heal(self) -> None:
+        """A live peer's state was loaded mid-step: continue from its step and data position."""
+        self.step = self.train_state.step + 1
+        self.dataloader.dataset.load_state_dict({"global_batches": self.step, "offset": 0})
+        logger.info("torchft: healed from a live replica group; continuing at step %d", self.step)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
         loss = cross_entropy_sum(logits, labels) / scale
@@ -204,6 +229,8 @@ class Trainer:
         """One optimizer step over the microbatches; returns (loss, grad norm, skipped)."""
         self.lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ft is not None:
+            self.ft.start_step()  # the quorum forms while forward/backward run
         loss = torch.zeros((), device=self.device)
         d = self.job.debug
         if self.step == d.sleep_at_step and self.rank == d.sleep_rank:
@@ -224,6 +251,12 @@ class Trainer:
         if self.loss_mesh.size() > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
         loss_v, norm_v = loss.item(), grad_norm.item()
+        # collective within the group: every rank asks, whatever it will do with the answer
+        if self.ft is not None and not self.ft.should_commit():
+            logger.warning("step %d: torchft quorum did not commit; optimizer step skipped",
+                           self.step)
+            self.lr_scheduler.step()
+            return loss_v, norm_v, True
         if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             if self.job.training.on_nonfinite == "stop":
                 raise NonFiniteLossError(
@@ -273,7 +306,7 @@ class Trainer:
                     watchdog.start()
                 batch_tokens = sum(x.numel() for x, _ in microbatches)
                 self.train_state.step = self.step
-                self.train_state.tokens_seen += batch_tokens * self.plan.dims.dp
+                self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
                 # tp/cp/pp ranks share their batch: count each token once per device group
                 tokens = batch_tokens // self.plan.dims.non_dp
                 self.metrics.record_step(tokens, data_s, gc_sched.step(self.step))
@@ -308,7 +341,7 @@ class Trainer:
         t0 = time.perf_counter()
         v, t = self.job.validation, self.job.training
         if not hasattr(self, "val_loader"):
-            shard = DataShard(self.dp_mesh.get_local_rank(), self.dp_mesh.size())
+            shard = self._data_shard()
             self.val_loader = build_dataloader(
                 v.dataset, v.dataset_path, self.plan.tokenizer, t.seq_len, v.local_batch_size,
                 v.local_batch_size * shard.dp_world_size, shard, t.seed, t.dataset_text_field,
@@ -350,6 +383,8 @@ class Trainer:
         self.metrics.exclude(time.perf_counter() - t0)
 
     def close(self) -> None:
+        if self.ft is not None:
+            self.ft.shutdown()
         self.checkpointer.close()
         self.metrics.close()
 

@@ -180,6 +180,18 @@ class Checkpoint:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = opt(
+        False, "torchft replica groups: each group is its own run_train.sh job; needs "
+        "pip install torchft and a lighthouse at TORCHFT_LIGHTHOUSE"
+    )
+    replica_id: int = opt(0, "This group's id, 0 .. group_size-1")
+    group_size: int = opt(1, "Number of replica groups (they average gradients through torchft)")
+    min_replica_size: int = opt(1, "Fewest live groups that may commit a step")
+    timeout_seconds: int = opt(30, "torchft collective/quorum timeout (quorum gets 3x)")
+
+
+@dataclass
 class Metrics:
     log_freq: int = opt(10, "Log metrics every N steps")
     enable_tensorboard: bool = opt(True, "Write TensorBoard events under <dump_folder>/<save_tb_folder>")
@@ -242,6 +254,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

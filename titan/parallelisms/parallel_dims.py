@@ -97,8 +97,13 @@ class ParallelDims:
 
 
 def validate_against_model(dims: ParallelDims, n_heads: int, n_kv_heads: int, n_layers: int,
-                           seq_len: int, local_batch_size: int, global_batch_size: int) -> None:
-    """Model- and batch-dependent checks, run before any process group exists."""
+                           seq_len: int, local_batch_size: int, global_batch_size: int,
+                           dp_size: int | None = None) -> None:
+    """Model- and batch-dependent checks, run before any process group exists.
+
+    `dp_size`: data-parallel replicas in all, when more than the mesh's (torchft groups).
+    """
+    dp_size = dp_size or dims.dp
     if n_heads % dims.tp or n_kv_heads % dims.tp:
         raise ParallelismError(
             f"tensor_parallel_degree {dims.tp} must divide n_heads ({n_heads}) and n_kv_heads "
@@ -113,10 +118,10 @@ def validate_against_model(dims: ParallelDims, n_heads: int, n_kv_heads: int, n_
             f"training.seq_len {seq_len} must be divisible by 2 x context_parallel_degree "
             f"= {2 * dims.cp} (load balancing splits each sequence into 2 x cp chunks)"
         )
-    per_step = local_batch_size * dims.dp
+    per_step = local_batch_size * dp_size
     if global_batch_size % per_step:
         raise ParallelismError(
             f"training.global_batch_size {global_batch_size} must be a multiple of "
-            f"local_batch_size x dp = {local_batch_size} x {dims.dp} = {per_step} "
+            f"local_batch_size x dp = {local_batch_size} x {dp_size} = {per_step} "
             "(the remainder would be the gradient-accumulation count)"
         )

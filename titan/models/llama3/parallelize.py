@@ -23,7 +23,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, job) -> nn.Module:
             compile_whole(model, job.compile.backend)
         else:
             compile_blocks(model.layers, job.compile.backend)
-    if dims.fsdp_enabled:
+    # torchft averages gradients across replica groups in FSDP's all-reduce hook
+    if dims.fsdp_enabled or job.fault_tolerance.enable:
         dp_mesh_dims = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
         apply_fsdp(model, dims[dp_mesh_dims], training.mixed_precision_param,
                    training.mixed_precision_reduce, par.fsdp_reshard_after_forward,
