@@ -278,7 +278,10 @@ class Checkpointer:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             pinned = mode == "async_with_pinned_mem"
-            stager = DefaultStager(StagingOptions(pinned, pinned, pinned, pinned))
+            # shared memory hands the staged copy to the saving process without pickling it
+            stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=True,
+                                                  use_async_staging=pinned,
+                                                  use_non_blocking_copy=pinned))
             future = dcp.async_save(state, checkpoint_id=str(path), async_stager=stager,
                                     async_checkpointer_type=AsyncCheckpointerType.PROCESS)
             self._pending = (future, path, step, stager)
