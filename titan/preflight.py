@@ -179,7 +179,7 @@ def check_fault_tolerance(job: JobConfig, dims: ParallelDims) -> None:
         import torchft  # noqa: F401
     except ImportError:
         raise ConfigError(
-            "fault_tolerance.enable needs torchft: pip install -e '.[fault_tolerance]'"
+            "fault_tolerance.enable needs torchft: pip install -e '.[torchft]'"
         ) from None
     if not os.environ.get("TORCHFT_LIGHTHOUSE"):
         raise ConfigError(

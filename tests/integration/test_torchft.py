@@ -11,7 +11,7 @@ from conftest import COMMON, STEPS
 
 from titan.tools.loss_compare import command, kill_workers, read_metrics
 
-torchft = pytest.importorskip("torchft", reason="optional: pip install -e '.[fault_tolerance]'")
+torchft = pytest.importorskip("torchft", reason="optional: pip install -e '.[torchft]'")
 
 
 @pytest.fixture
