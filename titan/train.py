@@ -46,6 +46,11 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """Loss parallel leaves replicated DTensors; the step's bookkeeping uses plain tensors."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class Trainer:
     def __init__(self, job: JobConfig, plan: RunPlan):
         self.job, self.plan = job, plan
@@ -205,9 +210,7 @@ class Trainer:
                 logits = self.model_parts[0](inputs)
             loss = self._loss(logits, labels, self.tokens_per_rank_step)
             loss.backward()
-        loss = loss.detach()
-        # loss parallel leaves a replicated DTensor; the step's bookkeeping is plain tensors
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return _plain(loss.detach())
 
     def pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
                                   train: bool = True) -> torch.Tensor:
@@ -221,9 +224,16 @@ class Trainer:
             run(*((inputs,) if has_first else ()), target=labels, losses=losses)
         total = torch.zeros((), device=self.device)
         for loss in losses or []:
-            loss = loss.detach()
-            total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+            total += _plain(loss.detach())
         return total
+
+    def _reduce_loss(self, loss: torch.Tensor) -> None:
+        """In place: sum over pipeline stages (only the last one holds the loss), then the
+        mean over data-parallel and context-parallel ranks."""
+        if self.pp_schedule is not None:
+            dist.all_reduce(loss, group=self.plan.dims["pp"].get_group())
+        if self.loss_mesh.size() > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
 
     def train_step(self, microbatches) -> tuple[float, float, bool]:
         """One optimizer step over the microbatches; returns (loss, grad norm, skipped)."""
@@ -245,11 +255,7 @@ class Trainer:
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_group = self.plan.dims["pp"].get_group() if self.pp_schedule is not None else None
         grad_norm = clip_grad_norm_(params, self.job.training.max_norm, extra_group=pp_group)
-        if pp_group is not None:
-            # only ranks holding the last stage saw the loss
-            dist.all_reduce(loss, group=pp_group)
-        if self.loss_mesh.size() > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
+        self._reduce_loss(loss)
         loss_v, norm_v = loss.item(), grad_norm.item()
         # collective within the group: every rank asks, whatever it will do with the answer
         if self.ft is not None and not self.ft.should_commit():
@@ -363,7 +369,7 @@ class Trainer:
                 with self._cp_ctx(inputs, labels), self._loss_parallel_ctx(), self.amp():
                     logits = self.model_parts[0](inputs)
                     loss = cross_entropy_sum(logits, labels) / (n_tokens / self.plan.dims.cp)
-                total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+                total += _plain(loss)
             batches += 1
             if batches == v.steps:
                 break
@@ -373,10 +379,7 @@ class Trainer:
                 f"({v.local_batch_size * self.dp_mesh.size()}); lower validation.local_batch_size"
             )
         loss = total / batches
-        if self.pp_schedule is not None:
-            dist.all_reduce(loss, group=self.plan.dims["pp"].get_group())
-        if self.loss_mesh.size() > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.loss_mesh.get_group())
+        self._reduce_loss(loss)
         for part in self.model_parts:
             part.train()
         self.metrics.log_validation(self.step, loss.item(), batches)
