@@ -1,11 +1,19 @@
 """How long a checkpoint save blocks training: sync DCP save vs titan's async (process) save.
 
-Builds the model (default: the 1B flavor, fp32, model + AdamW state unless --model-only)
-in one process on this device, then saves through titan's Checkpointer in each mode:
-one warm-up save (the async mode starts its helper process then), then --repeats timed saves.
-"Blocked" is what Checkpointer.save returns: the time training waits. Prints a table.
+Trains the model (default: the 1B flavor, fp32, random tokens) in one process on this device
+and saves through titan's Checkpointer between steps, exactly as the trainer does: save()
+after a step, wait_for_staging() right before the next optimizer step.
 
-    python benchmarks/checkpoint_save.py [--flavor 1B] [--model-only] [--repeats 2]
+Per mode it reports
+  blocked      what the training loop waits for: save() plus the wait for the staging copy
+               (the copy itself runs while the next forward/backward does)
+  slowdown     extra time the steps took, beyond `blocked`, while the save was in flight
+               (CPU and memory bandwidth shared with the copy and the writing process)
+  save done    from save() until the checkpoint is complete on disk
+The first async save also allocates the staging buffers (shared memory, pinned on CUDA) that
+later saves reuse; it is reported on its own line.
+
+    python benchmarks/checkpoint_save.py [--flavor 1B] [--optimizer sgd] [--saves 2]
 """
 
 import argparse
@@ -20,12 +28,13 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from titan.components.checkpoint import Checkpointer, ModelState, TrainState  # noqa: E402
-from titan.components.lr_scheduler import build_lr_scheduler  # noqa: E402
 from titan.components.optimizer import build_optimizer  # noqa: E402
 from titan.distributed import init_distributed, pick_device  # noqa: E402
 from titan.models.llama3 import LLAMA3_FLAVORS, Transformer  # noqa: E402
+from titan.models.llama3.model import rope_cache  # noqa: E402
 
 
 def checkpoint_cfg(mode: str) -> SimpleNamespace:
@@ -33,31 +42,71 @@ def checkpoint_cfg(mode: str) -> SimpleNamespace:
                            async_mode=mode, last_save_model_only=False, export_dtype="float32")
 
 
+class Loop:
+    def __init__(self, model, opt, batch: int, seq_len: int, vocab: int, device):
+        self.model, self.opt = model, opt
+        self.tokens = torch.randint(vocab, (batch, seq_len + 1), device=device)
+        self.ck: Checkpointer | None = None
+        self.staging_wait = 0.0
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        logits = self.model(self.tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), self.tokens[:, 1:].flatten()).backward()
+        if self.ck is not None:
+            self.staging_wait += self.ck.wait_for_staging()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def timed_save(loop: Loop, ck: Checkpointer, step: int, base: float) -> tuple[float, float, float]:
+    """Save after a step, then train until the save is on disk: (blocked, slowdown, done) s."""
+    loop.ck, loop.staging_wait = ck, 0.0
+    t0 = time.perf_counter()
+    blocked = ck.save(step)
+    extra = 0.0
+    while ck._pending is not None and not ck._pending[0].done():
+        extra += loop.step() - base
+    ck.wait()
+    done = time.perf_counter() - t0
+    blocked += loop.staging_wait
+    return blocked, max(0.0, extra - loop.staging_wait), done
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--flavor", default="1B")
-    ap.add_argument("--model-only", action="store_true", help="skip the optimizer state")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"],
+                    help="sgd keeps no state (model-only checkpoint); adamw adds 2x the model")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--saves", type=int, default=2, help="timed saves per mode")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
     args = ap.parse_args()
 
     device = pick_device()
-    init_distributed(device, 600)
-    margs = LLAMA3_FLAVORS[args.flavor].with_updates(max_seq_len=128)
+    init_distributed(device, 1800)
+    margs = LLAMA3_FLAVORS[args.flavor].with_updates(max_seq_len=args.seq_len)
     with torch.device("meta"):
         model = Transformer(margs)
     model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0, 0.02)  # values do not matter for write speed; seeded init is slow at 1B
+            p.normal_(0, 0.02)  # values do not matter for speed; seeded init is slow at 1B
+        model.rope = rope_cache(margs, device=device)
     states = {"model": ModelState([model]), "train_state": TrainState()}
-    if not args.model_only:
-        opt = build_optimizer([model], "AdamW", 1e-4, 0.9, 0.95, 1e-8, 0.0, "foreach")
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        opt.step()  # materialize exp_avg / exp_avg_sq
-        states["optimizer"] = opt
-        states["lr_scheduler"] = build_lr_scheduler(opt, 10, 1, None, "linear", 0.0)
+    if args.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)  # stateless
+    else:
+        opt = states["optimizer"] = build_optimizer([model], "AdamW", 1e-6, 0.9, 0.95, 1e-8, 0.0,
+                                                    "foreach")
+    loop = Loop(model, opt, args.batch, args.seq_len, margs.vocab_size, device)
+
+    loop.step()  # warm-up; materializes optimizer state
+    base = statistics.median(loop.step() for _ in range(3))
     gib = sum(v.numel() * v.element_size() for st in states.values()
               for v in st.state_dict().values() if isinstance(v, torch.Tensor)) / 2**30
 
@@ -65,24 +114,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for mode in ("disabled", "async"):
             ck = Checkpointer(checkpoint_cfg(mode), os.path.join(tmp, mode), states, rank=0)
-            blocked, total = [], []
-            for i in range(args.repeats + 1):
-                t0 = time.perf_counter()
-                b = ck.save(i + 1)
-                ck.wait()
-                if i:  # the first save warms caches and starts the async helper process
-                    blocked.append(b)
-                    total.append(time.perf_counter() - t0)
+            if mode == "async":
+                loop.step()
+                rows.append(("async, first save", *timed_save(loop, ck, 0, base)))
+            timed = []
+            for i in range(1, args.saves + 1):
+                loop.step()
+                timed.append(timed_save(loop, ck, i, base))
             ck.close()
-            rows.append((mode, statistics.fmean(blocked), statistics.fmean(total)))
+            rows.append((mode if mode == "async" else "sync",
+                         *(statistics.fmean(col) for col in zip(*timed))))
 
     print(f"\n{args.flavor} ({margs.num_params() / 1e9:.2f}B params), {gib:.1f} GiB of state "
-          f"{'(model only)' if args.model_only else '(model + AdamW)'}, device {device}, "
-          f"torch {torch.__version__}")
-    print(f"{'mode':<10} {'blocked s':>10} {'save done s':>12}")
-    for mode, b, t in rows:
-        print(f"{mode:<10} {b:>10.2f} {t:>12.2f}")
-    sync_b, async_b = rows[0][1], rows[1][1]
+          f"(model{' + AdamW' if args.optimizer == 'adamw' else ''}), device {device}, torch {torch.__version__}, "
+          f"step {base:.2f}s (batch {args.batch} x seq {args.seq_len})")
+    print(f"{'mode':<18} {'blocked s':>10} {'slowdown s':>11} {'save done s':>12}")
+    for mode, b, slow, done in rows:
+        print(f"{mode:<18} {b:>10.2f} {slow:>11.2f} {done:>12.2f}")
+    sync_b, async_b = rows[0][1], rows[-1][1]
     print(f"async blocks training {100 * async_b / sync_b:.1f}% of a sync save (target < 10%)")
     torch.distributed.destroy_process_group()
 

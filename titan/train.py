@@ -240,6 +240,7 @@ class Trainer:
         self.lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.zero_grad(set_to_none=True)
         if self.ft is not None:
+            self.checkpointer.wait_for_staging()  # a heal may overwrite the parameters
             self.ft.start_step()  # the quorum forms while forward/backward run
         loss = torch.zeros((), device=self.device)
         d = self.job.debug
@@ -274,6 +275,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.lr_scheduler.step()
             return loss_v, norm_v, True
+        # an async checkpoint's copy of the parameters overlaps forward/backward, not this
+        self.checkpointer.wait_for_staging()
         self.optimizer.step()
         self.lr_scheduler.step()
         return loss_v, norm_v, False

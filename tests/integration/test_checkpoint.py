@@ -2,6 +2,7 @@
 partial loads, seed checkpoints, damaged checkpoints, HF import."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -30,28 +31,38 @@ def steps_on_disk(dump):
                   if (p / ".complete").is_file())
 
 
-def straight_then_resumed(tmp_path, nproc, layout, extra=()):
-    """(losses of 20 straight steps, losses of 10 steps + resume + 10 steps)."""
+def straight_then_resumed(tmp_path, nproc, layout, extra=(), resume_step=10):
+    """(losses of 20 straight steps, losses of 10 steps + resume from `resume_step` + the rest).
+
+    The save at the stop step (10) is always synchronous; resuming from an earlier interval
+    save proves an async one, whose copy overlapped the next step's forward/backward.
+    """
     launch(nproc, [*BASE, *layout], tmp_path / "straight", timeout=600)
     resumed = tmp_path / "resumed"
-    launch(nproc, [*BASE, *layout, *CK, *extra, "--training.exit_at_step", "10"], resumed,
-           timeout=600)
+    first = launch(nproc, [*BASE, *layout, *CK, *extra, "--training.exit_at_step", "10"],
+                   resumed, timeout=600)
     assert sorted(losses(resumed)) == list(range(1, 11))
-    assert steps_on_disk(resumed) == [10]
-    proc = launch(nproc, [*BASE, *layout, *CK, *extra], resumed, timeout=600)
-    assert "resumed from" in proc.stderr and "step-10" in proc.stderr
+    assert steps_on_disk(resumed) == sorted({resume_step, 10})
+    if resume_step != 10:  # the async save's copy is awaited within the next step
+        log = first.stderr
+        staged = log.index(f"checkpoint step {resume_step} staged")
+        assert staged < re.search(rf"step:\s+{resume_step + 1}\s", log).start()
+    proc = launch(nproc, [*BASE, *layout, *CK, *extra, "--checkpoint.load_step",
+                          str(resume_step)], resumed, timeout=600)
+    assert "resumed from" in proc.stderr and f"step-{resume_step}" in proc.stderr
     return losses(tmp_path / "straight"), losses(resumed)
 
 
-@pytest.mark.parametrize("case,nproc,layout,extra", [
-    ("1rank", 1, dp_batch(1), []),
-    ("fsdp2", 2, dp_batch(2), []),
-    ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)], []),
-    ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(1)], []),
-    ("fsdp2_async", 2, dp_batch(2), ["--checkpoint.async_mode", "async"]),
+@pytest.mark.parametrize("case,nproc,layout,extra,resume_step", [
+    ("1rank", 1, dp_batch(1), [], 10),
+    ("fsdp2", 2, dp_batch(2), [], 10),
+    ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)], [], 10),
+    ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(1)], [], 10),
+    ("fsdp2_async", 2, dp_batch(2),
+     ["--checkpoint.async_mode", "async", "--checkpoint.interval", "5"], 5),
 ])
-def test_exact_resume_is_bitwise(case, nproc, layout, extra, tmp_path):
-    straight, resumed = straight_then_resumed(tmp_path, nproc, layout, extra)
+def test_exact_resume_is_bitwise(case, nproc, layout, extra, resume_step, tmp_path):
+    straight, resumed = straight_then_resumed(tmp_path, nproc, layout, extra, resume_step)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert resumed == straight  # bit for bit, every step, data order included
 

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from titan.components.hf_io import COMPLETE_MARKER, CheckpointError, _step_dirs, to_dtype
 
@@ -146,6 +147,34 @@ def saved_keys(path: Path) -> set[str]:
     return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
 
 
+def _local_bytes(obj) -> int:
+    if isinstance(obj, dict):
+        return sum(_local_bytes(v) for v in obj.values())
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    return obj.numel() * obj.element_size() if isinstance(obj, torch.Tensor) else 0
+
+
+def _shm_fits(state: dict) -> bool:
+    """Whether every node's /dev/shm holds its ranks' staged copies; the same answer on all
+    ranks (a save is collective). Asked once: later saves reuse the staging buffers."""
+    need = _local_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = None
+    if os.path.isdir("/dev/shm"):
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    fits = torch.tensor(int(free is None or need <= free))
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    if not fits:
+        logger.warning(
+            "async checkpointing stages %.2f GiB per node in /dev/shm%s; saving synchronously "
+            "instead. Enlarge /dev/shm (e.g. docker run --shm-size) or set "
+            "checkpoint.async_mode = 'disabled'", need / 2**30,
+            f" but only {free / 2**30:.2f} GiB are free" if free is not None and need > free
+            else " but another node lacks the space")
+    return bool(fits)
+
+
 class Checkpointer:
     def __init__(self, cfg, dump_folder: str, states: dict, rank: int, debug=None):
         self.cfg = cfg
@@ -153,7 +182,10 @@ class Checkpointer:
         self.states = states  # STATE_KEYS -> Stateful objects
         self.rank = rank
         self.debug = debug
-        self._pending = None  # (future, step) of an async save in flight
+        self._pending = None  # (upload future, path, step) of an async save in flight
+        self._staging = None  # (staging future, step) while its copy may still be running
+        self._async_stager = None
+        self._shm_ok: bool | None = None  # whether staging fits in /dev/shm (checked once)
         self._purge_queue: queue.Queue = queue.Queue()
         self._purger = None
         if cfg.enable and rank == 0 and cfg.keep_latest_k > 0:
@@ -269,26 +301,62 @@ class Checkpointer:
             path.mkdir(parents=True)
         dist.barrier()
         mode = self.cfg.async_mode
+        if mode != "disabled" and not blocking:
+            # plain tensors from here on: the size check and the stager see the same dict
+            state = {k: v.state_dict() for k, v in state.items()}
+            if self._shm_ok is None:
+                self._shm_ok = _shm_fits(state)
+            if not self._shm_ok:
+                mode = "disabled"
         if mode == "disabled" or blocking:
             dcp.save(state, checkpoint_id=str(path))
             self._maybe_die_here(step)
             self._mark_complete(path, step, model_only)
         else:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-            pinned = mode == "async_with_pinned_mem"
-            # shared memory hands the staged copy to the saving process without pickling it
-            stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=True,
-                                                  use_async_staging=pinned,
-                                                  use_non_blocking_copy=pinned))
-            future = dcp.async_save(state, checkpoint_id=str(path), async_stager=stager,
-                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-            self._pending = (future, path, step, stager)
+            if torch.cuda.is_available():
+                # the stager copies on its own stream, which does not wait for the optimizer step
+                torch.cuda.current_stream().synchronize()
+            # state_dict() runs here (FSDP's must stay on this thread); the copy into shared
+            # memory runs on the stager's thread while the next forward/backward does
+            response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self._stager(),
+                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            self._pending = (response.upload_completion, path, step)
+            self._staging = (response.staging_completion, step)
         blocked = time.perf_counter() - t0
         logger.info("checkpoint step %d %s (%s, training blocked %.2fs)", step,
-                    "saved" if self._pending is None else "staged", mode, blocked)
+                    "saved" if self._pending is None else "staging", mode, blocked)
         return blocked
+
+    def _stager(self):
+        """One stager per run: its staging buffers are reused by every save, so only the first
+        save pays for allocating (and pinning) them."""
+        if self._async_stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            pinned = self.cfg.async_mode == "async_with_pinned_mem"
+            # shared memory hands the staged copy to the saving process without pickling it
+            self._async_stager = DefaultStager(StagingOptions(
+                use_pinned_memory=pinned, use_shared_memory=True, use_async_staging=True,
+                use_non_blocking_copy=pinned))
+        return self._async_stager
+
+    def wait_for_staging(self) -> float:
+        """Block until an async save has copied what it saves; returns the seconds waited.
+
+        Call before anything changes saved tensors in place (the optimizer step, a torchft
+        heal): until then the copy still reads the live parameters and optimizer state.
+        """
+        if self._staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        future, step = self._staging
+        self._staging = None
+        future.result()
+        waited = time.perf_counter() - t0
+        logger.info("checkpoint step %d staged; training waited %.2fs for the copy", step, waited)
+        return waited
 
     def _maybe_die_here(self, step: int) -> None:
         """Test hook: die after writing the data, before the checkpoint is marked complete."""
@@ -302,10 +370,10 @@ class Checkpointer:
         """Finish an async save in flight and mark it complete."""
         if self._pending is None:
             return
-        future, path, step, stager = self._pending
+        self.wait_for_staging()
+        future, path, step = self._pending
         self._pending = None
         future.result()
-        stager.close()
         self._maybe_die_here(step)
         self._mark_complete(path, step, model_only=False)
 
@@ -339,6 +407,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self._async_stager is not None:
+            self._async_stager.close()
+            self._async_stager = None
         if self._purger is not None:
             self._purge_queue.put(None)
             self._purger.join()

@@ -155,7 +155,7 @@ class Checkpoint:
     interval: int = opt(500, "Save every N steps (and after the last step)")
     keep_latest_k: int = opt(10, "Keep the newest k complete checkpoints, purge older ones; 0 = all")
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
-        "disabled", "Save in a background process; pinned staging memory needs CUDA"
+        "disabled", "Copy during the next step, write in a background process; pinned needs CUDA"
     )
     enable_first_step_checkpoint: bool = opt(False, "Also save right after step 1")
     load_step: int = opt(-1, "Resume from this step's checkpoint instead of the newest (-1)")
