@@ -33,6 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 from titan.components.checkpoint import Checkpointer, ModelState, TrainState  # noqa: E402
 from titan.components.optimizer import build_optimizer  # noqa: E402
 from titan.distributed import init_distributed, pick_device  # noqa: E402
+from titan.logging_setup import init_logging  # noqa: E402
 from titan.models.llama3 import LLAMA3_FLAVORS, Transformer  # noqa: E402
 from titan.models.llama3.model import rope_cache  # noqa: E402
 
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
     args = ap.parse_args()
 
+    init_logging()  # the checkpointer logs what each save blocked and waited
     device = pick_device()
     init_distributed(device, 1800)
     margs = LLAMA3_FLAVORS[args.flavor].with_updates(max_seq_len=args.seq_len)
