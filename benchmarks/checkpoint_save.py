@@ -127,8 +127,9 @@ def main() -> None:
             rows.append((mode if mode == "async" else "sync",
                          *(statistics.fmean(col) for col in zip(*timed))))
 
+    what = "model + AdamW" if args.optimizer == "adamw" else "model"
     print(f"\n{args.flavor} ({margs.num_params() / 1e9:.2f}B params), {gib:.1f} GiB of state "
-          f"(model{' + AdamW' if args.optimizer == 'adamw' else ''}), device {device}, torch {torch.__version__}, "
+          f"({what}), device {device}, torch {torch.__version__}, "
           f"step {base:.2f}s (batch {args.batch} x seq {args.seq_len})")
     print(f"{'mode':<18} {'blocked s':>10} {'slowdown s':>11} {'save done s':>12}")
     for mode, b, slow, done in rows:

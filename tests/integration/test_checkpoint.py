@@ -47,6 +47,7 @@ def straight_then_resumed(tmp_path, nproc, layout, extra=(), resume_step=10):
         log = first.stderr
         staged = log.index(f"checkpoint step {resume_step} staged")
         assert staged < re.search(rf"step:\s+{resume_step + 1}\s", log).start()
+        assert "Traceback" not in log  # the saving process is stopped, not left to die
     proc = launch(nproc, [*BASE, *layout, *CK, *extra, "--checkpoint.load_step",
                           str(resume_step)], resumed, timeout=600)
     assert "resumed from" in proc.stderr and f"step-{resume_step}" in proc.stderr

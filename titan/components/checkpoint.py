@@ -76,7 +76,8 @@ def load_full_model_state(parts: list[nn.Module], full: dict[str, torch.Tensor])
         own = get_model_state_dict(part)
         missing = [k for k in own if k not in full]
         if missing:
-            raise CheckpointError(f"initial weights lack {len(missing)} parameters, e.g. {missing[:3]}")
+            raise CheckpointError(
+                f"initial weights lack {len(missing)} parameters, e.g. {missing[:3]}")
         set_model_state_dict(part, {k: full[k] for k in own}, options=opts)
 
 
@@ -173,6 +174,17 @@ def _shm_fits(state: dict) -> bool:
             f" but only {free / 2**30:.2f} GiB are free" if free is not None and need > free
             else " but another node lacks the space")
     return bool(fits)
+
+
+def _stop_save_process() -> None:
+    """Ask DCP's saving process to exit now: left to interpreter shutdown, it sees its pipe
+    close and dies printing an EOFError traceback after every async run."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if proc is not None:
+        executor._CHECKPOINT_PROCESS = None
+        proc.__del__()  # sends TERMINATE and joins; a later call is a no-op
 
 
 class Checkpointer:
@@ -410,6 +422,7 @@ class Checkpointer:
         if self._async_stager is not None:
             self._async_stager.close()
             self._async_stager = None
+            _stop_save_process()
         if self._purger is not None:
             self._purge_queue.put(None)
             self._purger.join()
