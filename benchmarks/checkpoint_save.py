@@ -30,7 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from titan.components.checkpoint import Checkpointer, ModelState, TrainState  # noqa: E402
+from titan.components.checkpoint import (  # noqa: E402
+    Checkpointer,
+    ModelState,
+    TrainState,
+    local_state_bytes,
+)
 from titan.components.optimizer import build_optimizer  # noqa: E402
 from titan.distributed import init_distributed, pick_device  # noqa: E402
 from titan.logging_setup import init_logging  # noqa: E402
@@ -109,8 +114,7 @@ def main() -> None:
 
     loop.step()  # warm-up; materializes optimizer state
     base = statistics.median(loop.step() for _ in range(3))
-    gib = sum(v.numel() * v.element_size() for st in states.values()
-              for v in st.state_dict().values() if isinstance(v, torch.Tensor)) / 2**30
+    gib = local_state_bytes({k: st.state_dict() for k, st in states.items()}) / 2**30
 
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

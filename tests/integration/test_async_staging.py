@@ -42,20 +42,20 @@ SCRIPT = textwrap.dedent("""
                               export_dtype="float32")
         ck = Checkpointer(cfg, sys.argv[1], {"model": ModelState([model]),
                                              "train_state": TrainState()}, rank=0)
+        step1 = os.path.join(sys.argv[1], "ck", "step-1")
         blocked = ck.save(1)
-        complete_at_return = os.path.isfile(os.path.join(sys.argv[1], "ck", "step-1", ".complete"))
+        complete_at_return = os.path.isfile(os.path.join(step1, ".complete"))
         waited = ck.wait_for_staging()
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)  # what the optimizer step does next
         ck.close()
         loaded = {"model": {k: torch.zeros_like(v) for k, v in before.items()}}
-        dcp.load(loaded, checkpoint_id=os.path.join(sys.argv[1], "ck", "step-1"))
+        dcp.load(loaded, checkpoint_id=step1)
         same = all(torch.equal(loaded["model"][k], v) for k, v in before.items())
         print(json.dumps({"blocked": blocked, "waited": waited, "same": same,
                           "complete_at_return": complete_at_return,
-                          "complete": os.path.isfile(os.path.join(sys.argv[1], "ck", "step-1",
-                                                                  ".complete"))}))
+                          "complete": os.path.isfile(os.path.join(step1, ".complete"))}))
         dist.destroy_process_group()
 """)
 

@@ -148,9 +148,10 @@ def saved_keys(path: Path) -> set[str]:
     return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
 
 
-def _local_bytes(obj) -> int:
+def local_state_bytes(obj) -> int:
+    """Bytes this rank holds of a (nested) state dict: DTensors count their local shard."""
     if isinstance(obj, dict):
-        return sum(_local_bytes(v) for v in obj.values())
+        return sum(local_state_bytes(v) for v in obj.values())
     if isinstance(obj, DTensor):
         obj = obj.to_local()
     return obj.numel() * obj.element_size() if isinstance(obj, torch.Tensor) else 0
@@ -159,7 +160,7 @@ def _local_bytes(obj) -> int:
 def _shm_fits(state: dict) -> bool:
     """Whether every node's /dev/shm holds its ranks' staged copies; the same answer on all
     ranks (a save is collective). Asked once: later saves reuse the staging buffers."""
-    need = _local_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need = local_state_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     free = None
     if os.path.isdir("/dev/shm"):
         st = os.statvfs("/dev/shm")
@@ -312,19 +313,14 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)  # a re-run of a step rewrites it whole
             path.mkdir(parents=True)
         dist.barrier()
-        mode = self.cfg.async_mode
-        if mode != "disabled" and not blocking:
+        run_async = self.cfg.async_mode != "disabled" and not blocking
+        if run_async:
             # plain tensors from here on: the size check and the stager see the same dict
             state = {k: v.state_dict() for k, v in state.items()}
             if self._shm_ok is None:
                 self._shm_ok = _shm_fits(state)
-            if not self._shm_ok:
-                mode = "disabled"
-        if mode == "disabled" or blocking:
-            dcp.save(state, checkpoint_id=str(path))
-            self._maybe_die_here(step)
-            self._mark_complete(path, step, model_only)
-        else:
+            run_async = self._shm_ok
+        if run_async:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             if torch.cuda.is_available():
@@ -336,9 +332,14 @@ class Checkpointer:
                                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
             self._pending = (response.upload_completion, path, step)
             self._staging = (response.staging_completion, step)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+            self._maybe_die_here(step)
+            self._mark_complete(path, step, model_only)
         blocked = time.perf_counter() - t0
         logger.info("checkpoint step %d %s (%s, training blocked %.2fs)", step,
-                    "saved" if self._pending is None else "staging", mode, blocked)
+                    "staging" if run_async else "saved",
+                    "async" if run_async else "sync", blocked)
         return blocked
 
     def _stager(self):
