@@ -1,4 +1,5 @@
-"""Faults: a killed rank, a rank killed mid-checkpoint, a stuck rank, an unwritable folder."""
+"""Faults: a killed rank, a rank killed mid-checkpoint, a stuck rank, an unwritable folder,
+and what a failed run reports."""
 
 import os
 import signal
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import dp_batch
 
-from titan.tools.loss_compare import command, kill_workers, launch, read_metrics
+from titan.tools.loss_compare import RunFailed, command, kill_workers, launch, read_metrics
 
 STEPS = 16
 BASE = ["--training.steps", str(STEPS), "--training.seq_len", "64",
@@ -119,3 +120,15 @@ def test_unwritable_checkpoint_folder_fails_before_training(tmp_path):
     assert "checkpoint.folder: cannot write" in proc.stderr and "not writable" in proc.stderr
     assert sorted(p.name for p in dump.iterdir()) == ["checkpoint"]
     assert list(folder.iterdir()) == []
+
+
+def test_failed_run_reports_every_ranks_last_lines(tmp_path):
+    # the console shows rank 0 only; the failure message must still show the rank that died
+    with pytest.raises(RunFailed) as failed:
+        launch(2, [*BASE, *CK, *dp_batch(2), "--training.steps", "4",
+                   "--checkpoint.interval", "2", "--debug.kill_in_checkpoint_step", "2",
+                   "--debug.kill_rank", "1"], tmp_path / "run", timeout=300)
+    msg = str(failed.value)
+    assert "local rank 1 ---" in msg and "local rank 0 ---" in msg
+    assert "debug.kill_in_checkpoint_step: rank 1 kills itself now" in msg
+    assert "exitcode  : -9" in msg  # torchrun's summary follows

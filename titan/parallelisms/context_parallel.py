@@ -17,8 +17,9 @@ failing loudly instead of running attention on local shards only (silently wrong
 DTensor's sharding-propagation caches cannot hold a stale CP rule after exit.
 
 Private torch APIs used: `_cp_options` and `set_rotate_method` (both devices) from
-torch.distributed.tensor.experimental._attention; on CPU also `_templated_ring_attention` and
-`_templated_ring_attention_backward` from ...experimental._context_parallel._attention,
+torch.distributed.tensor.experimental._attention; on CPU also `_templated_ring_attention`,
+`_templated_ring_attention_backward` and `_create_rotater` from
+...experimental._context_parallel._attention,
 `DTensor._op_dispatcher._custom_op_handlers` / `.wrap`, and `DTensorSpec` / `TensorMeta` from
 torch.distributed.tensor._dtensor_spec. `check_torch_version` pins the tested range.
 """
@@ -157,6 +158,37 @@ def _dtensor_handler(ring_fn):
     return handler
 
 
+class _OneExchangeInFlight:
+    """A ring rotater whose exchange has completed when `exchange_buffers` returns.
+
+    torch's ring backward overlaps the K/V rotation with the dK/dV rotation, so an all-gather
+    (or all-to-all) and an all-to-all are in flight on the cp group at once. On gloo (torch
+    2.13) that now and then corrupts the heap (glibc aborts with "malloc(): unaligned tcache
+    chunk detected"); scripts/gloo_overlap_check.py reproduces it with bare functional
+    collectives. On CPU the overlap buys nothing, so each exchange is awaited at once.
+    """
+
+    def __init__(self, rotater):
+        self._rotater = rotater
+
+    def exchange_buffers(self, buffer: torch.Tensor) -> None:
+        self._rotater.exchange_buffers(buffer)
+        self._rotater.next_buffer()  # waits; asking again later returns the same buffer
+
+    def next_buffer(self) -> torch.Tensor:
+        return self._rotater.next_buffer()
+
+
+@contextlib.contextmanager
+def _one_exchange_in_flight(ring) -> Iterator[None]:
+    create = ring._create_rotater
+    ring._create_rotater = lambda *args, **kwargs: _OneExchangeInFlight(create(*args, **kwargs))
+    try:
+        yield
+    finally:
+        ring._create_rotater = create
+
+
 # The two ring functions mirror the CPU ops' schemas (see native_functions.yaml). torch's
 # ring internals are imported on first use: the CUDA path never needs them.
 def _ring_forward(group, query, key, value, dropout_p=0.0, is_causal=False, *,
@@ -165,21 +197,23 @@ def _ring_forward(group, query, key, value, dropout_p=0.0, is_causal=False, *,
 
     if dropout_p or attn_mask is not None:
         raise NotImplementedError("CPU ring attention supports neither dropout nor attn_mask")
-    return ring._templated_ring_attention(
-        group, _SEQ_DIM, _aten._scaled_dot_product_flash_attention_for_cpu, query=query,
-        key=key, value=value, is_causal=is_causal, dropout_p=0.0, scale=scale,
-    )
+    with _one_exchange_in_flight(ring):
+        return ring._templated_ring_attention(
+            group, _SEQ_DIM, _aten._scaled_dot_product_flash_attention_for_cpu, query=query,
+            key=key, value=value, is_causal=is_causal, dropout_p=0.0, scale=scale,
+        )
 
 
 def _ring_backward(group, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                    attn_mask=None, scale=None):
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
-    return ring._templated_ring_attention_backward(
-        group, _SEQ_DIM, _CPU_BWD, grad_out=grad_out, grad_out_name="grad_out", query=query,
-        key=key, value=value, out=out, logsumexp=logsumexp, is_causal=is_causal,
-        dropout_p=dropout_p, scale=scale,
-    )
+    with _one_exchange_in_flight(ring):
+        return ring._templated_ring_attention_backward(
+            group, _SEQ_DIM, _CPU_BWD, grad_out=grad_out, grad_out_name="grad_out",
+            query=query, key=key, value=value, out=out, logsumexp=logsumexp,
+            is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+        )
 
 
 _HANDLERS = {_CPU_FWD: _dtensor_handler(_ring_forward), _CPU_BWD: _dtensor_handler(_ring_backward)}

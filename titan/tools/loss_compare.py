@@ -6,10 +6,12 @@ folder; numbers come from metrics.jsonl, never from the console.
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +51,8 @@ def command(nproc: int, overrides: list[str], dump_folder: str | Path, env: dict
     full_env = {**os.environ, "NGPU": str(nproc), "LOG_RANK": "0", **(env or {})}
     if config_file:
         full_env["CONFIG_FILE"] = config_file
-    return [str(REPO_ROOT / "run_train.sh"), *overrides, "--job.dump_folder", str(dump_folder)], full_env
+    cmd = [str(REPO_ROOT / "run_train.sh"), *overrides, "--job.dump_folder", str(dump_folder)]
+    return cmd, full_env
 
 
 def kill_workers(dump_folder: str | Path) -> None:
@@ -67,25 +70,42 @@ def kill_workers(dump_folder: str | Path) -> None:
             continue
 
 
+def rank_tails(log_dir: str | Path, lines: int = 20) -> str:
+    """The last `lines` lines each rank wrote to stderr, from torchrun's per-rank log files
+    (the console shows only LOG_RANK's ranks; a crash is often on another one)."""
+    out = []
+    for log in sorted(Path(log_dir).glob("*/attempt_*/*/stderr.log"),
+                      key=lambda p: (p.parent.parent.name, int(p.parent.name))):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {log.parent.parent.name}, local rank {log.parent.name} ---")
+        out += tail
+    return "\n".join(out)
+
+
 def launch(nproc: int, overrides: list[str], dump_folder: str | Path, timeout: float = 600,
            env: dict | None = None, config_file: str | None = None,
            check: bool = True) -> subprocess.CompletedProcess:
-    """./run_train.sh with NGPU=nproc; the process group is killed if it outlives `timeout`."""
+    """./run_train.sh with NGPU=nproc; the process group is killed if it outlives `timeout`.
+    A failure's message carries every rank's last lines, not only rank 0's."""
     cmd, full_env = command(nproc, overrides, dump_folder, env, config_file)
-    try:
-        proc = subprocess.run(cmd, env=full_env, cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        kill_workers(dump_folder)
-        out = (e.stdout or b"")[-4000:]
-        raise RunFailed(f"{' '.join(cmd)} (NGPU={nproc}) timed out after {timeout}s:\n{out}") from None
-    if check and proc.returncode != 0:
-        # the workers' own lines say what went wrong; torchrun's summary follows them
-        worker = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("[rank")]
-        raise RunFailed(
-            f"{' '.join(cmd)} (NGPU={nproc}) exited {proc.returncode}; last worker lines:\n"
-            + "\n".join(worker[-60:]) + f"\n--- stderr tail ---\n{proc.stderr[-3000:]}"
-        )
+    with tempfile.TemporaryDirectory(prefix="titan-rank-logs-") as log_dir:
+        full_env.setdefault("PET_LOG_DIR", log_dir)  # torchrun's --log-dir
+        try:
+            proc = subprocess.run(cmd, env=full_env, cwd=REPO_ROOT, capture_output=True,
+                                  text=True, timeout=timeout, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            kill_workers(dump_folder)
+            raise RunFailed(f"{' '.join(cmd)} (NGPU={nproc}) timed out after {timeout}s; last "
+                            f"lines of every rank:\n{rank_tails(full_env['PET_LOG_DIR'])}"
+                            ) from None
+        if check and proc.returncode != 0:
+            ranks = rank_tails(full_env["PET_LOG_DIR"])
+            summary = "\n".join(re.findall(r"^ *(?:rank|exitcode) +:.*$", proc.stderr, re.M))
+            raise RunFailed(
+                f"{' '.join(cmd)} (NGPU={nproc}) exited {proc.returncode}; "
+                + (f"last lines of every rank:\n{ranks}\n--- torchrun's summary ---\n{summary}"
+                   if ranks else f"no rank started; stderr:\n{proc.stderr[-3000:]}")
+            )
     return proc
 
 
