@@ -165,7 +165,8 @@ class _OneExchangeInFlight:
     (or all-to-all) and an all-to-all are in flight on the cp group at once. On gloo (torch
     2.13) that now and then corrupts the heap (glibc aborts with "malloc(): unaligned tcache
     chunk detected"); scripts/gloo_overlap_check.py reproduces it with bare functional
-    collectives. On CPU the overlap buys nothing, so each exchange is awaited at once.
+    collectives. So on CPU each exchange is awaited at once, at 11-15% of CP throughput
+    (benchmarks/RESULTS.md); CUDA keeps torch's overlap.
     """
 
     def __init__(self, rotater):
