@@ -109,12 +109,17 @@ def _loss_sum(model, inputs, labels):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
 
 
-def _cp_vs_single(rank, world_size, rotate_method):
+def _model_and_batch():
+    """The same model and batch on every rank."""
     torch.manual_seed(0)
     model = Transformer(ARGS)
     model.init_weights(seed=0)
     tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ_LEN + 1))
-    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _cp_vs_single(rank, world_size, rotate_method):
+    model, inputs, labels = _model_and_batch()
     total = labels.numel()
 
     ref_loss = _loss_sum(model, inputs, labels) / total
@@ -174,11 +179,7 @@ def _most_collectives_in_flight(rank, world_size, rotate_method):
     ft_c.permute_tensor = issued(ft_c.permute_tensor)  # the ring's two exchanges
     ft_c.all_gather_single = issued(ft_c.all_gather_single)
     ft_c.wait_tensor = awaited
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
-    model.init_weights(seed=0)
-    tokens = torch.randint(0, ARGS.vocab_size, (2, SEQ_LEN + 1))
-    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    model, inputs, labels = _model_and_batch()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     with context_parallel_ctx(mesh, [inputs, labels, model.rope], [1, 1, 0], {inputs, labels},
                               rotate_method=rotate_method, load_balance=True):
@@ -196,10 +197,12 @@ def test_cpu_ring_keeps_one_exchange_in_flight(tmp_path, rotate):
 def _state():
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental._attention import _cp_options
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
     d = DTensor._op_dispatcher
     return dict(
         sdpa=F.scaled_dot_product_attention,
+        create_rotater=ring._create_rotater,
         handlers={op: op in d._custom_op_handlers for op in CPU_OPS},
         strategies={op: op in d.sharding_propagator.op_strategy_funcs for op in CPU_OPS},
         options=(_cp_options.rotate_method, _cp_options.enable_load_balance),
@@ -221,6 +224,7 @@ def _registration_scoped(rank, world_size):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
     assert all(inside["handlers"].values()) and inside["sdpa"] is not before["sdpa"]
+    assert inside["create_rotater"] is not before["create_rotater"]
     assert not any(inside["strategies"].values())  # by design no sharding rule, even inside
     with pytest.raises(ZeroDivisionError):  # exits by exception restore the same way
         with context_parallel_ctx(mesh, [dummy], [1], {dummy}, "allgather", load_balance=False):

@@ -109,12 +109,19 @@ def _cp_context(cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method,
 
 @contextlib.contextmanager
 def _cpu_ring_handlers() -> Iterator[None]:
+    # torch's ring internals are imported here, on first CPU use: CUDA never needs them
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
     handlers = DTensor._op_dispatcher._custom_op_handlers
     previous = {op: handlers[op] for op in _HANDLERS if op in handlers}
     handlers.update(_HANDLERS)
+    create_rotater = ring._create_rotater
+    ring._create_rotater = lambda *args, **kwargs: _OneExchangeInFlight(
+        create_rotater(*args, **kwargs))
     try:
         yield
     finally:
+        ring._create_rotater = create_rotater
         for op in _HANDLERS:
             handlers.pop(op, None)
         handlers.update(previous)
@@ -180,41 +187,29 @@ class _OneExchangeInFlight:
         return self._rotater.next_buffer()
 
 
-@contextlib.contextmanager
-def _one_exchange_in_flight(ring) -> Iterator[None]:
-    create = ring._create_rotater
-    ring._create_rotater = lambda *args, **kwargs: _OneExchangeInFlight(create(*args, **kwargs))
-    try:
-        yield
-    finally:
-        ring._create_rotater = create
-
-
-# The two ring functions mirror the CPU ops' schemas (see native_functions.yaml). torch's
-# ring internals are imported on first use: the CUDA path never needs them.
+# The two ring functions mirror the CPU ops' schemas (see native_functions.yaml). They run
+# inside _cpu_ring_handlers, which has imported torch's ring internals.
 def _ring_forward(group, query, key, value, dropout_p=0.0, is_causal=False, *,
                   attn_mask=None, scale=None):
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
     if dropout_p or attn_mask is not None:
         raise NotImplementedError("CPU ring attention supports neither dropout nor attn_mask")
-    with _one_exchange_in_flight(ring):
-        return ring._templated_ring_attention(
-            group, _SEQ_DIM, _aten._scaled_dot_product_flash_attention_for_cpu, query=query,
-            key=key, value=value, is_causal=is_causal, dropout_p=0.0, scale=scale,
-        )
+    return ring._templated_ring_attention(
+        group, _SEQ_DIM, _aten._scaled_dot_product_flash_attention_for_cpu, query=query,
+        key=key, value=value, is_causal=is_causal, dropout_p=0.0, scale=scale,
+    )
 
 
 def _ring_backward(group, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                    attn_mask=None, scale=None):
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
-    with _one_exchange_in_flight(ring):
-        return ring._templated_ring_attention_backward(
-            group, _SEQ_DIM, _CPU_BWD, grad_out=grad_out, grad_out_name="grad_out",
-            query=query, key=key, value=value, out=out, logsumexp=logsumexp,
-            is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-        )
+    return ring._templated_ring_attention_backward(
+        group, _SEQ_DIM, _CPU_BWD, grad_out=grad_out, grad_out_name="grad_out", query=query,
+        key=key, value=value, out=out, logsumexp=logsumexp, is_causal=is_causal,
+        dropout_p=dropout_p, scale=scale,
+    )
 
 
 _HANDLERS = {_CPU_FWD: _dtensor_handler(_ring_forward), _CPU_BWD: _dtensor_handler(_ring_backward)}
