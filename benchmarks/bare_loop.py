@@ -11,7 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from titan.components.dataloader import DataShard, build_dataloader
+from titan.components.dataloader import DataShard, build_text_dataloader
 from titan.components.tokenizer import Tokenizer
 from titan.models.llama3 import LLAMA3_FLAVORS, Transformer
 
@@ -30,8 +30,10 @@ def main() -> None:
     tok = Tokenizer("assets/tokenizer/tokenizer.json")
     margs = LLAMA3_FLAVORS[args.flavor].with_updates(vocab_size=tok.vocab_size,
                                                      max_seq_len=args.seq_len)
-    loader = build_dataloader("kjv", None, tok, args.seq_len, args.batch, args.batch,
-                              DataShard(), args.seed)
+    loader = build_text_dataloader(dataset="kjv", dataset_path=None, tokenizer=tok,
+                                   seq_len=args.seq_len, local_batch_size=args.batch,
+                                   global_batch_size=args.batch, shard=DataShard(),
+                                   seed=args.seed)
     with torch.device("meta"):
         model = Transformer(margs)
     model.to_empty(device="cpu")

@@ -30,13 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from titan.components.checkpoint import (  # noqa: E402
-    Checkpointer,
-    ModelState,
-    TrainState,
-    local_state_bytes,
-)
+from titan.components.checkpointer import Checkpointer, local_state_bytes  # noqa: E402
 from titan.components.optimizer import build_optimizer  # noqa: E402
+from titan.components.train_state import ModelState, TrainState  # noqa: E402
+from titan.config.job_config import Optimizer  # noqa: E402
 from titan.distributed import init_distributed, pick_device  # noqa: E402
 from titan.logging_setup import init_logging  # noqa: E402
 from titan.models.llama3 import LLAMA3_FLAVORS, Transformer  # noqa: E402
@@ -108,8 +105,8 @@ def main() -> None:
     if args.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)  # stateless
     else:
-        opt = states["optimizer"] = build_optimizer([model], "AdamW", 1e-6, 0.9, 0.95, 1e-8, 0.0,
-                                                    "foreach")
+        opt = states["optimizer"] = build_optimizer(
+            [model], Optimizer(lr=1e-6, weight_decay=0.0, implementation="foreach"))
     loop = Loop(model, opt, args.batch, args.seq_len, margs.vocab_size, device)
 
     loop.step()  # warm-up; materializes optimizer state
@@ -119,7 +116,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for mode in ("disabled", "async"):
-            ck = Checkpointer(checkpoint_cfg(mode), os.path.join(tmp, mode), states, rank=0)
+            ck = Checkpointer(checkpoint_cfg(mode), dump_folder=os.path.join(tmp, mode),
+                              states=states, rank=0)
             if mode == "async":
                 loop.step()
                 rows.append(("async, first save", *timed_save(loop, ck, 0, base)))

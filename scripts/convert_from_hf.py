@@ -1,4 +1,5 @@
-"""Convert an HF Llama folder (config.json + safetensors) to a model-only titan DCP checkpoint.
+"""Convert an HF folder (config.json + safetensors) to a model-only titan DCP checkpoint,
+through the model family's state-dict adapter (--model-name, default llama3).
 
     python scripts/download_hf_assets.py --repo meta-llama/Llama-3.1-8B --weights
     python scripts/convert_from_hf.py assets/hf/Llama-3.1-8B assets/dcp/llama3_8b
@@ -30,24 +31,29 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="dtype of the stored weights (default float32)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    ap.add_argument("--model-name", default="llama3", help="registered model family (default llama3)")
     args = ap.parse_args(argv)
 
-    from titan.components import hf_io
+    from titan.components import checkpoint, hf_io
+    from titan.models.spec import get_train_spec
 
     t0 = time.time()
     try:
-        config = hf_io.read_hf_config(args.hf_dir)
-        model_args = hf_io.llama3_args_from_hf_config(config)
+        spec = get_train_spec(args.model_name)
+    except KeyError as e:
+        raise SystemExit(f"error: {e.args[0]}") from None
+    try:
+        model_args = hf_io.args_from_hf(args.hf_dir, spec)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            state = hf_io.load_hf(args.hf_dir, dtype=args.dtype, args=model_args)
+            state = hf_io.load_hf(args.hf_dir, spec, dtype=args.dtype, args=model_args)
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
-        out = hf_io.save_dcp_model_state(state, args.output, overwrite=args.overwrite)
-    except hf_io.CheckpointError as e:
+        out = checkpoint.save_dcp_model_state(state, args.output, overwrite=args.overwrite)
+    except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
 
-    flavor = hf_io.matching_flavor(model_args)
+    flavor = spec.matching_flavor(model_args)
     n = sum(t.numel() for t in state.values())
     print(f"wrote {out} ({n / 1e6:.1f}M parameters, {args.dtype}) in {time.time() - t0:.1f}s")
     if flavor is not None:

@@ -1,4 +1,5 @@
-"""Export a titan DCP checkpoint to an HF `LlamaForCausalLM` folder (safetensors + config.json).
+"""Export a titan DCP checkpoint to an HF folder (safetensors + config.json), through the
+model family's state-dict adapter.
 
     # one step folder of a training run (full or model-only checkpoint)
     python scripts/convert_to_hf.py outputs/llama3_8b/checkpoint/step-1000 exports/llama3_8b_hf \\
@@ -40,6 +41,20 @@ def copy_tokenizer(src: str, out_dir: Path) -> list[str]:
     return copied
 
 
+def vocab_size(state: dict, spec, flavor) -> int:
+    """The vocabulary the checkpoint was trained with (the tokenizer's, not the flavor's):
+    the one parameter dimension that changes when vocab_size does."""
+    from titan.components.checkpoint import CheckpointError
+
+    a, b = (spec.state_shapes(flavor.with_updates(vocab_size=v)) for v in (3, 5))
+    for name, shape in a.items():
+        for dim, (x, y) in enumerate(zip(shape, b[name])):
+            if (x, y) == (3, 5) and name in state:
+                return state[name].shape[dim]
+    raise CheckpointError("cannot tell the vocabulary size: the checkpoint holds no "
+                          "vocabulary-sized parameter")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="DCP step folder (…/checkpoint/step-N) or a checkpoint root")
@@ -55,7 +70,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokenizer", help="tokenizer.json, or a folder holding it, to copy alongside")
     args = ap.parse_args(argv)
 
-    from titan.components import hf_io
+    from titan.components import checkpoint, hf_io
     from titan.models.spec import get_train_spec
 
     t0 = time.time()
@@ -66,24 +81,23 @@ def main(argv=None) -> None:
     if args.flavor not in spec.flavors:
         raise SystemExit(f"error: unknown flavor {args.flavor!r} for {args.model_name}; "
                          f"choose from {', '.join(spec.flavors)}")
-    if spec.state_dict_adapter is not hf_io.Llama3StateDictAdapter:
-        raise SystemExit(f"error: HF export supports Llama 3 models only, not {args.model_name!r}")
+    if spec.state_dict_adapter is None:
+        raise SystemExit(f"error: model family {args.model_name!r} registers no HF state-dict "
+                         "adapter, so it cannot be exported to HF")
 
     ckpt = Path(args.checkpoint)
-    if not (ckpt / hf_io.COMPLETE_MARKER).is_file():
-        latest = hf_io.latest_complete_step(ckpt)
+    if not (ckpt / checkpoint.COMPLETE_MARKER).is_file():
+        latest = checkpoint.latest_complete_step(ckpt)
         if latest is not None:
             print(f"using the newest completed checkpoint {latest}")
             ckpt = latest
     try:
-        state = hf_io.load_dcp_model_state(ckpt)
-        if "tok_embeddings.weight" not in state:
-            raise hf_io.CheckpointError(f"{str(ckpt)!r} has no tok_embeddings.weight")
-        vocab = state["tok_embeddings.weight"].shape[0]
+        state = checkpoint.load_dcp_model_state(ckpt)
+        vocab = vocab_size(state, spec, spec.flavors[args.flavor])
         model_args = spec.flavors[args.flavor].with_updates(vocab_size=vocab, max_seq_len=args.max_seq_len)
-        out = hf_io.save_hf(state, model_args, args.output, dtype=args.dtype,
+        out = hf_io.save_hf(state, spec, model_args, args.output, dtype=args.dtype,
                             max_shard_size=args.max_shard_size)
-    except hf_io.CheckpointError as e:
+    except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
     copied = copy_tokenizer(args.tokenizer, out) if args.tokenizer else []
     n = sum(t.numel() for t in state.values())

@@ -49,6 +49,23 @@ def init_distributed(device: torch.device, init_timeout_s: int) -> tuple[int, in
     return dist.get_rank(), dist.get_world_size()
 
 
+def is_collective_failure(error: BaseException) -> bool:
+    """Did `error` come out of a collective or p2p call (a timeout, or a peer that died)?
+
+    NCCL raises torch's DistError types. gloo raises a plain RuntimeError from inside the
+    collective's wait, so there the type and the innermost frame of the traceback (in
+    torch.distributed) tell.
+    """
+    if isinstance(error, dist.DistError):
+        return True
+    if type(error) is not RuntimeError:
+        return False
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
+
+
 def set_collective_timeout(seconds: int) -> None:
     """Shorten the timeout once the first step has run (init and compile are slow, steps not)."""
     from torch.distributed.distributed_c10d import _set_pg_timeout

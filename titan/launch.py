@@ -42,7 +42,8 @@ def main() -> None:
         sys.exit(2)
     if job.job.print_config:
         print(to_toml(job), flush=True)
-        trainer_args = [a for a in trainer_args if a not in ("--job.print_config",)]
+        # printed once, here: a last override wins over every form (flag, =true, TOML)
+        trainer_args = [*trainer_args, "--job.no_print_config"]
     from torch.distributed.run import main as torchrun
 
     torchrun([*torchrun_args, "-m", "titan.train", *trainer_args])

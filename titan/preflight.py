@@ -12,14 +12,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan.components.dataset import DataError, local_files
 from titan.components.tokenizer import Tokenizer, TokenizerError
 from titan.config import ConfigError, JobConfig
-from titan.config.manager import require
-from titan.models.spec import TrainSpec, get_train_spec, registered_names
+from titan.config.manager import require, source_of
+from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_names
 from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, validate_against_model
 from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipeline
-
-
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RunPlan:
     spec: TrainSpec
-    model_args: object
+    model_args: ModelArgs
     dims: ParallelDims
     tokenizer: Tokenizer
     global_batch_size: int
@@ -67,8 +66,9 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
         dp_size = dims.dp * (ft.group_size if ft.enable else 1)
         global_batch = (t.global_batch_size if t.global_batch_size != -1
                         else t.local_batch_size * dp_size)
-        validate_against_model(dims, model_args.n_heads, model_args.kv_heads, model_args.n_layers,
-                               t.seq_len, t.local_batch_size, global_batch, dp_size)
+        validate_against_model(dims, model_args, seq_len=t.seq_len,
+                               local_batch_size=t.local_batch_size,
+                               global_batch_size=global_batch, dp_size=dp_size)
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
     if dims.cp_enabled:
@@ -84,11 +84,9 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
         require(job, spec.pipelining_fn is not None, "parallelism.pipeline_parallel_degree",
                 f"model {m.name} registers no pipeline split function")
         pipeline_plan(job, model_args.n_layers, pp_rank=0)
-        require(job, not job.validation.enable
-                or job.validation.local_batch_size == t.local_batch_size,
-                "validation.local_batch_size",
-                f"with pipeline parallelism it must equal training.local_batch_size "
-                f"({t.local_batch_size}): the schedule's microbatch shapes are fixed")
+        if job.validation.enable:
+            pipeline_plan(job, model_args.n_layers, pp_rank=0, validation=True)
+    check_datasets(job)
     ck = job.checkpoint
     require(job, not ck.create_seed_checkpoint or ck.enable, "checkpoint.create_seed_checkpoint",
             "needs checkpoint.enable (the seed is written to the checkpoint folder)")
@@ -105,16 +103,38 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
                    global_batch // (t.local_batch_size * dp_size), dp_size)
 
 
-def pipeline_plan(job: JobConfig, n_layers: int, pp_rank: int) -> PipelinePlan:
-    par = job.parallelism
+def pipeline_plan(job: JobConfig, n_layers: int, pp_rank: int,
+                  validation: bool = False) -> PipelinePlan:
+    """The pipeline stages for training batches, or (`validation`) for validation batches:
+    same stages, as many microbatches as the validation batch holds."""
+    batch = job.validation.local_batch_size if validation else job.training.local_batch_size
     try:
-        return plan_pipeline(n_layers, par.pipeline_parallel_degree, pp_rank,
-                             par.pipeline_parallel_schedule, job.training.local_batch_size,
-                             par.pipeline_parallel_microbatch_size,
-                             par.pipeline_parallel_layers_per_stage,
-                             par.pipeline_parallel_split_points)
+        return plan_pipeline(job.parallelism, n_layers=n_layers, pp_rank=pp_rank,
+                             local_batch_size=batch)
     except PipelineConfigError as e:
-        raise ConfigError(f"parallelism: {e}") from None
+        where = (f"validation.local_batch_size = {batch} (from "
+                 f"{source_of(job, 'validation.local_batch_size')})" if validation
+                 else "parallelism")
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def check_datasets(job: JobConfig) -> None:
+    """Local datasets must exist; a streamed one cannot be combined with torchft healing."""
+    sets = [("training", job.training)]
+    if job.validation.enable:
+        sets.append(("validation", job.validation))
+    for section, cfg in sets:
+        try:
+            files = local_files(cfg.dataset, cfg.dataset_path, key=f"{section}.dataset_path")
+        except DataError as e:
+            raise ConfigError(f"{section}.dataset: {e}") from None
+        streamed = files is None or cfg.dataset_streaming
+        if section == "training" and streamed and job.fault_tolerance.enable:
+            raise ConfigError(
+                f"fault_tolerance.enable with the streamed dataset {cfg.dataset!r}: a group that "
+                "heals from a live one must jump to its data position, and a stream has no "
+                "global index to jump to. Train on local files without "
+                "training.dataset_streaming, or disable fault_tolerance")
 
 
 def _existing_ancestor(path: Path) -> Path:

@@ -18,7 +18,8 @@ SCRIPT = textwrap.dedent("""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    from titan.components.checkpoint import Checkpointer, ModelState, TrainState
+    from titan.components.checkpointer import Checkpointer
+    from titan.components.train_state import ModelState, TrainState
 
     DELAY = 1.5
     slow_stage = DefaultStager._stage
@@ -40,8 +41,8 @@ SCRIPT = textwrap.dedent("""
         cfg = SimpleNamespace(enable=True, folder="ck", interval=1, keep_latest_k=0,
                               async_mode="async", last_save_model_only=False,
                               export_dtype="float32")
-        ck = Checkpointer(cfg, sys.argv[1], {"model": ModelState([model]),
-                                             "train_state": TrainState()}, rank=0)
+        ck = Checkpointer(cfg, dump_folder=sys.argv[1], rank=0,
+                          states={"model": ModelState([model]), "train_state": TrainState()})
         step1 = os.path.join(sys.argv[1], "ck", "step-1")
         blocked = ck.save(1)
         complete_at_return = os.path.isfile(os.path.join(step1, ".complete"))

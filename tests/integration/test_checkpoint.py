@@ -8,21 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import dp_batch
 
+from tests.integration.harness import COMMON, dp_batch, launch, losses, read_metrics
 from titan.paths import REPO_ROOT
-from titan.tools.loss_compare import launch, read_metrics
 
 STEPS = 20
-BASE = ["--training.steps", str(STEPS), "--training.seq_len", "64",
-        "--training.mixed_precision_param", "float32", "--training.deterministic",
-        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "3",
-        "--metrics.no_enable_tensorboard", "--checkpoint.interval", "10"]
+BASE = [*COMMON, "--training.steps", str(STEPS), "--checkpoint.interval", "10"]
 CK = ["--checkpoint.enable"]
-
-
-def losses(dump):
-    return {r["step"]: r["loss"] for r in read_metrics(dump)}
 
 
 def steps_on_disk(dump):
@@ -184,3 +176,30 @@ def test_hf_export_then_initial_load_in_hf(tmp_path):
     assert sorted(a) == [1, 2, 3]
     for s in a:
         assert abs(a[s] - b[s]) <= 1e-5 * a[s]
+
+
+def test_streamed_dataset_resumes_exactly_with_validation(tmp_path):
+    """Local files read through the streaming path (as hub datasets are): each dp rank reads
+    its own shard, a resume on the same layout continues every rank's stream exactly, and
+    validation on a streamed set ends (its shards end at different batches on each rank)."""
+    valid = tmp_path / "valid.jsonl"  # 5 documents: 3 on one rank, 2 on the other
+    lines = (REPO_ROOT / "assets" / "corpus" / "kjv_valid.jsonl").read_text().splitlines()
+    valid.write_text("\n".join(lines[:5]) + "\n")
+    stream = ["--training.dataset_streaming", "--validation.enable",
+              "--validation.dataset_path", str(valid), "--validation.dataset_streaming",
+              "--validation.freq", "4", "--validation.local_batch_size", "4",
+              "--training.steps", "8", "--checkpoint.interval", "4", *dp_batch(2)]
+    launch(2, [*BASE, *stream], tmp_path / "straight", timeout=600)
+    resumed = tmp_path / "resumed"
+    launch(2, [*BASE, *stream, *CK, "--training.exit_at_step", "4"], resumed, timeout=600)
+    proc = launch(2, [*BASE, *stream, *CK], resumed, timeout=600)
+    assert "resumed from" in proc.stderr and "step-4" in proc.stderr
+    straight = losses(tmp_path / "straight")
+    assert sorted(straight) == list(range(1, 9)) and losses(resumed) == straight
+
+    def val(dump):
+        return [json.loads(x) for x in (dump / "validation.jsonl").read_text().splitlines()]
+
+    assert [v["step"] for v in val(tmp_path / "straight")] == [4, 8]
+    assert val(resumed) == val(tmp_path / "straight")  # same batches, same loss, after resume
+    assert val(resumed)[1]["val_loss"] < val(resumed)[0]["val_loss"]

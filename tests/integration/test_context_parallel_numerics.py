@@ -2,9 +2,8 @@
 trains to the 1-rank losses."""
 
 import pytest
-from conftest import COMMON, assert_matches_baseline, dp_batch
 
-from titan.tools.loss_compare import launch
+from tests.integration.harness import COMMON, assert_matches_baseline, dp_batch, launch
 
 
 def cp(n, method="allgather"):

@@ -5,41 +5,23 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from conftest import dp_batch
 
-from titan.tools.loss_compare import RunFailed, command, kill_workers, launch, read_metrics
+from tests.integration.harness import (
+    COMMON,
+    RunFailed,
+    command,
+    dp_batch,
+    find_workers,
+    kill_workers,
+    launch,
+    losses,
+)
 
 STEPS = 16
-BASE = ["--training.steps", str(STEPS), "--training.seq_len", "64",
-        "--training.mixed_precision_param", "float32", "--training.deterministic",
-        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "3",
-        "--metrics.no_enable_tensorboard"]
+BASE = [*COMMON, "--training.steps", str(STEPS)]
 CK = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
-
-
-def losses(dump):
-    return {r["step"]: r["loss"] for r in read_metrics(dump)}
-
-
-def worker_pid(dump: Path, rank: int) -> int | None:
-    """The pid of the titan worker with this RANK writing to `dump` (scanned from /proc)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"titan.train" not in cmdline or str(dump).encode() not in cmdline:
-                continue
-            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0")
-                       if b"=" in kv)
-        except OSError:
-            continue
-        if env.get(b"RANK") == str(rank).encode():
-            return int(proc.name)
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +47,9 @@ def test_sigkilled_rank_restarts_and_resumes_exactly(nproc, victim, straight, tm
         while max(losses(dump), default=0) < 6:  # past the step-4 checkpoint
             assert proc.poll() is None and time.monotonic() < deadline, "run ended early"
             time.sleep(0.2)
-        pid = worker_pid(dump, victim)
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        pids = find_workers(dump, rank=victim)
+        assert len(pids) == 1
+        os.kill(pids[0], signal.SIGKILL)
         out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

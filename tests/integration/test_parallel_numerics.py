@@ -6,9 +6,14 @@ in every layout, and every layout starts from the same weights.
 """
 
 import pytest
-from conftest import COMMON, GLOBAL_BATCH, assert_matches_baseline, dp_batch
 
-from titan.tools.loss_compare import launch
+from tests.integration.harness import (
+    COMMON,
+    GLOBAL_BATCH,
+    assert_matches_baseline,
+    dp_batch,
+    launch,
+)
 
 CASES = {
     "fsdp2": (2, dp_batch(2)),

@@ -4,9 +4,8 @@ the 1-rank losses; the logged loss is the real last-stage loss."""
 import json
 
 import pytest
-from conftest import COMMON, assert_matches_baseline, dp_batch
 
-from titan.tools.loss_compare import launch
+from tests.integration.harness import COMMON, assert_matches_baseline, dp_batch, launch
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",

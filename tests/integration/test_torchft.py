@@ -7,9 +7,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import COMMON, STEPS
 
-from titan.tools.loss_compare import command, kill_workers, read_metrics
+from tests.integration.harness import COMMON, STEPS, command, kill_workers, read_metrics
 
 torchft = pytest.importorskip("torchft", reason="optional: pip install -e '.[torchft]'")
 

@@ -4,8 +4,9 @@ import json
 import subprocess
 import sys
 
-from conftest import FAST
+import pytest
 
+from tests.integration.harness import FAST
 from titan.paths import REPO_ROOT
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "gc_s"}
@@ -38,6 +39,8 @@ def test_debug_model_learns_and_logs(train_run):
     assert [s for s, _ in tb_loss] == list(range(1, 31))
     assert abs(tb_loss[-1][1] - last) < 1e-5
     assert "loss:" in proc.stderr  # the human-readable line exists too
+    # start-up gets comm.init_timeout_seconds; from the end of step 1, the training limit
+    assert proc.stderr.index("collective timeout now 100s") < proc.stderr.index("step:      2")
     assert "\033[" not in proc.stderr  # no color codes when not writing to a terminal
 
 
@@ -63,6 +66,24 @@ def test_config_error_exits_2_before_writing(tmp_path):
     assert not dump.exists()
 
 
+def test_worker_time_errors_are_refused_before_launch(tmp_path):
+    """Mistakes once found inside the workers (a traceback per rank, exit 1) now stop the
+    launcher: exit 2, one message, nothing written."""
+    dump = tmp_path / "never"
+    for args, key in [
+        (["--training.dataset_path", str(tmp_path / "missing.jsonl")], "training.dataset_path"),
+        (["--activation_checkpoint.mode", "selective",
+          "--activation_checkpoint.selective_ac_option", "x2"],
+         "activation_checkpoint.selective_ac_option"),
+    ]:
+        proc = subprocess.run([str(REPO_ROOT / "run_train.sh"), *args, "--job.dump_folder",
+                               str(dump)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert key in proc.stderr and proc.stderr.count("config error") == 1
+        assert "Traceback" not in proc.stderr
+    assert not dump.exists()
+
+
 def _path():
     import os
 
@@ -78,11 +99,13 @@ def test_help_lists_every_field():
         assert key in proc.stdout
 
 
-def test_print_config_shows_merged_values(train_run):
-    proc, records, _ = train_run(1, *FAST, "--training.steps", "1", "--job.print_config",
+@pytest.mark.parametrize("flag", ["--job.print_config", "--job.print_config=true"])
+def test_print_config_shows_merged_values(train_run, flag):
+    proc, records, _ = train_run(1, *FAST, "--training.steps", "1", flag,
                                  "--optimizer.lr=0.01")
     assert "lr = 0.01" in proc.stdout and "steps = 1" in proc.stdout
     assert len(records) == 1
+    assert proc.stdout.count("[optimizer]") == 1  # by the launcher only, in either form
 
 
 def test_profiler_traces_carry_rank(train_run):

@@ -6,9 +6,11 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan.components.checkpoint import DataState, _problem, decode_json, encode_json, saved_keys
+from titan.components.checkpoint import folder_problem, saved_keys
 from titan.components.dataset import PackedDataset
 from titan.components.lr_scheduler import build_lr_scheduler
+from titan.components.train_state import DataState, decode_json, encode_json
+from titan.config.job_config import LRScheduler
 
 
 def _write(path, marker=True):
@@ -21,28 +23,28 @@ def _write(path, marker=True):
 def test_problem_detects_each_kind_of_damage(tmp_path):
     good = tmp_path / "good"
     _write(good)
-    assert _problem(good) is None
+    assert folder_problem(good) is None
     assert saved_keys(good) == {"model", "train_state"}
 
     torn = tmp_path / "torn"
     _write(torn, marker=False)
-    assert _problem(torn).startswith("incomplete")
+    assert folder_problem(torn).startswith("incomplete")
 
     trunc = tmp_path / "trunc"
     _write(trunc)
     shard = next(trunc.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    assert _problem(trunc).startswith("truncated file")
+    assert folder_problem(trunc).startswith("truncated file")
 
     missing = tmp_path / "missing"
     _write(missing)
     next(missing.glob("*.distcp")).unlink()
-    assert _problem(missing).startswith("missing file")
+    assert folder_problem(missing).startswith("missing file")
 
     bad_meta = tmp_path / "bad_meta"
     _write(bad_meta)
     (bad_meta / ".metadata").write_bytes(b"not metadata")
-    assert _problem(bad_meta).startswith("unreadable metadata")
+    assert folder_problem(bad_meta).startswith("unreadable metadata")
 
 
 def test_json_state_round_trips_as_uint8_tensor():
@@ -81,15 +83,18 @@ def test_data_position_is_layout_independent():
     assert all(torch.equal(a, b) for a, b in zip(expected, resumed, strict=True))
 
 
+LINEAR = LRScheduler(warmup_steps=2, decay_ratio=None, decay_type="linear", min_lr_factor=0.0)
+
+
 def test_lr_scheduler_state_is_one_integer():
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    sched = build_lr_scheduler(opt, 10, 2, None, "linear", 0.0)
+    sched = build_lr_scheduler(opt, LINEAR, 10)
     for _ in range(4):
         sched.step()
     sd = sched.state_dict()
     assert list(sd) == ["steps_done"] and int(sd["steps_done"]) == 4
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched2 = build_lr_scheduler(opt2, 10, 2, None, "linear", 0.0)
+    sched2 = build_lr_scheduler(opt2, LINEAR, 10)
     sched2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]

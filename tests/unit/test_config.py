@@ -18,7 +18,9 @@ def write(tmp_path, text, name="job.toml"):
 
 
 def sections(cfg):
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    """The config's sections (its dataclass fields; `sources` is bookkeeping, not a section)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if dataclasses.is_dataclass(getattr(cfg, f.name))}
 
 
 # ----------------------------------------------------------------------------- defaults

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import titan.components.dataset as dataset_mod
-from titan.components.dataloader import DataShard, build_dataloader
+from titan.components.dataloader import DataShard, build_text_dataloader
 from titan.components.dataset import DataError, PackedDataset, build_dataset
 
 SEQ = 64
@@ -36,10 +36,13 @@ def cached_tokenization():
 
 
 def loader(tokenizer, local, global_, rank=0, dp=1, seed=0, dataset="kjv", path=None,
-           seq_len=SEQ, shuffle=True, infinite=True, text_field="text"):
-    return build_dataloader(dataset, path, tokenizer, seq_len, local, global_,
-                            DataShard(dp_rank=rank, dp_world_size=dp), seed,
-                            text_field=text_field, shuffle=shuffle, infinite=infinite)
+           seq_len=SEQ, shuffle=True, infinite=True, text_field="text", streaming=False):
+    return build_text_dataloader(dataset=dataset, dataset_path=path, tokenizer=tokenizer,
+                                 seq_len=seq_len, local_batch_size=local,
+                                 global_batch_size=global_,
+                                 shard=DataShard(dp_rank=rank, dp_world_size=dp), seed=seed,
+                                 text_field=text_field, shuffle=shuffle, infinite=infinite,
+                                 streaming=streaming)
 
 
 def take(dl_or_iter, n):
@@ -158,6 +161,58 @@ def test_resume_across_epoch_boundary(tokenizer, tmp_path):
     resumed = loader(tokenizer, 3, 3, **kw)
     resumed.load_state_dict(dl.state_dict())
     assert_batches_equal(take(resumed, 3), reference[5:8])
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def streamed(tokenizer, path, rank=0, dp=1, infinite=True, local=3, text_field="text"):
+    return loader(tokenizer, local, local * dp, rank, dp, path=str(path), seq_len=8,
+                  infinite=infinite, text_field=text_field, streaming=True)
+
+
+def windows(batches) -> list[int]:
+    """The token stream the packed windows were cut from (each window is seq_len + 1)."""
+    return [t for x, y in batches for i in range(len(x)) for t in [x[i, 0].item(), *y[i].tolist()]]
+
+
+def test_streamed_local_file_is_sharded_per_rank(tokenizer, tmp_path):
+    docs = [f"{d} ({i})" for i, d in enumerate(DOCS * 3)]
+    path = write_jsonl(tmp_path / "d.jsonl", docs)
+    for rank in (0, 1):
+        stream = windows(list(streamed(tokenizer, path, rank, dp=2, infinite=False)))
+        own = [t for d in docs[rank::2] for t in tokenizer.encode(d)]  # every other document
+        assert len(stream) > 0.8 * len(own) and stream == own[:len(stream)]
+
+
+def test_streamed_resume_matches_uninterrupted(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    reference = take(streamed(tokenizer, path, rank=1, dp=2), 9)  # crosses epochs
+    for k in (2, 5):
+        dl = streamed(tokenizer, path, rank=1, dp=2)
+        take(dl, k)
+        resumed = streamed(tokenizer, path, rank=1, dp=2)
+        # what the checkpoint holds: the dataset's own state, JSON-encoded
+        resumed.dataset.load_state_dict(json.loads(json.dumps(dl.dataset.state_dict())))
+        assert_batches_equal(take(resumed, 9 - k), reference[k:])
+
+
+def test_streamed_validation_pass_ends_and_rewinds(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    dl = streamed(tokenizer, path, infinite=False)
+    first = list(dl)
+    assert 0 < len(first) < 10
+    dl.dataset.rewind()
+    assert_batches_equal(list(dl), first)
+    with pytest.raises(DataError, match="no global index"):
+        dl.dataset.seek_global_batch(3)
+
+
+def test_streamed_record_without_text_field(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS, field="body")
+    with pytest.raises(DataError, match="'text'.*dataset_text_field"):
+        take(streamed(tokenizer, path), 1)
+    assert take(streamed(tokenizer, path, text_field="body"), 1)
 
 
 # ----------------------------------------------------------------------------- dp sharding
@@ -282,7 +337,8 @@ def test_parquet_file(tokenizer, tmp_path):
 def test_txt_file_paragraphs(tokenizer, tmp_path):
     path = tmp_path / "d.txt"
     path.write_text("\n\n".join(DOCS) + "\n")
-    ds = build_dataset("x", str(path), tokenizer, 8, 0, 1, 1, 0, shuffle=False)
+    ds = build_dataset(dataset="x", dataset_path=str(path), tokenizer=tokenizer, seq_len=8,
+                          shard=DataShard(), global_batch_size=1, seed=0, shuffle=False)
     tokens = ds.tokens.tolist()
     assert tokens.count(tokenizer.bos_id) == len(DOCS)  # one document per paragraph
     text = tokenizer.decode(tokens, skip_special=True)
@@ -295,7 +351,8 @@ def test_folder_of_files(tokenizer, tmp_path):
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", DOCS[:2])
     write_jsonl(folder / "b.jsonl", DOCS[2:])
-    ds = build_dataset("x", str(folder), tokenizer, 8, 0, 1, 1, 0, shuffle=False)
+    ds = build_dataset(dataset="x", dataset_path=str(folder), tokenizer=tokenizer, seq_len=8,
+                          shard=DataShard(), global_batch_size=1, seed=0, shuffle=False)
     assert torch.equal(ds.tokens, stream_of(tokenizer, DOCS))
 
 
@@ -303,12 +360,14 @@ def test_mixed_formats_rejected(tokenizer, tmp_path):
     write_jsonl(tmp_path / "a.jsonl", DOCS)
     (tmp_path / "b.txt").write_text(DOCS[0])
     with pytest.raises(DataError, match="must all be one of"):
-        build_dataset("x", str(tmp_path), tokenizer, 8, 0, 1, 1, 0)
+        build_dataset(dataset="x", dataset_path=str(tmp_path), tokenizer=tokenizer, seq_len=8,
+                          shard=DataShard(), global_batch_size=1, seed=0)
 
 
 def test_empty_folder(tokenizer, tmp_path):
     with pytest.raises(DataError, match="holds no"):
-        build_dataset("x", str(tmp_path), tokenizer, 8, 0, 1, 1, 0)
+        build_dataset(dataset="x", dataset_path=str(tmp_path), tokenizer=tokenizer, seq_len=8,
+                          shard=DataShard(), global_batch_size=1, seed=0)
 
 
 # ----------------------------------------------------------------------------- errors

@@ -58,7 +58,7 @@ def test_from_hf_skips_rotary_and_rejects_unknown(adapter, model):
 
 def test_hf_config(adapter):
     cfg = adapter.hf_config()
-    assert cfg["hidden_size"] == ARGS.dim and cfg["num_key_value_heads"] == ARGS.kv_heads
+    assert cfg["hidden_size"] == ARGS.dim and cfg["num_key_value_heads"] == ARGS.n_kv_heads
     assert cfg["intermediate_size"] == ARGS.ffn_hidden_dim and cfg["head_dim"] == ARGS.head_dim
     assert "rope_scaling" not in cfg
     cfg8 = Llama3StateDictAdapter(LLAMA3_FLAVORS["8B"]).hf_config()
@@ -97,7 +97,7 @@ def titan_scores(x, wq, wk, model):
     hd = ARGS.head_dim
     q = apply_rope((x @ wq.T).view(bs, seq, -1, hd), model.rope)
     k = apply_rope((x @ wk.T).view(bs, seq, -1, hd), model.rope)
-    k = k.repeat_interleave(ARGS.n_heads // ARGS.kv_heads, dim=2)
+    k = k.repeat_interleave(ARGS.n_heads // ARGS.n_kv_heads, dim=2)
     return q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)
 
 
@@ -110,11 +110,11 @@ def test_qk_permutation_matches_hf_rotate_half(model, adapter):
     hq = hf[f"model.layers.{layer}.self_attn.q_proj.weight"]
     hk = hf[f"model.layers.{layer}.self_attn.k_proj.weight"]
     ours = titan_scores(x, wq, wk, model)
-    theirs = hf_scores(x, hq, hk, ARGS.n_heads, ARGS.kv_heads, ARGS.head_dim, ARGS.rope_theta)
+    theirs = hf_scores(x, hq, hk, ARGS.n_heads, ARGS.n_kv_heads, ARGS.head_dim, ARGS.rope_theta)
     assert ours.shape == theirs.shape == (2, ARGS.n_heads, 24, 24)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     # control: HF's RoPE on the unpermuted titan weights gives different scores
-    wrong = hf_scores(x, wq, wk, ARGS.n_heads, ARGS.kv_heads, ARGS.head_dim, ARGS.rope_theta)
+    wrong = hf_scores(x, wq, wk, ARGS.n_heads, ARGS.n_kv_heads, ARGS.head_dim, ARGS.rope_theta)
     assert not torch.allclose(ours, wrong, rtol=1e-2, atol=1e-3)
 
 

@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan.components import hf_io
+from titan.components import checkpoint, hf_io
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan.models.llama3.model import Transformer
-from titan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from titan.models.llama3.state_dict_adapter import Llama3StateDictAdapter, llama3_args_from_hf_config
+from titan.models.spec import get_train_spec
+
+LLAMA = get_train_spec("llama3")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,44 +73,44 @@ def assert_identical(a: dict, b: dict):
 
 def test_hf_round_trip_bit_identical(model, tmp_path):
     sd = model.state_dict()
-    out = hf_io.save_hf(sd, ARGS, tmp_path / "hf")
+    out = hf_io.save_hf(sd, LLAMA, ARGS, tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["torch_dtype"] == "float32" and cfg["rope_scaling"]["rope_type"] == "llama3"
     assert cfg["tie_word_embeddings"] is False and cfg["intermediate_size"] == ARGS.ffn_hidden_dim
-    assert_identical(hf_io.load_hf(out), sd)
+    assert_identical(hf_io.load_hf(out, LLAMA), sd)
     # the file really is in HF layout: q permuted to halves, names HF's
     raw = hf_io.load_hf_state(out)
     assert torch.equal(raw["model.layers.1.self_attn.q_proj.weight"],
                        Llama3StateDictAdapter(ARGS).to_hf(sd)["model.layers.1.self_attn.q_proj.weight"])
-    assert hf_io.llama3_args_from_hf_config(cfg).ffn_hidden_dim == ARGS.ffn_hidden_dim
+    assert llama3_args_from_hf_config(cfg).ffn_hidden_dim == ARGS.ffn_hidden_dim
 
 
 def test_hf_sharded_and_bf16(model, tmp_path):
     sd = model.state_dict()
-    out = hf_io.save_hf(sd, ARGS, tmp_path / "hf", max_shard_size="40KB")
+    out = hf_io.save_hf(sd, LLAMA, ARGS, tmp_path / "hf", max_shard_size="40KB")
     index = json.loads((out / hf_io.HF_INDEX_FILE).read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert not (out / hf_io.HF_SINGLE_FILE).exists()
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in sd.values())
-    assert_identical(hf_io.load_hf(out), sd)
+    assert_identical(hf_io.load_hf(out, LLAMA), sd)
     # re-export into the same folder unsharded in bf16: old shards go, values are the bf16 cast
-    hf_io.save_hf(sd, ARGS, out, dtype="bfloat16")
+    hf_io.save_hf(sd, LLAMA, ARGS, out, dtype="bfloat16")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    assert_identical(hf_io.load_hf(out), {k: v.to(torch.bfloat16) for k, v in sd.items()})
-    assert_identical(hf_io.load_hf(out, dtype="float32"),
+    assert_identical(hf_io.load_hf(out, LLAMA), {k: v.to(torch.bfloat16) for k, v in sd.items()})
+    assert_identical(hf_io.load_hf(out, LLAMA, dtype="float32"),
                      {k: v.to(torch.bfloat16).float() for k, v in sd.items()})
 
 
 def test_save_hf_rejects_wrong_state(model, tmp_path):
     sd = dict(model.state_dict())
-    with pytest.raises(hf_io.CheckpointError, match="shape mismatch"):
-        hf_io.save_hf(sd, ARGS.with_updates(vocab_size=300), tmp_path / "hf")
+    with pytest.raises(checkpoint.CheckpointError, match="shape mismatch"):
+        hf_io.save_hf(sd, LLAMA, ARGS.with_updates(vocab_size=300), tmp_path / "hf")
     del sd["layers.1.feed_forward.w2.weight"]
-    with pytest.raises(hf_io.CheckpointError, match="missing"):
-        hf_io.save_hf(sd, ARGS, tmp_path / "hf")
+    with pytest.raises(checkpoint.CheckpointError, match="missing"):
+        hf_io.save_hf(sd, LLAMA, ARGS, tmp_path / "hf")
 
 
 def test_tied_embeddings_are_untied_with_warning(model, tmp_path):
@@ -120,7 +123,7 @@ def test_tied_embeddings_are_untied_with_warning(model, tmp_path):
     cfg = Llama3StateDictAdapter(ARGS).hf_config() | {"tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.warns(UserWarning, match="unti|untied"):
-        state = hf_io.load_hf(tmp_path)
+        state = hf_io.load_hf(tmp_path, LLAMA)
     assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
     assert state["output.weight"].data_ptr() != state["tok_embeddings.weight"].data_ptr()
 
@@ -131,9 +134,9 @@ def test_tied_embeddings_are_untied_with_warning(model, tmp_path):
 @pytest.mark.parametrize("flavor", sorted(LLAMA3_FLAVORS))
 def test_args_from_hf_config_recovers_flavors(flavor):
     args = LLAMA3_FLAVORS[flavor]
-    back = hf_io.llama3_args_from_hf_config(Llama3StateDictAdapter(args).hf_config())
+    back = llama3_args_from_hf_config(Llama3StateDictAdapter(args).hf_config())
     assert back == args
-    assert hf_io.matching_flavor(back.with_updates(vocab_size=7, max_seq_len=9)) == flavor
+    assert LLAMA.matching_flavor(back.with_updates(vocab_size=7, max_seq_len=9)) == flavor
 
 
 def test_args_from_hf_config_variants():
@@ -141,15 +144,15 @@ def test_args_from_hf_config_variants():
     # transformers 5 layout: rope_theta and the scaling live in rope_parameters
     v5 = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_theta")}
     v5["rope_parameters"] = dict(cfg["rope_scaling"], rope_theta=cfg["rope_theta"])
-    got = hf_io.llama3_args_from_hf_config(v5, max_seq_len=16)
+    got = llama3_args_from_hf_config(v5, max_seq_len=16)
     assert got.rope_theta == ARGS.rope_theta and got.rope_original_max_len == 32
     assert got.rope_scaling_factor == 8.0 and got.max_seq_len == 16
-    plain = hf_io.llama3_args_from_hf_config({**v5, "rope_parameters": {"rope_type": "default",
+    plain = llama3_args_from_hf_config({**v5, "rope_parameters": {"rope_type": "default",
                                                                           "rope_theta": 1e4}})
     assert plain.rope_scaling_factor is None and plain.rope_theta == 1e4
     # Llama 3.2 1B style: widths that need ffn_dim_multiplier, no head_dim key
     odd = {k: v for k, v in cfg.items() if k != "head_dim"} | {"intermediate_size": 100}
-    assert hf_io.llama3_args_from_hf_config(odd).ffn_hidden_dim == 100
+    assert llama3_args_from_hf_config(odd).ffn_hidden_dim == 100
     bad = {
         "attention_bias": True, "hidden_act": "gelu", "head_dim": 32, "model_type": "mistral",
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
@@ -158,8 +161,8 @@ def test_args_from_hf_config_variants():
         c = {**cfg, key: value}
         if key == "model_type":
             c["architectures"] = ["MistralForCausalLM"]
-        with pytest.raises(hf_io.CheckpointError, match="unsupported HF config"):
-            hf_io.llama3_args_from_hf_config(c)
+        with pytest.raises(checkpoint.CheckpointError, match="unsupported HF config"):
+            hf_io.args_from_hf_config(LLAMA, c)
 
 
 # ----------------------------------------------------------------------------- DCP
@@ -167,17 +170,17 @@ def test_args_from_hf_config_variants():
 
 def test_dcp_model_only_round_trip(model, tmp_path):
     sd = model.state_dict()
-    path = hf_io.save_dcp_model_state(sd, tmp_path / "step-0")
-    assert (path / hf_io.COMPLETE_MARKER).is_file()
-    assert_identical(hf_io.load_dcp_model_state(path), sd)
-    with pytest.raises(hf_io.CheckpointError, match="not empty"):
-        hf_io.save_dcp_model_state(sd, path)
+    path = checkpoint.save_dcp_model_state(sd, tmp_path / "step-0")
+    assert (path / checkpoint.COMPLETE_MARKER).is_file()
+    assert_identical(checkpoint.load_dcp_model_state(path), sd)
+    with pytest.raises(checkpoint.CheckpointError, match="not empty"):
+        checkpoint.save_dcp_model_state(sd, path)
     bf = {k: v.to(torch.bfloat16) for k, v in sd.items()}
-    hf_io.save_dcp_model_state(bf, path, overwrite=True)
-    assert_identical(hf_io.load_dcp_model_state(path), bf)
-    (path / hf_io.COMPLETE_MARKER).unlink()
-    with pytest.raises(hf_io.CheckpointError, match="not a completed checkpoint"):
-        hf_io.load_dcp_model_state(path)
+    checkpoint.save_dcp_model_state(bf, path, overwrite=True)
+    assert_identical(checkpoint.load_dcp_model_state(path), bf)
+    (path / checkpoint.COMPLETE_MARKER).unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="not a completed checkpoint"):
+        checkpoint.load_dcp_model_state(path)
 
 
 def test_dcp_full_training_checkpoint(model, tmp_path):
@@ -195,11 +198,11 @@ def test_dcp_full_training_checkpoint(model, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(full, checkpoint_id=str(tmp_path / "checkpoint" / "step-3"), no_dist=True)
-    with pytest.raises(hf_io.CheckpointError, match="pass one step-N folder"):
-        hf_io.load_dcp_model_state(tmp_path / "checkpoint")
-    (tmp_path / "checkpoint" / "step-3" / hf_io.COMPLETE_MARKER).touch()
-    assert_identical(hf_io.load_dcp_model_state(tmp_path / "checkpoint" / "step-3"), sd)
-    assert hf_io.latest_complete_step(tmp_path / "checkpoint").name == "step-3"
+    with pytest.raises(checkpoint.CheckpointError, match="pass one step-N folder"):
+        checkpoint.load_dcp_model_state(tmp_path / "checkpoint")
+    (tmp_path / "checkpoint" / "step-3" / checkpoint.COMPLETE_MARKER).touch()
+    assert_identical(checkpoint.load_dcp_model_state(tmp_path / "checkpoint" / "step-3"), sd)
+    assert checkpoint.latest_complete_step(tmp_path / "checkpoint").name == "step-3"
 
 
 # ----------------------------------------------------------------------------- scripts
@@ -216,7 +219,7 @@ def test_convert_scripts_end_to_end(tmp_path):
     flavor = "debugmodel"
     fargs = LLAMA3_FLAVORS[flavor].with_updates(vocab_size=64, max_seq_len=16)
     fsd = build(fargs, seed=4).state_dict()
-    hf_io.save_dcp_model_state(fsd, root / "step-10")
+    checkpoint.save_dcp_model_state(fsd, root / "step-10")
     (root / "step-20").mkdir()  # an interrupted save: no marker, must be skipped
 
     def run(*argv):
@@ -232,13 +235,13 @@ def test_convert_scripts_end_to_end(tmp_path):
         p.name for p in hf_dir.iterdir()}
     cfg = json.loads((hf_dir / "config.json").read_text())
     assert cfg["vocab_size"] == 64 and cfg["max_position_embeddings"] == 16
-    assert_identical(hf_io.load_hf(hf_dir), fsd)
+    assert_identical(hf_io.load_hf(hf_dir, LLAMA), fsd)
 
     dcp_dir = tmp_path / "dcp"
     r = run("scripts/convert_from_hf.py", str(hf_dir), str(dcp_dir))
     assert r.returncode == 0, r.stderr
     assert f"matches titan flavor '{flavor}'" in r.stdout
-    assert_identical(hf_io.load_dcp_model_state(dcp_dir), fsd)
+    assert_identical(checkpoint.load_dcp_model_state(dcp_dir), fsd)
 
 
 def _load_script(name):
@@ -353,7 +356,7 @@ def test_logits_match_hf_reference(args, tokens):
 
 def test_transformers_loads_export(model, tokens, tmp_path):
     transformers = pytest.importorskip("transformers")
-    out = hf_io.save_hf(model.state_dict(), ARGS, tmp_path / "hf")
+    out = hf_io.save_hf(model.state_dict(), LLAMA, ARGS, tmp_path / "hf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.LlamaForCausalLM.from_pretrained(

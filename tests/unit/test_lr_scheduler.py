@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from titan.components.lr_scheduler import build_lr_scheduler, lr_factor
+from titan.config.job_config import LRScheduler
 
 
 def f(step, total=100, warmup=10, decay_ratio=None, decay_type="linear", min_lr=0.0):
@@ -97,8 +98,9 @@ def test_scheduler_lr_used_at_each_step(kw):
     peak, total = 0.5, 12
     p = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
     opt = torch.optim.SGD([p], lr=peak)
-    sched = build_lr_scheduler(opt, total, kw["warmup"], kw["decay_ratio"], kw["decay_type"],
-                               kw["min_lr"])
+    sched = build_lr_scheduler(opt, LRScheduler(
+        warmup_steps=kw["warmup"], decay_ratio=kw["decay_ratio"], decay_type=kw["decay_type"],
+        min_lr_factor=kw["min_lr"]), total)
     for step in range(1, total + 1):
         expected = peak * lr_factor(step, total, kw["warmup"], kw["decay_ratio"],
                                     kw["decay_type"], kw["min_lr"])
@@ -114,7 +116,7 @@ def test_scheduler_state_resume():
     def make():
         p = torch.nn.Parameter(torch.zeros(()))
         opt = torch.optim.SGD([p], lr=1.0)
-        return opt, build_lr_scheduler(opt, 20, 5, None, "cosine", 0.0)
+        return opt, build_lr_scheduler(opt, LRScheduler(warmup_steps=5, decay_type="cosine"), 20)
 
     opt, sched = make()
     for _ in range(7):

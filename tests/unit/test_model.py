@@ -54,7 +54,7 @@ def test_ffn_hidden_dim(flavor, hidden):
 ])
 def test_flavor_shapes(flavor, dims):
     a = LLAMA3_FLAVORS[flavor]
-    assert (a.dim, a.n_layers, a.n_heads, a.kv_heads, a.head_dim) == dims
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim) == dims
     assert a.vocab_size == 128256 and a.rope_theta == 500000.0
 
 

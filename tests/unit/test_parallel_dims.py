@@ -3,6 +3,7 @@
 import pytest
 
 from titan.config import ConfigError, parse_args
+from titan.models.llama3.args import Llama3Args
 from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, validate_against_model
 from titan.preflight import plan_run
 
@@ -79,8 +80,9 @@ def test_mesh_needs_build():
 
 
 def check(d, n_heads=32, n_kv=8, n_layers=16, seq_len=2048, local=2, global_=None):
-    validate_against_model(d, n_heads, n_kv, n_layers, seq_len, local,
-                           global_ if global_ is not None else local * d.dp)
+    args = Llama3Args(n_heads=n_heads, n_kv_heads=n_kv, n_layers=n_layers)
+    validate_against_model(d, args, seq_len=seq_len, local_batch_size=local,
+                           global_batch_size=global_ if global_ is not None else local * d.dp)
 
 
 def test_model_checks_pass():
@@ -181,7 +183,10 @@ def test_plan_pipeline_errors():
     msg = plan_error([*pp2, "--parallelism.pipeline_parallel_layers_per_stage", "1"],
                      world_size=2)
     assert "one stage per rank" in msg  # 6 stages on 2 ranks with the single-stage 1F1B
-    msg = plan_error([*pp2, "--validation.enable", "--validation.local_batch_size", "2"],
+    # the validation batch is independent of training's, but it must fill the pipeline too
+    plan_run(job(*pp2, "--validation.enable", "--validation.local_batch_size", "2"),
+             world_size=2)
+    msg = plan_error([*pp2, "--validation.enable", "--validation.local_batch_size", "1"],
                      world_size=2)
     assert "validation.local_batch_size" in msg
     msg = plan_error([*pp2, "--parallelism.pipeline_parallel_split_points", "layers.x"],

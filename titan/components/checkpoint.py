@@ -1,129 +1,91 @@
 """DCP checkpoints: one folder per step, visible only once complete, exact resume.
 
 Layout: `<dump_folder>/<folder>/step-N/` holds DCP shards, `.metadata`, and a `.complete`
-marker that rank 0 writes (atomically) only after every rank's data and the metadata are on
-disk. Resume takes the newest folder that is complete and whose files match its metadata;
-torn or corrupt ones are skipped with a warning.
+marker that rank 0 writes (atomically, fsynced) only after every rank's data and the metadata
+are on disk. Everything here refuses folders without it. Resume takes the newest folder that
+is complete and whose files match its metadata; torn or corrupt ones are skipped with a
+warning.
 
-Everything saved is a tensor (model and optimizer state by parameter name, the lr step, the
-data position, step/token counters and RNG state), so checkpoints load into any parallel
-layout and nothing is unpickled but DCP's own metadata.
+The state dict is nested, `{"model": {<name>: tensor}, "optimizer": ..., ...}`; DCP flattens it,
+so the weights are stored under `model.<name>`. A model-only export holds just `"model"`; the
+single-process readers/writers of those (used by the convert scripts) need no process group
+(DCP's `no_dist=True`). Nothing here unpickles checkpoint data.
+
+This module holds the folder rules and the model-only readers/writers; `checkpointer.py`
+saves and restores a training run with them.
 """
 
+import contextlib
 import json
-import logging
 import os
-import queue
-import shutil
-import signal
-import threading
+import re
 import time
+import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
-from titan.components.hf_io import COMPLETE_MARKER, CheckpointError, _step_dirs, to_dtype
-
-logger = logging.getLogger(__name__)
-
-STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+COMPLETE_MARKER = ".complete"
+MODEL_KEY = "model"
+# wrapper fragments torch.compile / activation checkpointing / FSDP1 can leave in names
+_WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
-def encode_json(obj) -> torch.Tensor:
-    """Non-tensor state as a uint8 tensor: DCP then never needs to pickle it."""
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
+class CheckpointError(RuntimeError):
+    """A checkpoint / HF folder that cannot be read or does not fit the model."""
 
 
-def decode_json(t: torch.Tensor):
-    return json.loads(bytes(t.tolist()).decode())
+# ----------------------------------------------------------------------------- folders
 
 
-class ModelState:
-    """All model parts (pipeline stages) as one state dict keyed by parameter name."""
-
-    def __init__(self, parts: list[nn.Module], export_dtype: torch.dtype | None = None):
-        self.parts, self.export_dtype = parts, export_dtype
-
-    def state_dict(self) -> dict:
-        sd = {}
-        for part in self.parts:
-            sd.update(get_model_state_dict(part))
-        if self.export_dtype is not None:
-            sd = {k: v.to(self.export_dtype) for k, v in sd.items()}
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        for part in self.parts:
-            own = get_model_state_dict(part)
-            set_model_state_dict(part, {k: sd[k] for k in own})
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every `step-N` folder under `root`, oldest first."""
+    out = []
+    for p in root.glob("step-*"):
+        m = re.fullmatch(r"step-(\d+)", p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
 
 
-def load_full_model_state(parts: list[nn.Module], full: dict[str, torch.Tensor]) -> None:
-    """Load full (unsharded, CPU) tensors into sharded parts: each rank keeps its slices."""
-    opts = StateDictOptions(full_state_dict=True, strict=False)
-    for part in parts:
-        own = get_model_state_dict(part)
-        missing = [k for k in own if k not in full]
-        if missing:
-            raise CheckpointError(
-                f"initial weights lack {len(missing)} parameters, e.g. {missing[:3]}")
-        set_model_state_dict(part, {k: full[k] for k in own}, options=opts)
+def latest_complete_step(root: str | Path) -> Path | None:
+    """The highest `step-N` folder under `root` that holds the `.complete` marker."""
+    for _, p in reversed(step_folders(Path(root))):
+        if (p / COMPLETE_MARKER).is_file():
+            return p
+    return None
 
 
-class TrainState:
-    def __init__(self):
-        self.step = 0
-        self.tokens_seen = 0
-
-    def state_dict(self) -> dict:
-        sd = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
-              "rng_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            sd["rng_cuda"] = torch.cuda.get_rng_state()
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
-        torch.set_rng_state(sd["rng_cpu"])
-        if torch.cuda.is_available() and "rng_cuda" in sd:
-            torch.cuda.set_rng_state(sd["rng_cuda"])
+def check_complete(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {str(path)!r} does not exist")
+    if not (path / COMPLETE_MARKER).is_file():
+        hint = ""
+        steps = step_folders(path)
+        if steps:
+            hint = (f"; it looks like a checkpoint root holding {', '.join(p.name for _, p in steps[-3:])}"
+                    " - pass one step-N folder")
+        raise CheckpointError(
+            f"{str(path)!r} is not a completed checkpoint: no {COMPLETE_MARKER} marker (the save "
+            f"was interrupted, is still running, or this is not a step folder){hint}"
+        )
+    return path
 
 
-class DataState:
-    """The data position. Globally indexed datasets store the number of global batches consumed
-    (the same on every rank, valid for any dp degree); streamed ones store each dp rank's own
-    stream state under its rank."""
-
-    def __init__(self, dataloader, dp_rank: int):
-        self.dataset, self.dp_rank = dataloader.dataset, dp_rank
-        self.global_index = self.dataset.global_index
-        self.load_sizes: dict[str, int] = {}  # set before a load: DCP fills same-size buffers
-
-    def _key(self) -> str:
-        return "global" if self.global_index else f"dp_rank_{self.dp_rank}"
-
-    def state_dict(self) -> dict:
-        key = self._key()
-        if key in self.load_sizes:
-            return {key: torch.zeros(self.load_sizes[key], dtype=torch.uint8)}
-        return {key: encode_json(self.dataset.state_dict())}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.dataset.load_state_dict(decode_json(sd[self._key()]))
+def write_complete_marker(path: Path, step: int, model_only: bool) -> None:
+    """Mark `path` complete: write a temp file, fsync it, rename it into place."""
+    tmp = path / (COMPLETE_MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"step": step, "model_only": model_only, "time": time.time()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / COMPLETE_MARKER)
 
 
-def _problem(path: Path) -> str | None:
+def folder_problem(path: Path) -> str | None:
     """Why a step folder cannot be loaded, or None if it is complete and its files add up."""
     if not (path / COMPLETE_MARKER).is_file():
         return "incomplete (no completion marker: the save was interrupted)"
@@ -148,282 +110,85 @@ def saved_keys(path: Path) -> set[str]:
     return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
 
 
-def local_state_bytes(obj) -> int:
-    """Bytes this rank holds of a (nested) state dict: DTensors count their local shard."""
-    if isinstance(obj, dict):
-        return sum(local_state_bytes(v) for v in obj.values())
-    if isinstance(obj, DTensor):
-        obj = obj.to_local()
-    return obj.numel() * obj.element_size() if isinstance(obj, torch.Tensor) else 0
+# ----------------------------------------------------------------------------- model-only folders
 
 
-def _shm_fits(state: dict) -> bool:
-    """Whether every node's /dev/shm holds its ranks' staged copies; the same answer on all
-    ranks (a save is collective). Asked once: later saves reuse the staging buffers."""
-    need = local_state_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    free = None
-    if os.path.isdir("/dev/shm"):
-        st = os.statvfs("/dev/shm")
-        free = st.f_bavail * st.f_frsize
-    fits = torch.tensor(int(free is None or need <= free))
-    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-    if not fits:
-        logger.warning(
-            "async checkpointing stages %.2f GiB per node in /dev/shm%s; saving synchronously "
-            "instead. Enlarge /dev/shm (e.g. docker run --shm-size) or set "
-            "checkpoint.async_mode = 'disabled'", need / 2**30,
-            f" but only {free / 2**30:.2f} GiB are free" if free is not None and need > free
-            else " but another node lacks the space")
-    return bool(fits)
+@contextlib.contextmanager
+def _quiet_no_dist():
+    """DCP warns on every no_dist call that it assumes single-process use; we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*single process.*")
+        yield
 
 
-def _stop_save_process() -> None:
-    """Ask DCP's saving process to exit now: left to interpreter shutdown, it sees its pipe
-    close and dies printing an EOFError traceback after every async run."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
-    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
-    if proc is not None:
-        executor._CHECKPOINT_PROCESS = None
-        proc.__del__()  # sends TERMINATE and joins; a later call is a no-op
+def _canonical(name: str) -> str:
+    for frag in _WRAPPER_FRAGMENTS:
+        name = name.replace(frag, "")
+    return name
 
 
-class Checkpointer:
-    def __init__(self, cfg, dump_folder: str, states: dict, rank: int, debug=None):
-        self.cfg = cfg
-        self.root = Path(dump_folder) / cfg.folder
-        self.states = states  # STATE_KEYS -> Stateful objects
-        self.rank = rank
-        self.debug = debug
-        self._pending = None  # (upload future, path, step) of an async save in flight
-        self._staging = None  # (staging future, step) while its copy may still be running
-        self._async_stager = None
-        self._shm_ok: bool | None = None  # whether staging fits in /dev/shm (checked once)
-        self._purge_queue: queue.Queue = queue.Queue()
-        self._purger = None
-        if cfg.enable and rank == 0 and cfg.keep_latest_k > 0:
-            self._purger = threading.Thread(target=self._purge_loop, daemon=True)
-            self._purger.start()
+def dcp_model_metadata(path: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{titan name: (global shape, dtype)} of the `model` entry of a DCP checkpoint folder."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    # ------------------------------------------------------------------ load
-
-    def _resume_candidate(self) -> Path | None:
-        if self.cfg.load_step >= 0:
-            path = self.root / f"step-{self.cfg.load_step}"
-            why = _problem(path) if path.is_dir() else "does not exist"
-            if why:
-                raise CheckpointError(f"checkpoint.load_step = {self.cfg.load_step}: {path} {why}")
-            return path
-        steps = _step_dirs(self.root) if self.root.is_dir() else []
-        skipped = []
-        for _, path in reversed(steps):
-            why = _problem(path)
-            if why is None:
-                for name, reason in skipped:
-                    logger.warning("checkpoint %s is unusable (%s); resuming from %s instead",
-                                   name, reason, path.name)
-                return path
-            skipped.append((path.name, why))
-        completed = [(n, r) for n, r in skipped if not r.startswith("incomplete")]
-        if completed:
-            details = "; ".join(f"{n}: {r}" for n, r in skipped)
-            raise CheckpointError(
-                f"no usable checkpoint in {self.root} ({details}). Fix or remove the damaged "
-                "folders, or point checkpoint.folder / job.dump_folder elsewhere to start fresh"
-            )
-        for name, reason in skipped:
-            logger.warning("ignoring checkpoint %s: %s", name, reason)
-        return None
-
-    def load(self) -> bool:
-        """Restore from the newest usable checkpoint (or the initial load path); True if resumed."""
-        if not self.cfg.enable:
-            return False
-        path = self._resume_candidate()
-        if path is None:
-            return self._initial_load()
-        keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
-        present = saved_keys(path)
-        absent = [k for k in keys if k not in present]
-        if absent:
-            logger.info("checkpoint %s holds no %s (model-only save): those start fresh",
-                        path.name, ", ".join(absent))
-        self._dcp_load({k: self.states[k] for k in keys if k in present}, path)
-        logger.info("resumed from %s at step %d", path, self.states["train_state"].step)
-        return True
-
-    def _dcp_load(self, state: dict, path: Path) -> None:
-        t0 = time.perf_counter()
-        if "dataloader" in state:
-            md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-            data = state["dataloader"]
-            data.load_sizes = {
-                k.split(".", 1)[1]: m.size[0] for k, m in md.items() if k.startswith("dataloader.")}
-            if data._key() not in data.load_sizes:
-                raise CheckpointError(
-                    f"{path} holds no data position for {data._key()}: streamed datasets are "
-                    "saved per dp rank, so resume them with the same data-parallel degree, or "
-                    "set checkpoint.exclude_from_loading = [\"dataloader\"]")
-        try:
-            dcp.load(state, checkpoint_id=str(path),
-                     planner=DefaultLoadPlanner(allow_partial_load=False))
-        finally:
-            if "dataloader" in state:
-                state["dataloader"].load_sizes = {}
-        logger.info("loaded %s from %s in %.2fs", ", ".join(state), path, time.perf_counter() - t0)
-
-    def _initial_load(self) -> bool:
-        cfg = self.cfg
-        if not cfg.initial_load_path:
-            return False
-        path = Path(cfg.initial_load_path)
-        if cfg.initial_load_in_hf:
-            from titan.components.hf_io import load_hf
-
-            load_full_model_state(self.states["model"].parts, load_hf(path))
-            logger.info("initialized the model from HF weights in %s", path)
-            return False
-        why = _problem(path) if path.is_dir() else "does not exist"
-        if why:
-            raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}")
-        keys = ["model"] if cfg.initial_load_model_only else [
-            k for k in STATE_KEYS if k not in cfg.exclude_from_loading and k in saved_keys(path)]
-        self._dcp_load({k: self.states[k] for k in keys}, path)
-        return not cfg.initial_load_model_only
-
-    # ------------------------------------------------------------------ save
-
-    def due(self, step: int, last: bool) -> bool:
-        c = self.cfg
-        return c.enable and (step % c.interval == 0 or last
-                             or (step == 1 and c.enable_first_step_checkpoint))
-
-    def save(self, step: int, model_only: bool = False, blocking: bool = False) -> float:
-        """Save `step`; returns the seconds training was blocked."""
-        t0 = time.perf_counter()
-        self.wait()
-        if model_only:
-            # an export (final save) in export_dtype; a seed checkpoint (step 0) as initialized
-            dtype = to_dtype(self.cfg.export_dtype) if step > 0 else None
-            state = {"model": ModelState(self.states["model"].parts, dtype)}
+    path = check_complete(path)
+    md = FileSystemReader(str(path)).read_metadata()
+    planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
+    out: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for key, meta in md.state_dict_metadata.items():
+        fqn = planner_data.get(key)
+        if fqn is not None:  # (top-level key, name): DCP keeps the nesting here
+            if len(fqn) != 2 or fqn[0] != MODEL_KEY:
+                continue
+            name = fqn[1]
+        elif key.startswith(MODEL_KEY + "."):
+            name = key[len(MODEL_KEY) + 1:]
         else:
-            state = dict(self.states)
-        path = self.root / f"step-{step}"
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # a re-run of a step rewrites it whole
-            path.mkdir(parents=True)
-        dist.barrier()
-        run_async = self.cfg.async_mode != "disabled" and not blocking
-        if run_async:
-            # plain tensors from here on: the size check and the stager see the same dict
-            state = {k: v.state_dict() for k, v in state.items()}
-            if self._shm_ok is None:
-                self._shm_ok = _shm_fits(state)
-            run_async = self._shm_ok
-        if run_async:
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            continue  # non-tensor model extras (none in titan); nothing to convert
+        out[name] = (meta.size, meta.properties.dtype)
+    if not out:
+        sample = ", ".join(sorted(md.state_dict_metadata)[:5])
+        raise CheckpointError(
+            f"{str(path)!r} holds no '{MODEL_KEY}.*' tensors (first keys: {sample}); titan "
+            f"checkpoints nest the weights under '{MODEL_KEY}'"
+        )
+    return out
 
-            if torch.cuda.is_available():
-                # the stager copies on its own stream, which does not wait for the optimizer step
-                torch.cuda.current_stream().synchronize()
-            # state_dict() runs here (FSDP's must stay on this thread); the copy into shared
-            # memory runs on the stager's thread while the next forward/backward does
-            response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self._stager(),
-                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-            self._pending = (response.upload_completion, path, step)
-            self._staging = (response.staging_completion, step)
-        else:
-            dcp.save(state, checkpoint_id=str(path))
-            self._maybe_die_here(step)
-            self._mark_complete(path, step, model_only)
-        blocked = time.perf_counter() - t0
-        logger.info("checkpoint step %d %s (%s, training blocked %.2fs)", step,
-                    "staging" if run_async else "saved",
-                    "async" if run_async else "sync", blocked)
-        return blocked
 
-    def _stager(self):
-        """One stager per run: its staging buffers are reused by every save, so only the first
-        save pays for allocating (and pinning) them."""
-        if self._async_stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+def load_dcp_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU tensors of a DCP checkpoint's `model` entry, by titan name.
 
-            pinned = self.cfg.async_mode == "async_with_pinned_mem"
-            # shared memory hands the staged copy to the saving process without pickling it
-            self._async_stager = DefaultStager(StagingOptions(
-                use_pinned_memory=pinned, use_shared_memory=True, use_async_staging=True,
-                use_non_blocking_copy=pinned))
-        return self._async_stager
+    Works on full training checkpoints (the optimizer etc. are not read) and model-only
+    exports, whatever sharding they were saved with; no process group needed.
+    """
+    meta = dcp_model_metadata(path)
+    state = {name: torch.empty(size, dtype=dtype, device="cpu") for name, (size, dtype) in meta.items()}
+    with _quiet_no_dist():
+        dcp.load({MODEL_KEY: state}, checkpoint_id=str(path), no_dist=True)
+    return {_canonical(name): t for name, t in state.items()}
 
-    def wait_for_staging(self) -> float:
-        """Block until an async save has copied what it saves; returns the seconds waited.
 
-        Call before anything changes saved tensors in place (the optimizer step, a torchft
-        heal): until then the copy still reads the live parameters and optimizer state.
-        """
-        if self._staging is None:
-            return 0.0
-        t0 = time.perf_counter()
-        future, step = self._staging
-        self._staging = None
-        future.result()
-        waited = time.perf_counter() - t0
-        logger.info("checkpoint step %d staged; training waited %.2fs for the copy", step, waited)
-        return waited
+def save_dcp_model_state(state: dict[str, torch.Tensor], path: str | Path,
+                         overwrite: bool = False) -> Path:
+    """Write a model-only DCP checkpoint `{"model": state}` and its `.complete` marker.
 
-    def _maybe_die_here(self, step: int) -> None:
-        """Test hook: die after writing the data, before the checkpoint is marked complete."""
-        d = self.debug
-        if (d is not None and d.kill_in_checkpoint_step == step and d.kill_rank == self.rank
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-            logger.warning("debug.kill_in_checkpoint_step: rank %d kills itself now", self.rank)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def wait(self) -> None:
-        """Finish an async save in flight and mark it complete."""
-        if self._pending is None:
-            return
-        self.wait_for_staging()
-        future, path, step = self._pending
-        self._pending = None
-        future.result()
-        self._maybe_die_here(step)
-        self._mark_complete(path, step, model_only=False)
-
-    def _mark_complete(self, path: Path, step: int, model_only: bool) -> None:
-        # every rank's writes and the metadata are done when dcp.save / the future returns
-        if self.rank != 0:
-            return
-        tmp = path / (COMPLETE_MARKER + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"step": step, "model_only": model_only, "time": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / COMPLETE_MARKER)
-        if self._purger is not None:
-            self._purge_queue.put(step)
-
-    def _purge_loop(self) -> None:
-        while True:
-            newest = self._purge_queue.get()
-            if newest is None:
-                return
-            steps = [(s, p) for s, p in _step_dirs(self.root) if s <= newest]
-            complete = [(s, p) for s, p in steps if (p / COMPLETE_MARKER).is_file()]
-            doomed = [p for _, p in complete[:-self.cfg.keep_latest_k]]
-            # torn saves older than the newest complete one will never be completed
-            doomed += [p for s, p in steps if s < newest and not (p / COMPLETE_MARKER).is_file()]
-            for p in doomed:
-                shutil.rmtree(p, ignore_errors=True)
-                logger.info("removed old checkpoint %s (keep_latest_k=%d)", p.name,
-                            self.cfg.keep_latest_k)
-
-    def close(self) -> None:
-        self.wait()
-        if self._async_stager is not None:
-            self._async_stager.close()
-            self._async_stager = None
-            _stop_save_process()
-        if self._purger is not None:
-            self._purge_queue.put(None)
-            self._purger.join()
+    The result is what `checkpoint.initial_load_path` (and `last_save_model_only`) expect.
+    Single process, no process group; call it from one rank only.
+    """
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise CheckpointError(f"{str(path)!r} exists and is not empty; pass overwrite=True "
+                                  "(--overwrite) to replace it")
+        (path / COMPLETE_MARKER).unlink(missing_ok=True)  # incomplete while rewriting
+        for old in [path / ".metadata", *path.glob("*.distcp")]:
+            old.unlink(missing_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+    with _quiet_no_dist():
+        dcp.save({MODEL_KEY: tensors}, checkpoint_id=str(path), no_dist=True)
+    write_complete_marker(path, step=-1, model_only=True)
+    return path

@@ -7,13 +7,15 @@ r-th contiguous slice of each global batch, as Megatron's pretraining sampler do
 set of sequences in every optimizer step is the same whatever the data-parallel degree,
 and losses compare across layouts.
 
-Hub datasets are streamed; no global index exists there, so each dp rank reads its own
-shard (`split_dataset_by_node`) and packs it on the fly: losses then depend on the dp degree.
+Hub datasets (and local files with `dataset_streaming`) are streamed; no global index exists
+there, so each dp rank reads its own shard (`split_dataset_by_node`) and packs it on the fly:
+losses then depend on the dp degree, and a resume must keep it.
 """
 
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +38,18 @@ class DataError(ValueError):
     pass
 
 
-def _local_files(name: str, path: str | None) -> list[Path] | None:
-    """Files of a local dataset, or None when `name` must be a hub dataset."""
+@dataclass(frozen=True)
+class DataShard:
+    """Which slice of each global batch this rank reads."""
+
+    dp_rank: int = 0
+    dp_world_size: int = 1
+
+
+def local_files(name: str, path: str | None,
+                key: str = "training.dataset_path") -> list[Path] | None:
+    """Files of a local dataset, or None when `name` must be a hub dataset. `key`: the
+    config key that set `path`, for the error message."""
     candidate = path or BUNDLED.get(name) or name
     p = resolve(candidate)
     if p.is_file():
@@ -47,7 +59,7 @@ def _local_files(name: str, path: str | None) -> list[Path] | None:
         if not files:
             raise DataError(f"dataset folder {p} holds no {'/'.join(_FORMATS)} files")
     elif path is not None:
-        raise DataError(f"dataset path '{path}' does not exist; fix training.dataset_path")
+        raise DataError(f"dataset path '{path}' does not exist; fix {key}")
     else:
         return None
     kinds = {_FORMATS.get(f.suffix) for f in files}
@@ -59,20 +71,30 @@ def _local_files(name: str, path: str | None) -> list[Path] | None:
     return files
 
 
-def _load_local_texts(files: list[Path], text_field: str) -> list[str]:
+def _open_local(files: list[Path], streaming: bool):
+    """(HF dataset of the files, the column holding the text)."""
     from datasets import load_dataset
 
     fmt = _FORMATS[files[0].suffix]
     kwargs = {"sample_by": "paragraph"} if fmt == "text" else {}
-    ds = load_dataset(fmt, data_files=[str(f) for f in files], split="train",
-                      keep_in_memory=True, **kwargs)
+    kwargs.update(streaming=True) if streaming else kwargs.update(keep_in_memory=True)
+    return load_dataset(fmt, data_files=[str(f) for f in files], split="train", **kwargs), fmt
+
+
+def _text_column(ds, fmt: str, text_field: str, where) -> str:
     field = "text" if fmt == "text" else text_field
-    if field not in ds.column_names:
+    columns = ds.column_names
+    if columns is not None and field not in columns:
         raise DataError(
-            f"dataset {files[0]} has no column '{field}' (columns: {ds.column_names}); "
+            f"dataset {where} has no column '{field}' (columns: {columns}); "
             "set training.dataset_text_field"
         )
-    return ds[field]
+    return field
+
+
+def _load_local_texts(files: list[Path], text_field: str) -> list[str]:
+    ds, fmt = _open_local(files, streaming=False)
+    return ds[_text_column(ds, fmt, text_field, files[0])]
 
 
 def tokenize_stream(texts: list[str], tokenizer: Tokenizer, chunk: int = 1024) -> np.ndarray:
@@ -151,46 +173,70 @@ class PackedDataset(IterableDataset):
     def rewind(self) -> None:
         self.sample_idx = 0
 
+    def seek_global_batch(self, batches: int) -> None:
+        """Continue at the start of global batch `batches` (a torchft heal jumps steps)."""
+        self.sample_idx = batches * self.per_rank
+
+
+def _open_hub(name: str):
+    from datasets import load_dataset
+
+    repo, _, subset = name.partition(":")  # "allenai/c4:en" names a subset
+    try:
+        return load_dataset(repo, subset or None, split="train", streaming=True)
+    except Exception as e:  # noqa: BLE001  any hub failure gets one actionable message
+        from datasets import config as hf_config
+
+        # the libraries read the switches once, at import: ask them, not os.environ
+        offline = hf_config.HF_HUB_OFFLINE
+        raise DataError(
+            f"training.dataset '{name}' is neither a bundled name ({', '.join(BUNDLED)}) nor "
+            f"a local path, and loading it from the HF hub failed"
+            f"{' (HF offline mode is set)' if offline else ''}: {type(e).__name__}: {e}. "
+            "Without network access, point training.dataset_path at local "
+            "jsonl/json/parquet/txt files."
+        ) from None
+
 
 class StreamingPackedDataset(IterableDataset):
-    """A streamed hub dataset, split per dp rank and packed on the fly."""
+    """A streamed dataset (a hub name, or local files), split per dp rank and packed on the fly.
+
+    Infinite: every pass over the stream is an epoch. Finite (validation): one pass.
+    """
 
     global_index = False
 
-    def __init__(self, name: str, tokenizer: Tokenizer, seq_len: int, dp_rank: int,
-                 dp_world_size: int, text_field: str, seed: int):
-        from datasets import load_dataset
+    def __init__(self, name: str, files: list[Path] | None, tokenizer: Tokenizer, seq_len: int,
+                 shard: DataShard, text_field: str, infinite: bool = True):
         from datasets.distributed import split_dataset_by_node
 
-        repo, _, subset = name.partition(":")  # "allenai/c4:en" names a subset
-        try:
-            ds = load_dataset(repo, subset or None, split="train", streaming=True)
-        except Exception as e:  # noqa: BLE001  any hub failure gets one actionable message
-            from datasets import config as hf_config
-
-            # the libraries read the switches once, at import: ask them, not os.environ
-            offline = hf_config.HF_HUB_OFFLINE
-            raise DataError(
-                f"training.dataset '{name}' is neither a bundled name ({', '.join(BUNDLED)}) nor "
-                f"a local path, and loading it from the HF hub failed"
-                f"{' (HF offline mode is set)' if offline else ''}: {type(e).__name__}: {e}. "
-                "Without network access, point training.dataset_path at local "
-                "jsonl/json/parquet/txt files."
-            ) from None
-        self.ds = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_world_size)
-        self.tokenizer, self.seq_len, self.text_field = tokenizer, seq_len, text_field
-        self.seed, self.epoch, self.buffer = seed, 0, []
-        self.name = name
+        if files is None:
+            ds, field = _open_hub(name), text_field
+        else:
+            ds, fmt = _open_local(files, streaming=True)
+            field = _text_column(ds, fmt, text_field, files[0])
+        self.ds = split_dataset_by_node(ds, rank=shard.dp_rank, world_size=shard.dp_world_size)
+        self.tokenizer, self.seq_len, self.text_field = tokenizer, seq_len, field
+        self.infinite, self.name = infinite, name
+        self.epoch, self.buffer = 0, []
+        self._start = self.state_dict()
 
     def __iter__(self):
         while True:
             self.ds.set_epoch(self.epoch)
             for sample in self.ds:
-                self.buffer.extend(self.tokenizer.encode(sample[self.text_field]))
+                text = sample.get(self.text_field)
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"{self.name}: a record has no text in field '{self.text_field}' "
+                        f"(fields: {sorted(sample)}); set training.dataset_text_field")
+                self.buffer.extend(self.tokenizer.encode(text))
                 while len(self.buffer) > self.seq_len:
                     window = torch.tensor(self.buffer[:self.seq_len + 1])
                     self.buffer = self.buffer[self.seq_len + 1:]
                     yield window[:-1], window[1:]
+            if not self.infinite:
+                return
             self.epoch += 1
             logger.info("%s: stream exhausted, starting epoch %d", self.name, self.epoch)
 
@@ -200,6 +246,13 @@ class StreamingPackedDataset(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         self.ds.load_state_dict(state["ds"])
         self.buffer, self.epoch = list(state["buffer"]), int(state["epoch"])
+
+    def rewind(self) -> None:
+        self.load_state_dict(self._start)
+
+    def seek_global_batch(self, batches: int) -> None:
+        raise DataError(f"{self.name} is streamed: it has no global index to seek to batch "
+                        f"{batches}; use a local dataset without dataset_streaming")
 
 
 def _cache_path(files: list[Path], tokenizer: Tokenizer, text_field: str) -> Path:
@@ -237,14 +290,14 @@ def load_token_stream(files: list[Path], tokenizer: Tokenizer, text_field: str) 
     return tokens
 
 
-def build_dataset(name: str, path: str | None, tokenizer: Tokenizer, seq_len: int,
-                  dp_rank: int, dp_world_size: int, global_batch_size: int, seed: int,
-                  text_field: str = "text", shuffle: bool = True,
-                  infinite: bool = True) -> IterableDataset:
-    files = _local_files(name, path)
-    if files is None:
-        return StreamingPackedDataset(name, tokenizer, seq_len, dp_rank, dp_world_size,
-                                      text_field, seed)
+def build_dataset(*, dataset: str, dataset_path: str | None, tokenizer: Tokenizer,
+                  seq_len: int, shard: DataShard, global_batch_size: int, seed: int,
+                  text_field: str = "text", shuffle: bool = True, infinite: bool = True,
+                  streaming: bool = False) -> IterableDataset:
+    files = local_files(dataset, dataset_path)
+    if files is None or streaming:
+        return StreamingPackedDataset(dataset, files, tokenizer, seq_len, shard, text_field,
+                                      infinite)
     tokens = load_token_stream(files, tokenizer, text_field)
-    return PackedDataset(tokens, seq_len, dp_rank, dp_world_size, global_batch_size, seed,
-                         shuffle, infinite, name=name)
+    return PackedDataset(tokens, seq_len, shard.dp_rank, shard.dp_world_size, global_batch_size,
+                         seed, shuffle, infinite, name=dataset)

@@ -1,4 +1,4 @@
-"""Per-replica-group fault tolerance with torchft (optional `[fault_tolerance]` mode).
+"""Per-replica-group fault tolerance with torchft (optional `[torchft]` extra).
 
 Each replica group is its own torchrun job (FSDP/TP/CP inside it); torchft stands in for the
 dp_replicate dimension: gradients are averaged across the live groups through torchft's
@@ -23,24 +23,24 @@ logger = logging.getLogger(__name__)
 
 
 class FaultTolerance:
-    def __init__(self, replica_id: int, min_replica_size: int, timeout_s: int,
-                 device: torch.device):
+    """Configured by `cfg` (the fault_tolerance section)."""
+
+    def __init__(self, cfg, *, device: torch.device):
         import torchft
         from torchft.process_group import ManagedProcessGroup
 
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=cfg.timeout_seconds)
         pg = (torchft.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
               else torchft.ProcessGroupGloo(timeout=timeout))
         self.manager = torchft.Manager(
-            pg=pg, min_replica_size=min_replica_size, load_state_dict=None, state_dict=None,
-            use_async_quorum=True, replica_id=f"titan_{replica_id}", timeout=timeout,
+            pg=pg, min_replica_size=cfg.min_replica_size, load_state_dict=None, state_dict=None,
+            use_async_quorum=True, replica_id=f"titan_{cfg.replica_id}", timeout=timeout,
             quorum_timeout=timeout * 3, connect_timeout=timeout,
             # every group starts from the same seeded weights: nothing to sync at step 0
             init_sync=False,
         )
         self.replicate_pg = ManagedProcessGroup(self.manager)
         self.replicate_pg.register("dp_replicate")
-        self.healed_step: int | None = None
 
     def average_gradients_across_groups(self, parts: list[nn.Module]) -> None:
         def hook(grad: torch.Tensor) -> None:
@@ -71,9 +71,6 @@ class FaultTolerance:
 
     def should_commit(self) -> bool:
         return self.manager.should_commit()
-
-    def participants(self) -> int:
-        return self.manager.num_participants()
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

@@ -65,8 +65,7 @@ class LRSchedulersContainer:
         self._apply()
 
 
-def build_lr_scheduler(optimizer, total_steps: int, warmup_steps: int,
-                       decay_ratio: float | None, decay_type: str,
-                       min_lr_factor: float) -> LRSchedulersContainer:
-    return LRSchedulersContainer(optimizer, total_steps, warmup_steps, decay_ratio, decay_type,
-                                 min_lr_factor)
+def build_lr_scheduler(optimizer, cfg, total_steps: int) -> LRSchedulersContainer:
+    """The schedule of `cfg` (the lr_scheduler section) over `total_steps` optimizer steps."""
+    return LRSchedulersContainer(optimizer, total_steps, cfg.warmup_steps, cfg.decay_ratio,
+                                 cfg.decay_type, cfg.min_lr_factor)

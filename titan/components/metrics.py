@@ -20,7 +20,8 @@ _COLORS = {"step": "\033[36m", "loss": "\033[32m", "mem": "\033[33m", "tps": "\0
 
 
 def memory_gib(device: torch.device) -> dict[str, float]:
-    """Peak memory since the last call: the CUDA caching allocator, or process RSS on CPU."""
+    """Peak memory: on CUDA since the last call (the caching allocator's peaks are reset
+    here); on CPU the process's resident-set high-water mark since it started."""
     if device.type == "cuda":
         stats = {
             "memory_gib": torch.cuda.max_memory_reserved(device) / 2**30,
@@ -56,22 +57,27 @@ class _Window:
 
 
 class MetricsLogger:
-    def __init__(self, log_freq: int, dump_folder: str, enable_tensorboard: bool,
-                 save_tb_folder: str, disable_color_printing: bool, is_logging_rank: bool,
-                 rank: int, device: torch.device, flops_per_token: float, peak_flops: float,
-                 resume_step: int | None = None, max_over_ranks=None):
-        self.log_freq = log_freq
+    """Configured by `cfg` (the metrics section). Rank 0 writes the files; every rank prints.
+
+    `max_over_ranks(value)` is a collective giving the largest value over all ranks;
+    `resume_step` keeps the history of a resumed run up to that step.
+    """
+
+    def __init__(self, cfg, *, dump_folder: str, rank: int, device: torch.device,
+                 flops_per_token: float, peak_flops: float, resume_step: int | None = None,
+                 max_over_ranks=None):
+        self.log_freq = cfg.log_freq
         self.device = device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        plain = disable_color_printing or not sys.stderr.isatty()
+        plain = cfg.disable_color_printing or not sys.stderr.isatty()
         self.color = (lambda k: "") if plain else _COLORS.get
-        self.enabled = is_logging_rank
+        self.enabled = rank == 0
         # every rank must call log(): the cross-rank memory maximum is a collective
         self.max_over_ranks = max_over_ranks
         self.window = _Window()
         self.tb = None
         self.jsonl = None
-        if not is_logging_rank:
+        if not self.enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
         # a fresh run starts the history anew; a resumed run continues it from its checkpoint,
@@ -81,11 +87,12 @@ class MetricsLogger:
         for p in (path, self.val_jsonl_path):
             _truncate_history(p, resume_step)
         self.jsonl = open(path, "a")
-        if enable_tensorboard:
+        if cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            self.tb = SummaryWriter(os.path.join(dump_folder, save_tb_folder, stamp, f"rank_{rank}"))
+            self.tb = SummaryWriter(os.path.join(dump_folder, cfg.save_tb_folder, stamp,
+                                                 f"rank_{rank}"))
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
@@ -97,8 +104,10 @@ class MetricsLogger:
         w.gc_s += gc_s
         w.steps += 1
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, **extra) -> dict:
-        """Emit one record for the window ending at `step`; every rank must call it."""
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int,
+            **extra) -> dict:
+        """Emit one record for the window ending at `step`; every rank must call it.
+        `tokens_seen`: training tokens consumed by all ranks so far."""
         w = self.window
         elapsed = max(time.perf_counter() - w.start - w.excluded_s, 1e-9)
         tps = w.tokens / elapsed
@@ -108,7 +117,7 @@ class MetricsLogger:
             "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops,
             **self._memory(),
             "data_pct": 100 * w.data_s / elapsed, "gc_s": w.gc_s,
-            "step_time_s": elapsed / max(w.steps, 1), **extra,
+            "step_time_s": elapsed / max(w.steps, 1), "tokens_seen": tokens_seen, **extra,
         }
         self.window = _Window()
         if self.enabled:

@@ -35,12 +35,13 @@ def _build_one(params, name: str, implementation: str, kw: dict) -> torch.optim.
 class OptimizersContainer:
     """Looks like one optimizer; is a Stateful for DCP."""
 
-    def __init__(self, model_parts: list[nn.Module], name: str, lr: float, beta1: float,
-                 beta2: float, eps: float, weight_decay: float, implementation: str):
-        kw = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    def __init__(self, model_parts: list[nn.Module], cfg):
+        kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                  weight_decay=cfg.weight_decay)
         self.model_parts = model_parts
         self.optimizers = [
-            _build_one([p for p in part.parameters() if p.requires_grad], name, implementation, kw)
+            _build_one([p for p in part.parameters() if p.requires_grad], cfg.name,
+                       cfg.implementation, kw)
             for part in model_parts
         ]
 
@@ -71,8 +72,6 @@ class OptimizersContainer:
             set_optimizer_state_dict(part, opt, sd, options=_OPTIONS)
 
 
-def build_optimizer(model_parts: list[nn.Module], name: str, lr: float, beta1: float,
-                    beta2: float, eps: float, weight_decay: float,
-                    implementation: str) -> OptimizersContainer:
-    return OptimizersContainer(model_parts, name, lr, beta1, beta2, eps, weight_decay,
-                               implementation)
+def build_optimizer(model_parts: list[nn.Module], cfg) -> OptimizersContainer:
+    """One optimizer per part, from `cfg` (the optimizer section)."""
+    return OptimizersContainer(model_parts, cfg)

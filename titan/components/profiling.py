@@ -10,12 +10,13 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def maybe_profile(enable: bool, trace_dir: str, rank: int, profile_freq: int, warmup: int,
-                  active: int, first_step: int = 1):
-    """Yields a profiler to `.step()` once per training step, or None when disabled."""
-    if not enable:
+def maybe_profile(cfg, *, trace_dir: str, rank: int, first_step: int = 1):
+    """Yields a profiler to `.step()` once per training step, or None when `cfg` (the
+    profiling section) does not enable it."""
+    if not cfg.enable_profiling:
         yield None
         return
+    profile_freq, warmup, active = cfg.profile_freq, cfg.profiler_warmup, cfg.profiler_active
     os.makedirs(trace_dir, exist_ok=True)
     steps_done = [first_step - 1]
 

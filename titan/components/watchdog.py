@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
 logger = logging.getLogger(__name__)
 
 EXIT_CODE = 86  # distinct from crashes (1) and config errors (2) in torchrun's report
@@ -21,20 +23,6 @@ EXIT_CODE = 86  # distinct from crashes (1) and config errors (2) in torchrun's 
 
 class WatchdogTimeout(RuntimeError):
     pass
-
-
-def record_for_torchrun(error: BaseException) -> None:
-    """Put the error in torchrun's failure summary (its per-worker error file), so the
-    report names this rank's problem instead of only an exit code."""
-    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
-        return
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    try:
-        raise error  # the handler records the traceback of the exception being handled
-    except BaseException as e:  # noqa: BLE001
-        with contextlib.suppress(Exception):
-            ErrorHandler().record_exception(e)
 
 
 class StepWatchdog:
@@ -88,7 +76,13 @@ class StepWatchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        record_for_torchrun(WatchdogTimeout(msg))
+        # the main thread is stuck, so @record around it never sees this: write torchrun's
+        # error file from here. Its summary prints the recorded traceback, so raise first:
+        # the traceback then ends in this message
+        try:
+            raise WatchdogTimeout(msg)
+        except WatchdogTimeout as e:
+            ErrorHandler().record_exception(e)
         os._exit(EXIT_CODE)
 
     def stop(self) -> None:

@@ -19,7 +19,7 @@ def opt(default, doc: str):
 class Job:
     config_file: str | None = opt(None, "TOML file read before CLI overrides are applied")
     dump_folder: str = opt("./outputs", "Folder for logs, metrics.jsonl, TensorBoard and traces")
-    description: str = opt("", "Free-text description of the run, printed at start")
+    description: str = opt("", "Free-text description of the run, logged at start")
     print_config: bool = opt(False, "Print the merged config (defaults < TOML < CLI) at start")
 
 
@@ -39,6 +39,10 @@ class Training:
     )
     dataset_path: str | None = opt(None, "Local path that overrides where `dataset` is read from")
     dataset_text_field: str = opt("text", "Column holding the document text")
+    dataset_streaming: bool = opt(
+        False, "Stream local files as hub datasets are (each dp rank reads its own shard, no "
+        "tokenized copy in memory); hub names always stream"
+    )
     dataset_shuffle: bool = opt(True, "Shuffle packed sequences each epoch (local datasets)")
     local_batch_size: int = opt(8, "Sequences per microbatch on each data-parallel rank")
     global_batch_size: int = opt(
@@ -225,14 +229,19 @@ class Validation:
     enable: bool = opt(False, "Evaluate loss on a held-out dataset during training")
     dataset: str = opt("kjv_valid", "Validation dataset (same forms as training.dataset)")
     dataset_path: str | None = opt(None, "Local path that overrides where the dataset is read from")
+    dataset_streaming: bool = opt(False, "Stream local files (as training.dataset_streaming)")
     freq: int = opt(500, "Validate every N steps (and after the last step)")
     steps: int = opt(-1, "Batches per validation; -1 = one full pass over the dataset")
-    local_batch_size: int = opt(8, "Sequences per validation batch on each data-parallel rank")
+    local_batch_size: int = opt(
+        8, "Sequences per validation batch on each data-parallel rank (independent of training's)"
+    )
 
 
 @dataclass
 class Debug:
-    nan_at_step: int = opt(-1, "Test hook: make the loss NaN at this step (-1 = never)")
+    nan_at_step: int = opt(
+        -1, "Test hook: make the model's output, so the loss, NaN at this step (-1 = never)"
+    )
     sleep_at_step: int = opt(-1, "Test hook: debug.sleep_rank sleeps inside this step (-1 = never)")
     sleep_rank: int = opt(0, "Test hook: the rank that sleeps at debug.sleep_at_step")
     sleep_seconds: float = opt(3600.0, "Test hook: how long that rank sleeps")
@@ -260,3 +269,5 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
+    # not a section: where each value set by a file or the command line came from
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)

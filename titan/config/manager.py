@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 
 
 def _sections(cfg: JobConfig) -> dict[str, Any]:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if dataclasses.is_dataclass(getattr(cfg, f.name))}
 
 
 def _field_types(section_obj) -> dict[str, Any]:
@@ -39,7 +40,8 @@ def _all_keys(cfg: JobConfig) -> list[str]:
     ]
 
 
-def _suggest(name: str, choices: list[str]) -> str:
+def did_you_mean(name: str, choices: list[str]) -> str:
+    """"; did you mean 'X'?" for the closest of `choices`, or "" when none is close."""
     # case-insensitive, so 'adamw' suggests 'AdamW' rather than 'Adam'
     lowered = {c.lower(): c for c in choices}
     close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
@@ -83,7 +85,7 @@ def _coerce(value, tp, key: str, source: str):
     if get_origin(inner) is Literal:
         choices = get_args(inner)
         if value not in choices:
-            hint = _suggest(str(value), [str(c) for c in choices])
+            hint = did_you_mean(str(value), [str(c) for c in choices])
             bad(f"; choose one of {', '.join(map(str, choices))}{hint}")
         return value
     if get_origin(inner) is list:
@@ -125,20 +127,20 @@ def _lookup(cfg: JobConfig, dotted: str, source: str):
     if "." not in dotted:
         raise ConfigError(
             f"'{dotted}' (from {source}) is not of the form section.key"
-            f"{_suggest(dotted, _all_keys(cfg))}"
+            f"{did_you_mean(dotted, _all_keys(cfg))}"
         )
     section, key = dotted.split(".", 1)
     if section not in sections:
         raise ConfigError(
             f"unknown config section '{section}' (from {source})"
-            f"{_suggest(section, list(sections))} Sections: {', '.join(sections)}."
+            f"{did_you_mean(section, list(sections))} Sections: {', '.join(sections)}."
         )
     obj = sections[section]
     types_ = _field_types(obj)
     if key not in types_:
         raise ConfigError(
             f"unknown config key '{dotted}' (from {source})"
-            f"{_suggest(dotted, _all_keys(cfg))} See --help for every key."
+            f"{did_you_mean(dotted, _all_keys(cfg))} See --help for every key."
         )
     return obj, key, types_[key]
 
@@ -230,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 
 def source_of(cfg: JobConfig, key: str) -> str:
     """Where a value came from, for error messages: a file, the command line, or the default."""
-    return getattr(cfg, "sources", {}).get(key, "the default")
+    return cfg.sources.get(key, "the default")
 
 
 def require(cfg: JobConfig, ok: bool, key: str, why: str) -> None:
@@ -286,9 +288,17 @@ def validate(cfg: JobConfig) -> None:
          "may list only model, optimizer, lr_scheduler, dataloader, train_state"),
         (not cfg.checkpoint.initial_load_in_hf or bool(cfg.checkpoint.initial_load_path),
          "checkpoint.initial_load_in_hf", "needs checkpoint.initial_load_path (an HF folder)"),
+        (_valid_selective_ac(cfg.activation_checkpoint.selective_ac_option),
+         "activation_checkpoint.selective_ac_option",
+         "use 'op' (save matmul/attention outputs) or a positive integer N (checkpoint every "
+         "N-th block)"),
     ]
     for ok, key, why in checks:
         require(cfg, ok, key, why)
+
+
+def _valid_selective_ac(option: str) -> bool:
+    return option == "op" or (option.isdigit() and int(option) >= 1)
 
 
 def help_text() -> str:
@@ -345,7 +355,3 @@ def to_toml(cfg: JobConfig) -> str:
             out.append(f"# {f.name} = None" if v is None else f"{f.name} = {_toml_value(v)}")
         out.append("")
     return "\n".join(out)
-
-
-def to_dict(cfg: JobConfig) -> dict:
-    return dataclasses.asdict(cfg)

@@ -1,28 +1,119 @@
-"""The train-spec registry: what the trainer needs to know about a model family.
+"""The model contract and the train-spec registry.
 
-A new family registers a TrainSpec; the trainer looks it up by `model.name` and never
-imports model code directly.
+A model family is a folder `titan/models/<family>/` that registers one TrainSpec, plus one
+import line in `titan/models/__init__.py`. The trainer, the parallelisms, checkpoints and HF
+conversion reach a family only through the protocols below, never through its attributes:
+a second family, or an MoE, needs no edit anywhere else.
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from titan.config import JobConfig
+    from titan.parallelisms.parallel_dims import ParallelDims
+    from titan.parallelisms.pipeline import PipelinePlan
+
+
+@runtime_checkable
+class ModelArgs(Protocol):
+    """The hyper-parameters of one flavor. Immutable: `with_updates` returns a copy."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    max_seq_len: int  # length of position tables (the RoPE cache): the training seq_len
+
+    def num_params(self, include_embedding: bool = True) -> int: ...
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token, for MFU."""
+        ...
+
+    def with_updates(self, **changes: Any) -> ModelArgs: ...
+
+
+@runtime_checkable
+class Model(Protocol):
+    """What the trainer needs of a built model, beyond being an `nn.Module`."""
+
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Fill every parameter from (seed, its name), whatever the sharding; rebuild buffers."""
+        ...
+
+    def cp_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """(buffer, sequence dim) pairs that context parallelism shards with the batch,
+        e.g. position tables; empty when the model holds none."""
+        ...
+
+
+class StateDictAdapter(Protocol):
+    """Maps a family's state dict and config to and from the Hugging Face layout."""
+
+    def __init__(self, args: ModelArgs) -> None: ...
+
+    @classmethod
+    def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> ModelArgs:
+        """The ModelArgs an HF config.json describes; raises ValueError (naming the fields)
+        for what the family cannot express."""
+        ...
+
+    def hf_config(self) -> dict:
+        """config.json contents for these args (torch_dtype left to the writer)."""
+        ...
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor],
+                hf_config: dict | None = None) -> dict[str, torch.Tensor]: ...
+
+
+class ParallelizeFn(Protocol):
+    """Applies TP -> AC -> compile -> FSDP/DDP to one model part (CP runs per batch, in the
+    trainer) and returns it; the part is still on the meta device."""
+
+    def __call__(self, model: nn.Module, dims: ParallelDims, job: JobConfig) -> nn.Module: ...
+
+
+class PipeliningFn(Protocol):
+    """Cuts the stage `stage_id` of `plan` out of the whole meta-device model, keeping the
+    original parameter names."""
+
+    def __call__(self, whole: nn.Module, stage_id: int, plan: PipelinePlan) -> nn.Module: ...
 
 
 @dataclass(frozen=True)
 class TrainSpec:
     name: str
-    model_cls: type[nn.Module]
-    flavors: dict[str, Any]
-    # (model, parallel_dims, job_config) -> model, applied TP -> CP -> AC -> compile -> FSDP
-    parallelize_fn: Callable
-    # (meta-device model, stage id, PipelinePlan) -> the module of that pipeline stage
-    pipelining_fn: Callable | None = None
-    # maps this family's state dict to and from the HF layout
-    state_dict_adapter: type | None = None
-    extra: dict = field(default_factory=dict)
+    model_cls: type[nn.Module]  # model_cls(args) builds a Model
+    flavors: Mapping[str, ModelArgs]
+    parallelize_fn: ParallelizeFn
+    pipelining_fn: PipeliningFn | None = None
+    state_dict_adapter: type[StateDictAdapter] | None = None
+
+    def build_meta(self, args: ModelArgs) -> nn.Module:
+        """The model with parameters on the meta device: shapes, no memory."""
+        with torch.device("meta"):
+            return self.model_cls(args)
+
+    def state_shapes(self, args: ModelArgs) -> dict[str, torch.Size]:
+        return {name: t.shape for name, t in self.build_meta(args).state_dict().items()}
+
+    def matching_flavor(self, args: ModelArgs) -> str | None:
+        """The registered flavor with this architecture (vocab size and max_seq_len aside)."""
+        for name, flavor in self.flavors.items():
+            if flavor.with_updates(vocab_size=args.vocab_size,
+                                   max_seq_len=args.max_seq_len) == args:
+                return name
+        return None
 
 
 _REGISTRY: dict[str, TrainSpec] = {}
@@ -31,6 +122,14 @@ _REGISTRY: dict[str, TrainSpec] = {}
 def register_train_spec(spec: TrainSpec) -> None:
     if spec.name in _REGISTRY:
         raise ValueError(f"a train spec named {spec.name!r} is already registered")
+    missing = [m for m in ("init_weights", "cp_buffers") if not callable(
+        getattr(spec.model_cls, m, None))]
+    if missing:
+        raise TypeError(f"{spec.model_cls.__name__} lacks {', '.join(missing)} of the Model "
+                        "protocol (titan/models/spec.py)")
+    bad = [name for name, args in spec.flavors.items() if not isinstance(args, ModelArgs)]
+    if bad:
+        raise TypeError(f"flavors {bad} of {spec.name!r} do not satisfy the ModelArgs protocol")
     _REGISTRY[spec.name] = spec
 
 

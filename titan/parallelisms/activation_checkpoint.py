@@ -21,10 +21,6 @@ _SAVE_LIST = {
 }
 
 
-class ACConfigError(ValueError):
-    pass
-
-
 def _op_policy_context():
     # save every other matmul: halves the stored matmul outputs at a fraction of the recompute
     def policy(ctx, op, *args, **kwargs):
@@ -44,22 +40,19 @@ def _op_policy_context():
     return context_fn
 
 
-def apply_ac(layers: nn.ModuleDict, mode: str, selective_option: str) -> None:
-    """Wrap blocks in place; non-reentrant wrappers keep state-dict keys unchanged."""
-    if mode == "none":
+def apply_ac(layers: nn.ModuleDict, cfg) -> None:
+    """Wrap blocks in place per `cfg` (the activation_checkpoint section, validated by the
+    config: selective_ac_option is 'op' or a positive integer); non-reentrant wrappers keep
+    state-dict keys unchanged."""
+    if cfg.mode == "none":
         return
     every = 1
     context_fn = None
-    if mode == "selective":
-        if selective_option == "op":
+    if cfg.mode == "selective":
+        if cfg.selective_ac_option == "op":
             context_fn = _op_policy_context()
-        elif selective_option.isdigit() and int(selective_option) >= 1:
-            every = int(selective_option)
         else:
-            raise ACConfigError(
-                f"activation_checkpoint.selective_ac_option = {selective_option!r}: use 'op' or "
-                "a positive integer N (checkpoint every N-th block)"
-            )
+            every = int(cfg.selective_ac_option)
     for i, (name, block) in enumerate(list(layers.items())):
         if i % every:
             continue

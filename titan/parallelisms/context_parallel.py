@@ -21,7 +21,7 @@ torch.distributed.tensor.experimental._attention; on CPU also `_templated_ring_a
 `_templated_ring_attention_backward` and `_create_rotater` from
 ...experimental._context_parallel._attention,
 `DTensor._op_dispatcher._custom_op_handlers` / `.wrap`, and `DTensorSpec` / `TensorMeta` from
-torch.distributed.tensor._dtensor_spec. `check_torch_version` pins the tested range.
+torch.distributed.tensor._dtensor_spec. `check_torch_version` pins the allowed range.
 """
 
 import contextlib
@@ -36,9 +36,12 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental import context_parallel
 from torch.utils._pytree import tree_map_only
 
-# Tested (major, minor) ranges, [low, high). CUDA runs torch's own CP path; CPU also relies on
-# torch's private ring-attention internals, so it is pinned to the version it was tested with.
-_TESTED = {"cuda": ((2, 11), (2, 14)), "cpu": ((2, 13), (2, 14))}
+# Allowed (major, minor) ranges, [low, high). CPU relies on torch's private ring-attention
+# internals and is pinned to the version its tests ran with. CUDA runs torch's own CP path,
+# allowed from 2.11 (the lent GPU machines' torch) but not yet run on a GPU by titan.
+_VERSIONS = {"cuda": ((2, 11), (2, 14)), "cpu": ((2, 13), (2, 14))}
+_STATUS = {"cuda": "is allowed (torch's own context_parallel; not yet run on a GPU by titan)",
+           "cpu": "was tested"}
 
 _aten = torch.ops.aten
 _CPU_FWD = _aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -47,18 +50,19 @@ _SEQ_DIM = 2  # SDPA layout (batch, heads, seq, head_dim)
 
 
 def check_torch_version(device_type: str = "cpu", version: str | None = None) -> None:
-    """Raise RuntimeError unless CP on `device_type` was tested with this torch version."""
+    """Raise RuntimeError unless CP on `device_type` is allowed with this torch version."""
     version = torch.__version__ if version is None else version
-    low, high = _TESTED["cuda" if device_type == "cuda" else "cpu"]
+    device = "cuda" if device_type == "cuda" else "cpu"
+    low, high = _VERSIONS[device]
     m = re.match(r"(\d+)\.(\d+)", version)
     if m and low <= (int(m[1]), int(m[2])) < high:
         return
-    tested = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    allowed = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
     raise RuntimeError(
-        f"context parallelism on {device_type} was tested with torch {tested}, but torch "
+        f"context parallelism on {device} {_STATUS[device]} with torch {allowed}, but torch "
         f"{version} is installed. Install a torch in that range, or disable CP "
         "(parallelism.context_parallel_degree = 1). To support this version, run "
-        "tests/unit/test_context_parallel.py with it and, if it passes, widen _TESTED in "
+        "tests/unit/test_context_parallel.py with it and, if it passes, widen _VERSIONS in "
         "titan/parallelisms/context_parallel.py (on CPU, CP depends on private torch "
         "ring-attention internals that change between releases)."
     )

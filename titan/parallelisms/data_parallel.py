@@ -5,30 +5,31 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
+    """`parallelism.fsdp_reshard_after_forward` as a bool: under pipelining each microbatch
+    would re-gather freed params, so "default" keeps them there."""
+    return {"always": True, "never": False, "default": not pp_enabled}[policy]
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: str, reduce_dtype: str,
-               reshard_after_forward: str, pp_enabled: bool, cpu_offload: bool) -> None:
-    """Shard each block, the embedding and the head+norm as separate units, then the root.
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, units: list[nn.Module],
+               final_unit: list[nn.Module], param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard: bool, cpu_offload: bool) -> None:
+    """Shard each of `units` (embedding, blocks) as its own FSDP unit, `final_unit` (e.g. the
+    last norm and the output layer) as one unit, then the root for what is left.
 
     A 2-D dp_mesh (dp_replicate, dp_shard_cp) gives HSDP.
     """
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
-    kw = dict(mesh=dp_mesh, mp_policy=mp)
+    kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                           reduce_dtype=reduce_dtype))
     if cpu_offload:
         # pinned memory needs CUDA; on CPU-only machines plain host memory is the only option
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    # under pipelining each microbatch would re-gather freed params: keep them by default
-    reshard = {"always": True, "never": False, "default": not pp_enabled}[reshard_after_forward]
-    if getattr(model, "tok_embeddings", None) is not None:
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kw)
-    for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=reshard, **kw)
-    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-    if head:
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=reshard, **kw)
+    if final_unit:
         # the last unit is needed again at once by backward: never reshard it
-        fully_shard(head, reshard_after_forward=False, **kw)
+        fully_shard(final_unit, reshard_after_forward=False, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
 
 

@@ -96,14 +96,16 @@ class ParallelDims:
         return self._mesh[dims]
 
 
-def validate_against_model(dims: ParallelDims, n_heads: int, n_kv_heads: int, n_layers: int,
-                           seq_len: int, local_batch_size: int, global_batch_size: int,
+def validate_against_model(dims: ParallelDims, model_args, *, seq_len: int,
+                           local_batch_size: int, global_batch_size: int,
                            dp_size: int | None = None) -> None:
     """Model- and batch-dependent checks, run before any process group exists.
 
-    `dp_size`: data-parallel replicas in all, when more than the mesh's (torchft groups).
+    `model_args`: a ModelArgs (heads, kv heads, layers). `dp_size`: data-parallel replicas in
+    all, when more than the mesh's (torchft groups).
     """
     dp_size = dp_size or dims.dp
+    n_heads, n_kv_heads, n_layers = model_args.n_heads, model_args.n_kv_heads, model_args.n_layers
     if n_heads % dims.tp or n_kv_heads % dims.tp:
         raise ParallelismError(
             f"tensor_parallel_degree {dims.tp} must divide n_heads ({n_heads}) and n_kv_heads "

@@ -1,10 +1,7 @@
-"""Pipeline parallelism: split a decoder into stages by layer, place them, build a schedule.
-
-Stages keep the original parameter names (layers not in a stage are deleted, embedding/head
-set to None), so weight init, checkpoints and HF conversion see the same names in every layout.
+"""Pipeline parallelism: plan the stages (layer ranges, placement, microbatches) and build the
+schedule. Cutting a stage out of a model is the model family's `pipelining_fn`.
 """
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +15,8 @@ from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     get_schedule_class,
 )
+
+from titan.config.manager import did_you_mean
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
              "ZBVZeroBubble", "DualPipeV")
@@ -60,14 +59,17 @@ class PipelinePlan:
     n_microbatches: int
 
 
-def plan_pipeline(n_layers: int, pp: int, pp_rank: int, schedule: str, local_batch_size: int,
-                  microbatch_size: int, layers_per_stage: int | None,
-                  split_points: list[str]) -> PipelinePlan:
+def plan_pipeline(cfg, *, n_layers: int, pp_rank: int, local_batch_size: int) -> PipelinePlan:
+    """The stages of `cfg` (the parallelism section) for a model of `n_layers` layers, as
+    seen by pipeline rank `pp_rank`, for batches of `local_batch_size` sequences."""
+    pp, schedule = cfg.pipeline_parallel_degree, cfg.pipeline_parallel_schedule
+    microbatch_size = cfg.pipeline_parallel_microbatch_size
+    layers_per_stage = cfg.pipeline_parallel_layers_per_stage
+    split_points = cfg.pipeline_parallel_split_points
     if schedule not in SCHEDULES:
-        close = [s for s in SCHEDULES if s.lower() == schedule.lower()]
         raise PipelineConfigError(
-            f"unknown pipeline_parallel_schedule {schedule!r}"
-            + (f"; did you mean {close[0]!r}?" if close else f"; choose one of {', '.join(SCHEDULES)}")
+            f"unknown pipeline_parallel_schedule {schedule!r}; choose one of "
+            f"{', '.join(SCHEDULES)}{did_you_mean(schedule, list(SCHEDULES))}"
         )
     multi = is_multi_stage(schedule)
     if split_points:
@@ -94,7 +96,7 @@ def plan_pipeline(n_layers: int, pp: int, pp_rank: int, schedule: str, local_bat
         raise PipelineConfigError(f"{schedule} needs exactly 2 stages per rank, got {per_rank}")
     if local_batch_size % microbatch_size:
         raise PipelineConfigError(
-            f"training.local_batch_size {local_batch_size} is not divisible by "
+            f"local_batch_size {local_batch_size} is not divisible by "
             f"pipeline_parallel_microbatch_size {microbatch_size}"
         )
     n_micro = local_batch_size // microbatch_size
@@ -121,21 +123,6 @@ def _layer_index(point: str) -> int:
     if not name.isdigit():
         raise PipelineConfigError(f"split point {point!r} must name a layer, e.g. 'layers.4'")
     return int(name)
-
-
-def stage_module(whole: nn.Module, stage_id: int, plan: PipelinePlan) -> nn.Module:
-    """A copy of the (meta-device) model holding only this stage's part."""
-    stage = copy.deepcopy(whole)
-    keep = {str(i) for i in plan.layer_ranges[stage_id]}
-    for name in list(stage.layers.keys()):
-        if name not in keep:
-            del stage.layers[name]
-    if stage_id != 0:
-        stage.tok_embeddings = None
-    if stage_id != plan.num_stages - 1:
-        stage.norm = None
-        stage.output = None
-    return stage
 
 
 def build_schedule(stages: list[nn.Module], plan: PipelinePlan, pp_mesh: DeviceMesh,

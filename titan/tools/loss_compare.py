@@ -4,6 +4,7 @@ Used by the integration tests and by `scripts/loss_compare.py`. Each run gets it
 folder; numbers come from metrics.jsonl, never from the console.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -55,19 +56,35 @@ def command(nproc: int, overrides: list[str], dump_folder: str | Path, env: dict
     return cmd, full_env
 
 
-def kill_workers(dump_folder: str | Path) -> None:
-    """SIGKILL every titan worker writing to `dump_folder` (torchrun puts workers in their own
-    sessions, so killing the launcher alone would orphan them)."""
+def find_workers(dump_folder: str | Path, rank: int | None = None) -> list[int]:
+    """Pids of the titan processes writing to `dump_folder` (launcher and workers), or only
+    the worker with this RANK."""
     needle = str(dump_folder).encode()
+    pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            if needle in cmdline and any(b"titan" in c for c in cmdline):
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+            if needle not in cmdline or not any(b"titan" in c for c in cmdline):
+                continue
+            if rank is not None:
+                env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0")
+                           if b"=" in kv)
+                if b"titan.train" not in cmdline or env.get(b"RANK") != str(rank).encode():
+                    continue
+        except OSError:
             continue
+        pids.append(int(proc.name))
+    return pids
+
+
+def kill_workers(dump_folder: str | Path) -> None:
+    """SIGKILL every titan process writing to `dump_folder` (torchrun puts workers in their own
+    sessions, so killing the launcher alone would orphan them)."""
+    for pid in find_workers(dump_folder):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def rank_tails(log_dir: str | Path, lines: int = 20) -> str:

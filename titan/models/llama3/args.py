@@ -1,4 +1,4 @@
-"""Llama 3 hyper-parameters and the published flavors."""
+"""Llama 3 hyper-parameters and the published flavors (a ModelArgs of titan/models/spec.py)."""
 
 from dataclasses import dataclass, replace
 
@@ -21,13 +21,13 @@ class Llama3Args:
     rope_original_max_len: int = 8192
     max_seq_len: int = 2048
 
+    def __post_init__(self):
+        if self.n_kv_heads is None:  # plain multi-head attention
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -42,7 +42,7 @@ class Llama3Args:
 
     def num_params(self, include_embedding: bool = True) -> int:
         d, hd = self.dim, self.head_dim
-        attn = d * self.n_heads * hd * 2 + d * self.kv_heads * hd * 2
+        attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
         ffn = 3 * d * self.ffn_hidden_dim
         per_layer = attn + ffn + 2 * d
         total = self.n_layers * per_layer + d + self.vocab_size * d  # final norm + output

@@ -57,8 +57,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -101,28 +101,33 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self, seed: int, prefix: str) -> None:
+    def init_plan(self) -> dict:
+        """Parameter name (within the block) -> how to fill it."""
         # depth-scaled std on the projections that write into the residual stream
         deep = normal(0.02 / math.sqrt(2 * (self.layer_id + 1)))
-        plan = {
+        return {
             "attention_norm.weight": ones, "ffn_norm.weight": ones,
             "attention.wq.weight": normal(0.02), "attention.wk.weight": normal(0.02),
             "attention.wv.weight": normal(0.02), "attention.wo.weight": deep,
             "feed_forward.w1.weight": normal(0.02), "feed_forward.w2.weight": deep,
             "feed_forward.w3.weight": deep,
         }
-        for name, fill in plan.items():
+
+    def init_weights(self, seed: int, prefix: str) -> None:
+        for name, fill in self.init_plan().items():
             module_path, _, pname = name.rpartition(".")
             param = getattr(self.get_submodule(module_path), pname)
             seeded_init_(param, f"{prefix}.{name}", seed, fill)
 
 
 class Transformer(nn.Module):
+    block_cls = TransformerBlock  # a variant family swaps the block (e.g. another FFN)
+
     def __init__(self, args: Llama3Args):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_cls(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # recomputed, never checkpointed: it is a pure function of the args
@@ -134,6 +139,10 @@ class Transformer(nn.Module):
             h = layer(h, self.rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def cp_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        # RoPE rows are positions: under CP each rank keeps the rows of its sequence chunk
+        return [(self.rope, 0)]
 
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:

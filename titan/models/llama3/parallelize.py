@@ -1,22 +1,91 @@
-"""Apply the configured parallelisms to a Llama 3 model: TP -> AC -> compile -> FSDP/DDP."""
+"""Apply the configured parallelisms to a Llama 3 model part: TP -> AC -> compile -> FSDP/DDP.
+
+Context parallelism is not applied here: it shards each batch (and the model's `cp_buffers`)
+inside the trainer's forward/backward context. The TP plan is the only place that names
+Llama's submodules; families with another FFN reuse everything else through `ffn_plan`.
+"""
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
+from titan.dtypes import to_dtype
 from titan.parallelisms.activation_checkpoint import apply_ac
 from titan.parallelisms.compile import compile_blocks, compile_whole
-from titan.parallelisms.data_parallel import apply_ddp, apply_fsdp
+from titan.parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward
 from titan.parallelisms.parallel_dims import ParallelDims
-from titan.parallelisms.tensor_parallel import parallelize_transformer
+from titan.parallelisms.tensor_parallel import replicate_modules
+
+# between blocks, activations are Shard(1) on the sequence (SP) or Replicate(): a plan of the
+# module names in one block -> its ParallelStyle, given that layout
+BlockPlan = Callable[[Shard | Replicate], dict]
 
 
-def parallelize_llama(model: nn.Module, dims: ParallelDims, job) -> nn.Module:
+def swiglu_ffn_plan(between) -> dict:
+    return {
+        "feed_forward": PrepareModuleInput(input_layouts=(between,),
+                                           desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def attention_plan(between) -> dict:
+    return {
+        "attention": PrepareModuleInput(input_layouts=(between, None),
+                                        desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=between),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
+             loss_parallel: bool, ffn_plan: BlockPlan = swiglu_ffn_plan) -> None:
+    """Megatron-style TP: heads and FFN width split, norms (and residuals) sequence-split."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if model.norm is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan = {**attention_plan(between), **ffn_plan(between)}
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
+    if not sequence_parallel:
+        replicate_modules([m for m in model.modules() if isinstance(m, nn.RMSNorm)], tp_mesh)
+
+
+def parallelize_llama(model: nn.Module, dims: ParallelDims, job, *,
+                      ffn_plan: BlockPlan = swiglu_ffn_plan) -> nn.Module:
     par, training = job.parallelism, job.training
     if dims.tp_enabled:
-        parallelize_transformer(model, dims["tp"], par.enable_sequence_parallel,
-                                loss_parallel=not par.disable_loss_parallel)
-    apply_ac(model.layers, job.activation_checkpoint.mode,
-             job.activation_checkpoint.selective_ac_option)
+        apply_tp(model, dims["tp"], sequence_parallel=par.enable_sequence_parallel,
+                 loss_parallel=not par.disable_loss_parallel, ffn_plan=ffn_plan)
+    apply_ac(model.layers, job.activation_checkpoint)
     if job.compile.enable:
         # per-block compile + TP breaks in backward on CPU (torch 2.13): compile the whole model
         if dims.tp_enabled and not torch.cuda.is_available():
@@ -25,10 +94,17 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, job) -> nn.Module:
             compile_blocks(model.layers, job.compile.backend)
     # torchft averages gradients across replica groups in FSDP's all-reduce hook
     if dims.fsdp_enabled or job.fault_tolerance.enable:
-        dp_mesh_dims = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
-        apply_fsdp(model, dims[dp_mesh_dims], training.mixed_precision_param,
-                   training.mixed_precision_reduce, par.fsdp_reshard_after_forward,
-                   dims.pp_enabled, job.training.enable_cpu_offload)
+        mesh_dims = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
+        head = [m for m in (model.norm, model.output) if m is not None]
+        apply_fsdp(
+            model, dims[mesh_dims],
+            units=[m for m in (model.tok_embeddings, *model.layers.values()) if m is not None],
+            final_unit=head,
+            param_dtype=to_dtype(training.mixed_precision_param),
+            reduce_dtype=to_dtype(training.mixed_precision_reduce),
+            reshard=reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled),
+            cpu_offload=training.enable_cpu_offload,
+        )
     elif dims.dp_replicate > 1:
         apply_ddp(model, dims["dp_replicate"])
     return model

@@ -1,14 +1,21 @@
-"""Map titan's Llama 3 state dict to and from the HF `LlamaForCausalLM` layout.
+"""Map titan's Llama 3 state dict and args to and from the HF `LlamaForCausalLM` layout.
 
 titan rotates interleaved pairs (Meta's layout); HF rotates the two halves of each head,
 so q/k projection rows are permuted on the way across.
+
+titan's output projection is untied from the embedding; HF configs with
+`tie_word_embeddings: true` (e.g. Llama 3.2 1B/3B) are loaded by *untying*: lm_head becomes a
+copy of embed_tokens, with a warning, and from then on the two train independently. Exports
+always write an untied model (`tie_word_embeddings: false`, an explicit lm_head.weight).
 """
 
+import math
 import re
+import warnings
 
 import torch
 
-from titan.models.llama3.args import Llama3Args
+from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -41,9 +48,12 @@ def _halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class Llama3StateDictAdapter:
+    # titan name within a block -> HF name within a layer; a variant family overrides it
+    layer_names = _LAYER
+
     def __init__(self, args: Llama3Args):
         self.args = args
-        self._heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.kv_heads}
+        self._heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -55,16 +65,23 @@ class Llama3StateDictAdapter:
                 out[_TOP[name]] = t
                 continue
             layer, rest = m.groups()
-            if rest not in _LAYER:
+            if rest not in self.layer_names:
                 raise KeyError(f"no HF name for titan parameter {name!r}")
             if rest in self._heads:
                 t = _interleaved_to_halves(t, self._heads[rest])
-            out[f"model.layers.{layer}.{_LAYER[rest]}"] = t
+            out[f"model.layers.{layer}.{self.layer_names[rest]}"] = t
         return out
 
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor],
+                hf_config: dict | None = None) -> dict[str, torch.Tensor]:
+        if (hf_config or {}).get("tie_word_embeddings", False) and "lm_head.weight" not in hf_state_dict:
+            warnings.warn("the HF model ties lm_head to embed_tokens; titan's output layer is "
+                          "untied, so it starts as a copy of the embedding and trains "
+                          "independently", stacklevel=2)
+            hf_state_dict = {**hf_state_dict,
+                             "lm_head.weight": hf_state_dict["model.embed_tokens.weight"].clone()}
         top = {v: k for k, v in _TOP.items()}
-        layer_map = {v: k for k, v in _LAYER.items()}
+        layer_map = {v: k for k, v in self.layer_names.items()}
         out = {}
         for name, t in hf_state_dict.items():
             if "rotary_emb" in name:
@@ -84,13 +101,17 @@ class Llama3StateDictAdapter:
             out[f"layers.{layer}.{titan_name}"] = t
         return out
 
+    @classmethod
+    def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> Llama3Args:
+        return llama3_args_from_hf_config(config, max_seq_len)
+
     def hf_config(self) -> dict:
         a = self.args
         cfg = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": a.dim, "intermediate_size": a.ffn_hidden_dim,
             "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
+            "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
             "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
             "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": False,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
@@ -104,3 +125,83 @@ class Llama3StateDictAdapter:
                 "original_max_position_embeddings": a.rope_original_max_len,
             }
         return cfg
+
+
+def _ffn_args(dim: int, intermediate: int) -> dict:
+    """(multiple_of, ffn_dim_multiplier) that reproduce HF's intermediate_size exactly."""
+    for flavor in LLAMA3_FLAVORS.values():  # the published Llama 3 choices first
+        if flavor.dim == dim and flavor.ffn_hidden_dim == intermediate:
+            return {"multiple_of": flavor.multiple_of, "ffn_dim_multiplier": flavor.ffn_dim_multiplier}
+    hidden = int(2 * 4 * dim / 3)
+    if intermediate >= hidden:
+        for m in (4096, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
+            if m * ((hidden + m - 1) // m) == intermediate:
+                return {"multiple_of": m, "ffn_dim_multiplier": None}
+    # any width: int(mult * hidden) == intermediate with multiple_of=1
+    mult = intermediate / hidden
+    for _ in range(4):
+        if int(mult * hidden) == intermediate:
+            return {"multiple_of": 1, "ffn_dim_multiplier": mult}
+        mult = math.nextafter(mult, math.inf)
+    raise ValueError(f"cannot express intermediate_size={intermediate} for dim={dim}")
+
+
+def llama3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Llama3Args:
+    """Map an HF Llama config (transformers 4.x `rope_scaling` or 5.x `rope_parameters`
+    layout) to Llama3Args. Raises ValueError for what titan's Llama cannot express.
+
+    `max_seq_len` (titan's RoPE table length) defaults to max_position_embeddings.
+    `tie_word_embeddings` is accepted here; `from_hf` unties the weights (see module doc).
+    """
+    c = dict(config)
+    problems = []
+    model_type = c.get("model_type")
+    archs = c.get("architectures") or []
+    if model_type != "llama" and "LlamaForCausalLM" not in archs:
+        problems.append(f"model_type={model_type!r} / architectures={archs} is not a Llama model")
+    if c.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={c['hidden_act']!r} (titan uses SwiGLU with silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            problems.append(f"{key}=true (titan's projections have no bias)")
+    dim, n_heads = c["hidden_size"], c["num_attention_heads"]
+    if dim % n_heads:
+        problems.append(f"hidden_size={dim} is not a multiple of num_attention_heads={n_heads}")
+    head_dim = c.get("head_dim")
+    if head_dim is not None and head_dim != dim // n_heads:
+        problems.append(f"head_dim={head_dim} != hidden_size/num_attention_heads={dim // n_heads} "
+                        "(titan derives head_dim)")
+    n_kv = c.get("num_key_value_heads") or n_heads
+    if n_heads % n_kv:
+        problems.append(f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}")
+
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        problems.append("per-layer-type rope_parameters are not supported")
+        rope = {}
+    rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = {
+            "rope_scaling_factor": float(rope["factor"]),
+            "rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
+            "rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
+            "rope_original_max_len": int(rope.get("original_max_position_embeddings",
+                                                  c.get("max_position_embeddings", 8192))),
+        }
+    elif rope_type != "default":
+        problems.append(f"rope type {rope_type!r} (titan implements plain RoPE and 'llama3' scaling)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append("partial_rotary_factor != 1")
+    if problems:
+        raise ValueError("unsupported HF config for titan's Llama 3: " + "; ".join(problems))
+
+    args = Llama3Args(
+        dim=dim, n_layers=c["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=n_kv, vocab_size=c["vocab_size"], norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta), max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 2048)),
+        **_ffn_args(dim, c["intermediate_size"]), **scaling,
+    )
+    assert args.ffn_hidden_dim == c["intermediate_size"] and args.head_dim == dim // n_heads
+    return args

@@ -1,0 +1,120 @@
+"""Multi-process tests without torchrun: ranks forked from the already-imported test process.
+
+Forking is cheap (no torch re-import): each rank uses one thread and a gloo group initialized
+through a file:// store. `run_workers` joins the ranks against a deadline and fails, killing
+them, if they hang; a rank's exception is reported with its traceback.
+"""
+
+import datetime
+import os
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEADLINE_S = 60
+
+
+def _worker(fn, rank, world_size, init_method, out_dir, args, init_pg, barrier):
+    code, result = 1, None
+    try:
+        torch.set_num_threads(1)
+        if init_pg:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=30))
+        result = fn(rank, world_size, *args)
+        if barrier and dist.is_initialized():
+            dist.barrier()
+        code = 0
+    except BaseException:  # noqa: BLE001  reported to the parent
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    # gloo's threads can abort a normally exiting interpreter: tear down, flush, _exit
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_workers(fn, world_size, tmp_path, *args, deadline_s=DEADLINE_S, init_pg=True,
+                barrier=True):
+    """Run fn(rank, world_size, *args) on forked ranks; return the per-rank results.
+
+    With `init_pg=False` the ranks start without a process group (fn makes its own, e.g. a
+    Trainer from the RANK/WORLD_SIZE/MASTER_* environment). `barrier=False` skips the closing
+    barrier, for tests that break the group on purpose."""
+    ctx = mp.get_context("fork")
+    init = f"file://{tmp_path}/pg_store"
+    procs = [ctx.Process(target=_worker,
+                         args=(fn, r, world_size, init, str(tmp_path), args, init_pg, barrier))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + deadline_s
+    while any(p.is_alive() for p in procs):
+        # one failed rank leaves the others blocked in a collective: stop them at once
+        failed = any(p.exitcode not in (None, 0) for p in procs)
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join()
+            if not failed:
+                pytest.fail(f"workers still running after {deadline_s} s (hang)")
+            break
+        time.sleep(0.02)
+    results, errors = [], []
+    for r, p in enumerate(procs):
+        path = tmp_path / f"rank{r}.pt"
+        res = torch.load(path, weights_only=False) if path.exists() else None
+        if isinstance(res, dict) and "error" in res:
+            errors.append(f"rank {r}:\n{res['error']}")
+        elif p.exitcode != 0 or res is None:
+            errors.append(f"rank {r}: exit code {p.exitcode}, no result")
+        results.append(res)
+    if errors:  # all ranks: the first one listed may only report a peer's crash
+        pytest.fail("\n".join(errors))
+    return results
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer_rank(rank, world_size, port, argv):
+    from titan.config import parse_args
+    from titan.preflight import plan_run
+    from titan.tools.loss_compare import read_metrics
+    from titan.train import Trainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    job = parse_args(argv)
+    trainer = Trainer(job, plan_run(job, world_size))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return read_metrics(job.job.dump_folder) if rank == 0 else []
+
+
+def run_trainer(tmp_path, world_size, argv, deadline_s=DEADLINE_S) -> list[dict]:
+    """The real Trainer on `world_size` forked ranks (no torchrun, no re-import): a cheap way
+    to train models registered in the test process; returns rank 0's metrics records."""
+    dump = tmp_path / "dump"
+    argv = [*argv, "--job.dump_folder", str(dump)]
+    return run_workers(_trainer_rank, world_size, tmp_path, _free_port(), argv,
+                       deadline_s=deadline_s, init_pg=False)[0]

@@ -1,0 +1,84 @@
+"""The seams between model families and the rest of titan, checked on the source."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan.models.spec import Model, ModelArgs, TrainSpec, get_train_spec, register_train_spec
+from titan.paths import REPO_ROOT
+
+TITAN = REPO_ROOT / "titan"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside functions, relative imports resolved."""
+    package = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def generic_files() -> list[Path]:
+    """Everything that must work for any model family: all of titan but the families
+    themselves (titan/models/<family>/ and the registry's import lines), and the scripts."""
+    files = [p for p in TITAN.rglob("*.py")
+             if p.parent.parent != TITAN / "models" and p != TITAN / "models" / "__init__.py"]
+    return files + sorted((REPO_ROOT / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("folder", ["components", "parallelisms"])
+def test_generic_folders_exist_and_are_scanned(folder):
+    assert any(p.parent == TITAN / folder for p in generic_files())
+
+
+def test_no_generic_module_imports_a_model_family():
+    offenders = {str(p.relative_to(REPO_ROOT)): sorted(m for m in imported_modules(p)
+                                                        if m.startswith("titan.models.llama3"))
+                 for p in generic_files()}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_scan_sees_llama_imports():
+    # the check above would pass vacuously if it could not see an import of the family
+    assert "titan.models.llama3.args" in imported_modules(TITAN / "models" / "llama3" / "model.py")
+
+
+def test_one_dtype_name_map():
+    """Only titan/dtypes.py maps dtype names to torch dtypes."""
+    def maps_names_to_dtypes(node) -> bool:
+        return isinstance(node, ast.Dict) and any(
+            isinstance(k, ast.Constant) and isinstance(k.value, str)
+            and isinstance(v, ast.Attribute) and v.attr in ("bfloat16", "float32", "float16")
+            for k, v in zip(node.keys, node.values))
+
+    found = [str(p.relative_to(REPO_ROOT)) for p in TITAN.rglob("*.py")
+             if any(maps_names_to_dtypes(n) for n in ast.walk(ast.parse(p.read_text())))]
+    assert found == ["titan/dtypes.py"]
+
+
+def test_registered_family_satisfies_the_protocols():
+    llama = get_train_spec("llama3")
+    for args in llama.flavors.values():
+        assert isinstance(args, ModelArgs)
+    model = llama.build_meta(llama.flavors["debugmodel"])
+    assert isinstance(model, Model)
+    (rope, dim), = model.cp_buffers()
+    assert rope is model.rope and dim == 0
+
+
+def test_registration_rejects_a_model_without_the_contract():
+    llama = get_train_spec("llama3")
+    with pytest.raises(TypeError, match="cp_buffers"):
+        register_train_spec(TrainSpec(name="broken", model_cls=torch.nn.Linear,
+                                      flavors=llama.flavors, parallelize_fn=llama.parallelize_fn))

@@ -1,0 +1,56 @@
+"""The config gate: problems that used to surface inside workers are refused by plan_run
+(which the launcher runs before torchrun), each with one message naming the key."""
+
+import logging
+from collections import namedtuple
+
+import pytest
+
+import titan.preflight as preflight
+from titan.config import ConfigError, parse_args
+from titan.preflight import plan_run
+
+
+def refused(*argv, world_size=1) -> str:
+    with pytest.raises(ConfigError) as e:
+        plan_run(parse_args(list(argv)), world_size=world_size)
+    return str(e.value)
+
+
+def test_selective_ac_option_is_checked_with_the_config():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--activation_checkpoint.mode", "selective",
+                    "--activation_checkpoint.selective_ac_option", "every2"])
+    assert "activation_checkpoint.selective_ac_option = 'every2'" in str(e.value)
+    assert "'op'" in str(e.value) and "positive integer" in str(e.value)
+    parse_args(["--activation_checkpoint.selective_ac_option", "op"])
+    parse_args(["--activation_checkpoint.selective_ac_option", "3"])
+
+
+def test_missing_local_dataset_path(tmp_path):
+    missing = str(tmp_path / "corpus.jsonl")
+    msg = refused("--training.dataset_path", missing)
+    assert missing in msg and "training.dataset_path" in msg
+    msg = refused("--validation.enable", "--validation.dataset_path", missing)
+    assert missing in msg and "validation.dataset_path" in msg
+    plan_run(parse_args(["--validation.dataset_path", missing]), world_size=1)  # not enabled
+
+
+@pytest.mark.parametrize("dataset", [["--training.dataset_streaming"],
+                                     ["--training.dataset", "allenai/c4:en"]],
+                         ids=["local_streamed", "hub"])
+def test_fault_tolerance_refuses_streamed_datasets(dataset):
+    msg = refused("--fault_tolerance.enable", "--fault_tolerance.group_size", "2", *dataset)
+    assert "fault_tolerance.enable" in msg and "streamed" in msg and "global index" in msg
+
+
+def test_low_disk_space_is_warned_about(monkeypatch, tmp_path, caplog):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage(10**12, 0, 2**20))
+    with caplog.at_level(logging.WARNING, logger="titan.preflight"):
+        plan_run(parse_args(["--checkpoint.enable", "--job.dump_folder", str(tmp_path)]),
+                 world_size=1)
+    assert "less than one checkpoint" in caplog.text and "keep_latest_k" in caplog.text
+    caplog.clear()
+    plan_run(parse_args(["--job.dump_folder", str(tmp_path)]), world_size=1)  # no checkpoints
+    assert "less than one checkpoint" not in caplog.text

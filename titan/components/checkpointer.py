@@ -1,0 +1,321 @@
+"""Saving and restoring a training run: DCP saves (sync or async), resume from the newest
+usable checkpoint, initial loads, retention. Folder rules live in `checkpoint.py`.
+
+Async saves hand the state to DCP's saving process through shared memory: the copy runs
+during the next step's forward/backward, and the optimizer step waits for it.
+"""
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.tensor import DTensor
+
+from titan.components.checkpoint import (
+    COMPLETE_MARKER,
+    CheckpointError,
+    folder_problem,
+    saved_keys,
+    step_folders,
+    write_complete_marker,
+)
+from titan.components.train_state import ModelState, load_full_model_state
+from titan.dtypes import to_dtype
+
+logger = logging.getLogger(__name__)
+
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def local_state_bytes(obj) -> int:
+    """Bytes this rank holds of a (nested) state dict: DTensors count their local shard."""
+    if isinstance(obj, dict):
+        return sum(local_state_bytes(v) for v in obj.values())
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    return obj.numel() * obj.element_size() if isinstance(obj, torch.Tensor) else 0
+
+
+def _shm_fits(state: dict) -> bool:
+    """Whether every node's /dev/shm holds its ranks' staged copies; the same answer on all
+    ranks (a save is collective). Asked once: later saves reuse the staging buffers."""
+    need = local_state_bytes(state) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = None
+    if os.path.isdir("/dev/shm"):
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    fits = torch.tensor(int(free is None or need <= free))
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    if not fits:
+        logger.warning(
+            "async checkpointing stages %.2f GiB per node in /dev/shm%s; saving synchronously "
+            "instead. Enlarge /dev/shm (e.g. docker run --shm-size) or set "
+            "checkpoint.async_mode = 'disabled'", need / 2**30,
+            f" but only {free / 2**30:.2f} GiB are free" if free is not None and need > free
+            else " but another node lacks the space")
+    return bool(fits)
+
+
+def _stop_save_process() -> None:
+    """Ask DCP's saving process to exit now: left to interpreter shutdown, it sees its pipe
+    close and dies printing an EOFError traceback after every async run."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if proc is not None:
+        executor._CHECKPOINT_PROCESS = None
+        proc.__del__()  # sends TERMINATE and joins; a later call is a no-op
+
+
+class Checkpointer:
+    """Saves and restores `states` (STATE_KEYS -> Stateful) as configured by `cfg`, the
+    checkpoint section.
+
+    `hf_state_loader(folder)` turns an HF folder into a full state dict by the model's
+    adapter, for `initial_load_in_hf`. `on_files_written(step)` runs after a save's files are
+    written and before it is marked complete (the fault injector's hook).
+    """
+
+    def __init__(self, cfg, *, dump_folder: str, states: dict, rank: int,
+                 hf_state_loader: Callable[[Path], dict[str, torch.Tensor]] | None = None,
+                 on_files_written: Callable[[int], None] | None = None):
+        self.cfg = cfg
+        self.root = Path(dump_folder) / cfg.folder
+        self.states = states
+        self.rank = rank
+        self.hf_state_loader = hf_state_loader
+        self.on_files_written = on_files_written
+        self._pending = None  # (upload future, path, step) of an async save in flight
+        self._staging = None  # (staging future, step) while its copy may still be running
+        self._async_stager = None
+        self._shm_ok: bool | None = None  # whether staging fits in /dev/shm (checked once)
+        self._purge_queue: queue.Queue = queue.Queue()
+        self._purger = None
+        if cfg.enable and rank == 0 and cfg.keep_latest_k > 0:
+            self._purger = threading.Thread(target=self._purge_loop, daemon=True)
+            self._purger.start()
+
+    # ------------------------------------------------------------------ load
+
+    def _resume_candidate(self) -> Path | None:
+        if self.cfg.load_step >= 0:
+            path = self.root / f"step-{self.cfg.load_step}"
+            why = folder_problem(path) if path.is_dir() else "does not exist"
+            if why:
+                raise CheckpointError(f"checkpoint.load_step = {self.cfg.load_step}: {path} {why}")
+            return path
+        steps = step_folders(self.root) if self.root.is_dir() else []
+        skipped = []
+        for _, path in reversed(steps):
+            why = folder_problem(path)
+            if why is None:
+                for name, reason in skipped:
+                    logger.warning("checkpoint %s is unusable (%s); resuming from %s instead",
+                                   name, reason, path.name)
+                return path
+            skipped.append((path.name, why))
+        completed = [(n, r) for n, r in skipped if not r.startswith("incomplete")]
+        if completed:
+            details = "; ".join(f"{n}: {r}" for n, r in skipped)
+            raise CheckpointError(
+                f"no usable checkpoint in {self.root} ({details}). Fix or remove the damaged "
+                "folders, or point checkpoint.folder / job.dump_folder elsewhere to start fresh"
+            )
+        for name, reason in skipped:
+            logger.warning("ignoring checkpoint %s: %s", name, reason)
+        return None
+
+    def load(self) -> bool:
+        """Restore from the newest usable checkpoint (or the initial load path); True if resumed."""
+        if not self.cfg.enable:
+            return False
+        path = self._resume_candidate()
+        if path is None:
+            return self._initial_load()
+        keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
+        present = saved_keys(path)
+        absent = [k for k in keys if k not in present]
+        if absent:
+            logger.info("checkpoint %s holds no %s (model-only save): those start fresh",
+                        path.name, ", ".join(absent))
+        self._dcp_load({k: self.states[k] for k in keys if k in present}, path)
+        logger.info("resumed from %s at step %d", path, self.states["train_state"].step)
+        return True
+
+    def _dcp_load(self, state: dict, path: Path) -> None:
+        t0 = time.perf_counter()
+        if "dataloader" in state:
+            md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            data = state["dataloader"]
+            data.load_sizes = {
+                k.split(".", 1)[1]: m.size[0] for k, m in md.items() if k.startswith("dataloader.")}
+            if data.key not in data.load_sizes:
+                raise CheckpointError(
+                    f"{path} holds no data position for {data.key}: streamed datasets are "
+                    "saved per dp rank, so resume them with the same data-parallel degree, or "
+                    "set checkpoint.exclude_from_loading = [\"dataloader\"]")
+        try:
+            dcp.load(state, checkpoint_id=str(path),
+                     planner=DefaultLoadPlanner(allow_partial_load=False))
+        finally:
+            if "dataloader" in state:
+                state["dataloader"].load_sizes = {}
+        logger.info("loaded %s from %s in %.2fs", ", ".join(state), path, time.perf_counter() - t0)
+
+    def _initial_load(self) -> bool:
+        cfg = self.cfg
+        if not cfg.initial_load_path:
+            return False
+        path = Path(cfg.initial_load_path)
+        if cfg.initial_load_in_hf:
+            if self.hf_state_loader is None:
+                raise CheckpointError("checkpoint.initial_load_in_hf: this model family has no "
+                                      "HF state-dict adapter")
+            load_full_model_state(self.states["model"].parts, self.hf_state_loader(path))
+            logger.info("initialized the model from HF weights in %s", path)
+            return False
+        why = folder_problem(path) if path.is_dir() else "does not exist"
+        if why:
+            raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}")
+        keys = ["model"] if cfg.initial_load_model_only else [
+            k for k in STATE_KEYS if k not in cfg.exclude_from_loading and k in saved_keys(path)]
+        self._dcp_load({k: self.states[k] for k in keys}, path)
+        return not cfg.initial_load_model_only
+
+    # ------------------------------------------------------------------ save
+
+    def due(self, step: int, last: bool) -> bool:
+        c = self.cfg
+        return c.enable and (step % c.interval == 0 or last
+                             or (step == 1 and c.enable_first_step_checkpoint))
+
+    def save(self, step: int, model_only: bool = False, blocking: bool = False) -> float:
+        """Save `step`; returns the seconds training was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        if model_only:
+            # an export (final save) in export_dtype; a seed checkpoint (step 0) as initialized
+            dtype = to_dtype(self.cfg.export_dtype) if step > 0 else None
+            state = {"model": ModelState(self.states["model"].parts, dtype)}
+        else:
+            state = dict(self.states)
+        path = self.root / f"step-{step}"
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a re-run of a step rewrites it whole
+            path.mkdir(parents=True)
+        dist.barrier()
+        run_async = self.cfg.async_mode != "disabled" and not blocking
+        if run_async:
+            # plain tensors from here on: the size check and the stager see the same dict
+            state = {k: v.state_dict() for k, v in state.items()}
+            if self._shm_ok is None:
+                self._shm_ok = _shm_fits(state)
+            run_async = self._shm_ok
+        if run_async:
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            if torch.cuda.is_available():
+                # the stager copies on its own stream, which does not wait for the optimizer step
+                torch.cuda.current_stream().synchronize()
+            # state_dict() runs here (FSDP's must stay on this thread); the copy into shared
+            # memory runs on the stager's thread while the next forward/backward does
+            response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self._stager(),
+                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            self._pending = (response.upload_completion, path, step)
+            self._staging = (response.staging_completion, step)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+            self._files_written(step)
+            self._mark_complete(path, step, model_only)
+        blocked = time.perf_counter() - t0
+        logger.info("checkpoint step %d %s (%s, training blocked %.2fs)", step,
+                    "staging" if run_async else "saved",
+                    "async" if run_async else "sync", blocked)
+        return blocked
+
+    def _stager(self):
+        """One stager per run: its staging buffers are reused by every save, so only the first
+        save pays for allocating (and pinning) them."""
+        if self._async_stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            pinned = self.cfg.async_mode == "async_with_pinned_mem"
+            # shared memory hands the staged copy to the saving process without pickling it
+            self._async_stager = DefaultStager(StagingOptions(
+                use_pinned_memory=pinned, use_shared_memory=True, use_async_staging=True,
+                use_non_blocking_copy=pinned))
+        return self._async_stager
+
+    def wait_for_staging(self) -> float:
+        """Block until an async save has copied what it saves; returns the seconds waited.
+
+        Call before anything changes saved tensors in place (the optimizer step, a torchft
+        heal): until then the copy still reads the live parameters and optimizer state.
+        """
+        if self._staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        future, step = self._staging
+        self._staging = None
+        future.result()
+        waited = time.perf_counter() - t0
+        logger.info("checkpoint step %d staged; training waited %.2fs for the copy", step, waited)
+        return waited
+
+    def _files_written(self, step: int) -> None:
+        if self.on_files_written is not None:
+            self.on_files_written(step)
+
+    def wait(self) -> None:
+        """Finish an async save in flight and mark it complete."""
+        if self._pending is None:
+            return
+        self.wait_for_staging()
+        future, path, step = self._pending
+        self._pending = None
+        future.result()
+        self._files_written(step)
+        self._mark_complete(path, step, model_only=False)
+
+    def _mark_complete(self, path: Path, step: int, model_only: bool) -> None:
+        # every rank's writes and the metadata are done when dcp.save / the future returns
+        if self.rank != 0:
+            return
+        write_complete_marker(path, step, model_only)
+        if self._purger is not None:
+            self._purge_queue.put(step)
+
+    def _purge_loop(self) -> None:
+        while True:
+            newest = self._purge_queue.get()
+            if newest is None:
+                return
+            steps = [(s, p) for s, p in step_folders(self.root) if s <= newest]
+            complete = [(s, p) for s, p in steps if (p / COMPLETE_MARKER).is_file()]
+            doomed = [p for _, p in complete[:-self.cfg.keep_latest_k]]
+            # torn saves older than the newest complete one will never be completed
+            doomed += [p for s, p in steps if s < newest and not (p / COMPLETE_MARKER).is_file()]
+            for p in doomed:
+                shutil.rmtree(p, ignore_errors=True)
+                logger.info("removed old checkpoint %s (keep_latest_k=%d)", p.name,
+                            self.cfg.keep_latest_k)
+
+    def close(self) -> None:
+        self.wait()
+        if self._async_stager is not None:
+            self._async_stager.close()
+            self._async_stager = None
+            _stop_save_process()
+        if self._purger is not None:
+            self._purge_queue.put(None)
+            self._purger.join()

@@ -1,0 +1,37 @@
+"""The training loss and how per-rank losses become the one logged number.
+
+Each rank's loss is a sum of token cross-entropies divided by a token count fixed in advance
+(every token of the rank's step), so gradient accumulation, pipeline microbatches and
+sequence shards all add up to the mean over the global batch.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """Loss parallel leaves replicated DTensors; the step's bookkeeping uses plain tensors."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def reduce_loss(loss: torch.Tensor, *, pp_group: dist.ProcessGroup | None,
+                dp_cp_group: dist.ProcessGroup | None) -> None:
+    """In place: sum over pipeline stages (only the last one holds the loss), then the mean
+    over data-parallel and context-parallel ranks."""
+    if pp_group is not None:
+        dist.all_reduce(loss, group=pp_group)
+    if dp_cp_group is not None:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_cp_group)
+
+
+def sum_over(t: torch.Tensor, groups: list[dist.ProcessGroup | None]) -> None:
+    """In place: the sum over each of `groups` in turn (None: nothing to sum)."""
+    for g in groups:
+        if g is not None:
+            dist.all_reduce(t, group=g)

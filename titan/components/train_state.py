@@ -1,0 +1,97 @@
+"""The training state as DCP Statefuls: model parts, train counters and RNG, data position.
+
+Everything they hand to DCP is a tensor (JSON becomes a uint8 tensor), so checkpoints load
+into any parallel layout and nothing but DCP's own metadata is ever unpickled.
+"""
+
+import json
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+
+def encode_json(obj) -> torch.Tensor:
+    """Non-tensor state as a uint8 tensor: DCP then never needs to pickle it."""
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
+
+
+def decode_json(t: torch.Tensor):
+    return json.loads(bytes(t.tolist()).decode())
+
+
+class ModelState:
+    """All model parts (pipeline stages) as one state dict keyed by parameter name."""
+
+    def __init__(self, parts: list[nn.Module], export_dtype: torch.dtype | None = None):
+        self.parts, self.export_dtype = parts, export_dtype
+
+    def state_dict(self) -> dict:
+        sd = {}
+        for part in self.parts:
+            sd.update(get_model_state_dict(part))
+        if self.export_dtype is not None:
+            sd = {k: v.to(self.export_dtype) for k, v in sd.items()}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for part in self.parts:
+            own = get_model_state_dict(part)
+            set_model_state_dict(part, {k: sd[k] for k in own})
+
+
+def load_full_model_state(parts: list[nn.Module], full: dict[str, torch.Tensor]) -> None:
+    """Load full (unsharded, CPU) tensors into sharded parts: each rank keeps its slices.
+
+    The caller has checked `full` against the model (names and shapes)."""
+    opts = StateDictOptions(full_state_dict=True, strict=False)
+    for part in parts:
+        own = get_model_state_dict(part)
+        set_model_state_dict(part, {k: full[k] for k in own}, options=opts)
+
+
+class TrainState:
+    def __init__(self):
+        self.step = 0
+        self.tokens_seen = 0
+
+    def state_dict(self) -> dict:
+        sd = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
+              "rng_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["rng_cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+        torch.set_rng_state(sd["rng_cpu"])
+        if torch.cuda.is_available() and "rng_cuda" in sd:
+            torch.cuda.set_rng_state(sd["rng_cuda"])
+
+
+class DataState:
+    """The data position. Globally indexed datasets store the number of global batches consumed
+    (the same on every rank, valid for any dp degree); streamed ones store each dp rank's own
+    stream state under its rank."""
+
+    def __init__(self, dataloader, dp_rank: int):
+        self.dataset, self.dp_rank = dataloader.dataset, dp_rank
+        self.global_index = self.dataset.global_index
+        self.load_sizes: dict[str, int] = {}  # set before a load: DCP fills same-size buffers
+
+    @property
+    def key(self) -> str:
+        return "global" if self.global_index else f"dp_rank_{self.dp_rank}"
+
+    def state_dict(self) -> dict:
+        key = self.key
+        if key in self.load_sizes:
+            return {key: torch.zeros(self.load_sizes[key], dtype=torch.uint8)}
+        return {key: encode_json(self.dataset.state_dict())}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.dataset.load_state_dict(decode_json(sd[self.key]))

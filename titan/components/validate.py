@@ -1,0 +1,89 @@
+"""Held-out loss during training, with its own data, batch size and normalization.
+
+The validation loss is the mean cross-entropy per token over the whole validation pass (or
+its first `validation.steps` batches): every rank sums its token losses and counts its
+tokens, and both are summed over all ranks at the end. So it does not depend on the
+training batch, the dp degree, or how the pass splits into batches.
+
+Streamed datasets have no global index: each dp rank reads its own shard, and the shards
+end at different batches. The ranks agree after every batch whether all of them still have
+one, so no rank enters a collective (FSDP's all-gathers, TP, PP) that another skips.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan.components.dataloader import DataShard, build_text_dataloader
+from titan.components.dataset import DataError
+from titan.components.loss import sum_over
+from titan.components.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# (inputs, labels) -> (this rank's summed token cross-entropy, the tokens it covers)
+LossSum = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
+
+
+class Validator:
+    def __init__(self, cfg, *, tokenizer: Tokenizer, seq_len: int, text_field: str, seed: int,
+                 shard: DataShard, model_parts: list[nn.Module], loss_sum: LossSum,
+                 sum_groups: list[dist.ProcessGroup | None], device: torch.device, metrics):
+        """`cfg`: the validation section. `sum_groups`: the process groups over which the
+        loss sums and token counts add up (pipeline stages, dp x cp ranks)."""
+        self.cfg = cfg
+        self.model_parts, self.loss_sum = model_parts, loss_sum
+        self.sum_groups, self.device, self.metrics = sum_groups, device, metrics
+        self.loader = build_text_dataloader(
+            dataset=cfg.dataset, dataset_path=cfg.dataset_path, tokenizer=tokenizer,
+            seq_len=seq_len, local_batch_size=cfg.local_batch_size,
+            global_batch_size=cfg.local_batch_size * shard.dp_world_size, shard=shard,
+            seed=seed, text_field=text_field, shuffle=False, infinite=False,
+            streaming=cfg.dataset_streaming)
+        self.streamed = not self.loader.dataset.global_index
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step % self.cfg.freq == 0 or step == last_step
+
+    @torch.no_grad()
+    def run(self, step: int) -> float:
+        """Validate, log the loss; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.loader.dataset.rewind()
+        for part in self.model_parts:
+            part.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
+        batches = 0
+        batch_iter = iter(self.loader)
+        while self.cfg.steps == -1 or batches < self.cfg.steps:
+            batch = next(batch_iter, None)
+            if not self._every_rank_has(batch is not None):
+                break
+            inputs, labels = (t.to(self.device) for t in batch)
+            loss_sum, tokens = self.loss_sum(inputs, labels)
+            totals[0] += loss_sum.double()
+            totals[1] += tokens
+            batches += 1
+        for part in self.model_parts:
+            part.train()
+        if batches == 0:
+            raise DataError(
+                f"validation dataset {self.cfg.dataset!r} has fewer sequences than one "
+                f"validation batch per rank ({self.cfg.local_batch_size}); lower "
+                "validation.local_batch_size"
+            )
+        sum_over(totals, self.sum_groups)
+        loss = (totals[0] / totals[1]).item()
+        self.metrics.log_validation(step, loss, batches)
+        return time.perf_counter() - t0
+
+    def _every_rank_has(self, has_batch: bool) -> bool:
+        if not self.streamed or not dist.is_initialized() or dist.get_world_size() == 1:
+            return has_batch
+        flag = torch.tensor(int(has_batch), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag)

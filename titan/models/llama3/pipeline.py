@@ -1,0 +1,26 @@
+"""Cut one pipeline stage out of a whole (meta-device) Llama 3 model.
+
+Stages keep the original parameter names (layers not in a stage are deleted, embedding/head
+set to None and skipped in forward), so weight init, checkpoints and HF conversion see the
+same names in every layout.
+"""
+
+import copy
+
+from torch import nn
+
+from titan.parallelisms.pipeline import PipelinePlan
+
+
+def pipeline_llama(whole: nn.Module, stage_id: int, plan: PipelinePlan) -> nn.Module:
+    stage = copy.deepcopy(whole)
+    keep = {str(i) for i in plan.layer_ranges[stage_id]}
+    for name in list(stage.layers.keys()):
+        if name not in keep:
+            del stage.layers[name]
+    if stage_id != 0:
+        stage.tok_embeddings = None
+    if stage_id != plan.num_stages - 1:
+        stage.norm = None
+        stage.output = None
+    return stage
