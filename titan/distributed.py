@@ -12,8 +12,9 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
-def pick_device() -> torch.device:
-    if torch.cuda.is_available():
+def pick_device(kind: str = "auto") -> torch.device:
+    """This rank's device: `kind` "cuda", "cpu", or "auto" (CUDA when a GPU is visible)."""
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 

@@ -2,27 +2,46 @@
 
 `python -m titan.launch [torchrun args] -- [trainer overrides]`. Validation happens here,
 in one process, so a bad config fails in a second with exit code 2 and one message,
-before torchrun starts workers or anything is written to disk.
+before torchrun starts workers or anything is written to disk. It uses the real world size:
+nodes x ranks per node, for every node count an elastic job (`--nnodes MIN:MAX`) may run on.
+
+With `DRY_RUN=1` it prints the torchrun command line this node would run, and exits.
 """
 
+import hashlib
 import os
+import shlex
 import sys
 
 from titan.config import ConfigError, help_text, parse_args, to_toml
 
 
-def _torchrun_nproc(torchrun_args: list[str]) -> int:
-    for i, a in enumerate(torchrun_args):
-        if a.startswith("--nproc_per_node=") or a.startswith("--nproc-per-node="):
-            return int(a.split("=", 1)[1])
-        if a in ("--nproc_per_node", "--nproc-per-node"):
-            return int(torchrun_args[i + 1])
-    return 1
+def rendezvous_id(dump_folder: str) -> str:
+    """A job id every node derives alike from the (shared) dump folder, so a restarted job
+    meets its own nodes and no other job's."""
+    digest = hashlib.sha1(os.path.abspath(dump_folder).encode()).hexdigest()[:12]
+    return f"titan-{digest}"
 
 
-def _world_size(torchrun_args: list[str]) -> int:
-    nnodes = os.environ.get("NNODES", "1")
-    return _torchrun_nproc(torchrun_args) * int(nnodes.split(":")[-1])
+def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int) -> None:
+    """plan_run for every world size the job may see; ConfigError names the node count."""
+    from titan.preflight import plan_run  # imports torch: only once the config parses
+
+    elastic = min_nodes < max_nodes
+    if elastic and job.training.global_batch_size == -1:
+        raise ConfigError(
+            f"NNODES={min_nodes}:{max_nodes} (elastic) with training.global_batch_size = -1: "
+            "the global batch would shrink with the job and the loss curve change; set "
+            "training.global_batch_size (the gradient accumulation then grows instead)")
+    for nodes in range(max_nodes, min_nodes - 1, -1):
+        try:
+            plan_run(job, world_size=nodes * nproc)
+        except ConfigError as e:
+            if not elastic:
+                raise
+            raise ConfigError(
+                f"with {nodes} of NNODES={min_nodes}:{max_nodes} nodes ({nodes * nproc} ranks): "
+                f"{e}. Raise the minimum node count or change the parallel degrees") from None
 
 
 def main() -> None:
@@ -34,19 +53,32 @@ def main() -> None:
         sys.exit(0)
     try:
         job = parse_args(trainer_args)
-        from titan.preflight import plan_run  # imports torch: only once the config parses
+        from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 
-        plan_run(job, world_size=_world_size(torchrun_args))
+        ta = get_args_parser().parse_args([*torchrun_args, "-m", "titan.train"])
+        try:
+            min_nodes, max_nodes = parse_min_max_nnodes(ta.nnodes)
+            nproc = int(ta.nproc_per_node)
+        except (RuntimeError, ValueError):
+            raise ConfigError(f"NNODES={ta.nnodes!r} / NGPU={ta.nproc_per_node!r}: NNODES is a "
+                              "node count or MIN:MAX, NGPU a rank count per node") from None
+        validate_world_sizes(job, min_nodes, max_nodes, nproc)
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    if not ta.standalone and ta.rdzv_id == "none":
+        torchrun_args = [*torchrun_args, f"--rdzv-id={rendezvous_id(job.job.dump_folder)}"]
     if job.job.print_config:
         print(to_toml(job), flush=True)
         # printed once, here: a last override wins over every form (flag, =true, TOML)
         trainer_args = [*trainer_args, "--job.no_print_config"]
+    command = [*torchrun_args, "-m", "titan.train", *trainer_args]
+    if os.environ.get("DRY_RUN", "0") not in ("", "0"):
+        print("torchrun " + shlex.join(command), flush=True)
+        sys.exit(0)
     from torch.distributed.run import main as torchrun
 
-    torchrun([*torchrun_args, "-m", "titan.train", *trainer_args])
+    torchrun(command)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,13 @@ class RunPlan:
     # data-parallel replicas in all: the mesh's dp times torchft replica groups
     data_parallel_size: int
 
+    def layout(self) -> dict:
+        """The parallel layout, as checkpoints record it."""
+        d = self.dims
+        return {"world_size": d.world_size, "dp_replicate": d.dp_replicate,
+                "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "pp": d.pp,
+                "grad_accum_steps": self.grad_accum_steps}
+
 
 def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     """Resolve model, tokenizer and parallel layout; raise ConfigError on any problem."""
@@ -48,6 +55,7 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
         ) from None
     require(job, m.flavor in spec.flavors, "model.flavor",
             f"{m.name} has flavors {', '.join(spec.flavors)}")
+    device = device_type(job)
     try:
         tokenizer = Tokenizer(m.tokenizer_path)
     except TokenizerError as e:
@@ -72,12 +80,10 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
     if dims.cp_enabled:
-        import torch
-
         from titan.parallelisms.context_parallel import check_torch_version
 
         try:
-            check_torch_version("cuda" if torch.cuda.is_available() else "cpu")
+            check_torch_version(device)
         except RuntimeError as e:
             raise ConfigError(f"parallelism.context_parallel_degree = {dims.cp}: {e}") from None
     if dims.pp_enabled:
@@ -91,9 +97,7 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     require(job, not ck.create_seed_checkpoint or ck.enable, "checkpoint.create_seed_checkpoint",
             "needs checkpoint.enable (the seed is written to the checkpoint folder)")
     if ck.async_mode == "async_with_pinned_mem":
-        import torch
-
-        require(job, torch.cuda.is_available(), "checkpoint.async_mode",
+        require(job, device == "cuda", "checkpoint.async_mode",
                 "pinned staging memory needs CUDA; use async on CPU")
     check_writable(job, model_args.num_params())
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
@@ -101,6 +105,18 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     check_fault_tolerance(job, dims)
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,
                    global_batch // (t.local_batch_size * dp_size), dp_size)
+
+
+def device_type(job: JobConfig) -> str:
+    """"cuda" or "cpu", as the trainer will pick it."""
+    import torch
+
+    device = job.training.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device = 'cuda' but no GPU is visible (torch.cuda."
+                          "is_available() is False); use 'auto' or 'cpu'")
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) \
+        else "cpu"
 
 
 def pipeline_plan(job: JobConfig, n_layers: int, pp_rank: int,

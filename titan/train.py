@@ -57,7 +57,7 @@ class Trainer:
     def __init__(self, job: JobConfig, plan: RunPlan):
         self.job, self.plan = job, plan
         t, dims = job.training, plan.dims
-        self.device = pick_device()
+        self.device = pick_device(t.device)
         self.rank, self.world_size = init_distributed(self.device, job.comm.init_timeout_seconds)
         set_determinism(t.seed, t.deterministic)
         dims.build_mesh(self.device.type)
@@ -91,6 +91,7 @@ class Trainer:
         self.train_state = TrainState()
         self.checkpointer = Checkpointer(
             job.checkpoint, dump_folder=job.job.dump_folder, rank=self.rank,
+            layout=plan.layout(),
             states={"model": ModelState(self.model_parts), "optimizer": self.optimizer,
                     "lr_scheduler": self.lr_scheduler,
                     "dataloader": DataState(self.dataloader, self.shard.dp_rank),

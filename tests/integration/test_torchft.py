@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.integration.harness import COMMON, STEPS, command, kill_workers, read_metrics
+from tests.integration.harness import COMMON, RTOL, STEPS, command, kill_workers, read_metrics
 
 torchft = pytest.importorskip("torchft", reason="optional: pip install -e '.[torchft]'")
 
@@ -32,7 +32,9 @@ def lighthouse():
 def ft_args(replica_id, min_replicas=1):
     return ["--fault_tolerance.enable", "--fault_tolerance.replica_id", str(replica_id),
             "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size",
-            str(min_replicas), "--training.local_batch_size", "4"]
+            str(min_replicas), "--training.local_batch_size", "4",
+            # a healing peer makes the live group miss one commit: wait 10 s for it, not 30
+            "--fault_tolerance.timeout_seconds", "10"]
 
 
 def start_group(replica_id, address, dump, extra=(), min_replicas=1):
@@ -63,7 +65,7 @@ def test_two_groups_train_like_one_job(lighthouse, baseline, tmp_path):
     assert [r["step"] for r in g0] == [r["step"] for r in g1] == list(range(1, STEPS + 1))
     for b, a, c in zip(baseline, g0, g1, strict=True):
         # each group logs the loss of its half of the global batch; the halves average to it
-        assert abs((a["loss"] + c["loss"]) / 2 - b["loss"]) <= 1e-5 * b["loss"], b["step"]
+        assert abs((a["loss"] + c["loss"]) / 2 - b["loss"]) <= RTOL * b["loss"], b["step"]
         # and both step with the global gradient
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"]
         assert a["grad_norm"] == c["grad_norm"]

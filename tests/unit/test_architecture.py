@@ -82,3 +82,26 @@ def test_registration_rejects_a_model_without_the_contract():
     with pytest.raises(TypeError, match="cp_buffers"):
         register_train_spec(TrainSpec(name="broken", model_cls=torch.nn.Linear,
                                       flavors=llama.flavors, parallelize_fn=llama.parallelize_fn))
+
+
+def test_multi_stage_schedules_match_torch():
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    from titan.parallelisms.pipeline import MULTI_STAGE, SCHEDULES
+
+    assert set(MULTI_STAGE) == {s for s in SCHEDULES
+                                if issubclass(get_schedule_class(s), PipelineScheduleMulti)}
+
+
+def test_config_check_stays_light():
+    """The launcher validates every job before torchrun starts (and tests launch ~100 jobs):
+    it must not import DTensor, FSDP, pipelining or DCP, a second or more each."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from titan.config import parse_args; from titan.preflight import "
+            "plan_run; plan_run(parse_args(['--parallelism.pipeline_parallel_degree', '2']), 2);"
+            "heavy = [m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp', "
+            "'torch.distributed.pipelining', 'torch.distributed.checkpoint') if m in sys.modules];"
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO_ROOT)

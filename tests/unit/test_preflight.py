@@ -54,3 +54,28 @@ def test_low_disk_space_is_warned_about(monkeypatch, tmp_path, caplog):
     caplog.clear()
     plan_run(parse_args(["--job.dump_folder", str(tmp_path)]), world_size=1)  # no checkpoints
     assert "less than one checkpoint" not in caplog.text
+
+
+def test_cuda_device_needs_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    msg = refused("--training.device", "cuda")
+    assert "training.device = 'cuda'" in msg and "no GPU is visible" in msg
+    msg = refused("--checkpoint.enable", "--checkpoint.async_mode", "async_with_pinned_mem")
+    assert "checkpoint.async_mode" in msg and "CUDA" in msg
+
+
+@pytest.mark.gpu
+def test_cuda_is_picked_when_present(tmp_path):
+    import torch
+
+    from titan.distributed import pick_device
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    assert pick_device().type == "cuda" and pick_device("cpu").type == "cpu"
+    plan_run(parse_args(["--checkpoint.enable", "--checkpoint.async_mode",
+                         "async_with_pinned_mem", "--job.dump_folder", str(tmp_path)]),
+             world_size=1)

@@ -75,14 +75,25 @@ def check_complete(path: str | Path) -> Path:
     return path
 
 
-def write_complete_marker(path: Path, step: int, model_only: bool) -> None:
-    """Mark `path` complete: write a temp file, fsync it, rename it into place."""
+def write_complete_marker(path: Path, step: int, model_only: bool,
+                          layout: dict | None = None) -> None:
+    """Mark `path` complete: write a temp file, fsync it, rename it into place. The marker
+    records the step and the parallel layout that saved it."""
     tmp = path / (COMPLETE_MARKER + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"step": step, "model_only": model_only, "time": time.time()}, f)
+        json.dump({"step": step, "model_only": model_only, "time": time.time(),
+                   "layout": layout}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / COMPLETE_MARKER)
+
+
+def saved_layout(path: Path) -> dict | None:
+    """The parallel layout recorded in a complete folder's marker (None if it has none)."""
+    try:
+        return json.loads((path / COMPLETE_MARKER).read_text()).get("layout")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def folder_problem(path: Path) -> str | None:

@@ -26,6 +26,7 @@ from titan.components.checkpoint import (
     CheckpointError,
     folder_problem,
     saved_keys,
+    saved_layout,
     step_folders,
     write_complete_marker,
 )
@@ -81,18 +82,21 @@ class Checkpointer:
     """Saves and restores `states` (STATE_KEYS -> Stateful) as configured by `cfg`, the
     checkpoint section.
 
+    `layout` describes the parallel layout, recorded with each save and compared on resume.
     `hf_state_loader(folder)` turns an HF folder into a full state dict by the model's
     adapter, for `initial_load_in_hf`. `on_files_written(step)` runs after a save's files are
     written and before it is marked complete (the fault injector's hook).
     """
 
     def __init__(self, cfg, *, dump_folder: str, states: dict, rank: int,
+                 layout: dict | None = None,
                  hf_state_loader: Callable[[Path], dict[str, torch.Tensor]] | None = None,
                  on_files_written: Callable[[int], None] | None = None):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.states = states
         self.rank = rank
+        self.layout = layout
         self.hf_state_loader = hf_state_loader
         self.on_files_written = on_files_written
         self._pending = None  # (upload future, path, step) of an async save in flight
@@ -150,6 +154,13 @@ class Checkpointer:
                         path.name, ", ".join(absent))
         self._dcp_load({k: self.states[k] for k in keys if k in present}, path)
         logger.info("resumed from %s at step %d", path, self.states["train_state"].step)
+        saved = saved_layout(path)
+        if saved is not None and self.layout is not None and saved != self.layout:
+            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in self.layout.items()
+                                if saved.get(k) != v)
+            logger.warning("layout change: %s was saved on another parallel layout (%s); its "
+                           "states were resharded and the data continues at the same global "
+                           "batch", path.name, changed)
         return True
 
     def _dcp_load(self, state: dict, path: Path) -> None:
@@ -224,7 +235,7 @@ class Checkpointer:
         if run_async:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-            if torch.cuda.is_available():
+            if torch.cuda.is_initialized():
                 # the stager copies on its own stream, which does not wait for the optimizer step
                 torch.cuda.current_stream().synchronize()
             # state_dict() runs here (FSDP's must stay on this thread); the copy into shared
@@ -291,7 +302,7 @@ class Checkpointer:
         # every rank's writes and the metadata are done when dcp.save / the future returns
         if self.rank != 0:
             return
-        write_complete_marker(path, step, model_only)
+        write_complete_marker(path, step, model_only, self.layout)
         if self._purger is not None:
             self._purge_queue.put(step)
 

@@ -29,7 +29,7 @@ def maybe_profile(cfg, *, trace_dir: str, rank: int, first_step: int = 1):
         logger.info("profiler trace for step %d written to %s", step, path)
 
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # training on a GPU
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     schedule = torch.profiler.schedule(wait=profile_freq - warmup - active, warmup=warmup,
                                        active=active, skip_first=(first_step - 1) % profile_freq)

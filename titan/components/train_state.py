@@ -62,14 +62,14 @@ class TrainState:
     def state_dict(self) -> dict:
         sd = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
               "rng_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
+        if torch.cuda.is_initialized():  # training on a GPU
             sd["rng_cuda"] = torch.cuda.get_rng_state()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
         torch.set_rng_state(sd["rng_cpu"])
-        if torch.cuda.is_available() and "rng_cuda" in sd:
+        if torch.cuda.is_initialized() and "rng_cuda" in sd:
             torch.cuda.set_rng_state(sd["rng_cuda"])
 
 

@@ -34,6 +34,9 @@ class Model:
 
 @dataclass
 class Training:
+    device: Literal["auto", "cpu", "cuda"] = opt(
+        "auto", "Device: auto = CUDA (NCCL) when a GPU is visible, else CPU (gloo)"
+    )
     dataset: str = opt(
         "kjv", "Dataset: bundled name (kjv), local file/folder, or HF hub name[:subset] (streamed)"
     )

@@ -9,7 +9,6 @@ import hashlib
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -21,6 +20,10 @@ def param_seed(seed: int, name: str) -> int:
 def seeded_init_(param: torch.Tensor, name: str, seed: int,
                  fill: Callable[[torch.Tensor, torch.Generator], None]) -> None:
     """Fill `param` (plain or DTensor) with fill(full_tensor, generator) computed on CPU."""
+    # here, not at the top: model code imports this, and the launcher's config check imports
+    # model code; DTensor's import costs it most of a second
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
     full = torch.empty(param.shape, dtype=torch.float32, device="cpu")
     fill(full, gen)

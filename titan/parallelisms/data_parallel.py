@@ -24,7 +24,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, units: list[nn.Module],
                                                            reduce_dtype=reduce_dtype))
     if cpu_offload:
         # pinned memory needs CUDA; on CPU-only machines plain host memory is the only option
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda")
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard, **kw)
     if final_unit:

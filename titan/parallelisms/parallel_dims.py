@@ -87,6 +87,12 @@ class ParallelDims:
         self._mesh = mesh
         return mesh
 
+    @property
+    def device_type(self) -> str:
+        if self._mesh is None:
+            raise RuntimeError("build_mesh() has not run")
+        return self._mesh.device_type
+
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         """A sub-mesh by name: a named dim, a flattened dim, or a tuple of them."""
         if self._mesh is None:

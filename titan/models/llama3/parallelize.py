@@ -7,7 +7,6 @@ Llama's submodules; families with another FFN reuse everything else through `ffn
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -88,7 +87,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, job, *,
     apply_ac(model.layers, job.activation_checkpoint)
     if job.compile.enable:
         # per-block compile + TP breaks in backward on CPU (torch 2.13): compile the whole model
-        if dims.tp_enabled and not torch.cuda.is_available():
+        if dims.tp_enabled and dims.device_type == "cpu":
             compile_whole(model, job.compile.backend)
         else:
             compile_blocks(model.layers, job.compile.backend)
