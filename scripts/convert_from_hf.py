@@ -12,8 +12,11 @@ then start training from it with
 and the training config's model.flavor set to the flavor this script reports (it checks
 the HF config against titan's registered flavors), model.tokenizer_path to the HF folder.
 
-Only safetensors are read (never .bin pickles). Weights are stored as --dtype (default
-float32, titan's master-weight dtype). Tied embeddings (Llama 3.2 1B/3B) are untied: the
+Only safetensors are read (never .bin pickles), through DCP's HF storage reader, in one
+process: it holds the whole model. To start training from HF weights without that, point
+checkpoint.initial_load_path at the HF folder with checkpoint.initial_load_in_hf = true:
+there each rank reads only its own shards. Weights are stored as --dtype (default float32,
+titan's master-weight dtype). Tied embeddings (Llama 3.2 1B/3B) are untied: the
 output layer starts as a copy of the embedding, with a warning. Unsupported configs
 (biases, non-llama3 RoPE scaling, head_dim != hidden/heads, ...) are refused.
 """
@@ -28,7 +31,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_dir", help="HF model folder holding config.json and *.safetensors")
     ap.add_argument("output", help="DCP folder to write (gets the .complete marker when done)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of the stored weights (default float32)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     ap.add_argument("--model-name", default="llama3", help="registered model family (default llama3)")
@@ -60,8 +63,10 @@ def main(argv=None) -> None:
         print(f"matches titan flavor '{flavor}' (vocab_size {model_args.vocab_size}): "
               f"set model.flavor = \"{flavor}\"")
     else:
-        print(f"warning: no registered flavor has this architecture; titan needs a flavor equal to "
-              f"{model_args}", file=sys.stderr)
+        print(f"warning: no registered flavor has this architecture ({model_args}); train "
+              f"it from the HF folder itself: model.flavor = \"from_hf\", "
+              f"checkpoint.initial_load_path = \"{args.hf_dir}\", "
+              "checkpoint.initial_load_in_hf = true", file=sys.stderr)
 
 
 if __name__ == "__main__":

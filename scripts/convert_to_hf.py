@@ -8,51 +8,25 @@ model family's state-dict adapter.
     # a checkpoint root: the newest completed step-N folder in it is used
     python scripts/convert_to_hf.py outputs/debug/checkpoint exports/debug_hf --flavor debugmodel
 
+    # an architecture no flavor describes (e.g. trained with model.flavor = "from_hf"):
+    # take it from the HF config.json it started from
+    python scripts/convert_to_hf.py outputs/run/checkpoint exports/run_hf --hf-config hf_in/config.json
+
 The architecture comes from the registered flavor (--model-name/--flavor, as in the
-training config); the vocab size is read from the checkpoint's embedding, and
---max-seq-len becomes max_position_embeddings. Only the `model` entry is read; the
-optimizer state is never loaded. Folders without the `.complete` marker are refused.
---tokenizer copies tokenizer.json (given a folder, also tokenizer_config.json,
-special_tokens_map.json and generation_config.json when present).
+training config) or from an HF config.json (--hf-config); the vocab size is read from the
+checkpoint's embedding. max_position_embeddings is the flavor's published context (131072
+for Llama 3.1/3.2), else --max-seq-len. Only the `model` entry is read; the optimizer state
+is never loaded. Folders without the `.complete` marker are refused. --tokenizer writes
+tokenizer.json (adding BOS as titan does), tokenizer_config.json and
+special_tokens_map.json, and puts the BOS/EOS ids in config.json and
+generation_config.json, so HF generation stops where titan's does.
 """
 
 import argparse
-import shutil
+import json
 import sys
 import time
 from pathlib import Path
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
-
-
-def copy_tokenizer(src: str, out_dir: Path) -> list[str]:
-    src_path = Path(src)
-    if src_path.is_file():
-        shutil.copy2(src_path, out_dir / "tokenizer.json")
-        return ["tokenizer.json"]
-    if not (src_path / "tokenizer.json").is_file():
-        raise SystemExit(f"error: --tokenizer {src!r} is neither a tokenizer.json nor a folder holding one")
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (src_path / name).is_file():
-            shutil.copy2(src_path / name, out_dir / name)
-            copied.append(name)
-    return copied
-
-
-def vocab_size(state: dict, spec, flavor) -> int:
-    """The vocabulary the checkpoint was trained with (the tokenizer's, not the flavor's):
-    the one parameter dimension that changes when vocab_size does."""
-    from titan.components.checkpoint import CheckpointError
-
-    a, b = (spec.state_shapes(flavor.with_updates(vocab_size=v)) for v in (3, 5))
-    for name, shape in a.items():
-        for dim, (x, y) in enumerate(zip(shape, b[name])):
-            if (x, y) == (3, 5) and name in state:
-                return state[name].shape[dim]
-    raise CheckpointError("cannot tell the vocabulary size: the checkpoint holds no "
-                          "vocabulary-sized parameter")
 
 
 def main(argv=None) -> None:
@@ -60,17 +34,22 @@ def main(argv=None) -> None:
     ap.add_argument("checkpoint", help="DCP step folder (…/checkpoint/step-N) or a checkpoint root")
     ap.add_argument("output", help="HF folder to write (created; old weight files in it are replaced)")
     ap.add_argument("--model-name", default="llama3", help="registered model family (default llama3)")
-    ap.add_argument("--flavor", required=True, help="flavor the checkpoint was trained with, e.g. 8B")
+    arch = ap.add_mutually_exclusive_group(required=True)
+    arch.add_argument("--flavor", help="flavor the checkpoint was trained with, e.g. 8B")
+    arch.add_argument("--hf-config", help="an HF config.json with the checkpoint's architecture "
+                      "(for models trained with model.flavor = \"from_hf\")")
     ap.add_argument("--max-seq-len", type=int, default=8192,
-                    help="written as max_position_embeddings (default 8192)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="max_position_embeddings when the flavor publishes no context "
+                    "(default 8192)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of the exported weights (default float32)")
     ap.add_argument("--max-shard-size", default="5GB",
                     help="shard the safetensors above this size, e.g. 5GB, 500MB (default 5GB)")
-    ap.add_argument("--tokenizer", help="tokenizer.json, or a folder holding it, to copy alongside")
+    ap.add_argument("--tokenizer", help="tokenizer.json, or a folder holding it, to write alongside")
     args = ap.parse_args(argv)
 
     from titan.components import checkpoint, hf_io
+    from titan.components.tokenizer import Tokenizer, TokenizerError
     from titan.models.spec import get_train_spec
 
     t0 = time.time()
@@ -78,9 +57,9 @@ def main(argv=None) -> None:
         spec = get_train_spec(args.model_name)
     except KeyError as e:
         raise SystemExit(f"error: {e.args[0]}") from None
-    if args.flavor not in spec.flavors:
+    if args.flavor is not None and args.flavor not in spec.flavors:
         raise SystemExit(f"error: unknown flavor {args.flavor!r} for {args.model_name}; "
-                         f"choose from {', '.join(spec.flavors)}")
+                         f"choose from {', '.join(spec.flavors)}, or give --hf-config")
     if spec.state_dict_adapter is None:
         raise SystemExit(f"error: model family {args.model_name!r} registers no HF state-dict "
                          "adapter, so it cannot be exported to HF")
@@ -92,17 +71,25 @@ def main(argv=None) -> None:
             print(f"using the newest completed checkpoint {latest}")
             ckpt = latest
     try:
+        tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
+    except TokenizerError as e:
+        raise SystemExit(f"error: --tokenizer: {e}") from None
+    try:
+        if args.hf_config:
+            config = json.loads(Path(args.hf_config).read_text())
+            base = hf_io.args_from_hf_config(spec, config, args.max_seq_len)
+        else:
+            base = spec.flavors[args.flavor].with_updates(max_seq_len=args.max_seq_len)
         state = checkpoint.load_dcp_model_state(ckpt)
-        vocab = vocab_size(state, spec, spec.flavors[args.flavor])
-        model_args = spec.flavors[args.flavor].with_updates(vocab_size=vocab, max_seq_len=args.max_seq_len)
-        out = hf_io.save_hf(state, spec, model_args, args.output, dtype=args.dtype,
-                            max_shard_size=args.max_shard_size)
-    except checkpoint.CheckpointError as e:
+        vocab = spec.vocab_size_of({n: t.shape for n, t in state.items()}, base)
+        model_args = base.with_updates(vocab_size=vocab)
+        out = hf_io.HFModelIO(spec, model_args, tokenizer).save(
+            state, Path(args.output), args.dtype, args.max_shard_size)
+    except (checkpoint.CheckpointError, OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    copied = copy_tokenizer(args.tokenizer, out) if args.tokenizer else []
     n = sum(t.numel() for t in state.values())
     print(f"wrote {out} ({n / 1e6:.1f}M parameters, {args.dtype}, vocab {vocab}"
-          f"{', tokenizer: ' + ', '.join(copied) if copied else ''}) in {time.time() - t0:.1f}s")
+          f"{', tokenizer ' + str(tokenizer.path) if tokenizer else ''}) in {time.time() - t0:.1f}s")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def run_workers(fn, world_size, tmp_path, *args, deadline_s=DEADLINE_S, init_pg=
     return results
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -93,17 +93,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _trainer_rank(rank, world_size, port, argv):
+def build_trainer(rank, world_size, port, argv):
+    """A Trainer on this forked rank, its process group made from the environment torchrun
+    would set."""
     from titan.config import parse_args
     from titan.preflight import plan_run
-    from titan.tools.loss_compare import read_metrics
     from titan.train import Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     job = parse_args(argv)
-    trainer = Trainer(job, plan_run(job, world_size))
+    return Trainer(job, plan_run(job, world_size))
+
+
+def _trainer_rank(rank, world_size, port, argv):
+    from titan.tools.loss_compare import read_metrics
+
+    trainer = build_trainer(rank, world_size, port, argv)
+    job = trainer.job
     try:
         trainer.train()
     finally:
@@ -116,5 +124,5 @@ def run_trainer(tmp_path, world_size, argv, deadline_s=DEADLINE_S) -> list[dict]
     to train models registered in the test process; returns rank 0's metrics records."""
     dump = tmp_path / "dump"
     argv = [*argv, "--job.dump_folder", str(dump)]
-    return run_workers(_trainer_rank, world_size, tmp_path, _free_port(), argv,
+    return run_workers(_trainer_rank, world_size, tmp_path, free_port(), argv,
                        deadline_s=deadline_s, init_pg=False)[0]

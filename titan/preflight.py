@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 from titan.components.dataset import DataError, local_files
@@ -19,6 +19,7 @@ from titan.config.manager import require, source_of
 from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_names
 from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, validate_against_model
 from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipeline
+from titan.paths import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +54,15 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
             f"model.name = {m.name!r} is not a registered model; choose one of "
             f"{', '.join(registered_names())}"
         ) from None
-    require(job, m.flavor in spec.flavors, "model.flavor",
-            f"{m.name} has flavors {', '.join(spec.flavors)}")
+    require(job, m.flavor in spec.flavors or m.flavor == FROM_HF, "model.flavor",
+            f"{m.name} has flavors {', '.join(spec.flavors)}, or '{FROM_HF}' (the shape of "
+            "the HF model in checkpoint.initial_load_path)")
     device = device_type(job)
     try:
         tokenizer = Tokenizer(m.tokenizer_path)
     except TokenizerError as e:
         raise ConfigError(str(e)) from None
-    # the tokenizer decides the vocabulary; the RoPE table covers exactly one sequence
-    model_args = spec.flavors[m.flavor].with_updates(vocab_size=tokenizer.vocab_size,
-                                                     max_seq_len=t.seq_len)
+    model_args = resolve_model_args(job, spec, tokenizer)
     try:
         dims = ParallelDims(
             dp_replicate=par.data_parallel_replicate_degree,
@@ -96,6 +96,14 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     ck = job.checkpoint
     require(job, not ck.create_seed_checkpoint or ck.enable, "checkpoint.create_seed_checkpoint",
             "needs checkpoint.enable (the seed is written to the checkpoint folder)")
+    require(job, not ck.last_save_in_hf or ck.enable, "checkpoint.last_save_in_hf",
+            "needs checkpoint.enable (the HF folder is the final save, step-N in the "
+            "checkpoint folder)")
+    for key in ("last_save_in_hf", "initial_load_in_hf"):
+        require(job, not getattr(ck, key) or spec.state_dict_adapter is not None,
+                f"checkpoint.{key}", f"model {m.name} registers no HF state-dict adapter")
+    if ck.initial_load_path and not resolve(ck.initial_load_path).is_dir():
+        require(job, False, "checkpoint.initial_load_path", "no such folder")
     if ck.async_mode == "async_with_pinned_mem":
         require(job, device == "cuda", "checkpoint.async_mode",
                 "pinned staging memory needs CUDA; use async on CPU")
@@ -105,6 +113,60 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     check_fault_tolerance(job, dims)
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,
                    global_batch // (t.local_batch_size * dp_size), dp_size)
+
+
+FROM_HF = "from_hf"
+
+
+def _hf_args(job: JobConfig, spec: TrainSpec, seq_len: int) -> ModelArgs | None:
+    """The model args of the HF folder of checkpoint.initial_load_path, if it is one."""
+    ck = job.checkpoint
+    if not (ck.initial_load_in_hf and ck.initial_load_path):
+        return None
+    from titan.components.checkpoint import CheckpointError
+    from titan.components.hf_io import args_from_hf
+
+    try:
+        return args_from_hf(resolve(ck.initial_load_path), spec, max_seq_len=seq_len)
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.initial_load_path = {ck.initial_load_path!r}: {e}") from None
+
+
+def _differences(a: ModelArgs, b: ModelArgs) -> list[str]:
+    if is_dataclass(a) and is_dataclass(b):
+        return [f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in fields(a)
+                if getattr(a, f.name) != getattr(b, f.name)]
+    return [] if a == b else [f"{a} vs {b}"]
+
+
+def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer) -> ModelArgs:
+    """The flavor's args (or an HF folder's, with model.flavor = "from_hf"), with the
+    tokenizer's vocabulary (an HF model's embedding may be larger) and a RoPE table of
+    exactly one sequence. An HF initial load must have the flavor's architecture."""
+    m, seq_len = job.model, job.training.seq_len
+    hf = _hf_args(job, spec, seq_len)
+    if m.flavor == FROM_HF:
+        require(job, hf is not None, "model.flavor", "'from_hf' takes the model's shape from "
+                "an HF folder: set checkpoint.initial_load_path to it and "
+                "checkpoint.initial_load_in_hf = true")
+        args = hf
+    else:
+        args = spec.flavors[m.flavor].with_updates(vocab_size=tokenizer.vocab_size,
+                                                   max_seq_len=seq_len)
+        if hf is not None:
+            diff = _differences(hf.with_updates(vocab_size=args.vocab_size), args)
+            if diff:
+                raise ConfigError(
+                    f"checkpoint.initial_load_path {job.checkpoint.initial_load_path!r} holds "
+                    f"another architecture than model.flavor = {m.flavor!r}: "
+                    f"{'; '.join(diff)} (HF vs flavor). Set model.flavor = \"{FROM_HF}\" to "
+                    "train the HF model's shape")
+            args = args.with_updates(vocab_size=hf.vocab_size)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(f"the tokenizer {m.tokenizer_path!r} has {tokenizer.vocab_size} tokens "
+                          f"but the HF model's embedding only {args.vocab_size}: use the "
+                          "model's own tokenizer (model.tokenizer_path = the HF folder)")
+    return args
 
 
 def device_type(job: JobConfig) -> str:

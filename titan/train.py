@@ -4,7 +4,6 @@ Read top to bottom: build everything from the config, then loop over steps.
 """
 
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -23,7 +22,7 @@ from titan.components.fault_injection import FaultInjector
 from titan.components.flops import peak_flops
 from titan.components.gc import ScheduledGC
 from titan.components.grad_clip import clip_grad_norm_
-from titan.components.hf_io import load_hf
+from titan.components.hf_io import HFModelIO
 from titan.components.loss import cross_entropy_sum, plain, reduce_loss
 from titan.components.lr_scheduler import build_lr_scheduler
 from titan.components.metrics import MetricsLogger
@@ -44,6 +43,7 @@ from titan.dtypes import to_dtype
 from titan.logging_setup import init_logging
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.pipeline import build_schedule
+from titan.parallelisms.tied_weights import TiedCopies
 from titan.preflight import RunPlan, pipeline_plan, plan_run
 
 logger = logging.getLogger("titan")
@@ -71,7 +71,7 @@ class Trainer:
         self.tokens_per_rank_step = (plan.global_batch_size // plan.data_parallel_size
                                      * t.seq_len // dims.cp)
         self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
-        self.model_parts, self.pp_plan = self._build_model()
+        self.model_parts, self.pp_plan, self.tied_copies = self._build_model()
         self.pp_schedule = self._pipeline_schedule(self.pp_plan, self._loss)
         self.pp_eval_schedule = None  # built at the first validation
         self.faults = FaultInjector.build(job.debug, rank=self.rank, current_step=lambda: self.step)
@@ -96,7 +96,8 @@ class Trainer:
                     "lr_scheduler": self.lr_scheduler,
                     "dataloader": DataState(self.dataloader, self.shard.dp_rank),
                     "train_state": self.train_state},
-            hf_state_loader=functools.partial(load_hf, spec=plan.spec, args=plan.model_args),
+            hf=HFModelIO(plan.spec, plan.model_args, plan.tokenizer)
+            if plan.spec.state_dict_adapter else None,
             on_files_written=self.faults.on_checkpoint_files_written if self.faults else None,
         )
         resumed = self.checkpointer.load()
@@ -140,7 +141,12 @@ class Trainer:
             part.init_weights(job.training.seed, buffer_device=self.device)
             part.train()
             parts[i] = part
-        return parts, pp_plan
+        tied = None
+        if pp_plan is not None and whole.tied_parameters():
+            last = pp_plan.num_stages - 1
+            split = last not in pipeline_plan(job, self.plan.model_args.n_layers, 0).stage_ids
+            tied = TiedCopies(parts, whole.tied_parameters(), dims.world_mesh, split)
+        return parts, pp_plan, tied
 
     def _pipeline_schedule(self, pp_plan, loss_fn):
         if pp_plan is None:
@@ -275,8 +281,12 @@ class Trainer:
             else:
                 loss += self.forward_backward(inputs, labels)
         params = [p for part in self.model_parts for p in part.parameters()]
+        copies = []
+        if self.tied_copies is not None:  # pipeline stages' copies of one tied weight
+            self.tied_copies.sum_grads()
+            params, copies = self.tied_copies.split(params)
         grad_norm = clip_grad_norm_(params, self.job.training.max_norm,
-                                    extra_group=self._pp_group())
+                                    extra_group=self._pp_group(), uncounted=copies)
         reduce_loss(loss, pp_group=self._pp_group(), dp_cp_group=self._dp_cp_group())
         loss_v, norm_v = loss.item(), grad_norm.item()
         # collective within the group: every rank asks, whatever it will do with the answer
@@ -357,7 +367,8 @@ class Trainer:
                 stop = self.step == t.exit_at_step
                 if self.checkpointer.due(self.step, last=self.step == t.steps or stop):
                     final = self.step == t.steps
-                    model_only = final and job.checkpoint.last_save_model_only
+                    ck = job.checkpoint
+                    model_only = final and (ck.last_save_model_only or ck.last_save_in_hf)
                     with watchdog.paused():
                         self.metrics.exclude(self.checkpointer.save(
                             self.step, model_only=model_only, blocking=final or stop))

@@ -113,19 +113,21 @@ def test_save_hf_rejects_wrong_state(model, tmp_path):
         hf_io.save_hf(sd, LLAMA, ARGS, tmp_path / "hf")
 
 
-def test_tied_embeddings_are_untied_with_warning(model, tmp_path):
+def test_tied_hf_model_loads_tied(model, tmp_path):
+    """Llama 3.2 1B/3B ship tie_word_embeddings: the model built from such a config is tied,
+    and an lm_head.weight some repos store anyway is ignored, as HF ignores it."""
     from safetensors.torch import save_file
 
     hf = Llama3StateDictAdapter(ARGS).to_hf(model.state_dict())
-    del hf["lm_head.weight"]
+    hf["lm_head.weight"] = torch.zeros_like(hf["lm_head.weight"])
     tmp_path.mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp_path / "model.safetensors"))
     cfg = Llama3StateDictAdapter(ARGS).hf_config() | {"tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.warns(UserWarning, match="unti|untied"):
-        state = hf_io.load_hf(tmp_path, LLAMA)
-    assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
-    assert state["output.weight"].data_ptr() != state["tok_embeddings.weight"].data_ptr()
+    assert hf_io.args_from_hf(tmp_path, LLAMA).tie_word_embeddings
+    state = hf_io.load_hf(tmp_path, LLAMA)
+    assert state["output.weight"] is state["tok_embeddings.weight"]
+    assert torch.equal(state["tok_embeddings.weight"], model.tok_embeddings.weight)
 
 
 # ----------------------------------------------------------------------------- HF configs
@@ -134,8 +136,13 @@ def test_tied_embeddings_are_untied_with_warning(model, tmp_path):
 @pytest.mark.parametrize("flavor", sorted(LLAMA3_FLAVORS))
 def test_args_from_hf_config_recovers_flavors(flavor):
     args = LLAMA3_FLAVORS[flavor]
-    back = llama3_args_from_hf_config(Llama3StateDictAdapter(args).hf_config())
-    assert back == args
+    cfg = Llama3StateDictAdapter(args).hf_config()
+    # published long-context flavors export their context (Llama 3.1/3.2 ship 131072), the
+    # debug model the length it was trained at
+    assert cfg["max_position_embeddings"] == (args.max_seq_len if flavor.startswith("debug")
+                                              else 131072)
+    back = llama3_args_from_hf_config(cfg)
+    assert back.with_updates(max_seq_len=args.max_seq_len) == args
     assert LLAMA.matching_flavor(back.with_updates(vocab_size=7, max_seq_len=9)) == flavor
 
 
@@ -209,11 +216,8 @@ def test_dcp_full_training_checkpoint(model, tmp_path):
 
 
 def test_convert_scripts_end_to_end(tmp_path):
-    root = tmp_path / "run" / "checkpoint"  # an interrupted save: no marker, must be skipped
-    tok = tmp_path / "tok"
-    tok.mkdir()
-    (tok / "tokenizer.json").write_text("{}")
-    (tok / "tokenizer_config.json").write_text("{}")
+    root = tmp_path / "run" / "checkpoint"
+    tok = REPO / "assets" / "tokenizer"
 
     # a registered flavor with this test's architecture, as a training config would name it
     flavor = "debugmodel"
@@ -231,10 +235,14 @@ def test_convert_scripts_end_to_end(tmp_path):
             "--max-seq-len", "16", "--dtype", "float32", "--tokenizer", str(tok))
     assert r.returncode == 0, r.stderr
     assert "step-10" in r.stdout
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in hf_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "generation_config.json"} <= {p.name for p in hf_dir.iterdir()}
     cfg = json.loads((hf_dir / "config.json").read_text())
     assert cfg["vocab_size"] == 64 and cfg["max_position_embeddings"] == 16
+    # HF then stops generating at titan's EOS, not at its default id 2 (<|pad|> here)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (0, 1)
+    special = json.loads((hf_dir / "special_tokens_map.json").read_text())
+    assert special == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
     assert_identical(hf_io.load_hf(hf_dir, LLAMA), fsd)
 
     dcp_dir = tmp_path / "dcp"
@@ -365,3 +373,43 @@ def test_transformers_loads_export(model, tokens, tmp_path):
         theirs = hf_model(tokens).logits
         ours = model(tokens)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_bad_hf_folders_are_named(model, tmp_path):
+    from safetensors.torch import save_file
+
+    sd = model.state_dict()
+    out = hf_io.save_hf(sd, LLAMA, ARGS, tmp_path / "hf", max_shard_size="40KB")
+    index = json.loads((out / hf_io.HF_INDEX_FILE).read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    (out / last).rename(tmp_path / last)
+    with pytest.raises(checkpoint.CheckpointError, match=f"missing shards.*{last}"):
+        hf_io.load_hf(out, LLAMA)
+
+    hf = Llama3StateDictAdapter(ARGS).to_hf(sd)
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "config.json").write_text((out / "config.json").read_text())
+    gone = {k: v for k, v in hf.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(gone, str(single / "model.safetensors"))
+    with pytest.raises(checkpoint.CheckpointError, match=r"missing \['layers.1.feed_forward.w3"):
+        hf_io.load_hf(single, LLAMA)
+    save_file({**hf, "model.layers.0.mlp.gate_proj.weight": hf[
+        "model.layers.0.mlp.gate_proj.weight"].to(torch.int8)}, str(single / "model.safetensors"))
+    with pytest.raises(checkpoint.CheckpointError, match="torch.int8.*dequantize"):
+        hf_io.load_hf(single, LLAMA)
+    save_file({**hf, "model.layers.0.mlp.extra.weight": torch.zeros(2)},
+              str(single / "model.safetensors"))
+    with pytest.raises(checkpoint.CheckpointError, match="unexpected HF parameter.*mlp.extra"):
+        hf_io.load_hf(single, LLAMA)
+
+
+def test_convert_to_hf_takes_an_hf_config_and_float16(model, tmp_path):
+    ckpt = checkpoint.save_dcp_model_state(model.state_dict(), tmp_path / "step-5")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(Llama3StateDictAdapter(ARGS).hf_config()))
+    _load_script("convert_to_hf").main([str(ckpt), str(tmp_path / "o"), "--hf-config", str(config),
+                                        "--dtype", "float16"])
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["torch_dtype"] == "float16"
+    assert_identical(hf_io.load_hf(tmp_path / "o", LLAMA),
+                     {k: v.half() for k, v in model.state_dict().items()})

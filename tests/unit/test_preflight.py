@@ -79,3 +79,42 @@ def test_cuda_is_picked_when_present(tmp_path):
     plan_run(parse_args(["--checkpoint.enable", "--checkpoint.async_mode",
                          "async_with_pinned_mem", "--job.dump_folder", str(tmp_path)]),
              world_size=1)
+
+
+# ----------------------------------------------------------------------------- HF starts
+
+
+def _hf_folder(tmp_path, args):
+    from titan.components import hf_io
+    from titan.models.spec import get_train_spec
+
+    llama = get_train_spec("llama3")
+    model = llama.build_meta(args)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    return hf_io.save_hf(model.state_dict(), llama, args, tmp_path / "hf")
+
+
+def test_hf_initial_loads_are_checked_against_the_flavor(tmp_path):
+    from titan.models.llama3.args import LLAMA3_FLAVORS
+
+    other = LLAMA3_FLAVORS["debugmodel"].with_updates(n_layers=2, n_kv_heads=4, vocab_size=2048)
+    hf = str(_hf_folder(tmp_path, other))
+    load = ["--checkpoint.initial_load_path", hf, "--checkpoint.initial_load_in_hf"]
+    msg = refused(*load)  # flavor debugmodel: 6 layers, 8 kv heads
+    assert "n_layers 2 vs 6" in msg and "n_kv_heads 4 vs 8" in msg and 'flavor = "from_hf"' in msg
+    # from_hf takes the HF model's shape
+    plan = plan_run(parse_args([*load, "--model.flavor", "from_hf"]), world_size=1)
+    assert (plan.model_args.n_layers, plan.model_args.n_kv_heads) == (2, 4)
+    msg = refused("--model.flavor", "from_hf")
+    assert "model.flavor = 'from_hf'" in msg and "initial_load_path" in msg
+    msg = refused("--checkpoint.initial_load_path", str(tmp_path / "nowhere"))
+    assert "checkpoint.initial_load_path" in msg and "no such folder" in msg
+    msg = refused("--checkpoint.last_save_in_hf")
+    assert "checkpoint.last_save_in_hf" in msg and "checkpoint.enable" in msg
+    small = tmp_path / "small"
+    small.mkdir()
+    small_hf = _hf_folder(small, other.with_updates(vocab_size=1000))
+    msg = refused("--checkpoint.initial_load_path", str(small_hf), "--checkpoint.initial_load_in_hf",
+                  "--model.flavor", "from_hf")
+    assert "2048 tokens" in msg and "only 1000" in msg

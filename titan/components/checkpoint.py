@@ -76,30 +76,41 @@ def check_complete(path: str | Path) -> Path:
 
 
 def write_complete_marker(path: Path, step: int, model_only: bool,
-                          layout: dict | None = None) -> None:
+                          layout: dict | None = None, fmt: str = "dcp") -> None:
     """Mark `path` complete: write a temp file, fsync it, rename it into place. The marker
-    records the step and the parallel layout that saved it."""
+    records the step, the format ("dcp", or "hf" for an HF export) and the parallel layout
+    that saved it."""
     tmp = path / (COMPLETE_MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"step": step, "model_only": model_only, "time": time.time(),
-                   "layout": layout}, f)
+                   "layout": layout, "format": fmt}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / COMPLETE_MARKER)
 
 
+def _marker(path: Path) -> dict:
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
 def saved_layout(path: Path) -> dict | None:
     """The parallel layout recorded in a complete folder's marker (None if it has none)."""
-    try:
-        return json.loads((path / COMPLETE_MARKER).read_text()).get("layout")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return _marker(path).get("layout")
+
+
+HF_EXPORT = "an HF export (model weights only)"
 
 
 def folder_problem(path: Path) -> str | None:
     """Why a step folder cannot be loaded, or None if it is complete and its files add up."""
     if not (path / COMPLETE_MARKER).is_file():
         return "incomplete (no completion marker: the save was interrupted)"
+    if _marker(path).get("format") == "hf":
+        return HF_EXPORT
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001  any unreadable metadata means unusable

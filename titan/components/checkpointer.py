@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from titan.components.checkpoint import (
     COMPLETE_MARKER,
+    HF_EXPORT,
     CheckpointError,
     folder_problem,
     saved_keys,
@@ -30,8 +31,9 @@ from titan.components.checkpoint import (
     step_folders,
     write_complete_marker,
 )
-from titan.components.train_state import ModelState, load_full_model_state
+from titan.components.train_state import ModelState
 from titan.dtypes import to_dtype
+from titan.paths import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -83,21 +85,20 @@ class Checkpointer:
     checkpoint section.
 
     `layout` describes the parallel layout, recorded with each save and compared on resume.
-    `hf_state_loader(folder)` turns an HF folder into a full state dict by the model's
-    adapter, for `initial_load_in_hf`. `on_files_written(step)` runs after a save's files are
-    written and before it is marked complete (the fault injector's hook).
+    `hf` (an `hf_io.HFModelIO`) reads and writes HF folders through the model's adapter, for
+    `initial_load_in_hf` and `last_save_in_hf`. `on_files_written(step)` runs after a save's
+    files are written and before it is marked complete (the fault injector's hook).
     """
 
     def __init__(self, cfg, *, dump_folder: str, states: dict, rank: int,
-                 layout: dict | None = None,
-                 hf_state_loader: Callable[[Path], dict[str, torch.Tensor]] | None = None,
+                 layout: dict | None = None, hf=None,
                  on_files_written: Callable[[int], None] | None = None):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.states = states
         self.rank = rank
         self.layout = layout
-        self.hf_state_loader = hf_state_loader
+        self.hf = hf
         self.on_files_written = on_files_written
         self._pending = None  # (upload future, path, step) of an async save in flight
         self._staging = None  # (staging future, step) while its copy may still be running
@@ -128,7 +129,7 @@ class Checkpointer:
                                    name, reason, path.name)
                 return path
             skipped.append((path.name, why))
-        completed = [(n, r) for n, r in skipped if not r.startswith("incomplete")]
+        completed = [(n, r) for n, r in skipped if not r.startswith(("incomplete", HF_EXPORT))]
         if completed:
             details = "; ".join(f"{n}: {r}" for n, r in skipped)
             raise CheckpointError(
@@ -140,9 +141,10 @@ class Checkpointer:
         return None
 
     def load(self) -> bool:
-        """Restore from the newest usable checkpoint (or the initial load path); True if resumed."""
+        """Restore from the newest usable checkpoint, else load the initial load path; True if
+        the training state (not only the model) was restored."""
         if not self.cfg.enable:
-            return False
+            return self._initial_load()  # nothing to resume from without checkpointing
         path = self._resume_candidate()
         if path is None:
             return self._initial_load()
@@ -187,13 +189,18 @@ class Checkpointer:
         cfg = self.cfg
         if not cfg.initial_load_path:
             return False
-        path = Path(cfg.initial_load_path)
+        path = resolve(cfg.initial_load_path)
+        t0 = time.perf_counter()
         if cfg.initial_load_in_hf:
-            if self.hf_state_loader is None:
+            if self.hf is None:
                 raise CheckpointError("checkpoint.initial_load_in_hf: this model family has no "
                                       "HF state-dict adapter")
-            load_full_model_state(self.states["model"].parts, self.hf_state_loader(path))
-            logger.info("initialized the model from HF weights in %s", path)
+            model = self.states["model"]
+            state, nbytes = self.hf.load_into(model.state_dict(), path)
+            model.load_state_dict(state)
+            logger.info("initialized the model from the HF weights in %s: %d tensors, %.1f MiB "
+                        "read by this rank (its shards only) in %.2fs", path, len(state),
+                        nbytes / 2**20, time.perf_counter() - t0)
             return False
         why = folder_problem(path) if path.is_dir() else "does not exist"
         if why:
@@ -201,6 +208,7 @@ class Checkpointer:
         keys = ["model"] if cfg.initial_load_model_only else [
             k for k in STATE_KEYS if k not in cfg.exclude_from_loading and k in saved_keys(path)]
         self._dcp_load({k: self.states[k] for k in keys}, path)
+        logger.info("initialized %s from the checkpoint %s", ", ".join(keys), path)
         return not cfg.initial_load_model_only
 
     # ------------------------------------------------------------------ save
@@ -225,6 +233,14 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)  # a re-run of a step rewrites it whole
             path.mkdir(parents=True)
         dist.barrier()
+        if model_only and step > 0 and self.cfg.last_save_in_hf:
+            self.hf.save(state["model"].state_dict(), path, state["model"].export_dtype,
+                         self.cfg.hf_max_shard_size)
+            self._files_written(step)
+            self._mark_complete(path, step, model_only, fmt="hf")
+            blocked = time.perf_counter() - t0
+            logger.info("checkpoint step %d saved as an HF folder %s in %.2fs", step, path, blocked)
+            return blocked
         run_async = self.cfg.async_mode != "disabled" and not blocking
         if run_async:
             # plain tensors from here on: the size check and the stager see the same dict
@@ -298,11 +314,11 @@ class Checkpointer:
         self._files_written(step)
         self._mark_complete(path, step, model_only=False)
 
-    def _mark_complete(self, path: Path, step: int, model_only: bool) -> None:
+    def _mark_complete(self, path: Path, step: int, model_only: bool, fmt: str = "dcp") -> None:
         # every rank's writes and the metadata are done when dcp.save / the future returns
         if self.rank != 0:
             return
-        write_complete_marker(path, step, model_only, self.layout)
+        write_complete_marker(path, step, model_only, self.layout, fmt)
         if self._purger is not None:
             self._purge_queue.put(step)
 

@@ -9,11 +9,13 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    extra_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    extra_group: dist.ProcessGroup | None = None,
+                    uncounted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Clip to `max_norm` (0 = measure only) and return the total 2-norm as a plain tensor.
 
     DTensor norms are reduced over their own mesh; `extra_group` sums squared norms over
-    ranks that hold disjoint parameters (pipeline stages).
+    ranks that hold disjoint parameters (pipeline stages). `uncounted` are clipped but not
+    counted: copies of a parameter counted elsewhere (a tied weight's pipeline copy).
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
@@ -25,5 +27,6 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
         dist.all_reduce(sq, group=extra_group)
         total = sq.sqrt()
     if max_norm > 0:
+        params += [p for p in uncounted if p.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

@@ -9,20 +9,29 @@ model.safetensors.index.json. Only safetensors are read, never .bin/.pth pickles
 from __future__ import annotations
 
 import json
+import math
 import re
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-from titan.components.checkpoint import CheckpointError
+from titan.components.checkpoint import CheckpointError, _quiet_no_dist
 from titan.dtypes import dtype_name, to_dtype
 from titan.models.spec import ModelArgs, StateDictAdapter, TrainSpec
 
 HF_CONFIG = "config.json"
+HF_GENERATION_CONFIG = "generation_config.json"
 HF_SINGLE_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # HF's "5GB"
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+SUFFIX = ".safetensors"
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def adapter_class(spec: TrainSpec) -> type[StateDictAdapter]:
@@ -45,10 +54,11 @@ def parse_size(size: int | str) -> int:
 
 
 def check_state_matches(state: dict[str, torch.Tensor], spec: TrainSpec, args: ModelArgs,
-                        what: str = "state") -> None:
-    """Raise a CheckpointError listing missing / unexpected / mis-shaped parameters."""
+                        what: str = "state", partial: bool = False) -> None:
+    """Raise a CheckpointError listing missing / unexpected / mis-shaped parameters.
+    `partial`: a pipeline stage's share, so absent names are fine."""
     want = spec.state_shapes(args)
-    missing = sorted(set(want) - set(state))
+    missing = [] if partial else sorted(set(want) - set(state))
     extra = sorted(set(state) - set(want))
     bad = [f"{n}: {tuple(state[n].shape)} vs {tuple(want[n])}" for n in want
            if n in state and tuple(state[n].shape) != tuple(want[n])]
@@ -90,55 +100,109 @@ def _stale_hf_weights(out_dir: Path) -> list[Path]:
             if p.name in (HF_SINGLE_FILE, HF_INDEX_FILE) or _SHARD_NAME.match(p.name)]
 
 
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _file_indices(shapes: dict[str, torch.Size], itemsize: int, limit: int) -> dict[str, int]:
+    """HF name -> output file number (1..N), filling files in order up to `limit` bytes."""
+    out, index, size = {}, 1, 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if size and size + nbytes > limit:
+            index, size = index + 1, 0
+        out[name] = index
+        size += nbytes
+    return out
+
+
 def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelArgs,
             out_dir: str | Path, dtype: str | torch.dtype = torch.float32,
-            max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+            config_extra: dict | None = None) -> Path:
     """Write an HF folder (config.json and safetensors weights) through the family's adapter.
 
-    One `model.safetensors` when everything fits in `max_shard_size` bytes, else
-    `model-0000X-of-0000Y.safetensors` shards plus `model.safetensors.index.json`.
-    Weight files from an earlier export into the same folder are removed first; other
-    files (tokenizer, README) are left alone.
+    `state_titan` is this rank's state dict: full tensors in one process, or the DTensor
+    shards / pipeline stages of a parallel run, where every rank must call this. Each rank
+    writes only the shards it holds (DCP's HF writer), then the ranks assemble the
+    `model-0000X-of-0000Y.safetensors` files between them, a file per rank at a time, so no
+    rank ever holds the whole model. One file of at most `max_shard_size` bytes becomes
+    `model.safetensors`. Weight files of an earlier export into the same folder are removed
+    first; other files (tokenizer, README) are left alone. `config_extra` is merged into
+    config.json (e.g. bos/eos token ids).
     """
-    from safetensors.torch import save_file
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files_on_every_rank,
+    )
 
     dtype = to_dtype(dtype)
-    limit = parse_size(max_shard_size)
-    check_state_matches(state_titan, spec, args, "titan state dict")
+    rank, _ = _rank_world()
     adapter = adapter_class(spec)(args)
-    hf = {name: t.detach().to("cpu", dtype).contiguous() for name, t in adapter.to_hf(state_titan).items()}
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in hf.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
+    whole = spec.state_shapes(args)
+    # DTensors report their global shape; a pipeline stage holds only its own layers
+    check_state_matches(state_titan, spec, args, "titan state dict",
+                        partial=dist.is_available() and dist.is_initialized())
+    hf = {name: t.detach().to(dtype) for name, t in adapter.to_hf(state_titan).items()}
+    all_names = adapter.to_hf({n: torch.empty(s, device="meta") for n, s in whole.items()})
+    indices = _file_indices({n: t.shape for n, t in all_names.items()}, dtype.itemsize,
+                            parse_size(max_shard_size))
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for p in _stale_hf_weights(out_dir):
-        p.unlink()
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / HF_SINGLE_FILE), metadata=meta)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out_dir / fname), metadata=meta)
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in hf.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / HF_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-    config = adapter.hf_config()
-    config["torch_dtype"] = dtype_name(dtype)
-    (out_dir / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    staging = out_dir / ".sharded"
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for p in _stale_hf_weights(out_dir):
+            p.unlink()
+        shutil.rmtree(staging, ignore_errors=True)
+    _barrier()
+    with _quiet_no_dist():
+        dcp.save(hf, storage_writer=HuggingFaceStorageWriter(
+            str(staging), fqn_to_index_mapping=indices, save_distributed=True))
+    _barrier()  # every rank's shards are on disk before any rank assembles a file
+    with _quiet_no_dist():
+        consolidate_safetensors_files_on_every_rank(str(staging), str(out_dir), indices)
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        _write_index(out_dir, max(indices.values()))
+        config = adapter.hf_config() | (config_extra or {})
+        config["torch_dtype"] = dtype_name(dtype)
+        (out_dir / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+        if generation:  # HF generation stops at eos_token_id; without it, at HF's default id
+            (out_dir / HF_GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+    _barrier()
     return out_dir
+
+
+def _header_offsets(file: Path) -> dict[str, tuple[int, int]]:
+    """{tensor name: (start, end) byte offsets} from a safetensors header."""
+    with open(file, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _write_index(out_dir: Path, n_files: int) -> None:
+    """HF's index of a sharded folder, from the files' headers; one file is `model.safetensors`."""
+    if n_files == 1:
+        (out_dir / f"model-00001-of-00001{SUFFIX}").rename(out_dir / HF_SINGLE_FILE)
+        (out_dir / HF_INDEX_FILE).unlink(missing_ok=True)
+        return
+    weight_map, total = {}, 0
+    for i in range(1, n_files + 1):
+        name = f"model-{i:05d}-of-{n_files:05d}{SUFFIX}"
+        for key, (start, end) in _header_offsets(out_dir / name).items():
+            weight_map[key] = name
+            total += end - start
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / HF_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _hf_weight_files(hf_dir: Path) -> list[Path]:
@@ -171,9 +235,68 @@ def load_hf_state(hf_dir: str | Path, dtype: str | torch.dtype | None = None) ->
     return out
 
 
+class _HFReader(HuggingFaceStorageReader):
+    """DCP's HF safetensors reader, restricted to the weight files the folder's index names
+    (repos may hold others, e.g. Mistral's consolidated.safetensors), and counting the bytes
+    this rank reads."""
+
+    def __init__(self, hf_dir: Path):
+        super().__init__(str(hf_dir))
+        self.files = {str(f) for f in _hf_weight_files(hf_dir)}
+        self.bytes_read = 0
+        listing = self.fs.ls
+        self.fs.ls = lambda path: [f for f in listing(path) if f in self.files]
+
+    def _process_read_request(self, f, req, planner):
+        itemsize = self.storage_data[req.storage_index].dtype.itemsize
+        self.bytes_read += math.prod(req.lengths) * itemsize
+        super()._process_read_request(f, req, planner)
+
+
+def hf_file_shapes(hf_dir: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{HF name: (shape, dtype)} of a folder's weights, from the safetensors headers only."""
+    md = _HFReader(Path(hf_dir)).read_metadata().state_dict_metadata
+    return {name: (m.size, m.properties.dtype) for name, m in md.items()}
+
+
+def load_hf_into(state_titan: dict[str, torch.Tensor], hf_dir: str | Path, spec: TrainSpec,
+                 args: ModelArgs, hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """Fill a titan state dict from an HF folder through DCP; returns (titan state, bytes read).
+
+    `state_titan` holds this rank's tensors: full ones in one process, or the DTensor shards /
+    pipeline stages of a parallel run (every rank calls this). Each rank reads from the files
+    only the slices its tensors hold, converted to their dtype. The folder is checked against
+    the model by its headers before any weight is read.
+    """
+    hf_dir = Path(hf_dir)
+    config = hf_config if hf_config is not None else read_hf_config(hf_dir)
+    adapter = adapter_class(spec)(args)
+    reader = _HFReader(hf_dir)
+    files = hf_file_shapes(hf_dir)
+    odd = sorted(f"{n} ({d})" for n, (_, d) in files.items() if d not in _FLOAT_DTYPES)
+    if odd:
+        raise CheckpointError(f"HF weights in {str(hf_dir)!r} are stored as {odd[:3]}: titan "
+                              "reads float32/bfloat16/float16/float64 weights only (dequantize "
+                              "the model first)")
+    try:  # names, layouts and shapes, on meta tensors: no weight is read yet
+        planned = adapter.from_hf({n: torch.empty(s, dtype=d, device="meta")
+                                   for n, (s, d) in files.items()}, hf_config=config)
+    except KeyError as e:  # a tensor the family has no name for
+        raise CheckpointError(f"HF weights in {str(hf_dir)!r}: {e.args[0]}") from None
+    check_state_matches(planned, spec, args, f"HF weights in {str(hf_dir)!r}")
+
+    targets = {n: t for n, t in adapter.to_hf(state_titan).items() if n in files}
+    with _quiet_no_dist():
+        dcp.load(targets, storage_reader=reader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the meta pass above already warned
+        state = adapter.from_hf(targets, hf_config=config)
+    return state, reader.bytes_read
+
+
 def load_hf(hf_dir: str | Path, spec: TrainSpec, dtype: str | torch.dtype | None = None,
             args: ModelArgs | None = None) -> dict[str, torch.Tensor]:
-    """An HF folder as a titan state dict (titan names and layouts), checked against the model.
+    """An HF folder as a full titan state dict (titan names and layouts), in one process.
 
     `args` default: what the adapter reads from config.json. `dtype` casts; None keeps the
     file's.
@@ -181,9 +304,30 @@ def load_hf(hf_dir: str | Path, spec: TrainSpec, dtype: str | torch.dtype | None
     hf_dir = Path(hf_dir)
     config = read_hf_config(hf_dir)
     args = args or args_from_hf_config(spec, config)
-    try:
-        state = adapter_class(spec)(args).from_hf(load_hf_state(hf_dir, dtype), hf_config=config)
-    except KeyError as e:  # a tensor the family has no name for
-        raise CheckpointError(f"HF weights in {str(hf_dir)!r}: {e.args[0]}") from None
-    check_state_matches(state, spec, args, f"HF weights in {str(hf_dir)!r}")
+    files = hf_file_shapes(hf_dir)
+    file_dtype = next(iter(files.values()))[1] if files else torch.float32
+    target = to_dtype(dtype) if dtype is not None else file_dtype
+    empty = {n: torch.empty(s, dtype=target) for n, s in spec.state_shapes(args).items()}
+    state, _ = load_hf_into(empty, hf_dir, spec, args, config)
     return state
+
+
+class HFModelIO:
+    """HF folder I/O for one model, as the checkpointer uses it: every rank passes its own
+    shards. `tokenizer` (anything with `save_hf(folder) -> config entries`) is written
+    alongside each save, with its BOS/EOS ids in config.json and generation_config.json."""
+
+    def __init__(self, spec: TrainSpec, args: ModelArgs, tokenizer=None):
+        self.spec, self.args, self.tokenizer = spec, args, tokenizer
+
+    def load_into(self, state: dict[str, torch.Tensor], hf_dir: Path) -> tuple[dict, int]:
+        return load_hf_into(state, hf_dir, self.spec, self.args)
+
+    def save(self, state: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype,
+             max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+        extra = {}
+        if self.tokenizer is not None and _rank_world()[0] == 0:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            extra = self.tokenizer.save_hf(out_dir)
+        return save_hf(state, self.spec, self.args, out_dir, dtype, max_shard_size,
+                       config_extra=extra)

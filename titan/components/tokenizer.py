@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.processors import TemplateProcessing
 
 from titan.paths import resolve
 
@@ -29,7 +30,10 @@ class Tokenizer:
                 "(or a folder holding one), e.g. assets/tokenizer/tokenizer.json"
             )
         self.path = file
-        self._tok = HFTokenizer.from_file(str(file))
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception
+            raise TokenizerError(f"cannot read the tokenizer {file}: {e}") from None
         self._tok.post_processor = None
         self.bos_id = self._special_id(file.parent, "bos_token", _BOS_NAMES)
         self.eos_id = self._special_id(file.parent, "eos_token", _EOS_NAMES)
@@ -63,3 +67,21 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+    def save_hf(self, out_dir: str | Path) -> dict:
+        """Write the tokenizer as HF tooling loads it: tokenizer.json with a post-processor
+        that adds BOS as titan does, tokenizer_config.json and special_tokens_map.json
+        naming BOS/EOS. Returns the config.json entries for the token ids."""
+        out_dir = Path(out_dir)
+        bos, eos = self._tok.id_to_token(self.bos_id), self._tok.id_to_token(self.eos_id)
+        tok = HFTokenizer.from_file(str(self.path))
+        # titan prepends BOS to every document; AutoTokenizer(...)(text) then encodes alike
+        tok.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                special_tokens=[(bos, self.bos_id)])
+        tok.save(str(out_dir / "tokenizer.json"))
+        special = {"bos_token": bos, "eos_token": eos}
+        (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+        config = {**special, "tokenizer_class": "PreTrainedTokenizerFast",
+                  "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return {"bos_token_id": self.bos_id, "eos_token_id": self.eos_id}

@@ -8,11 +8,7 @@ import json
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 
 def encode_json(obj) -> torch.Tensor:
@@ -42,16 +38,6 @@ class ModelState:
         for part in self.parts:
             own = get_model_state_dict(part)
             set_model_state_dict(part, {k: sd[k] for k in own})
-
-
-def load_full_model_state(parts: list[nn.Module], full: dict[str, torch.Tensor]) -> None:
-    """Load full (unsharded, CPU) tensors into sharded parts: each rank keeps its slices.
-
-    The caller has checked `full` against the model (names and shapes)."""
-    opts = StateDictOptions(full_state_dict=True, strict=False)
-    for part in parts:
-        own = get_model_state_dict(part)
-        set_model_state_dict(part, {k: full[k] for k in own}, options=opts)
 
 
 class TrainState:

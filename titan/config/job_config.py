@@ -167,8 +167,8 @@ class Checkpoint:
     enable_first_step_checkpoint: bool = opt(False, "Also save right after step 1")
     load_step: int = opt(-1, "Resume from this step's checkpoint instead of the newest (-1)")
     initial_load_path: str | None = opt(
-        None, "When the checkpoint folder is empty: start from this checkpoint (a step folder) "
-        "or, with initial_load_in_hf, an HF safetensors folder"
+        None, "Start from this checkpoint (a step folder) or, with initial_load_in_hf, an HF "
+        "safetensors folder; ignored when the checkpoint folder holds one to resume from"
     )
     initial_load_model_only: bool = opt(True, "From initial_load_path load only the model weights")
     initial_load_in_hf: bool = opt(False, "initial_load_path is an HF folder (safetensors)")
@@ -179,8 +179,13 @@ class Checkpoint:
         False, "The final save holds only the model (in export_dtype), for export or eval"
     )
     export_dtype: Literal["float32", "bfloat16", "float16"] = opt(
-        "float32", "Dtype of a model-only final save"
+        "float32", "Dtype of a model-only or HF final save"
     )
+    last_save_in_hf: bool = opt(
+        False, "The final save is an HF folder (sharded safetensors, config.json, tokenizer) "
+        "in export_dtype, written by every rank from its shards"
+    )
+    hf_max_shard_size: str = opt("5GB", "Size limit of each safetensors file of an HF save")
     create_seed_checkpoint: bool = opt(
         False, "Initialize the model, save it as step-0 and exit (not needed for same-seed runs)"
     )

@@ -17,6 +17,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from titan.config import JobConfig
+    from titan.models.decode import DecodeCache
     from titan.parallelisms.parallel_dims import ParallelDims
     from titan.parallelisms.pipeline import PipelinePlan
 
@@ -52,6 +53,15 @@ class Model(Protocol):
     def cp_buffers(self) -> list[tuple[torch.Tensor, int]]:
         """(buffer, sequence dim) pairs that context parallelism shards with the batch,
         e.g. position tables; empty when the model holds none."""
+        ...
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        """(name, other name) of parameters that are one weight (a tied embedding), the name
+        HF files store first; pipeline stages that split a pair keep copies in step."""
+        ...
+
+    def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
+        """Logits; with a cache (generation), `tokens` continue the cached ones."""
         ...
 
 
@@ -107,6 +117,16 @@ class TrainSpec:
     def state_shapes(self, args: ModelArgs) -> dict[str, torch.Size]:
         return {name: t.shape for name, t in self.build_meta(args).state_dict().items()}
 
+    def vocab_size_of(self, shapes: Mapping[str, torch.Size], args: ModelArgs) -> int:
+        """The vocabulary of a state with these parameter shapes (a checkpoint's: trained with
+        its tokenizer's, not the flavor's): the dimension that moves with vocab_size."""
+        a, b = (self.state_shapes(args.with_updates(vocab_size=v)) for v in (3, 5))
+        for name, shape in a.items():
+            for dim, (x, y) in enumerate(zip(shape, b[name])):
+                if (x, y) == (3, 5) and name in shapes:
+                    return shapes[name][dim]
+        raise ValueError("cannot tell the vocabulary size: no vocabulary-sized parameter")
+
     def matching_flavor(self, args: ModelArgs) -> str | None:
         """The registered flavor with this architecture (vocab size and max_seq_len aside)."""
         for name, flavor in self.flavors.items():
@@ -122,7 +142,7 @@ _REGISTRY: dict[str, TrainSpec] = {}
 def register_train_spec(spec: TrainSpec) -> None:
     if spec.name in _REGISTRY:
         raise ValueError(f"a train spec named {spec.name!r} is already registered")
-    missing = [m for m in ("init_weights", "cp_buffers") if not callable(
+    missing = [m for m in ("init_weights", "cp_buffers", "tied_parameters") if not callable(
         getattr(spec.model_cls, m, None))]
     if missing:
         raise TypeError(f"{spec.model_cls.__name__} lacks {', '.join(missing)} of the Model "

@@ -88,6 +88,12 @@ class ParallelDims:
         return mesh
 
     @property
+    def world_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("build_mesh() has not run")
+        return self._mesh
+
+    @property
     def device_type(self) -> str:
         if self._mesh is None:
             raise RuntimeError("build_mesh() has not run")

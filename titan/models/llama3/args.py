@@ -20,6 +20,10 @@ class Llama3Args:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     max_seq_len: int = 2048
+    # the context the model was published for (HF max_position_embeddings); None: max_seq_len
+    context_len: int | None = None
+    # one matrix for the embedding and the output projection (Llama 3.2 1B/3B)
+    tie_word_embeddings: bool = False
 
     def __post_init__(self):
         if self.n_kv_heads is None:  # plain multi-head attention
@@ -46,7 +50,9 @@ class Llama3Args:
         ffn = 3 * d * self.ffn_hidden_dim
         per_layer = attn + ffn + 2 * d
         total = self.n_layers * per_layer + d + self.vocab_size * d  # final norm + output
-        return total + (self.vocab_size * d if include_embedding else 0)
+        # a tied embedding is the output matrix: counted once, and its matmul is in FLOPs
+        separate_embedding = include_embedding and not self.tie_word_embeddings
+        return total + (self.vocab_size * d if separate_embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params (forward+backward) plus attention scores.
@@ -60,16 +66,19 @@ class Llama3Args:
 
 
 _LLAMA31_ROPE = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                     rope_high_freq_factor=4.0, rope_original_max_len=8192)
-_LLAMA32_ROPE = dict(_LLAMA31_ROPE, rope_scaling_factor=32.0)
+                     rope_high_freq_factor=4.0, rope_original_max_len=8192, context_len=131072)
+_LLAMA32 = dict(_LLAMA31_ROPE, rope_scaling_factor=32.0, tie_word_embeddings=True)
 
 LLAMA3_FLAVORS: dict[str, Llama3Args] = {
     "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048,
                              multiple_of=256),
+    # the debug model with Llama 3.2's tied embedding, to try that path on a laptop
+    "debugmodel_tied": Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=8,
+                                  vocab_size=2048, multiple_of=256, tie_word_embeddings=True),
     "1B": Llama3Args(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-                     multiple_of=256, **_LLAMA32_ROPE),
+                     multiple_of=256, **_LLAMA32),
     "3B": Llama3Args(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
-                     multiple_of=256, **_LLAMA32_ROPE),
+                     multiple_of=256, **_LLAMA32),
     "8B": Llama3Args(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
                      multiple_of=1024, **_LLAMA31_ROPE),
     "70B": Llama3Args(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,

@@ -1,4 +1,5 @@
-"""Llama 3 decoder: RMSNorm, RoPE (Llama 3.1 scaling), GQA attention, SwiGLU, untied output.
+"""Llama 3 decoder: RMSNorm, RoPE (Llama 3.1 scaling), GQA attention, SwiGLU, an output
+projection that may be tied to the embedding (Llama 3.2 1B/3B).
 
 Pure model code: no parallelism here. Parallelisms rewrite a built model from outside;
 submodules that a pipeline stage drops are set to None and skipped in forward.
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan.models.decode import DecodeCache
 from titan.models.init import normal, ones, seeded_init_
 from titan.models.llama3.args import Llama3Args
 
@@ -42,11 +44,15 @@ def rope_cache(args: Llama3Args, device=None) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim)."""
-    seq = x.shape[1]
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim).
+
+    `rope` is the table (max_seq_len, head_dim/2, 2), whose first rows are x's positions,
+    or the rows of each sequence's positions, (batch, seq, head_dim/2, 2)."""
+    if rope.dim() == 3:
+        rope = rope[:x.shape[1]]
     pairs = x.float().unflatten(-1, (-1, 2))
-    cos = rope[:seq, None, :, 0]
-    sin = rope[:seq, None, :, 1]
+    cos = rope[..., None, :, 0]
+    sin = rope[..., None, :, 1]
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).type_as(x)
@@ -61,18 +67,25 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: DecodeCache | None = None,
+                layer: int = 0) -> torch.Tensor:
         bs, seq, _ = x.shape
+        rows = rope if cache is None else rope[cache.positions(seq)]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
-        q = apply_rope(self.wq(x).view(bs, seq, -1, self.head_dim), rope)
-        k = apply_rope(self.wk(x).view(bs, seq, -1, self.head_dim), rope)
+        q = apply_rope(self.wq(x).view(bs, seq, -1, self.head_dim), rows)
+        k = apply_rope(self.wk(x).view(bs, seq, -1, self.head_dim), rows)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        mask = None
+        if cache is not None:
+            mask = cache.mask(seq)
+            k, v = cache.update(layer, k, v)
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, is_causal=mask is None,
         )
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
@@ -97,8 +110,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                cache: DecodeCache | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache, layer=self.layer_id)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_plan(self) -> dict:
@@ -130,15 +144,24 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.block_cls(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         # recomputed, never checkpointed: it is a pure function of the args
         self.register_buffer("rope", rope_cache(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
+        """Logits of every position; with `cache`, `tokens` continue the cached ones."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, self.rope) if cache is None else layer(h, self.rope, cache=cache)
         h = self.norm(h) if self.norm is not None else h
+        if cache is not None:
+            cache.length += tokens.shape[1]
         return self.output(h) if self.output is not None else h
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        # the name a checkpoint or HF file stores first, then the name that shares it
+        return [("tok_embeddings.weight", "output.weight")] if self.args.tie_word_embeddings else []
 
     def cp_buffers(self) -> list[tuple[torch.Tensor, int]]:
         # RoPE rows are positions: under CP each rank keeps the rows of its sequence chunk
@@ -148,12 +171,21 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Initialize every parameter from (seed, its name), whatever the sharding."""
         self.rope = rope_cache(self.args, device=buffer_device or self.rope.device)
+        out_init = normal(self.args.dim ** -0.5)
+        tied = self.args.tie_word_embeddings
+        if tied and self.tok_embeddings is not None and self.output is not None:
+            # to_empty() gives each module its own new parameter: tie them again
+            self.output.weight = self.tok_embeddings.weight
         if self.tok_embeddings is not None:
+            # a tied matrix is scaled for its output role, where a large init would blow up
+            # the first logits
             seeded_init_(self.tok_embeddings.weight, "tok_embeddings.weight", seed,
-                         normal(1.0, truncate=False))
+                         out_init if tied else normal(1.0, truncate=False))
         for layer_id, layer in self.layers.items():
             layer.init_weights(seed, f"layers.{layer_id}")
         if self.norm is not None:
             seeded_init_(self.norm.weight, "norm.weight", seed, ones)
-        if self.output is not None:
-            seeded_init_(self.output.weight, "output.weight", seed, normal(self.args.dim ** -0.5))
+        if self.output is not None and not (tied and self.tok_embeddings is not None):
+            # a pipeline's last stage holds a copy of a tied matrix: the same values
+            seeded_init_(self.output.weight, "tok_embeddings.weight" if tied else "output.weight",
+                         seed, out_init)

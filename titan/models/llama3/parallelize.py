@@ -78,6 +78,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
         replicate_modules([m for m in model.modules() if isinstance(m, nn.RMSNorm)], tp_mesh)
 
 
+def _tied(model: nn.Module) -> bool:
+    """Whether this part holds the embedding and the output as one parameter."""
+    return (model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
+
+
 def parallelize_llama(model: nn.Module, dims: ParallelDims, job, *,
                       ffn_plan: BlockPlan = swiglu_ffn_plan) -> nn.Module:
     par, training = job.parallelism, job.training
@@ -94,10 +100,13 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, job, *,
     # torchft averages gradients across replica groups in FSDP's all-reduce hook
     if dims.fsdp_enabled or job.fault_tolerance.enable:
         mesh_dims = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
-        head = [m for m in (model.norm, model.output) if m is not None]
+        # a tied matrix is used first and last: the root unit holds it for the whole step
+        tied = _tied(model)
+        head = [m for m in (model.norm, None if tied else model.output) if m is not None]
+        first = None if tied else model.tok_embeddings
         apply_fsdp(
             model, dims[mesh_dims],
-            units=[m for m in (model.tok_embeddings, *model.layers.values()) if m is not None],
+            units=[m for m in (first, *model.layers.values()) if m is not None],
             final_unit=head,
             param_dtype=to_dtype(training.mixed_precision_param),
             reduce_dtype=to_dtype(training.mixed_precision_reduce),

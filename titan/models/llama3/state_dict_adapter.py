@@ -3,15 +3,13 @@
 titan rotates interleaved pairs (Meta's layout); HF rotates the two halves of each head,
 so q/k projection rows are permuted on the way across.
 
-titan's output projection is untied from the embedding; HF configs with
-`tie_word_embeddings: true` (e.g. Llama 3.2 1B/3B) are loaded by *untying*: lm_head becomes a
-copy of embed_tokens, with a warning, and from then on the two train independently. Exports
-always write an untied model (`tie_word_embeddings: false`, an explicit lm_head.weight).
+A tied model (`tie_word_embeddings`, Llama 3.2 1B/3B) stores its one matrix as
+embed_tokens only, as HF does; a pipeline stage that holds only the output layer's copy of
+it reads and writes it under that name too.
 """
 
 import math
 import re
-import warnings
 
 import torch
 
@@ -37,14 +35,32 @@ _TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def _interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _permute_rows(w: torch.Tensor, n_heads: int, to_halves: bool) -> torch.Tensor:
+    """Reorder the rows of each head between the interleaved and the two-halves layout.
+
+    A DTensor sharded along whole heads is permuted shard by shard, with no communication;
+    one whose shards cut through heads is gathered for this one tensor, permuted, and
+    resharded as it was."""
     rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    split = (n_heads, rows // n_heads // 2, 2) if to_halves else (n_heads, 2, rows // n_heads // 2)
+    try:
+        return w.view(*split, cols).transpose(1, 2).reshape(rows, cols)
+    except RuntimeError:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not isinstance(w, DTensor):
+            raise
+        full = w.redistribute(placements=[Replicate()] * w.device_mesh.ndim)
+        out = full.view(*split, cols).transpose(1, 2).reshape(rows, cols)
+        return out.redistribute(placements=w.placements)
+
+
+def _interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    return _permute_rows(w, n_heads, to_halves=True)
 
 
 def _halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    return _permute_rows(w, n_heads, to_halves=False)
 
 
 class Llama3StateDictAdapter:
@@ -62,6 +78,10 @@ class Llama3StateDictAdapter:
             if m is None:
                 if name not in _TOP:
                     raise KeyError(f"no HF name for titan parameter {name!r}")
+                if name == "output.weight" and self.args.tie_word_embeddings:
+                    if "tok_embeddings.weight" in state_dict:
+                        continue  # the same matrix, stored once
+                    name = "tok_embeddings.weight"  # a last pipeline stage's copy
                 out[_TOP[name]] = t
                 continue
             layer, rest = m.groups()
@@ -74,12 +94,9 @@ class Llama3StateDictAdapter:
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor],
                 hf_config: dict | None = None) -> dict[str, torch.Tensor]:
-        if (hf_config or {}).get("tie_word_embeddings", False) and "lm_head.weight" not in hf_state_dict:
-            warnings.warn("the HF model ties lm_head to embed_tokens; titan's output layer is "
-                          "untied, so it starts as a copy of the embedding and trains "
-                          "independently", stacklevel=2)
-            hf_state_dict = {**hf_state_dict,
-                             "lm_head.weight": hf_state_dict["model.embed_tokens.weight"].clone()}
+        tied = self.args.tie_word_embeddings
+        if tied:  # some tied repos also store lm_head: HF ignores it, and so does titan
+            hf_state_dict = {k: v for k, v in hf_state_dict.items() if k != "lm_head.weight"}
         top = {v: k for k, v in _TOP.items()}
         layer_map = {v: k for k, v in self.layer_names.items()}
         out = {}
@@ -99,6 +116,8 @@ class Llama3StateDictAdapter:
             if titan_name in self._heads:
                 t = _halves_to_interleaved(t, self._heads[titan_name])
             out[f"layers.{layer}.{titan_name}"] = t
+        if tied and "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
         return out
 
     @classmethod
@@ -113,7 +132,8 @@ class Llama3StateDictAdapter:
             "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
             "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
             "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
-            "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": False,
+            "max_position_embeddings": a.context_len or a.max_seq_len,
+            "tie_word_embeddings": a.tie_word_embeddings,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
             "torch_dtype": "float32",
         }
@@ -151,7 +171,6 @@ def llama3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> 
     layout) to Llama3Args. Raises ValueError for what titan's Llama cannot express.
 
     `max_seq_len` (titan's RoPE table length) defaults to max_position_embeddings.
-    `tie_word_embeddings` is accepted here; `from_hf` unties the weights (see module doc).
     """
     c = dict(config)
     problems = []
@@ -197,7 +216,11 @@ def llama3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> 
     if problems:
         raise ValueError("unsupported HF config for titan's Llama 3: " + "; ".join(problems))
 
+    # long-context (scaled RoPE) models publish their context; plain-RoPE ones are used at
+    # the length they are trained at
+    context = c.get("max_position_embeddings") if scaling else None
     args = Llama3Args(
+        context_len=context, tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         dim=dim, n_layers=c["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=n_kv, vocab_size=c["vocab_size"], norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta), max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 2048)),

@@ -1,0 +1,130 @@
+"""Generation: KV-cache decoding equals a full recompute, padding of a batch changes nothing,
+sampling options, tensor-parallel generation equals one rank, and the CLI on DCP and HF
+checkpoints."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.forked import free_port, run_workers
+from titan.components import checkpoint, hf_io
+from titan.generate import Sampling, generate, load_model, sample
+from titan.models.spec import get_train_spec
+
+LLAMA = get_train_spec("llama3")
+ARGS = LLAMA.flavors["debugmodel"].with_updates(vocab_size=2048, max_seq_len=128)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = LLAMA.build_meta(ARGS)
+    m.to_empty(device="cpu")
+    m.init_weights(7)
+    return m.eval()
+
+
+def prompt(n, seed=0):
+    return torch.randint(3, ARGS.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_cached_greedy_decoding_equals_full_recompute(model):
+    p = prompt(9)
+    new = generate(model, [p], max_new_tokens=64, eos_id=None)[0]
+    assert len(new) == 64
+    with torch.no_grad():
+        logits = model(torch.tensor([p + new]))[0]
+    # every generated token is the argmax of a full (uncached) forward at its position
+    assert logits[len(p) - 1:-1].argmax(-1).tolist() == new
+
+
+def test_left_padding_changes_nothing(model):
+    short, long = prompt(4, 1), prompt(11, 2)
+    alone = [generate(model, [p], max_new_tokens=12, eos_id=None)[0] for p in (short, long)]
+    assert generate(model, [short, long], max_new_tokens=12, eos_id=None) == alone
+
+
+def test_stops_at_eos(model):
+    p = prompt(5)
+    first = generate(model, [p], max_new_tokens=8, eos_id=None)[0]
+    eos = first[3]
+    assert generate(model, [p], max_new_tokens=8, eos_id=eos)[0] == first[:first.index(eos) + 1]
+
+
+def test_sampling_options():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    assert sample(logits, Sampling(), g()).item() == 1
+    assert sample(logits, Sampling(temperature=1.0, top_k=1), g()).item() == 1
+    assert sample(logits, Sampling(temperature=1.0, top_p=0.01), g()).item() == 1
+    # top_k 2 keeps tokens 1 and 3 only; the seed makes draws repeatable
+    draws = [sample(logits, Sampling(temperature=5.0, top_k=2), g()).item() for _ in range(3)]
+    assert set(draws) <= {1, 3} and len(set(draws)) == 1
+    # probabilities 0.024, 0.479, 0.065, 0.433: tokens 1 and 3 hold 0.912 of the mass
+    for top_p, kept in ((0.9, {1, 3}), (0.95, {1, 2, 3})):
+        many = sample(logits.expand(4000, 4), Sampling(temperature=1.0, top_p=top_p),
+                      torch.Generator().manual_seed(1))
+        assert set(many.unique().tolist()) == kept, top_p
+
+
+def _tp_generate(rank, world_size, port, hf_dir, prompts, sampling):
+    import os
+
+    from titan.config import parse_args
+    from titan.generate import _tp_job
+    from titan.parallelisms.parallel_dims import ParallelDims
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, world_size=world_size)
+    dims.build_mesh("cpu")
+    job = _tp_job(parse_args([]), world_size)
+    model, _ = load_model(hf_dir, job, LLAMA, 64, torch.device("cpu"), dims)
+    return generate(model, prompts, max_new_tokens=24, eos_id=None, sampling=sampling)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_k=40, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_tensor_parallel_generation_equals_one_rank(model, sampling, tmp_path):
+    hf_dir = hf_io.save_hf(model.state_dict(), LLAMA, ARGS, tmp_path / "hf")
+    prompts = [prompt(6, 3), prompt(10, 4)]
+    one, _ = load_model(hf_dir, None, LLAMA, 64, torch.device("cpu"))
+    expected = generate(one, prompts, max_new_tokens=24, eos_id=None, sampling=sampling)
+    ranks = run_workers(_tp_generate, 2, tmp_path, free_port(), hf_dir, prompts, sampling,
+                        init_pg=False)
+    assert ranks[0] == ranks[1] == expected
+
+
+def test_cli_on_dcp_and_hf_checkpoints(model, tmp_path):
+    root = tmp_path / "checkpoint"
+    checkpoint.save_dcp_model_state(model.state_dict(), root / "step-3")
+    hf_dir = hf_io.HFModelIO(LLAMA, ARGS, _tokenizer()).save(model.state_dict(), tmp_path / "hf",
+                                                             torch.float32)
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "titan.generate", *argv], cwd=REPO,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    a = run("--checkpoint", str(root), "--prompt", "In the beginning", "--max-new-tokens", "16")
+    b = run("--checkpoint", str(hf_dir), "--prompt", "In the beginning", "--max-new-tokens", "16")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout.startswith("In the beginning") and len(a.stdout) > len("In the beginning\n")
+    assert a.stdout == b.stdout  # the same weights, read from DCP and from HF
+    batch = run("--checkpoint", str(hf_dir), "--prompt", "And God said", "--prompt", "Let",
+                "--max-new-tokens", "8", "--temperature", "0.7", "--top-p", "0.9")
+    assert batch.returncode == 0, batch.stderr
+    assert batch.stdout.startswith("[0] And God said") and "\n[1] Let" in batch.stdout
+    bad = run("--checkpoint", str(tmp_path / "nowhere"), "--prompt", "x")
+    assert bad.returncode != 0 and "no such folder" in bad.stderr
+
+
+def _tokenizer():
+    from titan.components.tokenizer import Tokenizer
+
+    return Tokenizer(str(REPO / "assets" / "tokenizer" / "tokenizer.json"))

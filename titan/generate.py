@@ -1,0 +1,210 @@
+"""Generate text from a titan DCP checkpoint or an HF folder:
+
+    python -m titan.generate --checkpoint outputs/debug/checkpoint --prompt "In the beginning"
+    python -m titan.generate --checkpoint exports/llama_hf --prompt "A" --prompt "B" \\
+        --temperature 0.8 --top-p 0.9 --seed 1
+    torchrun --nproc_per_node 2 -m titan.generate --checkpoint ... --prompt ...   # TP 2
+
+A DCP checkpoint (a step folder, or a checkpoint root: its newest complete step) is read
+with the model of the training config (--job.config_file, --model.flavor, ...; any titan
+override is accepted); its vocabulary comes from the checkpoint. An HF folder brings its
+own architecture (config.json) and tokenizer. The tokenizer is the HF folder's, else
+--model.tokenizer_path. Several ranks split the model by tensor parallelism and each reads
+only its shards. Decoding keeps a KV cache; temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("titan.generate")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """(batch, vocab) logits -> (batch,) token ids."""
+    if s.temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / s.temperature
+    if s.top_k > 0:
+        kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        order = logits.sort(dim=-1, descending=True)
+        cum = order.values.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token once the more likely ones already hold top_p (always keep the first)
+        drop = cum - order.values.softmax(dim=-1) >= s.top_p
+        logits = logits.scatter(-1, order.indices, order.values.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int | None,
+             sampling: Sampling = Sampling(), on_step=None) -> list[list[int]]:
+    """The new tokens of each prompt (up to and including EOS). `model(tokens, cache)` is a
+    family's model with a decode cache; prompts are left-padded into one batch.
+    `on_step(new_ids)` sees each step's (batch,) tokens, e.g. to stream them."""
+    from titan.models.decode import DecodeCache
+
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
+    tokens = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+    cache = DecodeCache(max_len=longest + max_new_tokens, pad=pad)
+    generator = torch.Generator().manual_seed(sampling.seed)
+    out: list[list[int]] = [[] for _ in prompts]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    logits = model(tokens, cache=cache)[:, -1]
+    for _ in range(max_new_tokens):
+        nxt = sample(logits, sampling, generator)
+        for b, t in enumerate(nxt.tolist()):
+            if not done[b]:
+                out[b].append(t)
+        if on_step is not None:
+            on_step(nxt)
+        if eos_id is not None:
+            done |= nxt == eos_id
+        if bool(done.all()):
+            break
+        logits = model(nxt[:, None], cache=cache)[:, -1]
+    return out
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _is_hf(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def load_model(path: Path, job, spec, max_len: int, device: torch.device, tp_dims=None):
+    """The model of a DCP checkpoint or HF folder, on `device`, split over `tp_dims` when
+    given (each rank reads only its shards); returns (model, args)."""
+    from titan.components import checkpoint, hf_io
+    from titan.components.train_state import ModelState
+
+    if _is_hf(path):
+        args = hf_io.args_from_hf(path, spec, max_seq_len=max_len)
+    else:
+        if not (path / checkpoint.COMPLETE_MARKER).is_file():
+            path = checkpoint.latest_complete_step(path) or path
+        checkpoint.check_complete(path)
+        shapes = {n: s for n, (s, _) in checkpoint.dcp_model_metadata(path).items()}
+        flavor = spec.flavors[job.model.flavor]
+        args = flavor.with_updates(vocab_size=spec.vocab_size_of(shapes, flavor), max_seq_len=max_len)
+    model = spec.build_meta(args)
+    if tp_dims is not None:
+        model = spec.parallelize_fn(model, tp_dims, job)
+    model.to_empty(device=device)
+    model.init_weights(0, buffer_device=device)  # builds the RoPE table; weights come next
+    state = ModelState([model])
+    if _is_hf(path):
+        loaded, _ = hf_io.load_hf_into(state.state_dict(), path, spec, args)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        loaded = state.state_dict()
+        dcp.load({checkpoint.MODEL_KEY: loaded}, checkpoint_id=str(path))
+    state.load_state_dict(loaded)
+    logger.info("loaded %s (%.1fM parameters)", path, args.num_params() / 1e6)
+    return model.eval(), args
+
+
+def _tp_job(job, world: int):
+    """The config a TP-only inference layout needs: no SP (one token at a time), full logits."""
+    p = job.parallelism
+    p.tensor_parallel_degree, p.data_parallel_shard_degree = world, 1
+    p.enable_sequence_parallel, p.disable_loss_parallel = False, True
+    job.activation_checkpoint.mode = "none"
+    job.compile.enable = False
+    return job
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="DCP step folder / checkpoint root, or an HF folder")
+    ap.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    opts, overrides = ap.parse_known_args(argv)
+
+    from titan.components.checkpoint import CheckpointError
+    from titan.components.tokenizer import Tokenizer, TokenizerError
+    from titan.config import ConfigError, parse_args
+    from titan.distributed import init_distributed, pick_device
+    from titan.logging_setup import init_logging
+    from titan.models.spec import get_train_spec
+    from titan.parallelisms.parallel_dims import ParallelDims
+
+    init_logging()
+    try:
+        job = parse_args(overrides)
+        spec = get_train_spec(job.model.name)
+        path = Path(opts.checkpoint)
+        if not path.is_dir():
+            raise CheckpointError(f"--checkpoint {path}: no such folder")
+        tok_path = path if _is_hf(path) and (path / "tokenizer.json").is_file() else job.model.tokenizer_path
+        tokenizer = Tokenizer(str(tok_path))
+    except (ConfigError, CheckpointError, TokenizerError, KeyError) as e:
+        sys.exit(f"titan.generate: {e}")
+    device = pick_device(job.training.device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp_dims = None
+    if world > 1:
+        init_distributed(device, job.comm.init_timeout_seconds)
+        tp_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, world_size=world)
+        tp_dims.build_mesh(device.type)
+        job = _tp_job(job, world)
+    prompts = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
+    max_len = max(len(p) for p in prompts) + opts.max_new_tokens
+    try:
+        model, _ = load_model(path, job, spec, max_len, device, tp_dims)
+    except CheckpointError as e:
+        sys.exit(f"titan.generate: {e}")
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    stream = len(prompts) == 1 and rank0
+    streamed: list[int] = []
+    shown = [""]
+
+    def on_step(ids):  # print what the new token adds to the decoded text
+        streamed.append(int(ids[0]))
+        text = tokenizer.decode(streamed, skip_special=True)
+        print(text[len(shown[0]):], end="", flush=True)
+        shown[0] = text
+
+    if stream:
+        print(opts.prompt[0], end="", flush=True)
+    out = generate(model, prompts, max_new_tokens=opts.max_new_tokens, eos_id=tokenizer.eos_id,
+                   sampling=Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed),
+                   on_step=on_step if stream else None)
+    if stream:
+        print()
+    elif rank0:
+        for i, (p, ids) in enumerate(zip(opts.prompt, out)):
+            print(f"[{i}] {p}{tokenizer.decode(ids, skip_special=True)}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The cache a model keeps while generating token by token (see `titan.generate`): any
+family's attention can use it, as Llama's does."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeCache:
+    """Keys and values of the tokens decoded so far, for generating token by token.
+
+    Sequences of a batch are left-padded to one length: `pad[b]` leading tokens of sequence
+    b are padding, which no token attends to and which do not count as positions."""
+
+    max_len: int
+    pad: torch.Tensor  # (batch,) int64
+    length: int = 0  # tokens fed so far, padding included
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def positions(self, seq: int) -> torch.Tensor:
+        """(batch, seq) positions of the next `seq` tokens of every sequence."""
+        idx = torch.arange(self.length, self.length + seq, device=self.pad.device)
+        return (idx[None, :] - self.pad[:, None]).clamp(min=0)
+
+    def mask(self, seq: int) -> torch.Tensor:
+        """(batch, 1, seq, length + seq): which cached and new keys each new token sees."""
+        keys = torch.arange(self.length + seq, device=self.pad.device)
+        queries = torch.arange(self.length, self.length + seq, device=self.pad.device)
+        causal = keys[None, :] <= queries[:, None]
+        return (causal[None] & (keys[None, None, :] >= self.pad[:, None, None]))[:, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store the new keys/values (batch, seq, heads, head_dim); return all so far."""
+        if layer not in self.kv:
+            shape = (k.shape[0], self.max_len, *k.shape[2:])
+            self.kv[layer] = (k.new_zeros(shape), v.new_zeros(shape))
+        ck, cv = self.kv[layer]
+        end = self.length + k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"decoding past the cache's {self.max_len} tokens")
+        ck[:, self.length:end] = k
+        cv[:, self.length:end] = v
+        return ck[:, :end], cv[:, :end]
