@@ -12,19 +12,24 @@ then start training from it with
 and the training config's model.flavor set to the flavor this script reports (it checks
 the HF config against titan's registered flavors), model.tokenizer_path to the HF folder.
 
-Only safetensors are read (never .bin pickles), through DCP's HF storage reader, in one
-process: it holds the whole model. To start training from HF weights without that, point
-checkpoint.initial_load_path at the HF folder with checkpoint.initial_load_in_hf = true:
-there each rank reads only its own shards. Weights are stored as --dtype (default float32,
-titan's master-weight dtype). Tied embeddings (Llama 3.2 1B/3B) are untied: the
+Only safetensors are read (never .bin pickles), through DCP's HF storage reader. Started
+by torchrun with N processes, each reads and writes 1/N of every tensor, so no process holds
+the model (a 70B model in fp32 is 280 GB):
+
+    torchrun --standalone --nproc_per_node 8 scripts/convert_from_hf.py HF_DIR OUT
+
+Training can also start from the HF folder directly (checkpoint.initial_load_in_hf).
+Weights are stored as --dtype (default float32, titan's master-weight dtype). Tied embeddings (Llama 3.2 1B/3B) are untied: the
 output layer starts as a copy of the embedding, with a warning. Unsupported configs
 (biases, non-llama3 RoPE scaling, head_dim != hidden/heads, ...) are refused.
 """
 
 import argparse
+import os
 import sys
 import time
-import warnings
+
+import torch
 
 
 def main(argv=None) -> None:
@@ -38,26 +43,44 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     from titan.components import checkpoint, hf_io
+    from titan.dtypes import to_dtype
     from titan.models.spec import get_train_spec
 
     t0 = time.time()
+    mesh = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: each rank a 1/N slice
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rank0 = mesh is None or mesh.get_rank() == 0
     try:
         spec = get_train_spec(args.model_name)
     except KeyError as e:
         raise SystemExit(f"error: {e.args[0]}") from None
     try:
         model_args = hf_io.args_from_hf(args.hf_dir, spec)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            state = hf_io.load_hf(args.hf_dir, spec, dtype=args.dtype, args=model_args)
-        for w in caught:
-            print(f"warning: {w.message}", file=sys.stderr)
+        shapes = spec.state_shapes(model_args)
+        if mesh is None:
+            empty = {n: torch.empty(s, dtype=to_dtype(args.dtype)) for n, s in shapes.items()}
+        else:  # row slices: DTensors sharded over the processes
+            from torch.distributed.tensor import Shard
+            from torch.distributed.tensor import empty as dtensor_empty
+
+            empty = {n: dtensor_empty(s, dtype=to_dtype(args.dtype), device_mesh=mesh,
+                                      placements=[Shard(0)]) for n, s in shapes.items()}
+        state, nbytes = hf_io.load_hf_into(empty, args.hf_dir, spec, model_args)
         out = checkpoint.save_dcp_model_state(state, args.output, overwrite=args.overwrite)
     except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
 
     flavor = spec.matching_flavor(model_args)
-    n = sum(t.numel() for t in state.values())
+    n = model_args.num_params()
+    if mesh is not None:
+        print(f"rank {mesh.get_rank()}: read {nbytes / 2**20:.1f} MiB")
+    if not rank0:
+        return
     print(f"wrote {out} ({n / 1e6:.1f}M parameters, {args.dtype}) in {time.time() - t0:.1f}s")
     if flavor is not None:
         print(f"matches titan flavor '{flavor}' (vocab_size {model_args.vocab_size}): "

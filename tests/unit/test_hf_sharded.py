@@ -244,3 +244,43 @@ def test_transformers_reads_the_final_hf_save(final_saves):
     tokens = torch.tensor([ours[:32]])
     with torch.no_grad():
         torch.testing.assert_close(titan_model(tokens), hf_model(tokens).logits, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- offline conversion
+
+
+def _convert(rank, world_size, port, hf_dir, out):
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    read = []
+    load_into = hf_io.load_hf_into
+
+    def counted(*args, **kw):
+        state, nbytes = load_into(*args, **kw)
+        read.append(nbytes)
+        return state, nbytes
+
+    hf_io.load_hf_into = counted
+    script = Path(__file__).resolve().parents[2] / "scripts" / "convert_from_hf.py"
+    spec = importlib.util.spec_from_file_location("convert_from_hf", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([str(hf_dir), str(out)])
+    return {"read": read[0]}
+
+
+def test_convert_from_hf_under_torchrun_reads_a_slice_per_rank(tmp_path):
+    reference = seeded_state(WIDE, seed=5)
+    hf_dir = hf_io.save_hf(reference, LLAMA, WIDE, tmp_path / "hf", max_shard_size="30MB")
+    model_bytes = sum(t.numel() * 4 for t in reference.values())
+    ranks = run_workers(_convert, 2, tmp_path, free_port(), hf_dir, tmp_path / "dcp",
+                        init_pg=False, deadline_s=120)
+    assert [r["read"] for r in ranks] == [model_bytes // 2] * 2
+    converted = checkpoint.load_dcp_model_state(tmp_path / "dcp")
+    assert set(converted) == set(reference)
+    for name, t in reference.items():
+        assert torch.equal(converted[name], t), name

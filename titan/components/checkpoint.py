@@ -198,19 +198,33 @@ def save_dcp_model_state(state: dict[str, torch.Tensor], path: str | Path,
     """Write a model-only DCP checkpoint `{"model": state}` and its `.complete` marker.
 
     The result is what `checkpoint.initial_load_path` (and `last_save_model_only`) expect.
-    Single process, no process group; call it from one rank only.
+    Full tensors in one process, or DTensor shards with every rank of a process group calling.
     """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank0 = not distributed or dist.get_rank() == 0
     path = Path(path)
-    if path.exists() and any(path.iterdir()):
+    problem = None
+    if rank0 and path.exists() and any(path.iterdir()):
         if not overwrite:
-            raise CheckpointError(f"{str(path)!r} exists and is not empty; pass overwrite=True "
-                                  "(--overwrite) to replace it")
-        (path / COMPLETE_MARKER).unlink(missing_ok=True)  # incomplete while rewriting
-        for old in [path / ".metadata", *path.glob("*.distcp")]:
-            old.unlink(missing_ok=True)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+            problem = (f"{str(path)!r} exists and is not empty; pass overwrite=True "
+                       "(--overwrite) to replace it")
+        else:
+            (path / COMPLETE_MARKER).unlink(missing_ok=True)  # incomplete while rewriting
+            for old in [path / ".metadata", *path.glob("*.distcp")]:
+                old.unlink(missing_ok=True)
+    if distributed:  # every rank stops, or none does
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        raise CheckpointError(problem)
+    if rank0:
+        path.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous() for name, t in state.items()}
     with _quiet_no_dist():
-        dcp.save({MODEL_KEY: tensors}, checkpoint_id=str(path), no_dist=True)
-    write_complete_marker(path, step=-1, model_only=True)
+        dcp.save({MODEL_KEY: tensors}, checkpoint_id=str(path), no_dist=not distributed)
+    if rank0:  # dcp.save returns once every rank's files and the metadata are written
+        write_complete_marker(path, step=-1, model_only=True)
     return path

@@ -14,13 +14,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titan.components.low_precision_adam import LowPrecisionStateAdam
+from titan.dtypes import to_dtype
+
 logger = logging.getLogger(__name__)
 
 # tensors only (exp_avg, exp_avg_sq, step): hyper-parameters come from the config on resume
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _build_one(params, name: str, implementation: str, kw: dict) -> torch.optim.Optimizer:
+def _build_one(params, name: str, implementation: str, kw: dict,
+               state_dtype: str = "float32") -> torch.optim.Optimizer:
+    if state_dtype != "float32":
+        return LowPrecisionStateAdam(params, decoupled_weight_decay=name == "AdamW",
+                                     state_dtype=to_dtype(state_dtype),
+                                     implementation=implementation, **kw)
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[name]
     if implementation == "fused":
         try:
@@ -41,7 +49,7 @@ class OptimizersContainer:
         self.model_parts = model_parts
         self.optimizers = [
             _build_one([p for p in part.parameters() if p.requires_grad], cfg.name,
-                       cfg.implementation, kw)
+                       cfg.implementation, kw, cfg.state_dtype)
             for part in model_parts
         ]
 

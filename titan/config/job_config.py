@@ -84,6 +84,9 @@ class Optimizer:
     implementation: Literal["fused", "foreach", "for-loop"] = opt(
         "fused", "Kernel: fused, foreach, or for-loop (fused falls back where unsupported)"
     )
+    state_dtype: Literal["float32", "bfloat16"] = opt(
+        "float32", "Dtype of Adam's moment estimates between steps (the update runs in float32)"
+    )
 
 
 @dataclass
