@@ -111,6 +111,7 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     check_fault_tolerance(job, dims)
+    check_converters(job, device)
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,
                    global_batch // (t.local_batch_size * dp_size), dp_size)
 
@@ -259,6 +260,38 @@ def check_writable(job: JobConfig, n_params: int) -> None:
                 "only %.1f GiB free under %s, less than one checkpoint (~%.1f GiB): saves will "
                 "fail; free space or lower checkpoint.keep_latest_k", free / 2**30,
                 dump / job.checkpoint.folder, estimate / 2**30)
+
+
+CONVERTERS = ("float8",)
+
+
+def check_converters(job: JobConfig, device: str) -> None:
+    unknown = [c for c in job.model.converters if c not in CONVERTERS]
+    require(job, not unknown, "model.converters", f"unknown {unknown}; titan has {list(CONVERTERS)}")
+    if "float8" not in job.model.converters:
+        return
+    f8 = job.float8
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        from titan.components.float8 import MISSING
+
+        raise ConfigError(f"model.converters = {job.model.converters}: {MISSING}") from None
+    require(job, f8.emulate or device == "cuda", "float8.emulate",
+            "float8 matmuls need a GPU (SM 8.9+: H100, L4, RTX 4090); on CPU set "
+            "float8.emulate = true")
+    if device == "cuda" and not f8.emulate:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        require(job, (major, minor) >= (8, 9), "float8.emulate",
+                f"this GPU is SM {major}.{minor}; float8 matmuls need SM 8.9+ (or emulate)")
+    require(job, f8.recipe_name == "tensorwise" or not f8.enable_fsdp_float8_all_gather,
+            "float8.enable_fsdp_float8_all_gather", "float8 all-gather needs recipe_name = "
+            "'tensorwise' (torchao has it for tensorwise scales only)")
+    require(job, f8.enable_fsdp_float8_all_gather or not f8.precompute_float8_dynamic_scale_for_fsdp,
+            "float8.precompute_float8_dynamic_scale_for_fsdp",
+            "precomputes the scales of float8 all-gathers: needs enable_fsdp_float8_all_gather")
 
 
 def check_fault_tolerance(job: JobConfig, dims: ParallelDims) -> None:

@@ -19,6 +19,7 @@ from titan.components.checkpointer import Checkpointer
 from titan.components.dataloader import DataShard, build_dataloader
 from titan.components.dataset import DataError
 from titan.components.fault_injection import FaultInjector
+from titan.components.float8 import apply_float8, scale_precomputer
 from titan.components.flops import peak_flops
 from titan.components.gc import ScheduledGC
 from titan.components.grad_clip import clip_grad_norm_
@@ -85,6 +86,7 @@ class Trainer:
                     if self.pp_plan else "")
 
         self.optimizer = build_optimizer(self.model_parts, job.optimizer)
+        self.after_optimizer_step = scale_precomputer(self.model_parts, job.float8)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
         self.amp = self._autocast(t.mixed_precision_param, dims.fsdp_enabled)
 
@@ -129,6 +131,8 @@ class Trainer:
         """Meta-device model -> pipeline stages (if pp) -> parallelisms -> real memory -> init."""
         spec, dims, job = self.plan.spec, self.plan.dims, self.job
         whole = spec.build_meta(self.plan.model_args)
+        if "float8" in job.model.converters:  # model converters run before any parallelism
+            apply_float8(whole, job.float8)
         pp_plan = None
         parts = [whole]
         if dims.pp_enabled:
@@ -309,6 +313,8 @@ class Trainer:
         # an async checkpoint's copy of the parameters overlaps forward/backward, not this
         self.checkpointer.wait_for_staging()
         self.optimizer.step()
+        if self.after_optimizer_step is not None:  # float8 scales of the new weights
+            self.after_optimizer_step()
         self.lr_scheduler.step()
         return loss_v, norm_v, False
 

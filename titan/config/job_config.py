@@ -30,6 +30,28 @@ class Model:
     tokenizer_path: str = opt(
         "assets/tokenizer/tokenizer.json", "HF tokenizers tokenizer.json (or a folder holding one)"
     )
+    converters: list[str] = opt(
+        [], "Rewrites of the model before the parallelisms: float8 (torchao; see [float8])"
+    )
+
+
+@dataclass
+class Float8:
+    recipe_name: Literal["tensorwise", "rowwise"] = opt(
+        "tensorwise", "Scaling: one scale per tensor, or per row (more accurate, slower)"
+    )
+    filter_fqns: list[str] = opt(
+        ["output"], "Linear layers left in high precision: names containing any of these"
+    )
+    enable_fsdp_float8_all_gather: bool = opt(
+        False, "FSDP all-gathers the float8 weights (half the bytes); tensorwise only"
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False, "Compute every weight's scale in one pass after the optimizer step"
+    )
+    emulate: bool = opt(
+        False, "Emulate float8 matmuls in float32 (CPU, tests); real float8 needs an SM 8.9+ GPU"
+    )
 
 
 @dataclass
@@ -273,6 +295,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     metrics: Metrics = field(default_factory=Metrics)
