@@ -93,6 +93,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tiny_run(steps: int, warmup: int = 2) -> list[str]:
+    """Overrides for a short, deterministic fp32 run of the debug model (seq 32, global batch
+    8 in microbatches of 4) that logs every step."""
+    return ["--training.steps", str(steps), "--training.seq_len", "32",
+            "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+            "--training.mixed_precision_param", "float32", "--training.deterministic",
+            "--lr_scheduler.warmup_steps", str(warmup), "--metrics.log_freq", "1",
+            "--metrics.no_enable_tensorboard", "--metrics.peak_flops", "1e12"]
+
+
 def build_trainer(rank, world_size, port, argv):
     """A Trainer on this forked rank, its process group made from the environment torchrun
     would set."""

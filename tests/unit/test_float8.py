@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tests.forked import run_trainer
+from tests.forked import run_trainer, tiny_run
 from titan.components import checkpoint, hf_io
 from titan.config import ConfigError, parse_args
 from titan.models.spec import get_train_spec
@@ -18,11 +18,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 LLAMA = get_train_spec("llama3")
 F8 = ["--model.converters", "float8", "--float8.emulate"]
 STEPS = 5
-COMMON = ["--training.steps", str(STEPS), "--training.seq_len", "32",
-          "--training.local_batch_size", "4", "--training.global_batch_size", "8",
-          "--training.mixed_precision_param", "float32", "--training.deterministic",
-          "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-          "--metrics.no_enable_tensorboard", "--metrics.peak_flops", "1e12"]
+COMMON = tiny_run(STEPS)
 
 
 def refused(*argv) -> str:

@@ -8,7 +8,7 @@ import torch
 
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.forked import run_trainer
+from tests.forked import run_trainer, tiny_run
 from titan.components.low_precision_adam import LowPrecisionStateAdam
 from titan.components.optimizer import build_optimizer
 from titan.config import parse_args
@@ -71,11 +71,7 @@ def test_state_bytes_halve():
 # ----------------------------------------------------------------------------- training runs
 
 STEPS = 200
-COMMON = ["--training.steps", str(STEPS), "--training.seq_len", "32",
-          "--training.local_batch_size", "4", "--training.global_batch_size", "8",
-          "--training.mixed_precision_param", "float32", "--training.deterministic",
-          "--lr_scheduler.warmup_steps", "20", "--metrics.log_freq", "1",
-          "--metrics.no_enable_tensorboard", "--metrics.peak_flops", "1e12"]
+COMMON = tiny_run(STEPS, warmup=20)
 BF16 = ["--optimizer.state_dtype", "bfloat16"]
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.forked import run_trainer
+from tests.forked import run_trainer, tiny_run
 from titan.components import hf_io
 from titan.models.spec import get_train_spec
 
@@ -17,12 +17,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 LLAMA = get_train_spec("llama3")
 TIED = LLAMA.flavors["debugmodel_tied"].with_updates(vocab_size=2048, max_seq_len=32)
 STEPS = 4
-COMMON = ["--model.flavor", "debugmodel_tied", "--training.steps", str(STEPS),
-          "--training.seq_len", "32", "--training.local_batch_size", "4",
-          "--training.global_batch_size", "8",
-          "--training.mixed_precision_param", "float32", "--training.deterministic",
-          "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-          "--metrics.no_enable_tensorboard", "--metrics.peak_flops", "1e12"]
+COMMON = ["--model.flavor", "debugmodel_tied", *tiny_run(STEPS)]
 
 
 def built(args, seed=0):
