@@ -102,8 +102,8 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     for key in ("last_save_in_hf", "initial_load_in_hf"):
         require(job, not getattr(ck, key) or spec.state_dict_adapter is not None,
                 f"checkpoint.{key}", f"model {m.name} registers no HF state-dict adapter")
-    if ck.initial_load_path and not resolve(ck.initial_load_path).is_dir():
-        require(job, False, "checkpoint.initial_load_path", "no such folder")
+    require(job, not ck.initial_load_path or resolve(ck.initial_load_path).is_dir(),
+            "checkpoint.initial_load_path", "no such folder")
     if ck.async_mode == "async_with_pinned_mem":
         require(job, device == "cuda", "checkpoint.async_mode",
                 "pinned staging memory needs CUDA; use async on CPU")

@@ -100,15 +100,12 @@ def _stale_hf_weights(out_dir: Path) -> list[Path]:
             if p.name in (HF_SINGLE_FILE, HF_INDEX_FILE) or _SHARD_NAME.match(p.name)]
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
 
 
 def _file_indices(shapes: dict[str, torch.Size], itemsize: int, limit: int) -> dict[str, int]:
@@ -143,12 +140,11 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
     )
 
     dtype = to_dtype(dtype)
-    rank, _ = _rank_world()
+    distributed, rank = _distributed(), _rank()
     adapter = adapter_class(spec)(args)
     whole = spec.state_shapes(args)
     # DTensors report their global shape; a pipeline stage holds only its own layers
-    check_state_matches(state_titan, spec, args, "titan state dict",
-                        partial=dist.is_available() and dist.is_initialized())
+    check_state_matches(state_titan, spec, args, "titan state dict", partial=distributed)
     hf = {name: t.detach().to(dtype) for name, t in adapter.to_hf(state_titan).items()}
     all_names = adapter.to_hf({n: torch.empty(s, device="meta") for n, s in whole.items()})
     indices = _file_indices({n: t.shape for n, t in all_names.items()}, dtype.itemsize,
@@ -161,14 +157,14 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
         for p in _stale_hf_weights(out_dir):
             p.unlink()
         shutil.rmtree(staging, ignore_errors=True)
-    _barrier()
+    if distributed:
+        dist.barrier()
+    # dcp.save returns on every rank once all ranks' shards are on disk, and the assembly
+    # ends with a barrier of its own
     with _quiet_no_dist():
         dcp.save(hf, storage_writer=HuggingFaceStorageWriter(
             str(staging), fqn_to_index_mapping=indices, save_distributed=True))
-    _barrier()  # every rank's shards are on disk before any rank assembles a file
-    with _quiet_no_dist():
         consolidate_safetensors_files_on_every_rank(str(staging), str(out_dir), indices)
-    _barrier()
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         _write_index(out_dir, max(indices.values()))
@@ -178,7 +174,8 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
         if generation:  # HF generation stops at eos_token_id; without it, at HF's default id
             (out_dir / HF_GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-    _barrier()
+    if distributed:  # the folder is whole when any rank returns
+        dist.barrier()
     return out_dir
 
 
@@ -272,7 +269,8 @@ def load_hf_into(state_titan: dict[str, torch.Tensor], hf_dir: str | Path, spec:
     config = hf_config if hf_config is not None else read_hf_config(hf_dir)
     adapter = adapter_class(spec)(args)
     reader = _HFReader(hf_dir)
-    files = hf_file_shapes(hf_dir)
+    files = {name: (m.size, m.properties.dtype)
+             for name, m in reader.read_metadata().state_dict_metadata.items()}
     odd = sorted(f"{n} ({d})" for n, (_, d) in files.items() if d not in _FLOAT_DTYPES)
     if odd:
         raise CheckpointError(f"HF weights in {str(hf_dir)!r} are stored as {odd[:3]}: titan "
@@ -326,7 +324,7 @@ class HFModelIO:
     def save(self, state: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype,
              max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
         extra = {}
-        if self.tokenizer is not None and _rank_world()[0] == 0:
+        if self.tokenizer is not None and _rank() == 0:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             extra = self.tokenizer.save_hf(out_dir)
         return save_hf(state, self.spec, self.args, out_dir, dtype, max_shard_size,
