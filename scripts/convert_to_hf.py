@@ -6,7 +6,7 @@ model family's state-dict adapter.
         --flavor 8B --dtype bfloat16 --tokenizer assets/hf/Llama-3.1-8B
 
     # a checkpoint root: the newest completed step-N folder in it is used
-    python scripts/convert_to_hf.py outputs/debug/checkpoint exports/debug_hf --flavor debugmodel
+    python scripts/convert_to_hf.py outputs/checkpoint exports/debug_hf --flavor debugmodel
 
     # an architecture no flavor describes (e.g. trained with model.flavor = "from_hf"):
     # take it from the HF config.json it started from

@@ -1,6 +1,6 @@
 """Generate text from a titan DCP checkpoint or an HF folder:
 
-    python -m titan.generate --checkpoint outputs/debug/checkpoint --prompt "In the beginning"
+    python -m titan.generate --checkpoint outputs/checkpoint --prompt "In the beginning"
     python -m titan.generate --checkpoint exports/llama_hf --prompt "A" --prompt "B" \\
         --temperature 0.8 --top-p 0.9 --seed 1
     torchrun --nproc_per_node 2 -m titan.generate --checkpoint ... --prompt ...   # TP 2
@@ -93,17 +93,26 @@ def _is_hf(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
+def checkpoint_folder(path: Path) -> Path:
+    """A step folder or HF folder as given; for a checkpoint root, its newest complete step
+    (which may be a final HF save)."""
+    from titan.components import checkpoint
+
+    if _is_hf(path) or (path / checkpoint.COMPLETE_MARKER).is_file():
+        return path
+    return checkpoint.latest_complete_step(path) or path
+
+
 def load_model(path: Path, job, spec, max_len: int, device: torch.device, tp_dims=None):
     """The model of a DCP checkpoint or HF folder, on `device`, split over `tp_dims` when
     given (each rank reads only its shards); returns (model, args)."""
     from titan.components import checkpoint, hf_io
     from titan.components.train_state import ModelState
 
+    path = checkpoint_folder(path)
     if _is_hf(path):
         args = hf_io.args_from_hf(path, spec, max_seq_len=max_len)
     else:
-        if not (path / checkpoint.COMPLETE_MARKER).is_file():
-            path = checkpoint.latest_complete_step(path) or path
         checkpoint.check_complete(path)
         shapes = {n: s for n, (s, _) in checkpoint.dcp_model_metadata(path).items()}
         flavor = spec.flavors[job.model.flavor]
@@ -163,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         path = Path(opts.checkpoint)
         if not path.is_dir():
             raise CheckpointError(f"--checkpoint {path}: no such folder")
+        path = checkpoint_folder(path)
         tok_path = path if _is_hf(path) and (path / "tokenizer.json").is_file() else job.model.tokenizer_path
         tokenizer = Tokenizer(str(tok_path))
     except (ConfigError, CheckpointError, TokenizerError, KeyError) as e:

@@ -104,15 +104,18 @@ def test_tensor_parallel_generation_equals_one_rank(model, sampling, tmp_path):
 def test_cli_on_dcp_and_hf_checkpoints(model, tmp_path):
     root = tmp_path / "checkpoint"
     checkpoint.save_dcp_model_state(model.state_dict(), root / "step-3")
-    hf_dir = hf_io.HFModelIO(LLAMA, ARGS, _tokenizer()).save(model.state_dict(), tmp_path / "hf",
+    # the newest step of the root is a final HF save (last_save_in_hf)
+    hf_dir = hf_io.HFModelIO(LLAMA, ARGS, _tokenizer()).save(model.state_dict(), root / "step-5",
                                                              torch.float32)
+    checkpoint.write_complete_marker(hf_dir, 5, model_only=True, fmt="hf")
 
     def run(*argv):
         return subprocess.run([sys.executable, "-m", "titan.generate", *argv], cwd=REPO,
                               capture_output=True, text=True, timeout=120, check=False)
 
-    a = run("--checkpoint", str(root), "--prompt", "In the beginning", "--max-new-tokens", "16")
-    b = run("--checkpoint", str(hf_dir), "--prompt", "In the beginning", "--max-new-tokens", "16")
+    a = run("--checkpoint", str(root / "step-3"), "--prompt", "In the beginning",
+            "--max-new-tokens", "16")
+    b = run("--checkpoint", str(root), "--prompt", "In the beginning", "--max-new-tokens", "16")
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert a.stdout.startswith("In the beginning") and len(a.stdout) > len("In the beginning\n")
     assert a.stdout == b.stdout  # the same weights, read from DCP and from HF
