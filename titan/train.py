@@ -42,6 +42,7 @@ from titan.distributed import (
 )
 from titan.dtypes import to_dtype
 from titan.logging_setup import init_logging
+from titan.models.documents import document_ids, document_positions
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.pipeline import build_schedule
 from titan.parallelisms.tied_weights import TiedCopies
@@ -96,7 +97,8 @@ class Trainer:
             layout=plan.layout(),
             states={"model": ModelState(self.model_parts), "optimizer": self.optimizer,
                     "lr_scheduler": self.lr_scheduler,
-                    "dataloader": DataState(self.dataloader, self.shard.dp_rank),
+                    "dataloader": DataState(self.dataloader, self.shard.dp_rank,
+                                            self.shard.dp_world_size),
                     "train_state": self.train_state},
             hf=HFModelIO(plan.spec, plan.model_args, plan.tokenizer)
             if plan.spec.state_dict_adapter else None,
@@ -183,7 +185,7 @@ class Trainer:
     def _on_heal(self) -> None:
         """A live peer's state was loaded mid-step: continue from its step and data position."""
         self.step = self.train_state.step + 1
-        self.dataloader.dataset.seek_global_batch(self.step)
+        self.dataloader.seek_global_batch(self.step)
         logger.info("torchft: healed from a live replica group; continuing at step %d", self.step)
 
     def _pp_group(self) -> dist.ProcessGroup | None:
@@ -229,11 +231,20 @@ class Trainer:
             set(batch), par.context_parallel_rotate_method, par.context_parallel_load_balance,
         )
 
+    def _documents(self, inputs: torch.Tensor) -> dict:
+        """The model's document arguments for a batch: none unless attention is block-causal."""
+        m = self.job.model
+        if m.attn_mask_type != "block_causal":
+            return {}
+        doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
+        return {"doc_ids": doc_ids,
+                **({"positions": document_positions(doc_ids)} if m.document_positions else {})}
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Loss of one microbatch (already divided by the step's token count), after backward."""
         with self._cp_ctx(inputs, labels), self._loss_parallel_ctx():
             with self.amp():
-                logits = self.model_parts[0](inputs)
+                logits = self.model_parts[0](inputs, **self._documents(inputs))
             loss = self._loss(logits, labels)
             loss.backward()
         return plain(loss.detach())
@@ -245,9 +256,10 @@ class Trainer:
         has_first, has_last = 0 in self.pp_plan.stage_ids, last in self.pp_plan.stage_ids
         losses = [] if has_last else None
         run = schedule.step if train else schedule.eval
+        documents = self._documents(inputs)  # every stage's attention needs them
         inputs, labels = (inputs if has_first else None), (labels if has_last else None)
         with self._cp_ctx(inputs, labels), self._loss_parallel_ctx():
-            run(*((inputs,) if has_first else ()), target=labels, losses=losses)
+            run(*((inputs,) if has_first else ()), target=labels, losses=losses, **documents)
         total = torch.zeros((), device=self.device)
         for loss in losses or []:
             total += plain(loss.detach())
@@ -266,7 +278,8 @@ class Trainer:
             loss = self.run_pipeline(self.pp_eval_schedule, inputs, labels, train=False)
             return loss, tokens if has_last else 0
         with self._cp_ctx(inputs, labels), self._loss_parallel_ctx(), self.amp():
-            loss = cross_entropy_sum(self.model_parts[0](inputs), labels)
+            loss = cross_entropy_sum(self.model_parts[0](inputs, **self._documents(inputs)),
+                                     labels)
         return plain(loss), tokens
 
     # ------------------------------------------------------------------ one step
@@ -366,6 +379,9 @@ class Trainer:
                                          gc_sched.step(self.step))
                 if self.metrics.should_log(self.step, t.steps):
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+                    mix = self.dataloader.source_tokens(t.seq_len)
+                    if mix is not None:  # the realized mix of weighted sources
+                        extra["source_tokens"] = mix
                     self.metrics.log(self.step, loss, grad_norm, lr,
                                      tokens_seen=self.train_state.tokens_seen, **extra)
                 if self.validator is not None and self.validator.due(self.step, t.steps):

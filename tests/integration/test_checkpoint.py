@@ -218,3 +218,24 @@ def test_streamed_dataset_resumes_exactly_with_validation(tmp_path):
     assert [v["step"] for v in val(tmp_path / "straight")] == [4, 8]
     assert val(resumed) == val(tmp_path / "straight")  # same batches, same loss, after resume
     assert val(resumed)[1]["val_loss"] < val(resumed)[0]["val_loss"]
+    # per-rank streams cannot move to another dp degree: refused, naming the way out
+    proc = launch(1, [*BASE, *stream, *CK, "--training.steps", "12", *dp_batch(1)], resumed,
+                  timeout=600, check=False)
+    assert proc.returncode != 0 and 'dataset_stream_order = "global"' in proc.stderr
+
+
+def test_stream_in_global_order_resumes_on_another_dp_degree(tmp_path):
+    """Every rank reads the whole stream and keeps its slice of each global batch: a 2-rank
+    checkpoint resumes on 1 rank and continues the 1-rank losses."""
+    stream = ["--training.dataset_streaming", "--training.dataset_stream_order", "global",
+              "--training.steps", "6", "--checkpoint.interval", "3"]
+    launch(1, [*BASE, *stream, *dp_batch(1)], tmp_path / "straight", timeout=600)
+    resumed = tmp_path / "resumed"
+    launch(2, [*BASE, *stream, *CK, *dp_batch(2), "--training.exit_at_step", "3"], resumed,
+           timeout=600)
+    proc = launch(1, [*BASE, *stream, *CK, *dp_batch(1)], resumed, timeout=600)
+    assert "resumed from" in proc.stderr and "step-3" in proc.stderr
+    a, b = losses(tmp_path / "straight"), losses(resumed)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for s in a:
+        assert abs(a[s] - b[s]) <= RTOL * a[s], (s, a[s], b[s])

@@ -7,7 +7,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan.components.checkpoint import folder_problem, saved_keys
-from titan.components.dataset import PackedDataset
+from titan.components.data_order import GlobalOrder
+from titan.components.dataloader import IndexedLoader, Workers
+from titan.components.packed import MixedWindows, PackedWindows
 from titan.components.lr_scheduler import build_lr_scheduler
 from titan.components.train_state import DataState, decode_json, encode_json
 from titan.config.job_config import LRScheduler
@@ -55,8 +57,10 @@ def test_json_state_round_trips_as_uint8_tensor():
 
 
 def _packed(dp_rank, dp, global_batch=8):
-    return PackedDataset(np.arange(10_000), seq_len=15, dp_rank=dp_rank,
-                         dp_world_size=dp, global_batch_size=global_batch, seed=0, shuffle=True)
+    windows = PackedWindows(np.arange(10_000), seq_len=15)
+    order = GlobalOrder([len(windows)], [1.0], dp_rank=dp_rank, dp_world_size=dp,
+                        global_batch_size=global_batch, seed=0, shuffle=True)
+    return IndexedLoader(MixedWindows([windows]), order, 1, Workers())
 
 
 def test_data_position_is_layout_independent():
@@ -66,20 +70,20 @@ def test_data_position_is_layout_independent():
         it = iter(ds)
         for _ in range(3 * 2):
             next(it)
-    saved = DataState(type("L", (), {"dataset": four[0]})(), dp_rank=0).state_dict()
+    saved = DataState(four[0], dp_rank=0).state_dict()
     assert set(saved) == {"global"}
     two = [_packed(r, 2) for r in range(2)]
     for r, ds in enumerate(two):
-        DataState(type("L", (), {"dataset": ds})(), dp_rank=r).load_state_dict(saved)
+        DataState(ds, dp_rank=r).load_state_dict(saved)
     one = _packed(0, 1)
     it = iter(one)
     for _ in range(3 * 8):
         next(it)
-    expected = [next(it)[0] for _ in range(8)]
+    expected = [next(it)[0][0] for _ in range(8)]
     resumed = []
     for ds in two:
         it = iter(ds)
-        resumed += [next(it)[0] for _ in range(4)]
+        resumed += [next(it)[0][0] for _ in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(expected, resumed, strict=True))
 
 

@@ -8,41 +8,30 @@ import pytest
 import torch
 
 import titan.components.dataset as dataset_mod
-from titan.components.dataloader import DataShard, build_text_dataloader
-from titan.components.dataset import DataError, PackedDataset, build_dataset
+from titan.components.data_order import GlobalOrder
+from titan.components.dataloader import DataShard, IndexedLoader, Workers, build_text_dataloader
+from titan.components.dataset import DataError, local_files
+from titan.components.packed import MixedWindows, PackedWindows, open_tokens
 
 SEQ = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cached_tokenization():
-    """Tokenize each corpus once per module: kjv takes ~0.7 s per loader otherwise.
-
-    The first call per corpus goes through the real tokenize_stream; the packing tests
-    below check its output against the tokenizer independently.
-    """
-    real = dataset_mod.tokenize_stream
-    cache = {}
-
-    def cached(texts, tokenizer, chunk=1024):
-        key = (str(tokenizer.path), hash(tuple(texts)))
-        if key not in cache:
-            cache[key] = real(texts, tokenizer, chunk)
-        return cache[key]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dataset_mod, "tokenize_stream", cached)
-        yield
-
-
 def loader(tokenizer, local, global_, rank=0, dp=1, seed=0, dataset="kjv", path=None,
-           seq_len=SEQ, shuffle=True, infinite=True, text_field="text", streaming=False):
+           seq_len=SEQ, shuffle=True, infinite=True, text_field="text", streaming=False,
+           stream_order="rank", workers=0):
     return build_text_dataloader(dataset=dataset, dataset_path=path, tokenizer=tokenizer,
                                  seq_len=seq_len, local_batch_size=local,
                                  global_batch_size=global_,
                                  shard=DataShard(dp_rank=rank, dp_world_size=dp), seed=seed,
                                  text_field=text_field, shuffle=shuffle, infinite=infinite,
-                                 streaming=streaming)
+                                 streaming=streaming, stream_order=stream_order,
+                                 workers=Workers(workers))
+
+
+def token_stream(tokenizer, path, text_field="text") -> list[int]:
+    """The whole token stream a local source packs its windows from."""
+    tokens = open_tokens(local_files("x", str(path)), tokenizer, text_field)
+    return tokens.read(0, len(tokens)).tolist()
 
 
 def take(dl_or_iter, n):
@@ -193,7 +182,7 @@ def test_streamed_resume_matches_uninterrupted(tokenizer, tmp_path):
         take(dl, k)
         resumed = streamed(tokenizer, path, rank=1, dp=2)
         # what the checkpoint holds: the dataset's own state, JSON-encoded
-        resumed.dataset.load_state_dict(json.loads(json.dumps(dl.dataset.state_dict())))
+        resumed.load_state_dict(json.loads(json.dumps(dl.state_dict())))
         assert_batches_equal(take(resumed, 9 - k), reference[k:])
 
 
@@ -202,10 +191,10 @@ def test_streamed_validation_pass_ends_and_rewinds(tokenizer, tmp_path):
     dl = streamed(tokenizer, path, infinite=False)
     first = list(dl)
     assert 0 < len(first) < 10
-    dl.dataset.rewind()
+    dl.rewind()
     assert_batches_equal(list(dl), first)
     with pytest.raises(DataError, match="no global index"):
-        dl.dataset.seek_global_batch(3)
+        dl.seek_global_batch(3)
 
 
 def test_streamed_record_without_text_field(tokenizer, tmp_path):
@@ -256,7 +245,7 @@ def test_epoch_wrap(tokenizer, tmp_path, caplog):
     path = write_jsonl(tmp_path / "tiny.jsonl", DOCS)
     seq = 8
     n = len(stream_of(tokenizer, DOCS)) // (seq + 1)
-    caplog.set_level(logging.INFO, logger="titan.components.dataset")
+    caplog.set_level(logging.INFO, logger="titan.components.data_order")
     samples = take(loader(tokenizer, 1, 1, dataset="tiny", path=str(path), seq_len=seq,
                           shuffle=False), 2 * n + 3)
     assert len(samples) == 2 * n + 3  # kept yielding past the end
@@ -320,7 +309,7 @@ def test_jsonl_custom_text_field(tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", DOCS, field="content")
     stream = stream_of(tokenizer, DOCS)
     assert torch.equal(_first_window(tokenizer, path, 16, text_field="content"), stream[:16])
-    with pytest.raises(DataError, match="no column 'text'"):
+    with pytest.raises(DataError, match="d.jsonl has no field 'text'.*dataset_text_field"):
         _first_window(tokenizer, path, 16)
 
 
@@ -337,9 +326,7 @@ def test_parquet_file(tokenizer, tmp_path):
 def test_txt_file_paragraphs(tokenizer, tmp_path):
     path = tmp_path / "d.txt"
     path.write_text("\n\n".join(DOCS) + "\n")
-    ds = build_dataset(dataset="x", dataset_path=str(path), tokenizer=tokenizer, seq_len=8,
-                          shard=DataShard(), global_batch_size=1, seed=0, shuffle=False)
-    tokens = ds.tokens.tolist()
+    tokens = token_stream(tokenizer, path)
     assert tokens.count(tokenizer.bos_id) == len(DOCS)  # one document per paragraph
     text = tokenizer.decode(tokens, skip_special=True)
     for d in DOCS:
@@ -351,23 +338,19 @@ def test_folder_of_files(tokenizer, tmp_path):
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", DOCS[:2])
     write_jsonl(folder / "b.jsonl", DOCS[2:])
-    ds = build_dataset(dataset="x", dataset_path=str(folder), tokenizer=tokenizer, seq_len=8,
-                          shard=DataShard(), global_batch_size=1, seed=0, shuffle=False)
-    assert torch.equal(ds.tokens, stream_of(tokenizer, DOCS))
+    assert token_stream(tokenizer, folder) == stream_of(tokenizer, DOCS).tolist()
 
 
 def test_mixed_formats_rejected(tokenizer, tmp_path):
     write_jsonl(tmp_path / "a.jsonl", DOCS)
     (tmp_path / "b.txt").write_text(DOCS[0])
     with pytest.raises(DataError, match="must all be one of"):
-        build_dataset(dataset="x", dataset_path=str(tmp_path), tokenizer=tokenizer, seq_len=8,
-                          shard=DataShard(), global_batch_size=1, seed=0)
+        token_stream(tokenizer, tmp_path)
 
 
 def test_empty_folder(tokenizer, tmp_path):
     with pytest.raises(DataError, match="holds no"):
-        build_dataset(dataset="x", dataset_path=str(tmp_path), tokenizer=tokenizer, seq_len=8,
-                          shard=DataShard(), global_batch_size=1, seed=0)
+        token_stream(tokenizer, tmp_path)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -410,7 +393,8 @@ def test_dataset_too_small(tokenizer, tmp_path):
 
 def test_exactly_one_window(tokenizer):
     tokens = torch.arange(9).numpy()
-    ds = PackedDataset(tokens, seq_len=8, dp_rank=0, dp_world_size=1, global_batch_size=1,
-                       seed=0, shuffle=True)
-    x, y = next(iter(ds))
+    order = GlobalOrder([1], [1.0], dp_rank=0, dp_world_size=1, global_batch_size=1, seed=0,
+                        shuffle=True)
+    dl = IndexedLoader(MixedWindows([PackedWindows(tokens, 8)]), order, 1, Workers())
+    (x,), (y,) = next(iter(dl))
     assert x.tolist() == list(range(8)) and y.tolist() == list(range(1, 9))

@@ -1,6 +1,7 @@
 """bfloat16 optimizer states (`optimizer.state_dtype`): half the state bytes, torch's update
 math in float32, training close to float32 states, exact resume, resharded resume."""
 
+import copy
 import sys
 
 import pytest
@@ -66,6 +67,41 @@ def test_state_bytes_halve():
     full, half = moment_bytes(containers["float32"]), moment_bytes(containers["bfloat16"])
     assert full == 2 * ARGS.num_params() * 4  # two moments per parameter
     assert half * 2 == full
+
+
+def test_loaded_moments_stay_bfloat16_and_continue_bitwise():
+    """torch's Optimizer.load_state_dict casts state to the parameters' dtype; the moments
+    must come back in bf16, or the resumed updates round differently (and memory doubles)."""
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    batches = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        return m, LowPrecisionStateAdam(m.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                                        weight_decay=0.1, decoupled_weight_decay=True)
+
+    def step(m, opt, x):
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+
+    straight, opt = build()
+    for x in batches[:3]:
+        step(straight, opt, x)
+    saved = copy.deepcopy((straight.state_dict(), get_optimizer_state_dict(straight, opt)))
+    for x in batches[3:]:
+        step(straight, opt, x)
+    resumed, opt2 = build()
+    resumed.load_state_dict(saved[0])
+    set_optimizer_state_dict(resumed, opt2, saved[1])
+    assert all(s[n].dtype == torch.bfloat16 for s in opt2.state.values()
+               for n in ("exp_avg", "exp_avg_sq"))
+    for x in batches[3:]:
+        step(resumed, opt2, x)
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
 
 
 # ----------------------------------------------------------------------------- training runs

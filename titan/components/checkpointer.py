@@ -172,11 +172,15 @@ class Checkpointer:
             data = state["dataloader"]
             data.load_sizes = {
                 k.split(".", 1)[1]: m.size[0] for k, m in md.items() if k.startswith("dataloader.")}
-            if data.key not in data.load_sizes:
+            saved = sorted(data.load_sizes)
+            ranks = [k for k in saved if k.startswith("dp_rank_")]
+            if data.key not in data.load_sizes or (ranks and len(ranks) != data.dp_world_size):
                 raise CheckpointError(
-                    f"{path} holds no data position for {data.key}: streamed datasets are "
-                    "saved per dp rank, so resume them with the same data-parallel degree, or "
-                    "set checkpoint.exclude_from_loading = [\"dataloader\"]")
+                    f"{path} holds the data positions {saved}, and this run needs {data.key} "
+                    f"of {data.dp_world_size} dp ranks: a stream read in 'rank' order is saved "
+                    "per dp rank and resumes only on the same data-parallel degree. Train with "
+                    "training.dataset_stream_order = \"global\" to resume on any degree, or "
+                    "set checkpoint.exclude_from_loading = [\"dataloader\"] to restart the data")
         try:
             dcp.load(state, checkpoint_id=str(path),
                      planner=DefaultLoadPlanner(allow_partial_load=False))

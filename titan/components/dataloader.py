@@ -1,40 +1,169 @@
-"""Checkpointable dataloaders over the packed datasets."""
+"""Checkpointable dataloaders: batches of (input, label), each (local_batch_size, seq_len).
+
+Indexed sources are read by torchdata's StatefulDataLoader over a map-style dataset, with
+`num_workers` processes fetching windows ahead. The saved position is not the loader's own
+state but the samples the trainer has taken, as a count of global batches: batches a worker
+fetched ahead are fetched again after a resume, and a checkpoint resumes on any dp degree and
+any worker count. Streamed sources are read in the main process.
+"""
 
 import warnings
+from dataclasses import dataclass
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan.components.dataset import DataShard, build_dataset
+from titan.components.data_order import GlobalOrder
+from titan.components.dataset import DataError, DataShard, local_files, parse_mix
+from titan.components.packed import MixedWindows, PackedWindows, open_tokens
+from titan.components.streaming import StreamingPackedDataset
 from titan.components.tokenizer import Tokenizer
 
 __all__ = ["DataShard", "build_dataloader", "build_text_dataloader"]
 
 
+@dataclass(frozen=True)
+class Workers:
+    num_workers: int = 0
+    prefetch_factor: int = 2
+
+
+def _loader(dataset, batch_size: int, workers: Workers, sampler=None) -> StatefulDataLoader:
+    extra = ({"prefetch_factor": workers.prefetch_factor, "multiprocessing_context": "fork"}
+             if workers.num_workers else {})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata's own call
+        return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                                  num_workers=workers.num_workers, **extra)
+
+
+class IndexedLoader:
+    """Packed windows in `GlobalOrder`; its position is the samples the trainer took."""
+
+    global_index = True  # its state is the same on every rank, for any dp degree
+
+    def __init__(self, windows: MixedWindows, order: GlobalOrder, local_batch_size: int,
+                 workers: Workers):
+        self.windows, self.order = windows, order
+        self.local_batch_size, self.workers = local_batch_size, workers
+        self.taken = 0  # samples this rank's trainer has taken
+        self._generation = 0  # bumped by every jump: a running iterator restarts there
+
+    def __iter__(self):
+        while True:
+            generation = self._generation
+            self.order.start = self.taken
+            for inputs, labels in _loader(self.windows, self.local_batch_size, self.workers,
+                                          sampler=self.order):
+                if generation != self._generation:
+                    break
+                self.taken += inputs.shape[0]
+                yield inputs, labels
+            else:
+                return  # a finite pass ended
+
+    def state_dict(self) -> dict:
+        batches, offset = divmod(self.taken, self.order.per_rank)
+        return {"global_batches": batches, "offset": offset,
+                "source_counts": self.order.counts_at(batches).tolist()}
+
+    def source_tokens(self, seq_len: int) -> dict[str, int] | None:
+        """Tokens drawn from each source by the global batches taken so far (all ranks);
+        None for a single source."""
+        if len(self.order.sizes) == 1:
+            return None
+        counts = self.order.counts_at(self.taken // self.order.per_rank)
+        return {name: int(c) * seq_len for name, c in zip(self.order.names, counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        batches = int(state["global_batches"])
+        if "source_counts" in state:
+            self.order.set_counts(batches, state["source_counts"])
+        self._jump(batches * self.order.per_rank + int(state["offset"]))
+
+    def rewind(self) -> None:
+        self._jump(0)
+
+    def seek_global_batch(self, batches: int) -> None:
+        """Continue at the start of global batch `batches` (a torchft heal jumps steps)."""
+        self._jump(batches * self.order.per_rank)
+
+    def _jump(self, taken: int) -> None:
+        self.taken = taken
+        self._generation += 1
+
+
+class StreamLoader:
+    """A streamed source; its state is the stream's (per dp rank, or global)."""
+
+    def __init__(self, dataset: StreamingPackedDataset, local_batch_size: int):
+        self.dataset = dataset
+        self.global_index = dataset.global_index
+        self._loader = _loader(dataset, local_batch_size, Workers())
+
+    def __iter__(self):
+        return iter(self._loader)
+
+    def state_dict(self) -> dict:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state)
+
+    def rewind(self) -> None:
+        self.dataset.rewind()
+
+    def source_tokens(self, seq_len: int) -> None:
+        return None  # one source
+
+    def seek_global_batch(self, batches: int) -> None:
+        raise DataError(f"{self.dataset.name} is streamed: it has no global index to seek to "
+                        f"batch {batches}; use a local dataset without dataset_streaming")
+
+
 def build_text_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Tokenizer,
                           seq_len: int, local_batch_size: int, global_batch_size: int,
                           shard: DataShard, seed: int, text_field: str = "text",
-                          shuffle: bool = True, infinite: bool = True,
-                          streaming: bool = False) -> StatefulDataLoader:
-    """Batches of (input, label), each (local_batch_size, seq_len) int64.
+                          shuffle: bool = True, infinite: bool = True, streaming: bool = False,
+                          stream_order: str = "rank", workers: Workers = Workers(),
+                          mix: list[tuple[str, float]] | None = None):
+    """A restored loader yields exactly the batch an uninterrupted one would have yielded.
+    `mix`: (source, weight) pairs read instead of dataset/dataset_path."""
+    if global_batch_size % shard.dp_world_size:
+        raise DataError(f"global batch {global_batch_size} is not divisible by the dp degree "
+                        f"{shard.dp_world_size}")
+    sources = mix or [(dataset, 1.0)]
+    files = [local_files(name, dataset_path if not mix else None,
+                         key="training.dataset_mix" if mix else "training.dataset_path")
+             for name, _ in sources]
+    if not mix and (files[0] is None or streaming):
+        if files[0] is not None and len(files[0]) == 1 and files[0][0].is_dir():
+            raise DataError(f"{files[0][0]} holds token shards, which are read indexed: unset "
+                            "dataset_streaming")
+        ds = StreamingPackedDataset(dataset, files[0], tokenizer, seq_len, shard, text_field,
+                                    infinite, order=stream_order,
+                                    global_batch_size=global_batch_size)
+        return StreamLoader(ds, local_batch_size)
+    for (name, _), f in zip(sources, files):
+        if f is None:
+            raise DataError(f"training.dataset_mix source {name!r} is not a local file, folder "
+                            "or bundled name: mixed sources are read indexed; pretokenize a hub "
+                            "dataset first (scripts/pretokenize.py)")
+    windows = [PackedWindows(open_tokens(f, tokenizer, text_field), seq_len, name=name)
+               for (name, _), f in zip(sources, files)]
+    order = GlobalOrder([len(w) for w in windows], [w for _, w in sources],
+                        dp_rank=shard.dp_rank, dp_world_size=shard.dp_world_size,
+                        global_batch_size=global_batch_size, seed=seed, shuffle=shuffle,
+                        infinite=infinite, names=[name for name, _ in sources])
+    return IndexedLoader(MixedWindows(windows), order, local_batch_size, workers)
 
-    Its state_dict() holds the dataset position, so a restored loader yields exactly the
-    batch an uninterrupted one would have yielded next.
-    """
-    ds = build_dataset(dataset=dataset, dataset_path=dataset_path, tokenizer=tokenizer,
-                       seq_len=seq_len, shard=shard, global_batch_size=global_batch_size,
-                       seed=seed, text_field=text_field, shuffle=shuffle, infinite=infinite,
-                       streaming=streaming)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata's own call
-        return StatefulDataLoader(ds, batch_size=local_batch_size, num_workers=0)
 
-
-def build_dataloader(cfg, *, tokenizer: Tokenizer, shard: DataShard,
-                     global_batch_size: int) -> StatefulDataLoader:
+def build_dataloader(cfg, *, tokenizer: Tokenizer, shard: DataShard, global_batch_size: int):
     """The training loader of `cfg` (the training section): infinite, shuffled per epoch."""
     return build_text_dataloader(
         dataset=cfg.dataset, dataset_path=cfg.dataset_path, tokenizer=tokenizer,
         seq_len=cfg.seq_len, local_batch_size=cfg.local_batch_size,
         global_batch_size=global_batch_size, shard=shard, seed=cfg.seed,
         text_field=cfg.dataset_text_field, shuffle=cfg.dataset_shuffle,
-        streaming=cfg.dataset_streaming)
+        streaming=cfg.dataset_streaming, stream_order=cfg.dataset_stream_order,
+        workers=Workers(cfg.dataloader_num_workers, cfg.dataloader_prefetch_factor),
+        mix=parse_mix(cfg.dataset_mix) if cfg.dataset_mix else None)

@@ -1,28 +1,17 @@
-"""Text datasets packed into fixed-length (input, label) windows, sharded by data-parallel rank.
+"""Where training text comes from: bundled names, local files or folders, token-shard
+folders written by scripts/pretokenize.py, and HF hub datasets; and reading their documents
+with errors that name the file and record.
 
-Local files (jsonl/json/parquet/txt) are tokenized once into one token stream and cut into
-`seq_len + 1` windows with a global index. Step s of training uses windows
-[s*G, (s+1)*G) of the (per-epoch shuffled) order, G = global batch; dp rank r takes the
-r-th contiguous slice of each global batch, as Megatron's pretraining sampler does. So the
-set of sequences in every optimizer step is the same whatever the data-parallel degree,
-and losses compare across layouts.
-
-Hub datasets (and local files with `dataset_streaming`) are streamed; no global index exists
-there, so each dp rank reads its own shard (`split_dataset_by_node`) and packs it on the fly:
-losses then depend on the dp degree, and a resume must keep it.
+Indexed sources (local files, token shards) are packed into windows with a global index
+(`packed.py`) and ordered by `data_order.py`; hub datasets and local files with
+`dataset_streaming` are packed on the fly (`streaming.py`).
 """
 
-import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-from torch.utils.data import IterableDataset
-
-from titan.components.tokenizer import Tokenizer
+from titan.components.token_shards import is_shard_folder
 from titan.paths import resolve
 
 logger = logging.getLogger(__name__)
@@ -48,10 +37,12 @@ class DataShard:
 
 def local_files(name: str, path: str | None,
                 key: str = "training.dataset_path") -> list[Path] | None:
-    """Files of a local dataset, or None when `name` must be a hub dataset. `key`: the
-    config key that set `path`, for the error message."""
+    """Files of a local dataset ([the folder] for a token-shard folder), or None when `name`
+    must be a hub dataset. `key`: the config key that set `path`, for the error message."""
     candidate = path or BUNDLED.get(name) or name
     p = resolve(candidate)
+    if is_shard_folder(p):
+        return [p]
     if p.is_file():
         files = [p]
     elif p.is_dir():
@@ -71,17 +62,35 @@ def local_files(name: str, path: str | None,
     return files
 
 
-def _open_local(files: list[Path], streaming: bool):
-    """(HF dataset of the files, the column holding the text)."""
+def parse_mix(entries: list[str], key: str = "training.dataset_mix") -> list[tuple[str, float]]:
+    """SOURCE=WEIGHT entries as (source, weight) pairs."""
+    mix = []
+    for entry in entries:
+        source, sep, weight = entry.rpartition("=")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = None
+        if not sep or not source or w is None or not w > 0:
+            raise DataError(f"{key} entry {entry!r} is not SOURCE=WEIGHT with a weight > 0, "
+                            "e.g. data/web=0.7")
+        mix.append((source, w))
+    if len({s for s, _ in mix}) != len(mix):
+        raise DataError(f"{key} names a source twice: {entries}")
+    return mix
+
+
+def open_local(files: list[Path]):
+    """(the files as a streamed HF dataset: nothing held in memory, their format)."""
     from datasets import load_dataset
 
     fmt = _FORMATS[files[0].suffix]
     kwargs = {"sample_by": "paragraph"} if fmt == "text" else {}
-    kwargs.update(streaming=True) if streaming else kwargs.update(keep_in_memory=True)
-    return load_dataset(fmt, data_files=[str(f) for f in files], split="train", **kwargs), fmt
+    return load_dataset(fmt, data_files=[str(f) for f in files], split="train", streaming=True,
+                        **kwargs), fmt
 
 
-def _text_column(ds, fmt: str, text_field: str, where) -> str:
+def text_column(ds, fmt: str, text_field: str, where) -> str:
     field = "text" if fmt == "text" else text_field
     columns = ds.column_names
     if columns is not None and field not in columns:
@@ -92,93 +101,39 @@ def _text_column(ds, fmt: str, text_field: str, where) -> str:
     return field
 
 
-def _load_local_texts(files: list[Path], text_field: str) -> list[str]:
-    ds, fmt = _open_local(files, streaming=False)
-    return ds[_text_column(ds, fmt, text_field, files[0])]
+def iter_texts(files: list[Path], text_field: str, batch_size: int = 1024):
+    """The documents of local files in order, in lists of up to `batch_size` texts; bad data
+    raises a DataError naming the file and record. Read as a stream: memory stays flat."""
+    for f in files:
+        fmt = _FORMATS[f.suffix]
+        field = "text" if fmt == "text" else text_field
+        n = 0
+        try:
+            if f.stat().st_size == 0:
+                raise DataError(f"{f} holds no records; remove the empty file or fill it")
+            ds, _ = open_local([f])
+            for batch in ds.iter(batch_size=batch_size):
+                texts = batch.get(field)
+                if texts is None:
+                    raise DataError(f"{f} has no field '{field}' (fields: {sorted(batch)}); set "
+                                    "training.dataset_text_field")
+                for i, t in enumerate(texts):
+                    if not isinstance(t, str):
+                        raise DataError(f"{f}: record {n + i} has no text in field '{field}' "
+                                        f"({type(t).__name__}); fix or drop that record")
+                n += len(texts)
+                yield texts
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001  datasets/pyarrow raise many types for bad files
+            what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"unreadable as {fmt}"
+            raise DataError(f"{f} is {what} after record {n}: {type(e).__name__}: {e}; fix or "
+                            "remove the file") from None
+        if n == 0:
+            raise DataError(f"{f} holds no records; remove the empty file or fill it")
 
 
-def tokenize_stream(texts: list[str], tokenizer: Tokenizer, chunk: int = 1024) -> np.ndarray:
-    """All documents as one stream, each wrapped in BOS ... EOS."""
-    parts = []
-    for i in range(0, len(texts), chunk):
-        for ids in tokenizer.encode_batch(texts[i:i + chunk]):
-            parts.append(np.asarray(ids, dtype=np.int64))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-class PackedDataset(IterableDataset):
-    """Globally indexed packed windows of a local token stream; checkpointable in O(1)."""
-
-    # its position is a count of global batches: the same on every rank, for any dp degree
-    global_index = True
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, dp_rank: int, dp_world_size: int,
-                 global_batch_size: int, seed: int, shuffle: bool, infinite: bool = True,
-                 name: str = "dataset"):
-        if global_batch_size % dp_world_size:
-            raise DataError(
-                f"global batch {global_batch_size} is not divisible by the dp degree {dp_world_size}"
-            )
-        self.tokens = torch.from_numpy(tokens)
-        self.seq_len = seq_len
-        self.num_windows = len(tokens) // (seq_len + 1)
-        if self.num_windows == 0:
-            raise DataError(
-                f"{name} has {len(tokens)} tokens, fewer than one sequence of seq_len + 1 = "
-                f"{seq_len + 1}; use more data or a smaller training.seq_len"
-            )
-        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self.global_batch_size = global_batch_size
-        self.per_rank = global_batch_size // dp_world_size
-        self.seed, self.shuffle, self.infinite, self.name = seed, shuffle, infinite, name
-        self.sample_idx = 0  # samples this rank has yielded so far
-        self._perm_epoch, self._perm = -1, None
-
-    def stream_position(self, j: int) -> int:
-        """Position in the global stream of this rank's j-th sample."""
-        step, within = divmod(j, self.per_rank)
-        return step * self.global_batch_size + self.dp_rank * self.per_rank + within
-
-    def _window(self, g: int) -> int:
-        epoch, pos = divmod(g, self.num_windows)
-        if not self.shuffle:
-            return pos
-        if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(self.num_windows, generator=gen)
-            self._perm_epoch = epoch
-        return int(self._perm[pos])
-
-    def __iter__(self):
-        while True:
-            g = self.stream_position(self.sample_idx)
-            if not self.infinite and g >= self.num_windows - self.num_windows % self.global_batch_size:
-                return
-            prev = self.stream_position(self.sample_idx - 1) if self.sample_idx else 0
-            if g // self.num_windows > prev // self.num_windows:
-                logger.info("%s: all %d sequences seen, starting epoch %d",
-                            self.name, self.num_windows, g // self.num_windows)
-            start = self._window(g) * (self.seq_len + 1)
-            window = self.tokens[start:start + self.seq_len + 1]
-            self.sample_idx += 1
-            yield window[:-1], window[1:]
-
-    def state_dict(self) -> dict:
-        batches, offset = divmod(self.sample_idx, self.per_rank)
-        return {"global_batches": batches, "offset": offset}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sample_idx = int(state["global_batches"]) * self.per_rank + int(state["offset"])
-
-    def rewind(self) -> None:
-        self.sample_idx = 0
-
-    def seek_global_batch(self, batches: int) -> None:
-        """Continue at the start of global batch `batches` (a torchft heal jumps steps)."""
-        self.sample_idx = batches * self.per_rank
-
-
-def _open_hub(name: str):
+def open_hub(name: str):
     from datasets import load_dataset
 
     repo, _, subset = name.partition(":")  # "allenai/c4:en" names a subset
@@ -196,108 +151,3 @@ def _open_hub(name: str):
             "Without network access, point training.dataset_path at local "
             "jsonl/json/parquet/txt files."
         ) from None
-
-
-class StreamingPackedDataset(IterableDataset):
-    """A streamed dataset (a hub name, or local files), split per dp rank and packed on the fly.
-
-    Infinite: every pass over the stream is an epoch. Finite (validation): one pass.
-    """
-
-    global_index = False
-
-    def __init__(self, name: str, files: list[Path] | None, tokenizer: Tokenizer, seq_len: int,
-                 shard: DataShard, text_field: str, infinite: bool = True):
-        from datasets.distributed import split_dataset_by_node
-
-        if files is None:
-            ds, field = _open_hub(name), text_field
-        else:
-            ds, fmt = _open_local(files, streaming=True)
-            field = _text_column(ds, fmt, text_field, files[0])
-        self.ds = split_dataset_by_node(ds, rank=shard.dp_rank, world_size=shard.dp_world_size)
-        self.tokenizer, self.seq_len, self.text_field = tokenizer, seq_len, field
-        self.infinite, self.name = infinite, name
-        self.epoch, self.buffer = 0, []
-        self._start = self.state_dict()
-
-    def __iter__(self):
-        while True:
-            self.ds.set_epoch(self.epoch)
-            for sample in self.ds:
-                text = sample.get(self.text_field)
-                if not isinstance(text, str):
-                    raise DataError(
-                        f"{self.name}: a record has no text in field '{self.text_field}' "
-                        f"(fields: {sorted(sample)}); set training.dataset_text_field")
-                self.buffer.extend(self.tokenizer.encode(text))
-                while len(self.buffer) > self.seq_len:
-                    window = torch.tensor(self.buffer[:self.seq_len + 1])
-                    self.buffer = self.buffer[self.seq_len + 1:]
-                    yield window[:-1], window[1:]
-            if not self.infinite:
-                return
-            self.epoch += 1
-            logger.info("%s: stream exhausted, starting epoch %d", self.name, self.epoch)
-
-    def state_dict(self) -> dict:
-        return {"ds": self.ds.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ds.load_state_dict(state["ds"])
-        self.buffer, self.epoch = list(state["buffer"]), int(state["epoch"])
-
-    def rewind(self) -> None:
-        self.load_state_dict(self._start)
-
-    def seek_global_batch(self, batches: int) -> None:
-        raise DataError(f"{self.name} is streamed: it has no global index to seek to batch "
-                        f"{batches}; use a local dataset without dataset_streaming")
-
-
-def _cache_path(files: list[Path], tokenizer: Tokenizer, text_field: str) -> Path:
-    h = hashlib.sha256()
-    for f in [*files, tokenizer.path]:
-        st = f.stat()
-        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|".encode())
-    h.update(f"{text_field}|{tokenizer.bos_id}|{tokenizer.eos_id}".encode())
-    root = Path(os.environ.get("TITAN_CACHE_DIR", "~/.cache/titan")).expanduser()
-    return root / f"tokens-{h.hexdigest()[:20]}.npy"
-
-
-def load_token_stream(files: list[Path], tokenizer: Tokenizer, text_field: str) -> np.ndarray:
-    """Tokenize local files once; later runs (and the other ranks) read the cached stream.
-
-    The cache key covers the files' and the tokenizer's paths, sizes and modification times;
-    TITAN_CACHE_DIR moves the cache (default ~/.cache/titan). A cache that cannot be written
-    only costs the re-tokenization.
-    """
-    path = _cache_path(files, tokenizer, text_field)
-    if path.is_file():
-        try:
-            return np.load(path)
-        except (OSError, ValueError):
-            logger.warning("token cache %s is unreadable; re-tokenizing", path)
-    tokens = tokenize_stream(_load_local_texts(files, text_field), tokenizer)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.save(f, tokens)
-        os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
-    except OSError as e:
-        logger.info("token cache not written (%s)", e)
-    return tokens
-
-
-def build_dataset(*, dataset: str, dataset_path: str | None, tokenizer: Tokenizer,
-                  seq_len: int, shard: DataShard, global_batch_size: int, seed: int,
-                  text_field: str = "text", shuffle: bool = True, infinite: bool = True,
-                  streaming: bool = False) -> IterableDataset:
-    files = local_files(dataset, dataset_path)
-    if files is None or streaming:
-        return StreamingPackedDataset(dataset, files, tokenizer, seq_len, shard, text_field,
-                                      infinite)
-    tokens = load_token_stream(files, tokenizer, text_field)
-    return PackedDataset(tokens, seq_len, shard.dp_rank, shard.dp_world_size, global_batch_size,
-                         seed, shuffle, infinite, name=dataset)

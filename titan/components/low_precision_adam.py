@@ -49,6 +49,15 @@ class LowPrecisionStateAdam(torch.optim.Optimizer):
                                                memory_format=torch.preserve_format)
         return state
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts loaded state to its parameter's dtype: the moments would stay float32
+        # (twice the memory, and updates no longer rounded as before the checkpoint)
+        for state in self.state.values():
+            for name in _MOMENTS:
+                if name in state and state[name].dtype != self.state_dtype:
+                    state[name] = state[name].to(self.state_dtype)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

@@ -29,8 +29,26 @@ def memory_gib(device: torch.device) -> dict[str, float]:
         }
         torch.cuda.reset_peak_memory_stats(device)
         return stats
-    # ru_maxrss is in KiB on Linux: the high-water mark of the whole process
-    return {"memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    # ru_maxrss is in KiB on Linux: the high-water mark of the whole process, which counts
+    # the page cache of memory-mapped token shards as it is read; the anonymous part is what
+    # the process itself holds
+    stats = {"memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    anon = _status_kib("RssAnon")
+    if anon is not None:
+        stats["memory_anon_gib"] = anon / 2**20
+    return stats
+
+
+def _status_kib(field: str) -> int | None:
+    """A field of /proc/self/status in KiB (Linux), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def _truncate_history(path: str, keep_until: int | None) -> None:

@@ -60,13 +60,13 @@ class TrainState:
 
 
 class DataState:
-    """The data position. Globally indexed datasets store the number of global batches consumed
-    (the same on every rank, valid for any dp degree); streamed ones store each dp rank's own
+    """The data position. Globally indexed loaders store the number of global batches consumed
+    (the same on every rank, valid for any dp degree); per-rank streams store each dp rank's own
     stream state under its rank."""
 
-    def __init__(self, dataloader, dp_rank: int):
-        self.dataset, self.dp_rank = dataloader.dataset, dp_rank
-        self.global_index = self.dataset.global_index
+    def __init__(self, dataloader, dp_rank: int, dp_world_size: int = 1):
+        self.loader, self.dp_rank, self.dp_world_size = dataloader, dp_rank, dp_world_size
+        self.global_index = dataloader.global_index
         self.load_sizes: dict[str, int] = {}  # set before a load: DCP fills same-size buffers
 
     @property
@@ -77,7 +77,7 @@ class DataState:
         key = self.key
         if key in self.load_sizes:
             return {key: torch.zeros(self.load_sizes[key], dtype=torch.uint8)}
-        return {key: encode_json(self.dataset.state_dict())}
+        return {key: encode_json(self.loader.state_dict())}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.dataset.load_state_dict(decode_json(sd[self.key]))
+        self.loader.load_state_dict(decode_json(sd[self.key]))

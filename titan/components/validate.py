@@ -44,7 +44,7 @@ class Validator:
             global_batch_size=cfg.local_batch_size * shard.dp_world_size, shard=shard,
             seed=seed, text_field=text_field, shuffle=False, infinite=False,
             streaming=cfg.dataset_streaming)
-        self.streamed = not self.loader.dataset.global_index
+        self.streamed = not self.loader.global_index
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.cfg.freq == 0 or step == last_step
@@ -53,7 +53,7 @@ class Validator:
     def run(self, step: int) -> float:
         """Validate, log the loss; returns the seconds it took."""
         t0 = time.perf_counter()
-        self.loader.dataset.rewind()
+        self.loader.rewind()
         for part in self.model_parts:
             part.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens

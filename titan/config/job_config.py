@@ -33,6 +33,13 @@ class Model:
     converters: list[str] = opt(
         [], "Rewrites of the model before the parallelisms: float8 (torchao; see [float8])"
     )
+    attn_mask_type: Literal["causal", "block_causal"] = opt(
+        "causal", "causal: attend to every earlier token of the packed window; block_causal: "
+        "only to earlier tokens of the same document (documents start at BOS)"
+    )
+    document_positions: bool = opt(
+        False, "With block_causal: restart RoPE positions at 0 at every document"
+    )
 
 
 @dataclass
@@ -64,11 +71,25 @@ class Training:
     )
     dataset_path: str | None = opt(None, "Local path that overrides where `dataset` is read from")
     dataset_text_field: str = opt("text", "Column holding the document text")
+    dataset_mix: list[str] = opt(
+        [], "Weighted sources instead of dataset/dataset_path, as SOURCE=WEIGHT (a local file, "
+        "folder or token-shard folder, or a bundled name), e.g. data/web=0.7,data/code=0.3"
+    )
     dataset_streaming: bool = opt(
         False, "Stream local files as hub datasets are (each dp rank reads its own shard, no "
         "tokenized copy in memory); hub names always stream"
     )
+    dataset_stream_order: Literal["rank", "global"] = opt(
+        "rank", "Streamed data: rank = each dp rank reads its own shard (resume needs the same dp "
+        "degree); global = every rank reads the whole stream and keeps its slice of each global "
+        "batch (resumes on any dp degree; each rank tokenizes all the text)"
+    )
     dataset_shuffle: bool = opt(True, "Shuffle packed sequences each epoch (local datasets)")
+    dataloader_num_workers: int = opt(
+        0, "Processes fetching batches ahead (local and pretokenized data; streamed data is "
+        "read in the trainer's process)"
+    )
+    dataloader_prefetch_factor: int = opt(2, "Batches each dataloader worker keeps ready")
     local_batch_size: int = opt(8, "Sequences per microbatch on each data-parallel rank")
     global_batch_size: int = opt(
         -1, "Sequences per optimizer step over all ranks; -1 = local x dp (no accumulation)"

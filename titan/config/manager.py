@@ -255,6 +255,17 @@ def validate(cfg: JobConfig) -> None:
          "must be -1 (local x dp) or >= 1"),
         (t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)"),
         (t.gc_freq >= 1, "training.gc_freq", "must be >= 1"),
+        (t.dataloader_num_workers >= 0, "training.dataloader_num_workers", "must be >= 0"),
+        (t.dataloader_prefetch_factor >= 1, "training.dataloader_prefetch_factor",
+         "must be >= 1"),
+        (not cfg.model.document_positions or cfg.model.attn_mask_type == "block_causal",
+         "model.document_positions", "needs model.attn_mask_type = \"block_causal\" (with a "
+         "causal mask across documents, positions run through the window)"),
+        (cfg.model.attn_mask_type == "causal" or cfg.parallelism.context_parallel_degree == 1,
+         "model.attn_mask_type",
+         "block_causal is not supported with context parallelism here (torch's ring attention "
+         "runs causal SDPA); set parallelism.context_parallel_degree = 1 or attn_mask_type = "
+         "\"causal\""),
         (o.lr >= 0, "optimizer.lr", "must be >= 0"),
         (0 <= o.beta1 < 1, "optimizer.beta1", "must lie in [0, 1)"),
         (0 <= o.beta2 < 1, "optimizer.beta2", "must lie in [0, 1)"),

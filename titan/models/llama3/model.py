@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan.models.decode import DecodeCache
+from titan.models.documents import block_causal_block_mask, block_causal_mask
 from titan.models.init import normal, ones, seeded_init_
 from titan.models.llama3.args import Llama3Args
 
@@ -43,6 +44,19 @@ def rope_cache(args: Llama3Args, device=None) -> torch.Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
 
 
+def flex_attention(q, k, v, block_mask):
+    """FlexAttention, compiled once on first use: uncompiled it materializes every score."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention as eager
+
+        _flex = torch.compile(eager, dynamic=False) if q.is_cuda else eager
+    return _flex(q, k, v, block_mask=block_mask)
+
+
+_flex = None
+
+
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim).
 
@@ -68,14 +82,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: DecodeCache | None = None,
-                layer: int = 0) -> torch.Tensor:
+                layer: int = 0, mask=None) -> torch.Tensor:
+        """`mask`: None (causal), a bool (batch, 1, seq, seq) tensor, or a FlexAttention
+        BlockMask (see titan.models.documents)."""
         bs, seq, _ = x.shape
         rows = rope if cache is None else rope[cache.positions(seq)]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
         q = apply_rope(self.wq(x).view(bs, seq, -1, self.head_dim), rows)
         k = apply_rope(self.wk(x).view(bs, seq, -1, self.head_dim), rows)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
-        mask = None
         if cache is not None:
             mask = cache.mask(seq)
             k, v = cache.update(layer, k, v)
@@ -83,10 +98,11 @@ class Attention(nn.Module):
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None,
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            out = flex_attention(q, k, v, block_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
@@ -111,8 +127,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                cache: DecodeCache | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache=cache, layer=self.layer_id)
+                cache: DecodeCache | None = None, mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache, layer=self.layer_id,
+                               mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_plan(self) -> dict:
@@ -149,11 +166,23 @@ class Transformer(nn.Module):
         # recomputed, never checkpointed: it is a pure function of the args
         self.register_buffer("rope", rope_cache(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
-        """Logits of every position; with `cache`, `tokens` continue the cached ones."""
+    def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None,
+                doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of every position; with `cache`, `tokens` continue the cached ones.
+
+        `doc_ids` (batch, seq): attend only within each document (block-causal);
+        `positions` (batch, seq): each token's RoPE position, when not 0, 1, 2, ..."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope) if cache is None else layer(h, self.rope, cache=cache)
+        rope = self.rope if positions is None else self.rope[positions]
+        if cache is not None:
+            for layer in self.layers.values():
+                h = layer(h, rope, cache=cache)
+        else:
+            mask = None if doc_ids is None else (
+                block_causal_block_mask(doc_ids) if doc_ids.is_cuda else block_causal_mask(doc_ids))
+            for layer in self.layers.values():
+                h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         if cache is not None:
             cache.length += tokens.shape[1]

@@ -1,0 +1,110 @@
+"""Indexed sources as packed windows: a token stream cut into `seq_len + 1` windows.
+
+A source is a token-shard folder (scripts/pretokenize.py) or local files, which are tokenized
+once into the same shard format in a cache and read memory-mapped from then on.
+"""
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from titan.components.dataset import DataError, iter_texts
+from titan.components.token_shards import (ArrayTokens, ShardError, ShardWriter, TokenShards,
+                                           encode_documents, is_shard_folder,
+                                           tokenizer_fingerprint)
+from titan.components.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class PackedWindows(Dataset):
+    """Window i of a token stream: (tokens[i*(L+1) : i*(L+1)+L], the same shifted by one)."""
+
+    def __init__(self, tokens: TokenShards | ArrayTokens | np.ndarray, seq_len: int,
+                 name: str = "dataset"):
+        self.tokens = ArrayTokens(tokens) if isinstance(tokens, np.ndarray) else tokens
+        self.seq_len, self.name = seq_len, name
+        self.num_windows = len(self.tokens) // (seq_len + 1)
+        if self.num_windows == 0:
+            raise DataError(
+                f"{name} has {len(self.tokens)} tokens, fewer than one sequence of seq_len + 1 "
+                f"= {seq_len + 1}; use more data or a smaller training.seq_len")
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.from_numpy(self.tokens.read(i * (self.seq_len + 1), self.seq_len + 1))
+        return window[:-1], window[1:]
+
+
+class MixedWindows(Dataset):
+    """Indexed by (source, window), as `GlobalOrder` yields them."""
+
+    def __init__(self, sources: list[PackedWindows]):
+        self.sources = sources
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sources)
+
+    def __getitem__(self, index: tuple[int, int]):
+        source, window = index
+        return self.sources[source][window]
+
+
+def open_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> TokenShards:
+    """The token stream of a local source: a shard folder as it is (its tokenizer checked),
+    local files through the on-the-fly cache."""
+    try:
+        if len(files) == 1 and is_shard_folder(files[0]):
+            return TokenShards(files[0], tokenizer)
+        return cached_tokens(files, tokenizer, text_field)
+    except ShardError as e:
+        raise DataError(str(e)) from None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TITAN_CACHE_DIR", "~/.cache/titan")).expanduser()
+
+
+def _cache_key(files: list[Path], tokenizer: Tokenizer, text_field: str) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|".encode())
+    h.update(f"{text_field}|{tokenizer_fingerprint(tokenizer)}".encode())
+    return h.hexdigest()[:20]
+
+
+def cached_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> TokenShards:
+    """Tokenize local files once into a shard folder under TITAN_CACHE_DIR (default
+    ~/.cache/titan), keyed by the files' paths, sizes and modification times and the
+    tokenizer's fingerprint; later runs and the other ranks map it. Where the cache cannot
+    be written, the shards go to a temporary folder for this run."""
+    folder = cache_dir() / f"tokens-{_cache_key(files, tokenizer, text_field)}"
+    if is_shard_folder(folder):
+        try:
+            return TokenShards(folder, tokenizer)
+        except ShardError as e:
+            logger.warning("token cache %s is unusable (%s); tokenizing again", folder, e)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        writer = ShardWriter(folder, tokenizer, sources=[str(f) for f in files])
+    except OSError as e:
+        import tempfile
+
+        logger.info("token cache not writable (%s); tokenizing into a temporary folder", e)
+        folder = Path(tempfile.mkdtemp(prefix="titan-tokens-")) / "shards"
+        writer = ShardWriter(folder, tokenizer, sources=[str(f) for f in files])
+    try:
+        writer.add(ids for batch in encode_documents(tokenizer, iter_texts(files, text_field))
+                   for ids in batch)
+        return TokenShards(writer.close(), tokenizer)
+    except BaseException:
+        writer.abort()
+        raise

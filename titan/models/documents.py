@@ -1,0 +1,44 @@
+"""Documents packed into one training window: which tokens may attend to which.
+
+Every document starts with BOS, so a window's documents are the runs that BOS opens (the
+window's first run may be the tail of a document begun in an earlier window). With a
+block-causal mask a token attends only to earlier tokens of its own document; positions may
+restart at each document, so a document sees exactly what it would see alone.
+"""
+
+import torch
+
+
+def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """(batch, seq) int32: the index of each token's document within its window."""
+    return torch.cumsum(tokens == bos_id, dim=-1, dtype=torch.int32)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) int64: each token's position within its document."""
+    idx = torch.arange(doc_ids.shape[-1], device=doc_ids.device).expand_as(doc_ids)
+    opens = torch.ones_like(doc_ids, dtype=torch.bool)
+    opens[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    starts = torch.where(opens, idx, torch.zeros_like(idx)).cummax(dim=-1).values
+    return idx - starts
+
+
+def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool for scaled_dot_product_attention: True where a query may
+    attend to a key."""
+    seq = doc_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+def block_causal_block_mask(doc_ids: torch.Tensor):
+    """The same mask as a FlexAttention BlockMask, which skips whole blocks that no query of
+    a document reaches (the fast path on CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    batch, seq = doc_ids.shape
+    return create_block_mask(mask_mod, batch, None, seq, seq, device=doc_ids.device)
