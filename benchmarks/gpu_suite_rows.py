@@ -1,0 +1,106 @@
+"""What the GPU suite runs: its rows, the model shapes behind them, and the targets.
+
+A shape is a titan flavor, or a flavor cut to fewer layers, named `<flavor>_cut<layers>`
+(e.g. `8B_cut8`: Llama 3 8B's width, heads and FFN with 8 of its 32 layers, so the model,
+AdamW state and seq_len-8192 activations fit one GPU). gpu_suite_titan.py registers such
+names in the trainer process; the torchtitan peer is built from the same numbers.
+"""
+
+import re
+from dataclasses import asdict, dataclass
+
+TARGET_TPS_RATIO = 1.05  # titan tokens/s >= 1.05 x torchtitan's
+TARGET_MEM_RATIO = 1.0  # titan peak memory <= torchtitan's
+TARGET_MFU_PCT = 45.0  # bf16 at the 8B shape, against the datasheet peak
+TARGET_ASYNC_PCT = 10.0  # an async save blocks training < 10% of a sync save
+
+
+@dataclass
+class Row:
+    kind: str  # train (titan), peer (torchtitan, same settings as the train row before it),
+    #            checkpoint (titan, sync vs async saves) or tests (pytest on the device)
+    name: str
+    shape: str = ""
+    seq_len: int = 0
+    batch: int = 0
+    steps: int = 0
+    warmup: int = 0  # steps left out of tokens/s (compilation, autotuning, allocator growth)
+    dtype: str = "bfloat16"
+    float8: bool = False
+    ac: str = "selective"
+    compile: bool = False
+    checkpoint_mode: str = ""  # disabled (sync) or async / async_with_pinned_mem
+    pytest_args: tuple = ()
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def split_shape(shape: str) -> tuple[str, int | None]:
+    """'8B_cut8' -> ('8B', 8); '1B' -> ('1B', None)."""
+    m = re.fullmatch(r"(.+)_cut(\d+)", shape)
+    return (m[1], int(m[2])) if m else (shape, None)
+
+
+def model_args(shape: str, vocab_size: int, seq_len: int):
+    """titan's Llama3Args for a shape, with the tokenizer's vocabulary, as the trainer builds it."""
+    from titan.models.llama3 import LLAMA3_FLAVORS
+
+    base, layers = split_shape(shape)
+    args = LLAMA3_FLAVORS[base].with_updates(vocab_size=vocab_size, max_seq_len=seq_len)
+    return args.with_updates(n_layers=layers) if layers else args
+
+
+def _label(shape, dtype, float8, ac, compile_):
+    prec = "float8" if float8 else {"bfloat16": "bf16", "float32": "fp32"}[dtype]
+    ac_name = {"selective": "SAC", "full": "full AC", "none": "no AC"}[ac]
+    return f"{shape} {prec} {ac_name}{' compile' if compile_ else ''}"
+
+
+def plan(device: str, tiny: bool, cut_layers: int, steps: int | None, kinds: set[str],
+         tests: list[str] | None) -> list[Row]:
+    """The rows in run order: each titan training row directly followed by its torchtitan
+    peer, so drift of the machine hits both alike."""
+    if tiny:
+        # debug-model-sized stand-ins; fp32, as bf16 matmuls on CPUs without bf16 units run
+        # 20x slower; compile on one row only (its compilation dominates a tiny run)
+        big, small, ckpt_shape = "debugmodel_cut2", "debugmodel", "debugmodel"
+        seq, big_batch, small_batch, n, warm, dtype = 64, 2, 2, steps or 6, 2, "float32"
+        compile_rows = {0}
+    else:
+        big, small, ckpt_shape = f"8B_cut{cut_layers}", "1B", "1B_cut4"
+        seq, big_batch, small_batch, n, warm, dtype = 8192, 1, 2, steps or 20, 8, "bfloat16"
+        compile_rows = {0, 1, 2, 3}
+    train = [(big, False, "selective"), (big, False, "full"), (big, True, "selective"),
+             (small, False, "selective")]
+    rows = []
+    for i, (shape, f8, ac) in enumerate(train):
+        c = i in compile_rows
+        common = dict(shape=shape, seq_len=seq, batch=big_batch if shape == big else small_batch,
+                      steps=n, warmup=warm, dtype=dtype, float8=f8, ac=ac, compile=c)
+        label = _label(shape, dtype, f8, ac, c)
+        if "train" in kinds:
+            rows.append(Row("train", label, **common))
+        if "peer" in kinds:
+            rows.append(Row("peer", label, **common))
+    if "checkpoint" in kinds:
+        # saves every 2 steps: the first async save allocates (and pins) the staging buffers,
+        # the last is always blocking; the ones between are the steady state compared
+        async_mode = "async" if device == "cpu" else "async_with_pinned_mem"
+        for mode in ("disabled", async_mode):
+            what = "sync" if mode == "disabled" else mode
+            rows.append(Row("checkpoint", f"{ckpt_shape} save {what}",
+                            shape=ckpt_shape, seq_len=seq if tiny else 2048, batch=1,
+                            steps=5 if tiny else 7,
+                            dtype=dtype, ac="none", checkpoint_mode=mode))
+    if "tests" in kinds:
+        if tests is None:
+            # on the GPU: the gpu-marked tests and the debug model's learning run on CUDA;
+            # no context-parallel test (one GPU has no peer rank); the train rows are the
+            # bf16 smoke runs. --tests "-m 'integration or gpu' tests" runs them all (long)
+            tests = (["tests/unit/test_preflight.py::test_cuda_device_needs_a_gpu"] if tiny else
+                     ["-m", "integration or gpu", "tests/unit/test_preflight.py",
+                      "tests/integration/test_train_e2e.py::test_debug_model_learns_and_logs"])
+        rows.append(Row("tests", f"pytest on {device}: {' '.join(tests)}",
+                        pytest_args=tuple(tests)))
+    return rows

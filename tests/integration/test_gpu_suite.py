@@ -1,0 +1,77 @@
+"""The GPU suite's dry run, `benchmarks/gpu_suite.py --device cpu --tiny`: every row kind of
+the one-command GPU suite runs on the CPU, and the figures it writes are sane.
+
+torchtitan is no CI dependency: its rows hold numbers where it is importable (then they take
+a minute or two more) and otherwise say, explicitly, that it is not installed.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+from titan.paths import REPO_ROOT
+
+TRAIN_KEYS = {"tps", "steps_timed", "mfu_datasheet_pct", "mfu_matmul_pct", "peak_memory_gib",
+              "loss_first", "loss_last", "flops_per_token", "tps_ratio", "mem_ratio", "checks"}
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_dry_run_takes_every_path(tmp_path):
+    out = tmp_path / "suite.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_suite.py", "--device", "cpu", "--tiny", "--out", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "| row | side | status |" in proc.stdout  # the markdown table
+    data = json.loads(out.read_text())
+    meta, rows = data["meta"], data["rows"]
+    assert meta["device"] == "cpu" and meta["tiny"] and meta["matmul_flops"] > 0
+    assert meta["datasheet_flops"] is None  # CPUs publish no peak: that MFU column is n/a
+    by_kind = {k: [r for r in rows if r["kind"] == k]
+               for k in ("train", "peer", "checkpoint", "tests")}
+    assert [len(v) for v in by_kind.values()] == [4, 4, 2, 1]
+
+    for r in by_kind["train"]:
+        assert r["status"] == "ok", r
+        assert TRAIN_KEYS <= r.keys(), r
+        assert r["tps"] > 0 and r["steps_timed"] == r["steps"] - r["warmup"]
+        assert finite(r["mfu_matmul_pct"]) and r["mfu_matmul_pct"] > 0
+        assert r["mfu_datasheet_pct"] is None
+        assert r["peak_memory_gib"] > 0
+        assert finite(r["loss_first"]) and finite(r["loss_last"])
+    assert any(r["compile"] for r in by_kind["train"])
+    assert {r["ac"] for r in by_kind["train"]} == {"selective", "full"}
+    # float8 (emulated) learns like the full-precision row of the same shape and AC
+    f8 = next(r for r in by_kind["train"] if r["float8"])
+    ref = next(r for r in by_kind["train"] if not r["float8"] and r["shape"] == f8["shape"]
+               and r["ac"] == f8["ac"])
+    assert abs(f8["loss_last"] - ref["loss_last"]) < 0.02 * ref["loss_last"], (f8, ref)
+    assert f8["loss_last"] < f8["loss_first"]
+
+    for train, peer in zip(by_kind["train"], by_kind["peer"]):
+        assert peer["name"] == train["name"] and peer["shape"] == train["shape"]
+        if peer["status"] == "ok":  # torchtitan importable here
+            assert peer["tps"] > 0 and peer["peak_memory_gib"] > 0
+            assert finite(peer["mfu_matmul_pct"]) and finite(peer["loss_last"])
+            assert peer["flops_per_token"] == train["flops_per_token"]  # the same shape
+            assert train["tps_ratio"] > 0 and train["mem_ratio"] > 0
+            assert set(train["checks"].values()) <= {"pass", "fail"}
+        else:
+            assert peer["status"] == ("not installed (run scripts/gpu_wheels.sh and carry "
+                                      ".whl)") or peer["status"].startswith("not importable")
+            assert train["tps_ratio"] is None and train["mem_ratio"] is None
+            assert train["checks"] == {"tps>=1.05x": "n/a", "mem<=1x": "n/a"}
+
+    sync, async_ = by_kind["checkpoint"]
+    assert sync["checkpoint_mode"] == "disabled" and async_["checkpoint_mode"] == "async"
+    assert sync["status"] == async_["status"] == "ok"
+    assert not sync["ran_async"] and async_["ran_async"]
+    assert 0 < async_["blocked_s"] < sync["blocked_s"], (sync, async_)
+    assert finite(async_["pct_of_sync"]) and list(async_["checks"].values())[0] in ("pass", "fail")
+
+    (tests,) = by_kind["tests"]
+    assert tests["status"] == "ok" and tests["counts"].get("passed", 0) >= 1, tests
