@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,13 +20,14 @@ from titan.components.checkpointer import Checkpointer
 from titan.components.dataloader import DataShard, build_dataloader
 from titan.components.dataset import DataError
 from titan.components.fault_injection import FaultInjector
-from titan.components.float8 import apply_float8, scale_precomputer
+from titan.components.float8 import scale_precomputer
 from titan.components.flops import peak_flops
 from titan.components.gc import ScheduledGC
 from titan.components.grad_clip import clip_grad_norm_
 from titan.components.hf_io import HFModelIO
 from titan.components.loss import cross_entropy_sum, plain, reduce_loss
 from titan.components.lr_scheduler import build_lr_scheduler
+from titan.components.memory_measure import state_bytes, write_measured
 from titan.components.metrics import MetricsLogger
 from titan.components.optimizer import build_optimizer
 from titan.components.profiling import maybe_profile
@@ -41,6 +43,7 @@ from titan.distributed import (
     set_collective_timeout,
 )
 from titan.dtypes import to_dtype
+from titan.build import meta_parts
 from titan.logging_setup import init_logging
 from titan.models.documents import document_ids, document_positions
 from titan.parallelisms.context_parallel import context_parallel_ctx
@@ -131,27 +134,18 @@ class Trainer:
 
     def _build_model(self):
         """Meta-device model -> pipeline stages (if pp) -> parallelisms -> real memory -> init."""
-        spec, dims, job = self.plan.spec, self.plan.dims, self.job
-        whole = spec.build_meta(self.plan.model_args)
-        if "float8" in job.model.converters:  # model converters run before any parallelism
-            apply_float8(whole, job.float8)
-        pp_plan = None
-        parts = [whole]
-        if dims.pp_enabled:
-            pp_plan = pipeline_plan(job, self.plan.model_args.n_layers, dims["pp"].get_local_rank())
-            parts = [spec.pipelining_fn(whole, sid, pp_plan) for sid in pp_plan.stage_ids]
-        for i, part in enumerate(parts):
-            part = spec.parallelize_fn(part, dims, job)
+        job = self.job
+        whole, parts, pp_plan = meta_parts(job, self.plan)
+        for part in parts:
             part.to_empty(device=self.device)
             # weights come from (seed, parameter name): identical whatever the layout
             part.init_weights(job.training.seed, buffer_device=self.device)
             part.train()
-            parts[i] = part
         tied = None
         if pp_plan is not None and whole.tied_parameters():
             last = pp_plan.num_stages - 1
             split = last not in pipeline_plan(job, self.plan.model_args.n_layers, 0).stage_ids
-            tied = TiedCopies(parts, whole.tied_parameters(), dims.world_mesh, split)
+            tied = TiedCopies(parts, whole.tied_parameters(), self.plan.dims.world_mesh, split)
         return parts, pp_plan, tied
 
     def _pipeline_schedule(self, pp_plan, loss_fn):
@@ -367,6 +361,7 @@ class Trainer:
                 loss, grad_norm, skipped = self.train_step(microbatches)
                 self.skipped_steps += skipped
                 if self.step == first_step:
+                    self._write_memory_measured()
                     # start-up and compilation are slow; steady-state steps are not
                     set_collective_timeout(job.comm.train_timeout_seconds)
                     logger.info("collective timeout now %ds (comm.train_timeout_seconds)",
@@ -403,6 +398,13 @@ class Trainer:
         watchdog.stop()
         gc_sched.close()
         logger.info("training done after %d steps", self.step)
+
+    def _write_memory_measured(self) -> None:
+        """The bytes this rank holds after its first step, in the memory planner's keys."""
+        mine = state_bytes(self.model_parts, self.optimizer.optimizers)
+        if self.device.type == "cuda":
+            mine["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        write_measured(Path(self.job.job.dump_folder) / "memory_measured.json", mine, self.rank)
 
     def close(self) -> None:
         if self.ft is not None:

@@ -1,0 +1,71 @@
+"""The memory planner's parameter, gradient and optimizer bytes equal what the trainer holds
+at its first step, rank by rank, in every layout (forked ranks, 1 step each)."""
+
+import json
+import sys
+
+import pytest
+
+from tests.forked import run_trainer, tiny_run
+from titan.config import parse_args
+from titan.memory_plan import state_bytes_per_rank
+
+ONE_STEP = tiny_run(1)
+LAYOUTS = {
+    "1rank_bf16_states": (1, ["--optimizer.state_dtype", "bfloat16"]),
+    "fsdp2_full_ac": (2, ["--activation_checkpoint.mode", "full"]),
+    "fsdp2_tp2_selective_ac": (4, ["--parallelism.tensor_parallel_degree", "2",
+                                   "--activation_checkpoint.mode", "selective"]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--training.local_batch_size", "2"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2",
+                "--parallelism.data_parallel_shard_degree", "1"]),
+    "pp2_1f1b_tied": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                          "--model.flavor", "debugmodel_tied"]),
+    "pp2_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                            "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
+}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_planned_state_bytes_equal_measured(case, tmp_path):
+    nproc, overrides = LAYOUTS[case]
+    argv = [*ONE_STEP, *overrides]
+    run_trainer(tmp_path, nproc, argv)
+    measured = json.loads((tmp_path / "dump" / "memory_measured.json").read_text())["ranks"]
+    planned = state_bytes_per_rank(parse_args(argv), nproc)
+    assert len(measured) == nproc
+    for rank, (m, p) in enumerate(zip(measured, planned, strict=True)):
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+            assert m[key] == p[key] > 0, (case, rank, key, m, p)
+
+
+def test_plan_cli_json_and_errors():
+    import subprocess
+
+    from titan.paths import REPO_ROOT
+
+    def plan(*args):
+        return subprocess.run([sys.executable, "-m", "titan.plan", *args], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    overrides = ["--parallelism.pipeline_parallel_degree", "2"]
+    proc = plan("--ngpu", "4", "--device-memory", "1GiB", "--json", *overrides)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 2}
+    assert [r["rank"] for r in report["ranks"]] == [0, 2]  # one row per pipeline rank
+    job = parse_args(["--job.config_file", "train_configs/debug_model.toml", *overrides])
+    expected = state_bytes_per_rank(job, 4)
+    for row in report["ranks"]:
+        want = expected[row["rank"]]
+        assert {k: row[k] for k in want} == want
+        assert row["states_bytes"] == sum(want.values())
+    assert report["headroom_bytes"] == 2**30 - report["max_states_bytes"]
+    assert report["not_included"] == ["activations", "transient buffers"]
+    table = plan("--ngpu", "4", *overrides).stdout
+    assert "optimizer" in table and "not included yet" in table
+    bad = plan("--ngpu", "3", "--parallelism.tensor_parallel_degree", "2")
+    assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr

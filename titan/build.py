@@ -1,0 +1,30 @@
+"""The model parts of a run, on the meta device, as every rank builds them: the family's meta
+model -> converters (float8) -> this rank's pipeline stages -> parallelisms.
+
+The trainer materializes and initializes them; the memory planner (titan.memory_plan) reads
+their local shard shapes under a fake process group. One function for both keeps the plan's
+parameter bytes equal to the run's.
+"""
+
+from torch import nn
+
+from titan.components.float8 import apply_float8
+from titan.config import JobConfig
+from titan.parallelisms.pipeline import PipelinePlan
+from titan.preflight import RunPlan, pipeline_plan
+
+
+def meta_parts(job: JobConfig, plan: RunPlan) -> tuple[nn.Module, list[nn.Module],
+                                                       PipelinePlan | None]:
+    """(the whole meta model, this rank's parallelized parts, its pipeline plan or None).
+    Needs plan.dims' mesh built."""
+    spec, dims = plan.spec, plan.dims
+    whole = spec.build_meta(plan.model_args)
+    if "float8" in job.model.converters:  # model converters run before any parallelism
+        apply_float8(whole, job.float8)
+    pp_plan = None
+    parts = [whole]
+    if dims.pp_enabled:
+        pp_plan = pipeline_plan(job, plan.model_args.n_layers, dims["pp"].get_local_rank())
+        parts = [spec.pipelining_fn(whole, sid, pp_plan) for sid in pp_plan.stage_ids]
+    return whole, [spec.parallelize_fn(part, dims, job) for part in parts], pp_plan
