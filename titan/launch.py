@@ -44,6 +44,18 @@ def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int) -> Non
                 f"{e}. Raise the minimum node count or change the parallel degrees") from None
 
 
+def check_memory(job, world_size: int) -> None:
+    """States that cannot fit the device fail here, not as an out-of-memory at step 1."""
+    from titan.memory_plan import check_fits
+
+    problem = check_fits(job, world_size)
+    if problem is None:
+        return
+    if job.memory.check == "error":
+        raise ConfigError(f"{problem}. memory.check = \"warn\" launches anyway")
+    print(f"titan: warning: {problem}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     sep = argv.index("--") if "--" in argv else len(argv)
@@ -63,6 +75,7 @@ def main() -> None:
             raise ConfigError(f"NNODES={ta.nnodes!r} / NGPU={ta.nproc_per_node!r}: NNODES is a "
                               "node count or MIN:MAX, NGPU a rank count per node") from None
         validate_world_sizes(job, min_nodes, max_nodes, nproc)
+        check_memory(job, min_nodes * nproc)  # the fewest ranks hold the most each
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,6 +7,7 @@ Keys match `<dump_folder>/memory_measured.json`, which the trainer writes at its
 """
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,8 @@ def rank_state_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
     """Parameters, gradients and optimizer states of one rank, in bytes."""
     from titan.build import meta_parts
 
-    with fake_world(world_size, rank):
+    with fake_world(world_size, rank), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # torch's own
         plan: RunPlan = plan_run(job, world_size)
         plan.dims.build_mesh("cpu")
         _, parts, _ = meta_parts(job, plan)
@@ -49,3 +51,47 @@ def rank_state_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
 
 def state_bytes_per_rank(job: JobConfig, world_size: int) -> list[dict]:
     return [rank_state_bytes(job, world_size, r) for r in range(world_size)]
+
+
+_FIXES = {
+    "params_bytes": "shard them over more ranks (parallelism.data_parallel_shard_degree, "
+                    "tensor_parallel_degree or pipeline_parallel_degree)",
+    "grads_bytes": "shard them over more ranks (FSDP: parallelism.data_parallel_shard_degree)",
+    "optimizer_bytes": "keep Adam's moments in bf16 (optimizer.state_dtype = \"bfloat16\"), "
+                       "shard them over more ranks (parallelism.data_parallel_shard_degree), or "
+                       "offload them (training.enable_cpu_offload)",
+}
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def device_memory_bytes(job: JobConfig) -> int | None:
+    """The memory one rank may use: stated, else the visible GPU's, else None (CPU)."""
+    if job.memory.device_memory_gib > 0:
+        return int(job.memory.device_memory_gib * 2**30)
+    if job.training.device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
+
+
+def check_fits(job: JobConfig, world_size: int) -> str | None:
+    """None when every pipeline rank's states fit the device memory (or nothing to check
+    against); else the reason, naming the biggest item and what would shrink it."""
+    memory = device_memory_bytes(job)
+    if job.memory.check == "off" or memory is None or job.training.enable_cpu_offload:
+        return None  # (offloaded states live in host memory)
+    dims = plan_run(job, world_size).dims
+    per_pp = world_size // dims.pp
+    for pp_rank in range(dims.pp):
+        b = rank_state_bytes(job, world_size, pp_rank * per_pp)
+        total = sum(b.values())
+        if total > memory:
+            biggest = max(b, key=b.get)
+            return (f"rank {pp_rank * per_pp} would hold {human_bytes(total)} of parameters, "
+                    f"gradients and optimizer states, more than the device's "
+                    f"{human_bytes(memory)} (memory.device_memory_gib), before any "
+                    f"activation. The biggest item: {biggest.removesuffix('_bytes')} "
+                    f"{human_bytes(b[biggest])}; {_FIXES[biggest]}. See python -m titan.plan")
+    return None

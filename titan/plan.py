@@ -15,6 +15,7 @@ import re
 import sys
 
 from titan.config import ConfigError, parse_args
+from titan.memory_plan import human_bytes, rank_state_bytes
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -27,12 +28,7 @@ def parse_bytes(text: str) -> int:
     return int(float(m[1]) * _UNITS[m[2].lower()])
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
-
-
 def plan(job, world_size: int, device_memory: int | None) -> dict:
-    from titan.memory_plan import rank_state_bytes
     from titan.preflight import plan_run
 
     dims = plan_run(job, world_size).dims
@@ -64,12 +60,12 @@ def render(report: dict) -> str:
              f"{'rank':>6} {'pp':>3} {'params':>12} {'grads':>12} {'optimizer':>12} "
              f"{'states':>12}"]
     for r in report["ranks"]:
-        lines.append(f"{r['rank']:>6} {r['pp_rank']:>3} {gib(r['params_bytes']):>12} "
-                     f"{gib(r['grads_bytes']):>12} {gib(r['optimizer_bytes']):>12} "
-                     f"{gib(r['states_bytes']):>12}")
+        lines.append(f"{r['rank']:>6} {r['pp_rank']:>3} {human_bytes(r['params_bytes']):>12} "
+                     f"{human_bytes(r['grads_bytes']):>12} {human_bytes(r['optimizer_bytes']):>12} "
+                     f"{human_bytes(r['states_bytes']):>12}")
     if report["device_memory_bytes"] is not None:
-        lines.append(f"device memory {gib(report['device_memory_bytes'])}: headroom at most "
-                     f"{gib(report['headroom_bytes'])} per rank")
+        lines.append(f"device memory {human_bytes(report['device_memory_bytes'])}: headroom at most "
+                     f"{human_bytes(report['headroom_bytes'])} per rank")
     lines.append("not included yet: activations and transient buffers (the states are a floor)")
     return "\n".join(lines)
 

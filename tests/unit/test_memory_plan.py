@@ -69,3 +69,26 @@ def test_plan_cli_json_and_errors():
     assert "optimizer" in table and "not included yet" in table
     bad = plan("--ngpu", "3", "--parallelism.tensor_parallel_degree", "2")
     assert bad.returncode == 2 and "world size 3 is not divisible" in bad.stderr
+
+
+def test_launcher_refuses_states_that_cannot_fit():
+    import os
+    import subprocess
+
+    from titan.paths import REPO_ROOT
+
+    def dry_run(*overrides):
+        return subprocess.run(["bash", "run_train.sh", *overrides], cwd=REPO_ROOT,
+                              env={**os.environ, "DRY_RUN": "1", "NGPU": "2"},
+                              capture_output=True, text=True, timeout=120)
+
+    small = ["--memory.device_memory_gib", "0.035"]  # FSDP 2: 44 MiB of states per rank
+    proc = dry_run(*small)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "rank 0 would hold 44.0 MiB" in proc.stderr and "device's 35.8 MiB" in proc.stderr
+    assert "biggest item: optimizer" in proc.stderr and 'state_dtype = "bfloat16"' in proc.stderr
+    warned = dry_run(*small, "--memory.check", "warn")
+    assert warned.returncode == 0 and "titan: warning: rank 0 would hold" in warned.stderr
+    for fits in (["--optimizer.state_dtype", "bfloat16"], ["--training.enable_cpu_offload"]):
+        proc = dry_run(*small, *fits)  # 33 MiB with bf16 moments; offloaded: on the host
+        assert proc.returncode == 0 and "would hold" not in proc.stderr, proc.stderr

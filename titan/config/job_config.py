@@ -292,6 +292,18 @@ class Validation:
 
 
 @dataclass
+class Memory:
+    device_memory_gib: float = opt(
+        0.0, "Memory of one device that each rank's planned bytes must fit (python -m "
+        "titan.plan); 0 = the visible GPU's own, no check on CPU"
+    )
+    check: Literal["error", "warn", "off"] = opt(
+        "error", "When a rank's parameters + gradients + optimizer states exceed the device "
+        "memory: refuse before launch, warn, or skip the check"
+    )
+
+
+@dataclass
 class Debug:
     nan_at_step: int = opt(
         -1, "Test hook: make the model's output, so the loss, NaN at this step (-1 = never)"
@@ -323,6 +335,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
+    memory: Memory = field(default_factory=Memory)
     debug: Debug = field(default_factory=Debug)
     # not a section: where each value set by a file or the command line came from
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
