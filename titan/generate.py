@@ -145,6 +145,25 @@ def _tp_job(job, world: int):
     return job
 
 
+class TextStream:
+    """The text each new token adds, for printing as it comes. A character whose UTF-8 bytes
+    span several tokens decodes to U+FFFD until its last byte arrives: that tail is held back."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special=True)
+        end = len(text.rstrip("\ufffd"))
+        new, self.shown = text[self.shown:end], max(self.shown, end)
+        return new
+
+    def flush(self) -> str:
+        """What is left at the end (a character that never completed stays U+FFFD)."""
+        return self.tokenizer.decode(self.ids, skip_special=True)[self.shown:]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,14 +212,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"titan.generate: {e}")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     stream = len(prompts) == 1 and rank0
-    streamed: list[int] = []
-    shown = [""]
+    text_stream = TextStream(tokenizer)
 
-    def on_step(ids):  # print what the new token adds to the decoded text
-        streamed.append(int(ids[0]))
-        text = tokenizer.decode(streamed, skip_special=True)
-        print(text[len(shown[0]):], end="", flush=True)
-        shown[0] = text
+    def on_step(ids):
+        print(text_stream.push(int(ids[0])), end="", flush=True)
 
     if stream:
         print(opts.prompt[0], end="", flush=True)
@@ -208,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                    sampling=Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed),
                    on_step=on_step if stream else None)
     if stream:
-        print()
+        print(text_stream.flush())
     elif rank0:
         for i, (p, ids) in enumerate(zip(opts.prompt, out)):
             print(f"[{i}] {p}{tokenizer.decode(ids, skip_special=True)}")

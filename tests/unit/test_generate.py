@@ -131,3 +131,16 @@ def _tokenizer():
     from titan.components.tokenizer import Tokenizer
 
     return Tokenizer(str(REPO / "assets" / "tokenizer" / "tokenizer.json"))
+
+
+def test_streamed_text_never_shows_half_a_character(tokenizer):
+    from titan.generate import TextStream
+
+    text = "café naïve — 😀 done"
+    ids = tokenizer.encode(text, bos=False, eos=False)
+    # the emoji's four bytes are separate tokens: decoding a prefix ends in U+FFFD
+    assert any(tokenizer.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))
+    stream = TextStream(tokenizer)
+    pieces = [stream.push(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + stream.flush() == text
