@@ -53,6 +53,30 @@ def state_bytes_per_rank(job: JobConfig, world_size: int) -> list[dict]:
     return [rank_state_bytes(job, world_size, r) for r in range(world_size)]
 
 
+def pipeline_rank_bytes(job: JobConfig, world_size: int) -> list[tuple[int, int, dict]]:
+    """(rank, pp rank, bytes) for the first rank of every pipeline rank: the others of a
+    pipeline rank differ only by an uneven FSDP shard's few elements, the first holding the
+    most. Pipeline ranks whose stages have the same layer counts and ends are computed once
+    (a family's blocks are alike), so a 126-layer model on 16 stages builds a few, not 16."""
+    from titan.preflight import pipeline_plan
+
+    run = plan_run(job, world_size)
+    dims, n_layers = run.dims, run.model_args.n_layers
+    per_pp = world_size // dims.pp
+    done: dict[tuple, dict] = {}
+    out = []
+    for pp_rank in range(dims.pp):
+        key = None
+        if dims.pp_enabled:
+            pp = pipeline_plan(job, n_layers, pp_rank)
+            last = pp.num_stages - 1
+            key = tuple((s == 0, s == last, len(pp.layer_ranges[s])) for s in pp.stage_ids)
+        if key not in done:
+            done[key] = rank_state_bytes(job, world_size, pp_rank * per_pp)
+        out.append((pp_rank * per_pp, pp_rank, done[key]))
+    return out
+
+
 _FIXES = {
     "params_bytes": "shard them over more ranks (parallelism.data_parallel_shard_degree, "
                     "tensor_parallel_degree or pipeline_parallel_degree)",
@@ -82,14 +106,11 @@ def check_fits(job: JobConfig, world_size: int) -> str | None:
     memory = device_memory_bytes(job)
     if job.memory.check == "off" or memory is None or job.training.enable_cpu_offload:
         return None  # (offloaded states live in host memory)
-    dims = plan_run(job, world_size).dims
-    per_pp = world_size // dims.pp
-    for pp_rank in range(dims.pp):
-        b = rank_state_bytes(job, world_size, pp_rank * per_pp)
+    for rank, _, b in pipeline_rank_bytes(job, world_size):
         total = sum(b.values())
         if total > memory:
             biggest = max(b, key=b.get)
-            return (f"rank {pp_rank * per_pp} would hold {human_bytes(total)} of parameters, "
+            return (f"rank {rank} would hold {human_bytes(total)} of parameters, "
                     f"gradients and optimizer states, more than the device's "
                     f"{human_bytes(memory)} (memory.device_memory_gib), before any "
                     f"activation. The biggest item: {biggest.removesuffix('_bytes')} "

@@ -15,7 +15,7 @@ import re
 import sys
 
 from titan.config import ConfigError, parse_args
-from titan.memory_plan import human_bytes, rank_state_bytes
+from titan.memory_plan import human_bytes, pipeline_rank_bytes
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -32,13 +32,8 @@ def plan(job, world_size: int, device_memory: int | None) -> dict:
     from titan.preflight import plan_run
 
     dims = plan_run(job, world_size).dims
-    per_pp = world_size // dims.pp
-    ranks = []
-    for pp_rank in range(dims.pp):
-        rank = pp_rank * per_pp
-        b = rank_state_bytes(job, world_size, rank)
-        b["states_bytes"] = b["params_bytes"] + b["grads_bytes"] + b["optimizer_bytes"]
-        ranks.append({"rank": rank, "pp_rank": pp_rank, **b})
+    ranks = [{"rank": rank, "pp_rank": pp_rank, **b, "states_bytes": sum(b.values())}
+             for rank, pp_rank, b in pipeline_rank_bytes(job, world_size)]
     worst = max(r["states_bytes"] for r in ranks)
     return {
         "world_size": world_size,
