@@ -96,8 +96,23 @@ def device_memory_bytes(job: JobConfig) -> int | None:
     if job.memory.device_memory_gib > 0:
         return int(job.memory.device_memory_gib * 2**30)
     if job.training.device != "cpu" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
+        return _gpu_total_memory()
     return None
+
+
+def _gpu_total_memory() -> int | None:
+    """Asked in a child process: a CUDA context made here would stay on GPU 0 for the whole
+    job, as the launcher goes on as torchrun's agent."""
+    import subprocess
+    import sys
+
+    code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        return int(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def check_fits(job: JobConfig, world_size: int) -> str | None:
