@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.forked import run_trainer, tiny_run
+from tests.forked import run_trainer, run_workers, tiny_run
 from titan.config import parse_args
 from titan.memory_plan import state_bytes_per_rank
 
@@ -28,6 +28,19 @@ LAYOUTS = {
 }
 
 
+def _plan_in_child(rank, world_size, argv, nproc):
+    return state_bytes_per_rank(parse_args(argv), nproc)
+
+
+def planned_bytes(argv, nproc, tmp_path) -> list[dict]:
+    """The plan, made in a forked child: its fake process group and the meshes torch caches
+    for it must not reach the ranks later tests fork from this process."""
+    plan_dir = tmp_path / "plan"
+    plan_dir.mkdir()
+    return run_workers(_plan_in_child, 1, plan_dir, argv, nproc, init_pg=False,
+                       barrier=False)[0]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_planned_state_bytes_equal_measured(case, tmp_path):
@@ -35,14 +48,14 @@ def test_planned_state_bytes_equal_measured(case, tmp_path):
     argv = [*ONE_STEP, *overrides]
     run_trainer(tmp_path, nproc, argv)
     measured = json.loads((tmp_path / "dump" / "memory_measured.json").read_text())["ranks"]
-    planned = state_bytes_per_rank(parse_args(argv), nproc)
+    planned = planned_bytes(argv, nproc, tmp_path)
     assert len(measured) == nproc
     for rank, (m, p) in enumerate(zip(measured, planned, strict=True)):
         for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
             assert m[key] == p[key] > 0, (case, rank, key, m, p)
 
 
-def test_plan_cli_json_and_errors():
+def test_plan_cli_json_and_errors(tmp_path):
     import subprocess
 
     from titan.paths import REPO_ROOT
@@ -57,8 +70,8 @@ def test_plan_cli_json_and_errors():
     report = json.loads(proc.stdout)
     assert report["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 2}
     assert [r["rank"] for r in report["ranks"]] == [0, 2]  # one row per pipeline rank
-    job = parse_args(["--job.config_file", "train_configs/debug_model.toml", *overrides])
-    expected = state_bytes_per_rank(job, 4)
+    expected = planned_bytes(["--job.config_file", "train_configs/debug_model.toml",
+                              *overrides], 4, tmp_path)
     for row in report["ranks"]:
         want = expected[row["rank"]]
         assert {k: row[k] for k in want} == want
