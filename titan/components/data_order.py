@@ -73,7 +73,7 @@ class GlobalOrder(Sampler):
             raise ValueError("a finite pass is over one source")
         self.start = 0
         self._counts = {0: np.zeros(len(sizes), dtype=np.int64)}  # global batch -> counts
-        self._perms: dict[tuple[int, int], WindowPermutation] = {}
+        self._perms: dict[int, tuple[int, WindowPermutation]] = {}  # source -> its epoch's
 
     # ---------------------------------------------------------------- the global stream
 
@@ -118,10 +118,9 @@ class GlobalOrder(Sampler):
         epoch, pos = divmod(k, n)
         if not self.shuffle:
             return pos
-        key = (s, epoch)
-        if key not in self._perms:
-            self._perms = {key: WindowPermutation(n, self.seed * 1_000_003 + epoch * 7919 + s)}
-        return self._perms[key][pos]
+        if self._perms.get(s, (None,))[0] != epoch:
+            self._perms[s] = (epoch, WindowPermutation(n, self.seed * 1_000_003 + epoch * 7919 + s))
+        return self._perms[s][1][pos]
 
     # ---------------------------------------------------------------- this rank's samples
 
