@@ -1,7 +1,8 @@
 """Per-rank memory of a run, known before it starts: parameters, gradients and optimizer
 states of every rank, from the model parts that rank would build (`titan.build.meta_parts`)
 under a fake process group, so every sharding (FSDP's uneven last shards, TP's plans,
-pipeline stages, tied copies) is torch's own and the bytes equal the run's.
+pipeline stages, tied copies) is torch's own and the bytes equal the run's; activations and
+transient buffers from a forward of those parts on fake tensors (`titan.activation_plan`).
 
 Keys match `<dump_folder>/memory_measured.json`, which the trainer writes at its first step.
 """
@@ -23,11 +24,16 @@ def fake_world(world_size: int, rank: int):
     """A process group whose collectives do nothing: enough to build meshes and shard."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor caches sharding decisions by (equal) meshes: the next world's meshes would
+        # get this world's, whose groups are gone
+        _clear_sharding_prop_cache()
 
 
 def rank_state_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
@@ -53,8 +59,25 @@ def state_bytes_per_rank(job: JobConfig, world_size: int) -> list[dict]:
     return [rank_state_bytes(job, world_size, r) for r in range(world_size)]
 
 
+def rank_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
+    """States, activations and transient buffers of one rank, and their total. A forward
+    the fake tensors cannot trace leaves activations and transients None, with the reason."""
+    from titan.activation_plan import rank_activation_bytes
+
+    out = rank_state_bytes(job, world_size, rank)
+    out["states_bytes"] = sum(out.values())
+    try:
+        out.update(rank_activation_bytes(job, world_size, rank))
+    except Exception as e:  # noqa: BLE001  the states are still worth reporting
+        out.update(activations_bytes=None, transient_bytes=None,
+                   activations_error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+    out["total_bytes"] = out["states_bytes"] + (out["activations_bytes"] or 0) \
+        + (out["transient_bytes"] or 0)
+    return out
+
+
 def pipeline_rank_bytes(job: JobConfig, world_size: int) -> list[tuple[int, int, dict]]:
-    """(rank, pp rank, bytes) for the first rank of every pipeline rank: the others of a
+    """(rank, pp rank, rank_bytes) for the first rank of every pipeline rank: the others of a
     pipeline rank differ only by an uneven FSDP shard's few elements, the first holding the
     most. Pipeline ranks whose stages have the same layer counts and ends are computed once
     (a family's blocks are alike), so a 126-layer model on 16 stages builds a few, not 16."""
@@ -72,12 +95,18 @@ def pipeline_rank_bytes(job: JobConfig, world_size: int) -> list[tuple[int, int,
             last = pp.num_stages - 1
             key = tuple((s == 0, s == last, len(pp.layer_ranges[s])) for s in pp.stage_ids)
         if key not in done:
-            done[key] = rank_state_bytes(job, world_size, pp_rank * per_pp)
+            done[key] = rank_bytes(job, world_size, pp_rank * per_pp)
         out.append((pp_rank * per_pp, pp_rank, done[key]))
     return out
 
 
 _FIXES = {
+    "activations_bytes": "checkpoint more (activation_checkpoint.mode = \"selective\" or "
+                         "\"full\"), lower training.local_batch_size (global_batch_size "
+                         "then accumulates gradients), or shard the sequence "
+                         "(parallelism.context_parallel_degree, tensor_parallel_degree)",
+    "transient_bytes": "shard FSDP units over more ranks, or lower training.local_batch_size "
+                       "(the logits' gradient)",
     "params_bytes": "shard them over more ranks (parallelism.data_parallel_shard_degree, "
                     "tensor_parallel_degree or pipeline_parallel_degree)",
     "grads_bytes": "shard them over more ranks (FSDP: parallelism.data_parallel_shard_degree)",
@@ -116,18 +145,23 @@ def _gpu_total_memory() -> int | None:
 
 
 def check_fits(job: JobConfig, world_size: int) -> str | None:
-    """None when every pipeline rank's states fit the device memory (or nothing to check
+    """None when every pipeline rank's planned memory fits the device (or nothing to check
     against); else the reason, naming the biggest item and what would shrink it."""
     memory = device_memory_bytes(job)
-    if job.memory.check == "off" or memory is None or job.training.enable_cpu_offload:
-        return None  # (offloaded states live in host memory)
+    if job.memory.check == "off" or memory is None:
+        return None
     for rank, _, b in pipeline_rank_bytes(job, world_size):
-        total = sum(b.values())
+        items = {k: b[k] or 0 for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                        "activations_bytes", "transient_bytes")}
+        if job.training.enable_cpu_offload:  # offloaded states live in host memory
+            for k in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+                items[k] = 0
+        total = sum(items.values())
         if total > memory:
-            biggest = max(b, key=b.get)
-            return (f"rank {rank} would hold {human_bytes(total)} of parameters, "
-                    f"gradients and optimizer states, more than the device's "
-                    f"{human_bytes(memory)} (memory.device_memory_gib), before any "
-                    f"activation. The biggest item: {biggest.removesuffix('_bytes')} "
-                    f"{human_bytes(b[biggest])}; {_FIXES[biggest]}. See python -m titan.plan")
+            biggest = max(items, key=items.get)
+            return (f"rank {rank} would need {human_bytes(total)} (parameters, gradients, "
+                    f"optimizer states, activations and transient buffers), more than the "
+                    f"device's {human_bytes(memory)} (memory.device_memory_gib). The biggest "
+                    f"item: {biggest.removesuffix('_bytes')} {human_bytes(items[biggest])}; "
+                    f"{_FIXES[biggest]}. See python -m titan.plan")
     return None

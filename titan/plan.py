@@ -4,8 +4,11 @@ overrides] --ngpu N [--nnodes M] [--device-memory 80GiB] [--json]`.
 For each pipeline rank (ranks of one pipeline rank differ only by a few elements of an uneven
 FSDP shard; the one shown, the first, holds the largest), the bytes of parameters, gradients
 and optimizer states, computed from the model parts that rank builds (`titan.memory_plan`):
-they equal what the trainer measures (`memory_measured.json`). Activations and transient
-buffers are not estimated yet, so the total is a floor, and the headroom an upper bound.
+they equal what the trainer measures (`memory_measured.json`); the activations held for
+backward at the peak, traced through the same parts on fake tensors (the trainer measures
+them too); and transient buffers (FSDP's gathered units, the logits' gradient), estimated.
+
+`--suggest` ranks the layouts for the GPUs given instead (`titan.layout_search`).
 """
 
 import argparse
@@ -15,7 +18,8 @@ import re
 import sys
 
 from titan.config import ConfigError, parse_args
-from titan.memory_plan import human_bytes, pipeline_rank_bytes
+from titan.layout_search import Hardware, suggest
+from titan.memory_plan import device_memory_bytes, human_bytes, pipeline_rank_bytes
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -32,36 +36,41 @@ def plan(job, world_size: int, device_memory: int | None) -> dict:
     from titan.preflight import plan_run
 
     dims = plan_run(job, world_size).dims
-    ranks = [{"rank": rank, "pp_rank": pp_rank, **b, "states_bytes": sum(b.values())}
+    ranks = [{"rank": rank, "pp_rank": pp_rank, **b}
              for rank, pp_rank, b in pipeline_rank_bytes(job, world_size)]
-    worst = max(r["states_bytes"] for r in ranks)
+    worst = max(r["total_bytes"] for r in ranks)
     return {
         "world_size": world_size,
         "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                    "tp": dims.tp, "pp": dims.pp},
         "model": {"name": job.model.name, "flavor": job.model.flavor},
+        "activation_checkpoint": job.activation_checkpoint.mode,
         "ranks": ranks,
-        "max_states_bytes": worst,
+        "max_states_bytes": max(r["states_bytes"] for r in ranks),
+        "max_total_bytes": worst,
         "device_memory_bytes": device_memory,
         "headroom_bytes": None if device_memory is None else device_memory - worst,
-        "not_included": ["activations", "transient buffers"],
     }
+
+
+_COLUMNS = ("params", "grads", "optimizer", "activations", "transient", "total")
 
 
 def render(report: dict) -> str:
     lay = report["layout"]
     lines = [f"{report['model']['name']} {report['model']['flavor']} on {report['world_size']} "
-             f"ranks: " + ", ".join(f"{k} {v}" for k, v in lay.items()),
-             f"{'rank':>6} {'pp':>3} {'params':>12} {'grads':>12} {'optimizer':>12} "
-             f"{'states':>12}"]
+             f"ranks: " + ", ".join(f"{k} {v}" for k, v in lay.items())
+             + f"; activation checkpointing {report['activation_checkpoint']}",
+             f"{'rank':>6} {'pp':>3} " + " ".join(f"{c:>12}" for c in _COLUMNS)]
     for r in report["ranks"]:
-        lines.append(f"{r['rank']:>6} {r['pp_rank']:>3} {human_bytes(r['params_bytes']):>12} "
-                     f"{human_bytes(r['grads_bytes']):>12} {human_bytes(r['optimizer_bytes']):>12} "
-                     f"{human_bytes(r['states_bytes']):>12}")
+        cells = [r[f"{c}_bytes"] for c in _COLUMNS]
+        lines.append(f"{r['rank']:>6} {r['pp_rank']:>3} " + " ".join(
+            f"{'?' if v is None else human_bytes(v):>12}" for v in cells))
+        if r.get("activations_error"):
+            lines.append(f"       activations not traced: {r['activations_error']}")
     if report["device_memory_bytes"] is not None:
-        lines.append(f"device memory {human_bytes(report['device_memory_bytes'])}: headroom at most "
-                     f"{human_bytes(report['headroom_bytes'])} per rank")
-    lines.append("not included yet: activations and transient buffers (the states are a floor)")
+        lines.append(f"device memory {human_bytes(report['device_memory_bytes'])}: headroom "
+                     f"{human_bytes(report['headroom_bytes'])} on the fullest rank")
     return "\n".join(lines)
 
 
@@ -73,17 +82,67 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-memory", type=parse_bytes, default=None,
                     help="memory of one device, e.g. 80GiB: prints the headroom")
     ap.add_argument("--json", action="store_true", help="print JSON (keys: see README)")
+    ap.add_argument("--suggest", action="store_true",
+                    help="rank the layouts of these GPUs that fit (needs --device-memory)")
+    ap.add_argument("--top", type=int, default=5, help="--suggest: layouts to show")
+    ap.add_argument("--margin", type=float, default=0.1,
+                    help="--suggest: share of the device memory left free")
+    hw = Hardware()
+    ap.add_argument("--peak-tflops", type=float, default=hw.peak_flops / 1e12,
+                    help="--suggest: dense bf16 peak of one GPU")
+    ap.add_argument("--efficiency", type=float, default=hw.efficiency,
+                    help="--suggest: share of the peak matmuls reach")
+    ap.add_argument("--intra-node-gbps", type=float, default=hw.intra_node_bw / 1e9,
+                    help="--suggest: GB/s per GPU inside a node")
+    ap.add_argument("--inter-node-gbps", type=float, default=hw.inter_node_bw / 1e9,
+                    help="--suggest: GB/s per GPU across nodes")
     args, rest = ap.parse_known_args(argv)
     if not any(a.startswith("--job.config_file") for a in rest):
         rest = ["--job.config_file",
                 os.environ.get("CONFIG_FILE", "train_configs/debug_model.toml"), *rest]
     try:
-        report = plan(parse_args(rest), args.ngpu * args.nnodes, args.device_memory)
+        job = parse_args(rest)
+        if args.suggest:
+            memory = args.device_memory or device_memory_bytes(job)
+            if memory is None:
+                raise ConfigError("--suggest needs the memory of one device: pass "
+                                  "--device-memory (e.g. 80GiB) or memory.device_memory_gib")
+            hw = Hardware(args.peak_tflops * 1e12, args.efficiency, args.intra_node_gbps * 1e9,
+                          args.inter_node_gbps * 1e9, args.ngpu)
+            found = suggest(job, args.ngpu * args.nnodes, memory, hw, args.margin, args.top)
+            print(json.dumps(suggestions_json(found, memory), indent=1) if args.json
+                  else render_suggestions(found, memory, args.ngpu * args.nnodes))
+            return 0 if found else 1
+        report = plan(job, args.ngpu * args.nnodes, args.device_memory)
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0
+
+
+def suggestions_json(found: list, memory: int) -> dict:
+    return {"device_memory_bytes": memory, "layouts": [
+        {"layout": c.layout, "activation_checkpoint": c.ac,
+         "local_batch_size": c.local_batch_size, "grad_accum_steps": c.grad_accum,
+         "peak_bytes": c.peak_bytes, "step_s": c.step_s, "step_parts_s": c.parts,
+         "overrides": c.overrides()} for c in found]}
+
+
+def render_suggestions(found: list, memory: int, world_size: int) -> str:
+    if not found:
+        return (f"no layout of {world_size} ranks fits {human_bytes(memory)} per device with "
+                "the margin: add devices, bf16 optimizer states or a smaller seq_len")
+    lines = [f"layouts of {world_size} ranks that fit {human_bytes(memory)}, fastest first "
+             "(step-time model: python -m titan.plan --help, README):"]
+    for i, c in enumerate(found, 1):
+        lay = ", ".join(f"{k} {v}" for k, v in c.layout.items() if v > 1) or "1 rank"
+        why = ", ".join(f"{k} {v:.3g} s" for k, v in c.parts.items() if v > 0)
+        lines += [f"{i}. {lay}; AC {c.ac}; local batch {c.local_batch_size} "
+                  f"(accumulating {c.grad_accum}); peak {human_bytes(c.peak_bytes)}; "
+                  f"step ~{c.step_s:.3g} s ({why})",
+                  "   " + " ".join(c.overrides())]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ from titan.components.flops import peak_flops
 from titan.components.gc import ScheduledGC
 from titan.components.grad_clip import clip_grad_norm_
 from titan.components.hf_io import HFModelIO
-from titan.components.loss import cross_entropy_sum, plain, reduce_loss
+from titan.components.loss import reduce_loss
 from titan.components.lr_scheduler import build_lr_scheduler
-from titan.components.memory_measure import state_bytes, write_measured
+from titan.components.memory_measure import ActivationTracker, state_bytes, write_measured
 from titan.components.metrics import MetricsLogger
 from titan.components.optimizer import build_optimizer
 from titan.components.profiling import maybe_profile
@@ -45,9 +45,7 @@ from titan.distributed import (
 from titan.dtypes import to_dtype
 from titan.build import meta_parts
 from titan.logging_setup import init_logging
-from titan.models.documents import document_ids, document_positions
-from titan.parallelisms.context_parallel import context_parallel_ctx
-from titan.parallelisms.pipeline import build_schedule
+from titan.microbatch import ForwardBackward
 from titan.parallelisms.tied_weights import TiedCopies
 from titan.preflight import RunPlan, pipeline_plan, plan_run
 
@@ -72,13 +70,8 @@ class Trainer:
         self.shard = self._data_shard()
         self.dataloader = build_dataloader(t, tokenizer=plan.tokenizer, shard=self.shard,
                                            global_batch_size=plan.global_batch_size)
-        # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks
-        self.tokens_per_rank_step = (plan.global_batch_size // plan.data_parallel_size
-                                     * t.seq_len // dims.cp)
-        self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
         self.model_parts, self.pp_plan, self.tied_copies = self._build_model()
-        self.pp_schedule = self._pipeline_schedule(self.pp_plan, self._loss)
-        self.pp_eval_schedule = None  # built at the first validation
+        self.fwd_bwd = ForwardBackward(job, plan, self.model_parts, self.pp_plan, self.device)
         self.faults = FaultInjector.build(job.debug, rank=self.rank, current_step=lambda: self.step)
         if self.faults is not None:
             self.faults.install(self.model_parts)
@@ -92,7 +85,6 @@ class Trainer:
         self.optimizer = build_optimizer(self.model_parts, job.optimizer)
         self.after_optimizer_step = scale_precomputer(self.model_parts, job.float8)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
-        self.amp = self._autocast(t.mixed_precision_param, dims.fsdp_enabled)
 
         self.train_state = TrainState()
         self.checkpointer = Checkpointer(
@@ -148,12 +140,6 @@ class Trainer:
             tied = TiedCopies(parts, whole.tied_parameters(), self.plan.dims.world_mesh, split)
         return parts, pp_plan, tied
 
-    def _pipeline_schedule(self, pp_plan, loss_fn):
-        if pp_plan is None:
-            return None
-        return build_schedule(self.model_parts, pp_plan, self.plan.dims["pp"], self.device,
-                              loss_fn)
-
     def _fault_tolerance(self):
         if not self.job.fault_tolerance.enable:
             return None
@@ -172,7 +158,7 @@ class Trainer:
         return Validator(
             self.job.validation, tokenizer=self.plan.tokenizer, seq_len=t.seq_len,
             text_field=t.dataset_text_field, seed=t.seed, shard=self.shard,
-            model_parts=self.model_parts, loss_sum=self.eval_loss_sum,
+            model_parts=self.model_parts, loss_sum=self.fwd_bwd.eval_loss_sum,
             sum_groups=[self._pp_group(), self._dp_cp_group()], device=self.device,
             metrics=self.metrics)
 
@@ -196,86 +182,6 @@ class Trainer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
-    def _autocast(self, param_dtype: str, fsdp: bool):
-        # FSDP casts parameters itself; a single replica needs autocast for bf16 compute
-        if param_dtype == "bfloat16" and not fsdp:
-            return lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext
-
-    # ------------------------------------------------------------------ one batch
-
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # normalized by every token of this rank's step: microbatches and stages add up
-        return cross_entropy_sum(logits, labels) / self.tokens_per_rank_step
-
-    def _loss_parallel_ctx(self):
-        return (torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel
-                else contextlib.nullcontext())
-
-    def _cp_ctx(self, *batch: torch.Tensor | None):
-        """Shard the batch and every part's CP buffers along the sequence for ring attention."""
-        dims = self.plan.dims
-        if not dims.cp_enabled:
-            return contextlib.nullcontext()
-        par = self.job.parallelism
-        batch = [b for b in batch if b is not None]
-        buffers = [pair for part in self.model_parts for pair in part.cp_buffers()]
-        return context_parallel_ctx(
-            dims["cp"], batch + [b for b, _ in buffers], [1] * len(batch) + [d for _, d in buffers],
-            set(batch), par.context_parallel_rotate_method, par.context_parallel_load_balance,
-        )
-
-    def _documents(self, inputs: torch.Tensor) -> dict:
-        """The model's document arguments for a batch: none unless attention is block-causal."""
-        m = self.job.model
-        if m.attn_mask_type != "block_causal":
-            return {}
-        doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
-        return {"doc_ids": doc_ids,
-                **({"positions": document_positions(doc_ids)} if m.document_positions else {})}
-
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss of one microbatch (already divided by the step's token count), after backward."""
-        with self._cp_ctx(inputs, labels), self._loss_parallel_ctx():
-            with self.amp():
-                logits = self.model_parts[0](inputs, **self._documents(inputs))
-            loss = self._loss(logits, labels)
-            loss.backward()
-        return plain(loss.detach())
-
-    def run_pipeline(self, schedule, inputs: torch.Tensor, labels: torch.Tensor,
-                     train: bool = True) -> torch.Tensor:
-        """Run `schedule` over one batch; the loss sum is nonzero only where the last stage is."""
-        last = self.pp_plan.num_stages - 1
-        has_first, has_last = 0 in self.pp_plan.stage_ids, last in self.pp_plan.stage_ids
-        losses = [] if has_last else None
-        run = schedule.step if train else schedule.eval
-        documents = self._documents(inputs)  # every stage's attention needs them
-        inputs, labels = (inputs if has_first else None), (labels if has_last else None)
-        with self._cp_ctx(inputs, labels), self._loss_parallel_ctx():
-            run(*((inputs,) if has_first else ()), target=labels, losses=losses, **documents)
-        total = torch.zeros((), device=self.device)
-        for loss in losses or []:
-            total += plain(loss.detach())
-        return total
-
-    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """This rank's summed token cross-entropy over a validation batch and its token count
-        (counted before context parallelism shards the batch; 0 off the last pipeline stage)."""
-        tokens = labels.numel() // self.plan.dims.cp
-        if self.pp_plan is not None:
-            if self.pp_eval_schedule is None:
-                plan = pipeline_plan(self.job, self.plan.model_args.n_layers,
-                                     self.plan.dims["pp"].get_local_rank(), validation=True)
-                self.pp_eval_schedule = self._pipeline_schedule(plan, cross_entropy_sum)
-            has_last = self.pp_plan.num_stages - 1 in self.pp_plan.stage_ids
-            loss = self.run_pipeline(self.pp_eval_schedule, inputs, labels, train=False)
-            return loss, tokens if has_last else 0
-        with self._cp_ctx(inputs, labels), self._loss_parallel_ctx(), self.amp():
-            loss = cross_entropy_sum(self.model_parts[0](inputs, **self._documents(inputs)),
-                                     labels)
-        return plain(loss), tokens
-
     # ------------------------------------------------------------------ one step
 
     def train_step(self, microbatches) -> tuple[float, float, bool]:
@@ -287,10 +193,7 @@ class Trainer:
         loss = torch.zeros((), device=self.device)
         for inputs, labels in microbatches:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            if self.pp_schedule is not None:
-                loss += self.run_pipeline(self.pp_schedule, inputs, labels)
-            else:
-                loss += self.forward_backward(inputs, labels)
+            loss += self.fwd_bwd.step(inputs, labels)
         params = [p for part in self.model_parts for p in part.parameters()]
         copies = []
         if self.tied_copies is not None:  # pipeline stages' copies of one tied weight
@@ -358,10 +261,13 @@ class Trainer:
                 # counted before the step: context parallelism shards the batch in place
                 batch_tokens = sum(x.numel() for x, _ in microbatches)
                 lr = self.lr_scheduler.get_last_lr()[0]
-                loss, grad_norm, skipped = self.train_step(microbatches)
+                # the first step is measured: what the memory planner's figures are checked on
+                tracker = self._activation_tracker() if self.step == first_step else None
+                with tracker or contextlib.nullcontext():
+                    loss, grad_norm, skipped = self.train_step(microbatches)
                 self.skipped_steps += skipped
                 if self.step == first_step:
-                    self._write_memory_measured()
+                    self._write_memory_measured(tracker)
                     # start-up and compilation are slow; steady-state steps are not
                     set_collective_timeout(job.comm.train_timeout_seconds)
                     logger.info("collective timeout now %ds (comm.train_timeout_seconds)",
@@ -399,9 +305,15 @@ class Trainer:
         gc_sched.close()
         logger.info("training done after %d steps", self.step)
 
-    def _write_memory_measured(self) -> None:
+    def _activation_tracker(self) -> ActivationTracker | None:
+        # compiled code allocates below the dispatcher, where the tracker cannot see
+        return None if self.job.compile.enable else ActivationTracker(self.model_parts)
+
+    def _write_memory_measured(self, tracker: ActivationTracker | None) -> None:
         """The bytes this rank holds after its first step, in the memory planner's keys."""
         mine = state_bytes(self.model_parts, self.optimizer.optimizers)
+        if tracker is not None:
+            mine["activations_bytes"] = tracker.peak
         if self.device.type == "cuda":
             mine["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
         write_measured(Path(self.job.job.dump_folder) / "memory_measured.json", mine, self.rank)

@@ -8,6 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -40,3 +43,50 @@ def write_measured(path: Path, mine: dict, rank: int) -> dict:
     if rank == 0:
         path.write_text(json.dumps(record, indent=1) + "\n")
     return record
+
+
+class ActivationTracker(TorchDispatchMode):
+    """Peak bytes held for backward: every storage an op makes outside backward is watched
+    through a weak reference, and the ones still alive are summed each time a backward
+    begins (the moments after a forward, when held activations peak). This counts what
+    saved-tensor hooks miss: selective AC's cache, checkpointed blocks' inputs, a pipeline's
+    receive buffers and kept outputs. Parameters and buffers (those there at the start, and
+    FSDP's unsharded parameters) are not counted, though ops may return views of them.
+    Eager mode only: compiled code allocates below the dispatcher."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = parts
+        self.watched: dict[int, StorageWeakRef] = {}
+        self.peak = 0
+        self._in_backward = False
+        self._states = self._state_storages()
+
+    def _state_storages(self) -> set[int]:
+        return {local(t).untyped_storage()._cdata for part in self.parts
+                for t in (*part.parameters(), *part.buffers())}
+
+    def held_bytes(self) -> int:
+        params = self._states | self._state_storages()
+        total = 0
+        for key, ref in list(self.watched.items()):
+            if ref.expired():
+                del self.watched[key]
+            elif key not in params:
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        backward = torch._C._current_graph_task_id() != -1
+        if backward and not self._in_backward:
+            self.peak = max(self.peak, self.held_bytes())
+        self._in_backward = backward
+        out = func(*args, **(kwargs or {}))
+        if not backward:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    storage = local(t).untyped_storage()
+                    ref = self.watched.get(storage._cdata)
+                    if ref is None or ref.expired():  # a freed storage's address is reused
+                        self.watched[storage._cdata] = StorageWeakRef(storage)
+        return out

@@ -1,0 +1,187 @@
+"""Activations and transient buffers of one rank, before the run: the rank's own model parts
+(`titan.build.meta_parts`, under a fake process group) run one microbatch's forward on fake
+tensors (shapes and dtypes, no memory, no data) through the trainer's own forward
+(`titan.microbatch`), and `ActivationTracker` sums what is held for backward when it ends,
+as it does in the run. So AC mode, sequence and context sharding, TP/SP and loss parallelism,
+mixed precision and float8 act as they will.
+
+A pipeline rank holds several microbatches at once: the count comes from torch's own action
+list for the schedule (`pipeline_order`), walked in order: a forward adds that stage's
+microbatch, a full or weight backward removes it. Its receive buffers (one per microbatch,
+for activations and for gradients) are added.
+
+Transient buffers are estimated, not traced: FSDP's all-gathered parameters (the largest unit
+and the next one prefetched, plus units kept unsharded: the last, or all of them under
+pipelining) and the reduce-scatter input of the largest unit's gradients, and the logits'
+gradient. Compiled code is traced eagerly: compile tends to save less, so the figure is an
+upper bound with `compile.enable`.
+"""
+
+import copy
+import logging
+import warnings
+
+import torch
+from torch import nn
+
+from titan.components.memory_measure import ActivationTracker, local
+from titan.config import JobConfig
+from titan.dtypes import to_dtype
+
+
+def rank_activation_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
+    """{"activations_bytes", "transient_bytes"} of one rank at its peak."""
+    job = copy.deepcopy(job)
+    job.compile.enable = False
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # a failed trace is reported once, by the caller
+    try:
+        return _trace(job, world_size, rank)
+    finally:
+        fake_log.setLevel(level)
+
+
+def _trace(job: JobConfig, world_size: int, rank: int) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan.build import meta_parts
+    from titan.memory_plan import fake_world
+    from titan.microbatch import ForwardBackward
+    from titan.preflight import plan_run
+
+    with fake_world(world_size, rank), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own, about FSDP hooks and flattened dims
+        plan = plan_run(job, world_size)
+        plan.dims.build_mesh("cpu")
+        _, parts, pp_plan = meta_parts(job, plan)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for part in parts:
+                part.to_empty(device="cpu")  # fake: shapes only
+                part.train()
+            fb = ForwardBackward(job, plan, parts, pp_plan, torch.device("cpu"))
+            if pp_plan is None:
+                t = job.training
+                acts, _ = _forward_held(fb, parts, 0, t.local_batch_size, t.seq_len)
+                logits = _output_bytes(parts[0], t.local_batch_size, t.seq_len // plan.dims.cp, fb)
+            else:
+                acts, logits = _pipeline_held(fb, parts, pp_plan, plan)
+        return {"activations_bytes": acts,
+                "transient_bytes": fsdp_transient_bytes(parts, job) + logits}
+
+
+def _forward_held(fb, parts: list[nn.Module], index: int, batch: int, seq_len: int,
+                  hidden: torch.Tensor | None = None) -> tuple[int, int]:
+    """(bytes held for backward, bytes of the output) after one forward of parts[index] on
+    `batch` sequences: from tokens, or from `hidden` (a later pipeline stage)."""
+    part = parts[index]
+    tokens = torch.randint(0, 2, (batch, seq_len))
+    labels = torch.randint(0, 2, (batch, seq_len))
+    tracker = ActivationTracker(parts)
+    with tracker, fb.cp_ctx(tokens, labels), fb.loss_parallel_ctx():
+        if fb.pp_plan is None:
+            out = loss = fb.forward_loss(tokens, labels)
+        else:
+            out = part(tokens if hidden is None else hidden, **fb.documents(tokens))
+            # the schedule keeps each loss (and so its graph) until the step ends
+            loss = fb.loss(out, labels) if part.output is not None else None
+        held = tracker.held_bytes()
+    del loss
+    return held, local(out).untyped_storage().nbytes()
+
+
+def _output_bytes(part: nn.Module, batch: int, seq_len: int, fb) -> int:
+    """The logits this part makes (their gradient is as big), or 0."""
+    if part.output is None:
+        return 0
+    vocab = fb.plan.model_args.vocab_size // (fb.plan.dims.tp if fb.loss_parallel else 1)
+    return batch * seq_len * vocab * _act_dtype(fb).itemsize
+
+
+def _act_dtype(fb) -> torch.dtype:
+    t, dims = fb.job.training, fb.plan.dims
+    # FSDP computes in its param dtype; without it, bf16 comes from autocast (not in pipelines)
+    if dims.fsdp_enabled or (fb.schedule is None and t.mixed_precision_param == "bfloat16"):
+        return to_dtype(t.mixed_precision_param)
+    return torch.float32
+
+
+def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[int, int]:
+    t, dims, args = fb.job.training, plan.dims, plan.model_args
+    mb = t.local_batch_size // pp_plan.n_microbatches
+    seq = t.seq_len // dims.cp
+    # stages pass local tensors: sequence-parallel ones hold 1/tp of the sequence
+    hidden_seq = seq // dims.tp if dims.tp_enabled and fb.job.parallelism.enable_sequence_parallel \
+        else seq
+    hidden_bytes = mb * hidden_seq * args.dim * _act_dtype(fb).itemsize
+    per_mb, outputs, buffers, logits = {}, {}, 0, 0
+    for i, sid in enumerate(pp_plan.stage_ids):
+        hidden = None
+        if sid > 0:
+            hidden = torch.empty(mb, hidden_seq, args.dim, dtype=_act_dtype(fb),
+                                 requires_grad=True)
+            buffers += pp_plan.n_microbatches * hidden_bytes  # activation receive buffers
+        if sid < pp_plan.num_stages - 1:
+            buffers += pp_plan.n_microbatches * hidden_bytes  # gradient receive buffers
+        per_mb[sid], outputs[sid] = _forward_held(fb, parts, i, mb, t.seq_len, hidden)
+        logits = max(logits, _output_bytes(parts[i], mb, seq, fb))
+    return buffers + peak_in_flight(fb.schedule, dims["pp"].get_local_rank(), per_mb,
+                                    outputs), logits
+
+
+def peak_in_flight(schedule, pp_rank: int, per_mb: dict[int, int],
+                   outputs: dict[int, int]) -> int:
+    """The most bytes this pipeline rank holds at once, walking its actions in the schedule's
+    order: a forward keeps its stage's microbatch, a full or weight backward frees it (an
+    input-only backward frees little: the weight gradient still needs the inputs) but for
+    the stage's output, which torch's schedule keeps until the step ends."""
+    held = peak = 0
+    for action in _flat(schedule.pipeline_order[pp_rank]):
+        kind = action.computation_type.value
+        if kind == "F":
+            held += per_mb[action.stage_index]
+            peak = max(peak, held)
+        elif kind in ("B", "W"):
+            held -= per_mb[action.stage_index] - outputs[action.stage_index]
+    return peak
+
+
+def _flat(actions):
+    for a in actions:
+        if a is None:
+            continue
+        subs = getattr(a, "sub_actions", None)
+        if subs:
+            yield from _flat(subs)
+        else:
+            yield a
+
+
+def fsdp_transient_bytes(parts: list[nn.Module], job: JobConfig) -> int:
+    """FSDP's all-gathered parameters at their peak and one unit's gradients before the
+    reduce-scatter: units that reshard after forward hold two at once (one prefetched),
+    the others (the last unit, or all under pipelining) stay gathered."""
+    from torch.distributed.fsdp import FSDPModule
+
+    t = job.training
+    param_size, reduce_size = to_dtype(t.mixed_precision_param).itemsize, \
+        to_dtype(t.mixed_precision_reduce).itemsize
+    resharding, kept, units = [], 0, []
+    for part in parts:
+        for module in part.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                continue
+            numel = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params) \
+                * group.mesh_info.shard_mesh_size
+            units.append(numel)
+            if group.post_forward_mesh_info is None:
+                kept += numel
+            else:
+                resharding.append(numel)
+    if not units:
+        return 0
+    biggest = sorted(resharding, reverse=True)[:2]
+    return (sum(biggest) + kept) * param_size + max(units) * reduce_size

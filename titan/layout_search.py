@@ -1,0 +1,153 @@
+"""`python -m titan.plan --suggest`: the layouts of N GPUs that fit, ranked by a step-time model.
+
+Candidates: every dp_replicate x dp_shard x cp x tp x pp = N the config validation accepts
+(the launcher's own `plan_run`), at the configured global batch, each with the cheapest
+activation checkpointing (none, then selective, then full) and the largest local batch
+(then halved, accumulating gradients) whose planned peak (`titan.memory_plan`) leaves
+`margin` of the device memory free.
+
+Step time, per rank, the documented model (for ranking, not a promise):
+- compute = model FLOPs of the step / N / (peak x efficiency), x 7/6 under selective AC
+  (half the matmuls recomputed), x 4/3 under full AC (the forward again);
+- pipeline bubble = compute x (pp - 1) / (microbatches x stages per rank);
+- communication, bytes over the link of each mesh dim (NVLink inside a node, the network
+  across; tp innermost, then cp, dp_shard, dp_replicate, pp): TP all-gathers and
+  reduce-scatters of activations (4 per layer, forward and backward) and CP's ring of K and
+  V are exposed; FSDP's all-gathers and reduce-scatter and HSDP's all-reduce are hidden
+  behind compute up to the compute time; pipeline sends are exposed.
+"""
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+
+from titan.config import ConfigError, JobConfig
+
+AC_COST = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
+
+
+@dataclass
+class Hardware:
+    peak_flops: float = 989e12  # H100 SXM dense bf16
+    efficiency: float = 0.5  # achieved share of the peak by matmuls
+    intra_node_bw: float = 450e9  # bytes/s per GPU, NVLink 4
+    inter_node_bw: float = 50e9  # bytes/s per GPU, 400 Gb/s
+    gpus_per_node: int = 8
+
+
+@dataclass
+class Candidate:
+    layout: dict
+    ac: str
+    local_batch_size: int
+    grad_accum: int
+    peak_bytes: int
+    step_s: float
+    parts: dict = field(default_factory=dict)
+
+    def overrides(self) -> list[str]:
+        lay = self.layout
+        return ["--parallelism.data_parallel_replicate_degree", str(lay["dp_replicate"]),
+                "--parallelism.data_parallel_shard_degree", str(lay["dp_shard"]),
+                "--parallelism.context_parallel_degree", str(lay["cp"]),
+                "--parallelism.tensor_parallel_degree", str(lay["tp"]),
+                "--parallelism.pipeline_parallel_degree", str(lay["pp"]),
+                "--activation_checkpoint.mode", self.ac,
+                "--training.local_batch_size", str(self.local_batch_size)]
+
+
+def factorizations(n: int, k: int):
+    """Ordered k-tuples of positive integers whose product is n."""
+    if k == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in factorizations(n // d, k - 1):
+                yield (d, *rest)
+
+
+def _job_for(job: JobConfig, layout: dict, ac: str, local_batch: int, global_batch: int):
+    j = copy.deepcopy(job)
+    p = j.parallelism
+    p.data_parallel_replicate_degree, p.data_parallel_shard_degree = (layout["dp_replicate"],
+                                                                      layout["dp_shard"])
+    p.context_parallel_degree, p.tensor_parallel_degree = layout["cp"], layout["tp"]
+    p.pipeline_parallel_degree = layout["pp"]
+    j.activation_checkpoint.mode = ac
+    j.training.local_batch_size, j.training.global_batch_size = local_batch, global_batch
+    return j
+
+
+def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[float, dict]:
+    """(seconds, the parts) of one step under the model in the module docstring."""
+    t, d, args = job.training, plan.dims, plan.model_args
+    tokens = plan.global_batch_size * t.seq_len
+    compute = (args.flops_per_token(t.seq_len) * tokens / world_size
+               / (hw.peak_flops * hw.efficiency) * AC_COST[job.activation_checkpoint.mode])
+    parts = {"compute": compute}
+    order = [("tp", d.tp), ("cp", d.cp), ("dp_shard", d.dp_shard),
+             ("dp_replicate", d.dp_replicate), ("pp", d.pp)]  # innermost first
+    bw, inner = {}, 1
+    for name, size in order:
+        inner *= size
+        bw[name] = hw.intra_node_bw if inner <= hw.gpus_per_node else hw.inter_node_bw
+    act = 2  # bytes per activation element (bf16)
+    local_tokens = plan.global_batch_size // d.dp * t.seq_len // d.cp  # per rank per step
+    layers = args.n_layers / d.pp
+    if d.tp > 1:  # 4 collectives a layer, forward and backward, of (tp-1)/tp of a hidden
+        parts["tp"] = 8 * layers * local_tokens * args.dim * act * (d.tp - 1) / d.tp / bw["tp"]
+    if d.cp > 1:  # K and V around the ring, forward; and their gradients, backward
+        kv = 2 * local_tokens * args.dim * act * (args.n_kv_heads or args.n_heads) / args.n_heads
+        parts["cp"] = 3 * layers * kv * (d.cp - 1) / bw["cp"]
+    params = args.num_params() / (d.tp * d.pp)
+    hidden = 0.0
+    if d.dp_shard * d.cp > 1:  # all-gather twice (bf16), reduce-scatter once (fp32)
+        shard = d.dp_shard * d.cp
+        hidden += params * (2 * 2 + 4) * (shard - 1) / shard / bw["dp_shard"]
+    if d.dp_replicate > 1:
+        shard_bytes = params * 4 / (d.dp_shard * d.cp)
+        hidden += 2 * shard_bytes * (d.dp_replicate - 1) / d.dp_replicate / bw["dp_replicate"]
+    parts["data-parallel (exposed)"] = max(0.0, hidden - compute)
+    if d.pp > 1:
+        n_mb = plan.global_batch_size // d.dp // job.parallelism.pipeline_parallel_microbatch_size
+        from titan.preflight import pipeline_plan
+
+        per_rank = len(pipeline_plan(job, args.n_layers, 0).stage_ids)
+        parts["bubble"] = compute * (d.pp - 1) / (n_mb * per_rank)
+        parts["pp sends"] = 2 * local_tokens * args.dim * act / bw["pp"]
+    return sum(parts.values()), parts
+
+
+def suggest(job: JobConfig, world_size: int, device_memory: int, hw: Hardware,
+            margin: float = 0.1, top: int = 5) -> list[Candidate]:
+    from titan.memory_plan import pipeline_rank_bytes
+    from titan.preflight import plan_run
+
+    global_batch = plan_run(job, world_size).global_batch_size
+    budget = device_memory * (1 - margin)
+    found = []
+    for rep, shard, cp, tp, pp in factorizations(world_size, 5):
+        layout = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp}
+        if global_batch % (rep * shard):
+            continue
+        per_rank = global_batch // (rep * shard)
+        batches = [b for b in (per_rank >> i for i in range(8)) if b and per_rank % b == 0]
+        for ac, local in itertools.product(AC_COST, dict.fromkeys(batches)):
+            candidate = _job_for(job, layout, ac, local, global_batch)
+            try:
+                plan = plan_run(candidate, world_size)
+            except ConfigError:
+                continue
+            ranks = [b for _, _, b in pipeline_rank_bytes(candidate, world_size)]
+            if any(b["activations_bytes"] is None for b in ranks):
+                continue  # not traced: no claim that it fits
+            peak = max(b["total_bytes"] for b in ranks)
+            if peak <= budget:
+                seconds, parts = step_time(candidate, plan, hw, world_size)
+                found.append(Candidate(layout, ac, local, plan.grad_accum_steps, peak, seconds,
+                                       parts))
+                break  # the cheapest AC and the biggest batch that fit: go to the next layout
+        # (a layout none of whose settings fit adds nothing)
+    found.sort(key=lambda c: (c.step_s, c.peak_bytes))
+    return found[:top]

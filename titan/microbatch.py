@@ -1,0 +1,122 @@
+"""Forward and backward of one batch on this rank's model parts: the loss, the context-parallel
+and loss-parallel contexts, document masks and the pipeline schedule around them.
+
+The trainer runs it on real tensors; the memory planner (titan.activation_plan) runs the same
+forward on fake ones, so the activations it counts are the ones the run keeps.
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+
+from titan.components.loss import cross_entropy_sum, plain
+from titan.config import JobConfig
+from titan.models.documents import document_ids, document_positions
+from titan.parallelisms.context_parallel import context_parallel_ctx
+from titan.parallelisms.pipeline import PipelinePlan, build_schedule
+from titan.preflight import RunPlan, pipeline_plan
+
+
+class ForwardBackward:
+    def __init__(self, job: JobConfig, plan: RunPlan, parts: list[nn.Module],
+                 pp_plan: PipelinePlan | None, device: torch.device):
+        self.job, self.plan, self.parts, self.pp_plan, self.device = job, plan, parts, pp_plan, device
+        t, dims = job.training, plan.dims
+        # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks
+        self.tokens_per_rank_step = (plan.global_batch_size // plan.data_parallel_size
+                                     * t.seq_len // dims.cp)
+        self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
+        # FSDP casts parameters itself; a single replica needs autocast for bf16 compute
+        bf16_autocast = t.mixed_precision_param == "bfloat16" and not dims.fsdp_enabled
+        self.amp = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+                    if bf16_autocast else contextlib.nullcontext)
+        self.schedule = self._schedule(pp_plan, self.loss)
+        self.eval_schedule = None  # built at the first validation
+
+    def _schedule(self, pp_plan, loss_fn):
+        if pp_plan is None:
+            return None
+        return build_schedule(self.parts, pp_plan, self.plan.dims["pp"], self.device, loss_fn)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # normalized by every token of this rank's step: microbatches and stages add up
+        return cross_entropy_sum(logits, labels) / self.tokens_per_rank_step
+
+    def loss_parallel_ctx(self):
+        return (torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel
+                else contextlib.nullcontext())
+
+    def cp_ctx(self, *batch: torch.Tensor | None):
+        """Shard the batch and every part's CP buffers along the sequence for ring attention."""
+        dims = self.plan.dims
+        if not dims.cp_enabled:
+            return contextlib.nullcontext()
+        par = self.job.parallelism
+        batch = [b for b in batch if b is not None]
+        buffers = [pair for part in self.parts for pair in part.cp_buffers()]
+        return context_parallel_ctx(
+            dims["cp"], batch + [b for b, _ in buffers], [1] * len(batch) + [d for _, d in buffers],
+            set(batch), par.context_parallel_rotate_method, par.context_parallel_load_balance,
+        )
+
+    def documents(self, inputs: torch.Tensor) -> dict:
+        """The model's document arguments for a batch: none unless attention is block-causal."""
+        m = self.job.model
+        if m.attn_mask_type != "block_causal":
+            return {}
+        doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
+        return {"doc_ids": doc_ids,
+                **({"positions": document_positions(doc_ids)} if m.document_positions else {})}
+
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of one microbatch, ready for backward; call inside cp_ctx and
+        loss_parallel_ctx."""
+        with self.amp():
+            logits = self.parts[0](inputs, **self.documents(inputs))
+        return self.loss(logits, labels)
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss of one microbatch (already divided by the step's token count), after backward."""
+        with self.cp_ctx(inputs, labels), self.loss_parallel_ctx():
+            loss = self.forward_loss(inputs, labels)
+            loss.backward()
+        return plain(loss.detach())
+
+    def run_pipeline(self, schedule, inputs: torch.Tensor, labels: torch.Tensor,
+                     train: bool = True) -> torch.Tensor:
+        """Run `schedule` over one batch; the loss sum is nonzero only where the last stage is."""
+        last = self.pp_plan.num_stages - 1
+        has_first, has_last = 0 in self.pp_plan.stage_ids, last in self.pp_plan.stage_ids
+        losses = [] if has_last else None
+        run = schedule.step if train else schedule.eval
+        documents = self.documents(inputs)  # every stage's attention needs them
+        inputs, labels = (inputs if has_first else None), (labels if has_last else None)
+        with self.cp_ctx(inputs, labels), self.loss_parallel_ctx():
+            run(*((inputs,) if has_first else ()), target=labels, losses=losses, **documents)
+        total = torch.zeros((), device=self.device)
+        for loss in losses or []:
+            total += plain(loss.detach())
+        return total
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one microbatch of the step (all of a pipeline's)."""
+        if self.schedule is not None:
+            return self.run_pipeline(self.schedule, inputs, labels)
+        return self.forward_backward(inputs, labels)
+
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's summed token cross-entropy over a validation batch and its token count
+        (counted before context parallelism shards the batch; 0 off the last pipeline stage)."""
+        tokens = labels.numel() // self.plan.dims.cp
+        if self.pp_plan is not None:
+            if self.eval_schedule is None:
+                plan = pipeline_plan(self.job, self.plan.model_args.n_layers,
+                                     self.plan.dims["pp"].get_local_rank(), validation=True)
+                self.eval_schedule = self._schedule(plan, cross_entropy_sum)
+            has_last = self.pp_plan.num_stages - 1 in self.pp_plan.stage_ids
+            loss = self.run_pipeline(self.eval_schedule, inputs, labels, train=False)
+            return loss, tokens if has_last else 0
+        with self.cp_ctx(inputs, labels), self.loss_parallel_ctx(), self.amp():
+            loss = cross_entropy_sum(self.parts[0](inputs, **self.documents(inputs)), labels)
+        return plain(loss), tokens
