@@ -7,8 +7,9 @@ mixed precision and float8 act as they will.
 
 A pipeline rank holds several microbatches at once: the count comes from torch's own action
 list for the schedule (`pipeline_order`), walked in order: a forward adds that stage's
-microbatch, a full or weight backward removes it. Its receive buffers (one per microbatch,
-for activations and for gradients) are added.
+microbatch, a full or weight backward removes it but for its output, which the schedule keeps
+until the step ends. Its receive buffers (one per microbatch, for activations and for
+gradients) are added.
 
 Transient buffers are estimated, not traced: FSDP's all-gathered parameters (the largest unit
 and the next one prefetched, plus units kept unsharded: the last, or all of them under
@@ -17,44 +18,28 @@ gradient. Compiled code is traced eagerly: compile tends to save less, so the fi
 upper bound with `compile.enable`.
 """
 
-import copy
 import logging
-import warnings
 
 import torch
 from torch import nn
 
-from titan.components.memory_measure import ActivationTracker, local
+from titan.components.memory_measure import ActivationTracker, storages
 from titan.config import JobConfig
 from titan.dtypes import to_dtype
 
 
-def rank_activation_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
-    """{"activations_bytes", "transient_bytes"} of one rank at its peak."""
-    job = copy.deepcopy(job)
-    job.compile.enable = False
+def trace_activations(job: JobConfig, plan, parts: list[nn.Module], pp_plan) -> dict:
+    """{"activations_bytes", "transient_bytes"} of one rank at its peak, from its meta parts
+    built under a fake process group (titan.memory_plan.rank_bytes). Materializes them as
+    fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan.microbatch import ForwardBackward
+
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # a failed trace is reported once, by the caller
     try:
-        return _trace(job, world_size, rank)
-    finally:
-        fake_log.setLevel(level)
-
-
-def _trace(job: JobConfig, world_size: int, rank: int) -> dict:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from titan.build import meta_parts
-    from titan.memory_plan import fake_world
-    from titan.microbatch import ForwardBackward
-    from titan.preflight import plan_run
-
-    with fake_world(world_size, rank), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's own, about FSDP hooks and flattened dims
-        plan = plan_run(job, world_size)
-        plan.dims.build_mesh("cpu")
-        _, parts, pp_plan = meta_parts(job, plan)
         with FakeTensorMode(allow_non_fake_inputs=True):
             for part in parts:
                 part.to_empty(device="cpu")  # fake: shapes only
@@ -63,11 +48,14 @@ def _trace(job: JobConfig, world_size: int, rank: int) -> dict:
             if pp_plan is None:
                 t = job.training
                 acts, _ = _forward_held(fb, parts, 0, t.local_batch_size, t.seq_len)
-                logits = _output_bytes(parts[0], t.local_batch_size, t.seq_len // plan.dims.cp, fb)
+                logits = _output_bytes(parts[0], t.local_batch_size, t.seq_len // plan.dims.cp,
+                                       fb)
             else:
                 acts, logits = _pipeline_held(fb, parts, pp_plan, plan)
-        return {"activations_bytes": acts,
-                "transient_bytes": fsdp_transient_bytes(parts, job) + logits}
+    finally:
+        fake_log.setLevel(level)
+    return {"activations_bytes": acts,
+            "transient_bytes": fsdp_transient_bytes(parts, job) + logits}
 
 
 def _forward_held(fb, parts: list[nn.Module], index: int, batch: int, seq_len: int,
@@ -87,7 +75,7 @@ def _forward_held(fb, parts: list[nn.Module], index: int, batch: int, seq_len: i
             loss = fb.loss(out, labels) if part.output is not None else None
         held = tracker.held_bytes()
     del loss
-    return held, local(out).untyped_storage().nbytes()
+    return held, sum(s.nbytes() for s in storages(out))
 
 
 def _output_bytes(part: nn.Module, batch: int, seq_len: int, fb) -> int:

@@ -8,6 +8,7 @@ Keys match `<dump_folder>/memory_measured.json`, which the trainer writes at its
 """
 
 import contextlib
+import copy
 import warnings
 
 import torch
@@ -36,41 +37,39 @@ def fake_world(world_size: int, rank: int):
         _clear_sharding_prop_cache()
 
 
-def rank_state_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
-    """Parameters, gradients and optimizer states of one rank, in bytes."""
-    from titan.build import meta_parts
-
-    with fake_world(world_size, rank), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # torch's own
-        plan: RunPlan = plan_run(job, world_size)
-        plan.dims.build_mesh("cpu")
-        _, parts, _ = meta_parts(job, plan)
-        params = list({id(p): p for part in parts for p in part.parameters()}.values())
-        trainable = [p for p in params if p.requires_grad]
-        state_size = to_dtype(job.optimizer.state_dtype).itemsize
-        # Adam: two moments per element in the state dtype, a float32 step count per tensor
-        moments = sum(2 * tensor_bytes(p) // p.element_size() * state_size for p in trainable)
-        return {"params_bytes": sum(tensor_bytes(p) for p in params),
-                "grads_bytes": sum(tensor_bytes(p) for p in trainable),
-                "optimizer_bytes": moments + 4 * len(trainable)}
-
-
-def state_bytes_per_rank(job: JobConfig, world_size: int) -> list[dict]:
-    return [rank_state_bytes(job, world_size, r) for r in range(world_size)]
+def state_bytes(parts: list, job: JobConfig) -> dict:
+    """Parameters, gradients and optimizer states of one rank's (meta) parts, in bytes."""
+    params = list({id(p): p for part in parts for p in part.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+    state_size = to_dtype(job.optimizer.state_dtype).itemsize
+    # Adam: two moments per element in the state dtype, a float32 step count per tensor
+    moments = sum(2 * tensor_bytes(p) // p.element_size() * state_size for p in trainable)
+    return {"params_bytes": sum(tensor_bytes(p) for p in params),
+            "grads_bytes": sum(tensor_bytes(p) for p in trainable),
+            "optimizer_bytes": moments + 4 * len(trainable)}
 
 
 def rank_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
-    """States, activations and transient buffers of one rank, and their total. A forward
-    the fake tensors cannot trace leaves activations and transients None, with the reason."""
-    from titan.activation_plan import rank_activation_bytes
+    """States, activations and transient buffers of one rank, and their total, from one
+    build of its parts. A forward the fake tensors cannot trace leaves activations and
+    transients None, with the reason."""
+    from titan.activation_plan import trace_activations
+    from titan.build import meta_parts
 
-    out = rank_state_bytes(job, world_size, rank)
-    out["states_bytes"] = sum(out.values())
-    try:
-        out.update(rank_activation_bytes(job, world_size, rank))
-    except Exception as e:  # noqa: BLE001  the states are still worth reporting
-        out.update(activations_bytes=None, transient_bytes=None,
-                   activations_error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+    job = copy.deepcopy(job)
+    job.compile.enable = False  # no state changes; activations are traced eagerly
+    with fake_world(world_size, rank), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own, about FSDP hooks and flattened dims
+        plan: RunPlan = plan_run(job, world_size)
+        plan.dims.build_mesh("cpu")
+        _, parts, pp_plan = meta_parts(job, plan)
+        out = state_bytes(parts, job)
+        out["states_bytes"] = sum(out.values())
+        try:
+            out.update(trace_activations(job, plan, parts, pp_plan))
+        except Exception as e:  # noqa: BLE001  the states are still worth reporting
+            out.update(activations_bytes=None, transient_bytes=None,
+                       activations_error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
     out["total_bytes"] = out["states_bytes"] + (out["activations_bytes"] or 0) \
         + (out["transient_bytes"] or 0)
     return out

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -63,8 +63,8 @@ class ActivationTracker(TorchDispatchMode):
         self._states = self._state_storages()
 
     def _state_storages(self) -> set[int]:
-        return {local(t).untyped_storage()._cdata for part in self.parts
-                for t in (*part.parameters(), *part.buffers())}
+        return {s._cdata for part in self.parts for t in (*part.parameters(), *part.buffers())
+                for s in storages(t)}
 
     def held_bytes(self) -> int:
         params = self._states | self._state_storages()
@@ -84,9 +84,20 @@ class ActivationTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not backward:
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    storage = local(t).untyped_storage()
+                for storage in storages(t):
                     ref = self.watched.get(storage._cdata)
                     if ref is None or ref.expired():  # a freed storage's address is reused
                         self.watched[storage._cdata] = StorageWeakRef(storage)
         return out
+
+
+def storages(t) -> list[torch.UntypedStorage]:
+    """The storages that hold a tensor's data. A wrapper subclass (DTensor, an async
+    collective's result, float8) reports a storage of its own size that holds nothing: its
+    inner tensors are the ones that do."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [s for name in names for s in storages(getattr(t, name))]
+    return [t.untyped_storage()]
