@@ -268,6 +268,8 @@ class Trainer:
                 self.skipped_steps += skipped
                 if self.step == first_step:
                     self._write_memory_measured(tracker)
+                elif self.step == first_step + 1 and self.device.type == "cuda":
+                    self._write_memory_measured(None, peak_only=True)
                     # start-up and compilation are slow; steady-state steps are not
                     set_collective_timeout(job.comm.train_timeout_seconds)
                     logger.info("collective timeout now %ds (comm.train_timeout_seconds)",
@@ -309,14 +311,20 @@ class Trainer:
         # compiled code allocates below the dispatcher, where the tracker cannot see
         return None if self.job.compile.enable else ActivationTracker(self.model_parts)
 
-    def _write_memory_measured(self, tracker: ActivationTracker | None) -> None:
-        """The bytes this rank holds after its first step, in the memory planner's keys."""
-        mine = state_bytes(self.model_parts, self.optimizer.optimizers)
-        if tracker is not None:
-            mine["activations_bytes"] = tracker.peak
+    def _write_memory_measured(self, tracker: ActivationTracker | None,
+                               peak_only: bool = False) -> None:
+        """The bytes this rank holds after its first step, in the memory planner's keys. The
+        first step makes the optimizer states after its peak: on CUDA the peak is written
+        again after the second step, whose peak is the steady one."""
+        if not peak_only:
+            self._measured = state_bytes(self.model_parts, self.optimizer.optimizers)
+            if tracker is not None:
+                self._measured["activations_bytes"] = tracker.peak
         if self.device.type == "cuda":
-            mine["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
-        write_measured(Path(self.job.job.dump_folder) / "memory_measured.json", mine, self.rank)
+            self._measured["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
+            self._measured["max_memory_allocated_at_step"] = self.step
+        write_measured(Path(self.job.job.dump_folder) / "memory_measured.json", self._measured,
+                       self.rank)
 
     def close(self) -> None:
         if self.ft is not None:
