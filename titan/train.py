@@ -268,13 +268,13 @@ class Trainer:
                 self.skipped_steps += skipped
                 if self.step == first_step:
                     self._write_memory_measured(tracker)
-                elif self.step == first_step + 1 and self.device.type == "cuda":
-                    self._write_memory_measured(None, peak_only=True)
                     # start-up and compilation are slow; steady-state steps are not
                     set_collective_timeout(job.comm.train_timeout_seconds)
                     logger.info("collective timeout now %ds (comm.train_timeout_seconds)",
                                 job.comm.train_timeout_seconds)
                     watchdog.start()
+                elif self.step == first_step + 1 and self.device.type == "cuda":
+                    self._write_memory_measured(None, peak_only=True)
                 self.train_state.step = self.step
                 self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
                 # tp/cp/pp ranks share their batch: count each token once per device group
