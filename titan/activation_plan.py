@@ -7,9 +7,10 @@ mixed precision and float8 act as they will.
 
 A pipeline rank holds several microbatches at once: the count comes from torch's own action
 list for the schedule (`pipeline_order`), walked in order: a forward adds that stage's
-microbatch, a full or weight backward removes it but for its output, which the schedule keeps
-until the step ends. Its receive buffers (one per microbatch, for activations and for
-gradients) are added.
+microbatch, a full or weight backward removes it but for its output when the schedule keeps
+that longer: the last stage's (`output_chunks`) and, under the multi-stage schedules
+(Interleaved1F1B, ZBV...), every stage's until the step ends; one output of a 1F1B stage.
+Its receive buffers (one per microbatch, for activations and for gradients) are added.
 
 Transient buffers are estimated, not traced: FSDP's all-gathered parameters (the largest unit
 and the next one prefetched, plus units kept unsharded: the last, or all of them under
@@ -22,6 +23,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from titan.components.memory_measure import ActivationTracker, storages
 from titan.config import JobConfig
@@ -113,24 +115,34 @@ def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[int, int]:
             buffers += pp_plan.n_microbatches * hidden_bytes  # gradient receive buffers
         per_mb[sid], outputs[sid] = _forward_held(fb, parts, i, mb, t.seq_len, hidden)
         logits = max(logits, _output_bytes(parts[i], mb, seq, fb))
+    # which outputs outlive their backward: the last stage's all (`output_chunks`), and every
+    # stage's under multi-stage schedules, which await their sends only when the step ends;
+    # single-stage ones (1F1B, GPipe) await each send soon, but 1F1B's loop holds the work of
+    # its last fired warmup send, and with it that output, until its steady phase ends
+    keep_all = {sid for sid in pp_plan.stage_ids if sid == pp_plan.num_stages - 1
+                or not isinstance(fb.schedule, PipelineScheduleSingle)}
     return buffers + peak_in_flight(fb.schedule, dims["pp"].get_local_rank(), per_mb,
-                                    outputs), logits
+                                    outputs, keep_all), logits
 
 
-def peak_in_flight(schedule, pp_rank: int, per_mb: dict[int, int],
-                   outputs: dict[int, int]) -> int:
+def peak_in_flight(schedule, pp_rank: int, per_mb: dict[int, int], outputs: dict[int, int],
+                   keep_all: set[int]) -> int:
     """The most bytes this pipeline rank holds at once, walking its actions in the schedule's
     order: a forward keeps its stage's microbatch, a full or weight backward frees it (an
     input-only backward frees little: the weight gradient still needs the inputs) but for
-    the stage's output, which torch's schedule keeps until the step ends."""
+    its output where the schedule keeps that: every output of the stages in `keep_all`, one
+    of the others'."""
     held = peak = 0
+    kept_one = set()
     for action in _flat(schedule.pipeline_order[pp_rank]):
-        kind = action.computation_type.value
+        kind, sid = action.computation_type.value, action.stage_index
         if kind == "F":
-            held += per_mb[action.stage_index]
+            held += per_mb[sid]
             peak = max(peak, held)
         elif kind in ("B", "W"):
-            held -= per_mb[action.stage_index] - outputs[action.stage_index]
+            keep = sid in keep_all or sid not in kept_one
+            kept_one.add(sid)
+            held -= per_mb[sid] - (outputs[sid] if keep else 0)
     return peak
 
 

@@ -35,25 +35,48 @@ class Hardware:
     gpus_per_node: int = 8
 
 
+LAYOUT_FIELDS = {"dp_replicate": "parallelism.data_parallel_replicate_degree",
+                 "dp_shard": "parallelism.data_parallel_shard_degree",
+                 "cp": "parallelism.context_parallel_degree",
+                 "tp": "parallelism.tensor_parallel_degree",
+                 "pp": "parallelism.pipeline_parallel_degree"}
+
+
+def settings(layout: dict, ac: str, local_batch: int, global_batch: int) -> dict:
+    """A candidate as config fields (dotted names): the one definition both the planned job
+    and the printed overrides are made from."""
+    return {**{LAYOUT_FIELDS[k]: v for k, v in layout.items()},
+            "activation_checkpoint.mode": ac, "training.local_batch_size": local_batch,
+            "training.global_batch_size": global_batch}
+
+
+def apply_settings(job: JobConfig, fields: dict) -> JobConfig:
+    j = copy.deepcopy(job)
+    for name, value in fields.items():
+        section, attr = name.split(".")
+        setattr(getattr(j, section), attr, value)
+    return j
+
+
 @dataclass
 class Candidate:
     layout: dict
-    ac: str
-    local_batch_size: int
+    fields: dict  # `settings(...)`
     grad_accum: int
     peak_bytes: int
     step_s: float
     parts: dict = field(default_factory=dict)
 
+    @property
+    def ac(self) -> str:
+        return self.fields["activation_checkpoint.mode"]
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.fields["training.local_batch_size"]
+
     def overrides(self) -> list[str]:
-        lay = self.layout
-        return ["--parallelism.data_parallel_replicate_degree", str(lay["dp_replicate"]),
-                "--parallelism.data_parallel_shard_degree", str(lay["dp_shard"]),
-                "--parallelism.context_parallel_degree", str(lay["cp"]),
-                "--parallelism.tensor_parallel_degree", str(lay["tp"]),
-                "--parallelism.pipeline_parallel_degree", str(lay["pp"]),
-                "--activation_checkpoint.mode", self.ac,
-                "--training.local_batch_size", str(self.local_batch_size)]
+        return [arg for name, value in self.fields.items() for arg in (f"--{name}", str(value))]
 
 
 def factorizations(n: int, k: int):
@@ -65,18 +88,6 @@ def factorizations(n: int, k: int):
         if n % d == 0:
             for rest in factorizations(n // d, k - 1):
                 yield (d, *rest)
-
-
-def _job_for(job: JobConfig, layout: dict, ac: str, local_batch: int, global_batch: int):
-    j = copy.deepcopy(job)
-    p = j.parallelism
-    p.data_parallel_replicate_degree, p.data_parallel_shard_degree = (layout["dp_replicate"],
-                                                                      layout["dp_shard"])
-    p.context_parallel_degree, p.tensor_parallel_degree = layout["cp"], layout["tp"]
-    p.pipeline_parallel_degree = layout["pp"]
-    j.activation_checkpoint.mode = ac
-    j.training.local_batch_size, j.training.global_batch_size = local_batch, global_batch
-    return j
 
 
 def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[float, dict]:
@@ -134,7 +145,8 @@ def suggest(job: JobConfig, world_size: int, device_memory: int, hw: Hardware,
         per_rank = global_batch // (rep * shard)
         batches = [b for b in (per_rank >> i for i in range(8)) if b and per_rank % b == 0]
         for ac, local in itertools.product(AC_COST, dict.fromkeys(batches)):
-            candidate = _job_for(job, layout, ac, local, global_batch)
+            fields = settings(layout, ac, local, global_batch)
+            candidate = apply_settings(job, fields)
             try:
                 plan = plan_run(candidate, world_size)
             except ConfigError:
@@ -145,7 +157,7 @@ def suggest(job: JobConfig, world_size: int, device_memory: int, hw: Hardware,
             peak = max(b["total_bytes"] for b in ranks)
             if peak <= budget:
                 seconds, parts = step_time(candidate, plan, hw, world_size)
-                found.append(Candidate(layout, ac, local, plan.grad_accum_steps, peak, seconds,
+                found.append(Candidate(layout, fields, plan.grad_accum_steps, peak, seconds,
                                        parts))
                 break  # the cheapest AC and the biggest batch that fit: go to the next layout
         # (a layout none of whose settings fit adds nothing)

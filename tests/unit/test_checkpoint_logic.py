@@ -102,3 +102,39 @@ def test_lr_scheduler_state_is_one_integer():
     sched2 = build_lr_scheduler(opt2, LINEAR, 10)
     sched2.load_state_dict(sd)
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_checkpoint_saved_on_cpu_resumes_on_a_gpu_and_back(tmp_path, monkeypatch, caplog):
+    """A CPU checkpoint holds no CUDA RNG state; a GPU run's template asks for one. The
+    GPU is stood in for by torch.cuda's RNG functions (the load path calls nothing else)."""
+    from titan.components.checkpointer import Checkpointer
+    from titan.components.train_state import TrainState
+
+    cpu_ckpt = tmp_path / "cpu"
+    saved = TrainState()
+    saved.step, saved.tokens_seen = 7, 700
+    dcp.save({"train_state": saved}, checkpoint_id=str(cpu_ckpt), no_dist=True)
+
+    cuda_rng = {"state": torch.full((16,), 5, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: cuda_rng["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t: cuda_rng.update(state=t.clone()))
+
+    on_gpu = TrainState()
+    with caplog.at_level("WARNING"):
+        Checkpointer._dcp_load(None, {"train_state": on_gpu}, cpu_ckpt)
+    assert (on_gpu.step, on_gpu.tokens_seen) == (7, 700)
+    assert "holds no CUDA RNG state" in caplog.text
+    assert on_gpu.saved_keys is None  # a later save writes the CUDA state again
+    assert "rng_cuda" in on_gpu.state_dict()
+
+    gpu_ckpt = tmp_path / "gpu"  # and a GPU checkpoint restores the CUDA generator
+    dcp.save({"train_state": on_gpu}, checkpoint_id=str(gpu_ckpt), no_dist=True)
+    cuda_rng["state"] = torch.zeros(16, dtype=torch.uint8)
+    Checkpointer._dcp_load(None, {"train_state": TrainState()}, gpu_ckpt)
+    assert cuda_rng["state"].tolist() == [5] * 16
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    on_cpu = TrainState()  # the GPU checkpoint on CPU: its CUDA state is left unread
+    Checkpointer._dcp_load(None, {"train_state": on_cpu}, gpu_ckpt)
+    assert on_cpu.step == 7

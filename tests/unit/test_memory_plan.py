@@ -70,7 +70,9 @@ def test_planned_state_bytes_equal_measured(case, tmp_path):
         for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
             assert m[key] == p[key] > 0, (case, rank, key, m, p)
         ratio = p["activations_bytes"] / m["activations_bytes"]
-        assert abs(ratio - 1) <= 0.10, (case, rank, m, p)
+        # the bar is 10%; every case is within 0.5% (RESULTS.md), so 2% catches a
+        # regression of the walk (1F1B's kept output was one hidden state, 8% with full AC)
+        assert abs(ratio - 1) <= 0.02, (case, rank, m, p)
 
 
 def test_plan_cli_json_and_errors(tmp_path):

@@ -167,8 +167,11 @@ class Checkpointer:
 
     def _dcp_load(self, state: dict, path: Path) -> None:
         t0 = time.perf_counter()
+        md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if "train_state" in state:
+            state["train_state"].saved_keys = {
+                k.split(".", 1)[1] for k in md if k.startswith("train_state.")}
         if "dataloader" in state:
-            md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
             data = state["dataloader"]
             data.load_sizes = {
                 k.split(".", 1)[1]: m.size[0] for k, m in md.items() if k.startswith("dataloader.")}
@@ -187,6 +190,8 @@ class Checkpointer:
         finally:
             if "dataloader" in state:
                 state["dataloader"].load_sizes = {}
+            if "train_state" in state:
+                state["train_state"].saved_keys = None
         logger.info("loaded %s from %s in %.2fs", ", ".join(state), path, time.perf_counter() - t0)
 
     def _initial_load(self) -> bool:

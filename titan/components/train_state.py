@@ -5,10 +5,13 @@ into any parallel layout and nothing but DCP's own metadata is ever unpickled.
 """
 
 import json
+import logging
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+logger = logging.getLogger(__name__)
 
 
 def encode_json(obj) -> torch.Tensor:
@@ -44,19 +47,27 @@ class TrainState:
     def __init__(self):
         self.step = 0
         self.tokens_seen = 0
+        # set before a load to the keys the checkpoint holds: one saved on CPU has no CUDA RNG
+        # state, and DCP fails on a key the template asks for that the checkpoint lacks
+        self.saved_keys: set[str] | None = None
 
     def state_dict(self) -> dict:
         sd = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
               "rng_cpu": torch.get_rng_state()}
-        if torch.cuda.is_initialized():  # training on a GPU
+        if torch.cuda.is_initialized() and (self.saved_keys is None
+                                            or "rng_cuda" in self.saved_keys):
             sd["rng_cuda"] = torch.cuda.get_rng_state()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
         torch.set_rng_state(sd["rng_cpu"])
-        if torch.cuda.is_initialized() and "rng_cuda" in sd:
-            torch.cuda.set_rng_state(sd["rng_cuda"])
+        if "rng_cuda" in sd:
+            if torch.cuda.is_initialized():
+                torch.cuda.set_rng_state(sd["rng_cuda"])
+        elif torch.cuda.is_initialized():
+            logger.warning("the checkpoint holds no CUDA RNG state (saved without a GPU): the "
+                           "CUDA generator keeps this run's seed")
 
 
 class DataState:
