@@ -77,7 +77,12 @@ def losses(dump) -> dict[int, float]:
 
 def assert_matches_baseline(baseline, nproc, overrides, dump, case, rtol=RTOL):
     launch(nproc, [*COMMON, *overrides], dump, timeout=600)
-    records = read_metrics(dump)
+    return assert_records_match(baseline, read_metrics(dump), nproc, case, rtol)
+
+
+def assert_records_match(baseline, records, nproc, case, rtol=RTOL):
+    """Losses, global gradient norms and token counts of a `COMMON` run against the 1-rank
+    baseline."""
     rows = compare(baseline, records, "loss")
     print(format_table(rows, "loss", "1 rank", f"{case} on {nproc} ranks"))
     assert len(rows) == STEPS

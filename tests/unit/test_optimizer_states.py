@@ -113,15 +113,15 @@ BF16 = ["--optimizer.state_dtype", "bfloat16"]
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 def test_200_steps_stay_close_to_float32_states(tmp_path):
-    one_batch = [*COMMON, "--training.local_batch_size", "8"]
+    one_batch = [*COMMON, "--training.local_batch_size", "4", "--training.global_batch_size", "4"]
     fp32 = run_trainer(tmp_path / "fp32", 1, one_batch, deadline_s=300)
     bf16 = run_trainer(tmp_path / "bf16", 1, [*one_batch, *BF16], deadline_s=300)
     diffs = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(fp32, bf16, strict=True)]
     tail = sum(r["loss"] for r in bf16[-20:]) / 20 - sum(r["loss"] for r in fp32[-20:]) / 20
     print(f"max relative loss difference {max(diffs):.2e}; mean of the last 20 steps "
           f"{tail:+.4f} ({fp32[0]['loss']:.3f} -> {sum(r['loss'] for r in fp32[-20:]) / 20:.3f})")
-    # measured 1.7e-5 at most (the moments' rounding barely moves Adam's m / sqrt(v));
-    # the band allows 60x that, per step and for the end of the curve
+    # measured 5.1e-5 at most (1.7e-5 at batch 8; the moments' rounding barely moves Adam's
+    # m / sqrt(v)); the band allows 20x that, per step and for the end of the curve
     assert max(diffs) < 1e-3
     assert abs(tail) < 1e-3 * fp32[-1]["loss"]
 
