@@ -60,12 +60,15 @@ def apply_settings(job: JobConfig, fields: dict) -> JobConfig:
 
 @dataclass
 class Candidate:
-    layout: dict
     fields: dict  # `settings(...)`
     grad_accum: int
     peak_bytes: int
     step_s: float
     parts: dict = field(default_factory=dict)
+
+    @property
+    def layout(self) -> dict:
+        return {k: self.fields[name] for k, name in LAYOUT_FIELDS.items()}
 
     @property
     def ac(self) -> str:
@@ -157,8 +160,7 @@ def suggest(job: JobConfig, world_size: int, device_memory: int, hw: Hardware,
             peak = max(b["total_bytes"] for b in ranks)
             if peak <= budget:
                 seconds, parts = step_time(candidate, plan, hw, world_size)
-                found.append(Candidate(layout, fields, plan.grad_accum_steps, peak, seconds,
-                                       parts))
+                found.append(Candidate(fields, plan.grad_accum_steps, peak, seconds, parts))
                 break  # the cheapest AC and the biggest batch that fit: go to the next layout
         # (a layout none of whose settings fit adds nothing)
     found.sort(key=lambda c: (c.step_s, c.peak_bytes))
