@@ -14,7 +14,6 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from titan.components.memory_measure import tensor_bytes
 from titan.config import JobConfig
 from titan.dtypes import to_dtype
 from titan.preflight import RunPlan, plan_run
@@ -39,6 +38,10 @@ def fake_world(world_size: int, rank: int):
 
 def state_bytes(parts: list, job: JobConfig) -> dict:
     """Parameters, gradients and optimizer states of one rank's (meta) parts, in bytes."""
+    # here, not at the top: it imports DTensor, a second of the launcher's start-up that a
+    # run with no device memory to check against (CPU) never needs
+    from titan.components.memory_measure import tensor_bytes
+
     params = list({id(p): p for part in parts for p in part.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
     state_size = to_dtype(job.optimizer.state_dtype).itemsize

@@ -40,6 +40,17 @@ LAYOUTS.update({
     "pp2_1f1b_full_ac": (2, [*LAYOUTS["pp2_1f1b_tied"][1], *AC["full"]]),
     "pp2_interleaved_selective_ac": (2, [*LAYOUTS["pp2_interleaved"][1], *AC["selective"]]),
 })
+# bf16 compute: autocast on one rank, FSDP's param dtype, bf16 pipeline stage tensors;
+# float8 (emulated) under FSDP with bf16
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
+F8 = ["--model.converters", "float8", "--float8.emulate"]
+LAYOUTS.update({
+    "1rank_bf16_autocast": (1, BF16),
+    "fsdp2_bf16_selective_ac": (2, [*BF16, *AC["selective"]]),
+    # FSDP gives the stages bf16 (without it, pipelines compute in float32)
+    "pp2_fsdp2_bf16": (4, [*BF16, "--parallelism.pipeline_parallel_degree", "2"]),
+    "fsdp2_float8_bf16_full_ac": (2, [*F8, *BF16, *AC["full"]]),
+})
 
 
 
@@ -61,6 +72,8 @@ def planned_bytes(argv, nproc, tmp_path) -> list[dict]:
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_planned_state_bytes_equal_measured(case, tmp_path):
     nproc, overrides = LAYOUTS[case]
+    if "float8" in overrides:
+        pytest.importorskip("torchao.float8", reason="float8 needs pip install -e '.[float8]'")
     argv = [*ONE_STEP, *overrides]
     run_trainer(tmp_path, nproc, argv)
     measured = json.loads((tmp_path / "dump" / "memory_measured.json").read_text())["ranks"]
