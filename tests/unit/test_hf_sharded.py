@@ -39,10 +39,11 @@ def full_state(trainer) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from titan.components.train_state import ModelState
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    # the live parameters, a pipeline's tied copy included (a ModelState saves it once)
     own = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-           for k, v in ModelState(trainer.model_parts).state_dict().items()}
+           for part in trainer.model_parts for k, v in get_model_state_dict(part).items()}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, own)
     return {k: v for part in every for k, v in part.items()}

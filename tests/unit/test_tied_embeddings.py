@@ -3,6 +3,7 @@ once, kept as one parameter under FSDP and TP and as two copies with summed grad
 pipeline stages; every layout trains like one process; HF round trips both ways."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -105,3 +106,63 @@ def test_transformers_reads_a_tied_export(tmp_path):
     hf_model.save_pretrained(str(tmp_path / "from_hf"))
     back = hf_io.load_hf(tmp_path / "from_hf", LLAMA)
     assert torch.equal(back["output.weight"], model.output.weight)
+
+
+def _saved_names(step_dir) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+
+
+def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(one_rank, tmp_path,
+                                                                         monkeypatch):
+    """Saved by a pipeline (owner on the first stage, copy on the last), the matrix and its
+    moments are stored once, under the embedding's name; the run resumes bit for bit, and the
+    checkpoint resumes on one rank and on a V schedule (owner and copy on one rank). A
+    checkpoint from before (the copy stored too) still loads."""
+    ck = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    pp2 = LAYOUTS["pp2"][1]
+    straight = run_trainer(tmp_path / "straight", 2, [*COMMON, *pp2])
+    run_trainer(tmp_path / "saved", 2, [*COMMON, *pp2, *ck, "--training.exit_at_step", "2"])
+    step2 = tmp_path / "saved" / "dump" / "checkpoint" / "step-2"
+    names = _saved_names(step2)
+    assert {"model.tok_embeddings.weight", "optimizer.state.tok_embeddings.weight.exp_avg",
+            "optimizer.state.tok_embeddings.weight.exp_avg_sq"} <= names
+    assert not [n for n in names if "output.weight" in n], names
+    # the weights alone (convert_to_hf, generate) read as the tied model
+    from titan.components import checkpoint
+    from titan.config import parse_args
+    from titan.generate import load_model
+
+    state = checkpoint.load_dcp_model_state(step2)
+    assert "output.weight" not in state
+    back = hf_io.load_hf(hf_io.save_hf(state, LLAMA, TIED, tmp_path / "hf"), LLAMA)
+    assert torch.equal(back["output.weight"], state["tok_embeddings.weight"])
+    model, _ = load_model(step2, parse_args(COMMON), LLAMA, 32, torch.device("cpu"))
+    assert model.output.weight is model.tok_embeddings.weight
+    assert torch.equal(model.output.weight, state["tok_embeddings.weight"])
+
+    def resumed(name, world, flags, src=step2):
+        dump = tmp_path / name / "dump" / "checkpoint"
+        shutil.copytree(src, dump / "step-2")
+        return run_trainer(tmp_path / name, world, [*COMMON, *flags, *ck])
+
+    same = resumed("pp2", 2, pp2)
+    assert [r["step"] for r in same] == [3, 4]
+    assert [r["loss"] for r in same] == [r["loss"] for r in straight[2:]]  # bit for bit
+    for name, world, flags in [("one", 1, []), ("zbv", 2, LAYOUTS["pp2_zbv"][1])]:
+        got = resumed(name, world, flags)
+        for a, b in zip(one_rank[2:], got, strict=True):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (name, a, b)
+
+    # the former format: every name as is, the copy and its moments too
+    from titan.components import optimizer, train_state
+
+    monkeypatch.setattr(train_state, "saved_form", lambda sd, ties, prefix="": sd)
+    monkeypatch.setattr(optimizer, "saved_form", lambda sd, ties, prefix="": sd)
+    run_trainer(tmp_path / "old", 2, [*COMMON, *pp2, *ck, "--training.exit_at_step", "2"])
+    monkeypatch.undo()
+    old = tmp_path / "old" / "dump" / "checkpoint" / "step-2"
+    assert "optimizer.state.output.weight.exp_avg" in _saved_names(old)
+    got = resumed("from_old", 2, pp2, src=old)
+    assert [r["loss"] for r in got] == [r["loss"] for r in straight[2:]]

@@ -58,7 +58,9 @@ def check_state_matches(state: dict[str, torch.Tensor], spec: TrainSpec, args: M
     """Raise a CheckpointError listing missing / unexpected / mis-shaped parameters.
     `partial`: a pipeline stage's share, so absent names are fine."""
     want = spec.state_shapes(args)
-    missing = [] if partial else sorted(set(want) - set(state))
+    # a tied weight is one matrix under two names: a titan checkpoint stores only the owner's
+    copies = {copy for owner, copy in spec.build_meta(args).tied_parameters() if owner in state}
+    missing = [] if partial else sorted(set(want) - set(state) - copies)
     extra = sorted(set(state) - set(want))
     bad = [f"{n}: {tuple(state[n].shape)} vs {tuple(want[n])}" for n in want
            if n in state and tuple(state[n].shape) != tuple(want[n])]

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan.components.low_precision_adam import LowPrecisionStateAdam
+from titan.components.tied_state import saved_form, saved_key, tied_names
 from titan.dtypes import to_dtype
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class OptimizersContainer:
         kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                   weight_decay=cfg.weight_decay)
         self.model_parts = model_parts
+        self.ties = tied_names(model_parts)
         self.optimizers = [
             _build_one([p for p in part.parameters() if p.requires_grad], cfg.name,
                        cfg.implementation, kw, cfg.state_dtype)
@@ -70,13 +72,22 @@ class OptimizersContainer:
         for part, opt in zip(self.model_parts, self.optimizers, strict=True):
             sd = get_optimizer_state_dict(part, opt, options=_OPTIONS)
             out.update({k: v for k, v in sd.items() if k.startswith("state.")})
-        return out
+        # a tied weight's moments once, as its weight (a pipeline copy's equal its owner's)
+        return saved_form(out, self.ties, "state.")
 
     def load_state_dict(self, state: dict) -> None:
+        taken = set()
         for part, opt in zip(self.model_parts, self.optimizers, strict=True):
             # start from the live dict (param groups, this part's keys) and fill in saved state
             sd = get_optimizer_state_dict(part, opt, options=_OPTIONS)
-            sd.update({k: state[k] for k in sd if k in state})
+            for k in sd:
+                saved = saved_key(k, self.ties, "state.")
+                if saved in state:
+                    value = state[saved]
+                    # a tied owner and its copy on this rank (V schedules) each step their own
+                    # moments: one tensor for both would be updated twice a step
+                    sd[k] = value.clone() if id(value) in taken else value
+                    taken.add(id(value))
             set_optimizer_state_dict(part, opt, sd, options=_OPTIONS)
 
 

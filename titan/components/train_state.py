@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from titan.components.tied_state import saved_form, saved_key, tied_names
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,15 +26,18 @@ def decode_json(t: torch.Tensor):
 
 
 class ModelState:
-    """All model parts (pipeline stages) as one state dict keyed by parameter name."""
+    """All model parts (pipeline stages) as one state dict keyed by parameter name; a tied
+    weight appears once, under its owner's name (`tied_state`)."""
 
     def __init__(self, parts: list[nn.Module], export_dtype: torch.dtype | None = None):
         self.parts, self.export_dtype = parts, export_dtype
+        self.ties = tied_names(parts)
 
     def state_dict(self) -> dict:
         sd = {}
         for part in self.parts:
             sd.update(get_model_state_dict(part))
+        sd = saved_form(sd, self.ties)
         if self.export_dtype is not None:
             sd = {k: v.to(self.export_dtype) for k, v in sd.items()}
         return sd
@@ -40,7 +45,7 @@ class ModelState:
     def load_state_dict(self, sd: dict) -> None:
         for part in self.parts:
             own = get_model_state_dict(part)
-            set_model_state_dict(part, {k: sd[k] for k in own})
+            set_model_state_dict(part, {k: sd[saved_key(k, self.ties)] for k in own})
 
 
 class TrainState:
