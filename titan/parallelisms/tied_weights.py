@@ -17,6 +17,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _as_param_placed(p: torch.Tensor) -> None:
+    """Give p's gradient p's own sharding. TP's embedding backward leaves its Shard(0)
+    weight a Replicate() gradient, whole on every rank, while the output copy's is Shard(0):
+    summed as they were, the two ranks of a pair sent tensors of different sizes."""
+    g = p.grad
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
 class TiedCopies:
     """The copies of tied parameters on this rank's pipeline stages.
 
@@ -51,6 +60,8 @@ class TiedCopies:
             held = [p for p in (owner, copy) if p is not None and p.grad is not None]
             if not held:
                 continue
+            for p in held:
+                _as_param_placed(p)
             total = _local(held[0].grad)
             for p in held[1:]:
                 total.add_(_local(p.grad))
