@@ -46,6 +46,7 @@ from titan.dtypes import to_dtype
 from titan.build import meta_parts
 from titan.logging_setup import init_logging
 from titan.microbatch import ForwardBackward
+from titan.parallelisms.tensor_parallel import shard_grads_like_params
 from titan.parallelisms.tied_weights import TiedCopies
 from titan.preflight import RunPlan, pipeline_plan, plan_run
 
@@ -195,6 +196,7 @@ class Trainer:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             loss += self.fwd_bwd.step(inputs, labels)
         params = [p for part in self.model_parts for p in part.parameters()]
+        shard_grads_like_params(params)
         copies = []
         if self.tied_copies is not None:  # pipeline stages' copies of one tied weight
             self.tied_copies.sum_grads()

@@ -18,6 +18,8 @@ LAYOUTS = {
     "fsdp2_full_ac": (2, ["--activation_checkpoint.mode", "full"]),
     "fsdp2_tp2_selective_ac": (4, ["--parallelism.tensor_parallel_degree", "2",
                                    "--activation_checkpoint.mode", "selective"]),
+    # TP without FSDP: each gradient in its weight's sharding (the embedding's came whole)
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
                     "--training.local_batch_size", "2"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2",

@@ -58,8 +58,8 @@ LAYOUTS = {
                     "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     "fsdp2_pp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
                       "--parallelism.pipeline_parallel_degree", "2"]),
-    # the embedding's TP gradient is whole (Replicate), the output copy's sharded: the pair
-    # sums them in the weight's own sharding (they once sent different sizes and aborted)
+    # TP's embedding backward makes a whole (Replicate) gradient, the output copy's is
+    # sharded: resharded like the weight, the pair sums alike shards (it once aborted)
     "tp2_pp2": (4, ["--parallelism.tensor_parallel_degree", "2",
                     "--parallelism.pipeline_parallel_degree", "2"]),
 }

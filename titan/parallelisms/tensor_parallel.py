@@ -24,3 +24,14 @@ def _replicate_inputs(module, inputs, mesh):
 
 def _local_output(module, output, mesh):
     return output.to_local() if isinstance(output, DTensor) else output
+
+
+def shard_grads_like_params(params: list[nn.Parameter]) -> None:
+    """Give each DTensor gradient its parameter's sharding, as FSDP does for its own: TP's
+    embedding backward leaves the Shard(0) weight a whole Replicate() gradient (vocab x dim
+    on every rank, 1.7 GiB more for Llama 3 8B under TP 8) until the optimizer step, and a
+    tied pipeline copy's sharded gradient could not be summed with it."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)

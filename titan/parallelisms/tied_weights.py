@@ -17,22 +17,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _as_param_placed(p: torch.Tensor) -> None:
-    """Give p's gradient p's own sharding. TP's embedding backward leaves its Shard(0)
-    weight a Replicate() gradient, whole on every rank, while the output copy's is Shard(0):
-    summed as they were, the two ranks of a pair sent tensors of different sizes."""
-    g = p.grad
-    if isinstance(g, DTensor) and g.placements != p.placements:
-        p.grad = g.redistribute(p.device_mesh, p.placements)
-
-
 class TiedCopies:
     """The copies of tied parameters on this rank's pipeline stages.
 
     `ties` are (owner name, copy name) pairs of the whole model; the owner lives on the first
     stage, the copy on a later one. With both on this rank (V schedules) the gradients add
     locally; otherwise the first and last pipeline rank of each (dp, cp, tp) coordinate
-    all-reduce them in a group of two.
+    all-reduce them in a group of two. Their gradients must be in their parameters' own
+    sharding (`tensor_parallel.shard_grads_like_params`), so the local shards match.
     """
 
     def __init__(self, parts: list[nn.Module], ties: list[tuple[str, str]],
@@ -60,8 +52,6 @@ class TiedCopies:
             held = [p for p in (owner, copy) if p is not None and p.grad is not None]
             if not held:
                 continue
-            for p in held:
-                _as_param_placed(p)
             total = _local(held[0].grad)
             for p in held[1:]:
                 total.add_(_local(p.grad))
