@@ -99,8 +99,12 @@ def test_config_check_stays_light():
     import subprocess
     import sys
 
-    code = ("import sys; from titan.config import parse_args; from titan.preflight import "
-            "plan_run; plan_run(parse_args(['--parallelism.pipeline_parallel_degree', '2']), 2);"
+    # the launcher's own checks (titan.launch.main runs these two before torchrun); the
+    # memory check once imported DTensor, unseen while this test ran plan_run alone
+    code = ("import sys; from titan.config import parse_args; from titan.launch import "
+            "check_memory, validate_world_sizes; "
+            "job = parse_args(['--parallelism.pipeline_parallel_degree', '2']); "
+            "validate_world_sizes(job, 1, 1, 2); check_memory(job, 2); "
             "heavy = [m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp', "
             "'torch.distributed.pipelining', 'torch.distributed.checkpoint') if m in sys.modules];"
             "assert not heavy, heavy")
