@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from titan.components.checkpoint import CheckpointError
+from titan.components.checkpoint_identity import model_identity
 from titan.components.checkpointer import Checkpointer
 from titan.components.dataloader import DataShard, build_dataloader
 from titan.components.dataset import DataError
@@ -91,6 +92,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             job.checkpoint, dump_folder=job.job.dump_folder, rank=self.rank,
             layout=plan.layout(),
+            identity=model_identity(plan.spec, job.model.flavor, plan.model_args),
             states={"model": ModelState(self.model_parts), "optimizer": self.optimizer,
                     "lr_scheduler": self.lr_scheduler,
                     "dataloader": DataState(self.dataloader, self.shard.dp_rank,

@@ -23,13 +23,20 @@ from torch.distributed.tensor import DTensor
 
 from titan.components.checkpoint import (
     COMPLETE_MARKER,
-    HF_EXPORT,
     CheckpointError,
     folder_problem,
+    resume_candidate,
+    saved_files,
     saved_keys,
     saved_layout,
     step_folders,
     write_complete_marker,
+)
+from titan.components.checkpoint_integrity import (
+    ChecksummingWriter,
+    collect_sidecars,
+    file_problem,
+    remove_sidecars,
 )
 from titan.components.train_state import ModelState
 from titan.dtypes import to_dtype
@@ -38,6 +45,10 @@ from titan.paths import resolve
 logger = logging.getLogger(__name__)
 
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+RESUME_FIX = ("Resume with the model it was saved from (model.name / model.flavor), or start a "
+              "new run in another job.dump_folder or checkpoint.folder")
+INITIAL_LOAD_FIX = ("Set model.name / model.flavor to the model it was saved from, or point "
+                    "checkpoint.initial_load_path at a checkpoint of this one")
 
 
 def local_state_bytes(obj) -> int:
@@ -85,19 +96,21 @@ class Checkpointer:
     checkpoint section.
 
     `layout` describes the parallel layout, recorded with each save and compared on resume.
-    `hf` (an `hf_io.HFModelIO`) reads and writes HF folders through the model's adapter, for
+    `identity` (a `checkpoint_identity.ModelIdentity`) is the model: recorded with each save,
+    and a checkpoint of another model is refused before anything is loaded. `hf` (an `hf_io.HFModelIO`) reads and writes HF folders through the model's adapter, for
     `initial_load_in_hf` and `last_save_in_hf`. `on_files_written(step)` runs after a save's
     files are written and before it is marked complete (the fault injector's hook).
     """
 
     def __init__(self, cfg, *, dump_folder: str, states: dict, rank: int,
-                 layout: dict | None = None, hf=None,
+                 layout: dict | None = None, identity=None, hf=None,
                  on_files_written: Callable[[int], None] | None = None):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.states = states
         self.rank = rank
         self.layout = layout
+        self.identity = identity
         self.hf = hf
         self.on_files_written = on_files_written
         self._pending = None  # (upload future, path, step) of an async save in flight
@@ -112,42 +125,43 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load
 
-    def _resume_candidate(self) -> Path | None:
-        if self.cfg.load_step >= 0:
-            path = self.root / f"step-{self.cfg.load_step}"
-            why = folder_problem(path) if path.is_dir() else "does not exist"
-            if why:
-                raise CheckpointError(f"checkpoint.load_step = {self.cfg.load_step}: {path} {why}")
-            return path
-        steps = step_folders(self.root) if self.root.is_dir() else []
-        skipped = []
-        for _, path in reversed(steps):
-            why = folder_problem(path)
-            if why is None:
-                for name, reason in skipped:
-                    logger.warning("checkpoint %s is unusable (%s); resuming from %s instead",
-                                   name, reason, path.name)
-                return path
-            skipped.append((path.name, why))
-        completed = [(n, r) for n, r in skipped if not r.startswith(("incomplete", HF_EXPORT))]
-        if completed:
-            details = "; ".join(f"{n}: {r}" for n, r in skipped)
-            raise CheckpointError(
-                f"no usable checkpoint in {self.root} ({details}). Fix or remove the damaged "
-                "folders, or point checkpoint.folder / job.dump_folder elsewhere to start fresh"
-            )
-        for name, reason in skipped:
-            logger.warning("ignoring checkpoint %s: %s", name, reason)
-        return None
+    def _problem(self, path: Path) -> str | None:
+        """folder_problem under checkpoint.verify; "full" reads the checksummed files once in
+        all, each rank its share, and every rank gets the same answer."""
+        verify = self.cfg.verify
+        why = folder_problem(path, "off" if verify == "off" else "fast")
+        if why or verify != "full":
+            return why
+        files = sorted((saved_files(path) or {}).items())
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        t0 = time.perf_counter()
+        mine = next((w for name, expected in files[rank::world]
+                     if (w := file_problem(path, name, expected, full=True))), None)
+        if distributed:
+            found: list = [None] * world
+            dist.all_gather_object(found, mine)
+            mine = next((w for w in found if w), None)
+        if mine is None and files:
+            logger.info("verified the checksums of %s's %d files in %.2fs", path.name,
+                        len(files), time.perf_counter() - t0)
+        return mine
+
+    def _check_identity(self, path: Path, what: str, fix: str) -> None:
+        why = self.identity.problem(path) if self.identity is not None else None
+        if why:
+            raise CheckpointError(f"{what} {path}: {why}. {fix}")
 
     def load(self) -> bool:
         """Restore from the newest usable checkpoint, else load the initial load path; True if
         the training state (not only the model) was restored."""
         if not self.cfg.enable:
             return self._initial_load()  # nothing to resume from without checkpointing
-        path = self._resume_candidate()
+        path = resume_candidate(self.root, self.cfg.load_step, self._problem,
+                                warn=logger.warning)
         if path is None:
             return self._initial_load()
+        self._check_identity(path, "cannot resume from", RESUME_FIX)
         keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
         present = saved_keys(path)
         absent = [k for k in keys if k not in present]
@@ -211,9 +225,10 @@ class Checkpointer:
                         "read by this rank (its shards only) in %.2fs", path, len(state),
                         nbytes / 2**20, time.perf_counter() - t0)
             return False
-        why = folder_problem(path) if path.is_dir() else "does not exist"
+        why = self._problem(path) if path.is_dir() else "does not exist"
         if why:
             raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}")
+        self._check_identity(path, "checkpoint.initial_load_path", INITIAL_LOAD_FIX)
         keys = ["model"] if cfg.initial_load_model_only else [
             k for k in STATE_KEYS if k not in cfg.exclude_from_loading and k in saved_keys(path)]
         self._dcp_load({k: self.states[k] for k in keys}, path)
@@ -266,11 +281,12 @@ class Checkpointer:
             # state_dict() runs here (FSDP's must stay on this thread); the copy into shared
             # memory runs on the stager's thread while the next forward/backward does
             response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self._stager(),
+                                      storage_writer=ChecksummingWriter(str(path)),
                                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
             self._pending = (response.upload_completion, path, step)
             self._staging = (response.staging_completion, step)
         else:
-            dcp.save(state, checkpoint_id=str(path))
+            dcp.save(state, checkpoint_id=str(path), storage_writer=ChecksummingWriter(str(path)))
             self._files_written(step)
             self._mark_complete(path, step, model_only)
         blocked = time.perf_counter() - t0
@@ -327,7 +343,11 @@ class Checkpointer:
         # every rank's writes and the metadata are done when dcp.save / the future returns
         if self.rank != 0:
             return
-        write_complete_marker(path, step, model_only, self.layout, fmt)
+        files = collect_sidecars(path)
+        write_complete_marker(path, step, model_only, self.layout, fmt,
+                              model=self.identity.record() if self.identity else None,
+                              files=files or None)
+        remove_sidecars(path)
         if self._purger is not None:
             self._purge_queue.put(step)
 
