@@ -1,6 +1,6 @@
 """Bad files are refused by the launcher, before torchrun starts a worker: exit code 2 and
 one line naming the file and the fix (titan/content_check.py). Each case runs the launcher's
-main in this process; none gets as far as torchrun."""
+main in this process (run_train.sh only execs it); none gets as far as torchrun."""
 
 import json
 import sys
@@ -30,6 +30,17 @@ def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:
     assert err.startswith("titan: config error: ") and err.count("\n") == 1, err
     assert not dump.exists()
     return err
+
+
+@pytest.mark.parametrize("args,key", [
+    (["--training.dataset_path", "no_such_dir/missing.jsonl"], "training.dataset_path"),
+    (["--activation_checkpoint.mode", "selective",
+      "--activation_checkpoint.selective_ac_option", "x2"],
+     "activation_checkpoint.selective_ac_option"),
+], ids=["missing_dataset", "selective_ac_option"])
+def test_worker_time_errors_are_refused_before_launch(monkeypatch, capsys, tmp_path, args, key):
+    """Mistakes once found inside the workers (a traceback per rank, exit 1)."""
+    assert key in launcher_refuses(monkeypatch, capsys, tmp_path, *args)
 
 
 @pytest.mark.parametrize("content,says", [
