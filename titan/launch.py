@@ -5,6 +5,11 @@ in one process, so a bad config fails in a second with exit code 2 and one messa
 before torchrun starts workers or anything is written to disk. It uses the real world size:
 nodes x ranks per node, for every node count an elastic job (`--nnodes MIN:MAX`) may run on.
 
+It also reads a little of the data and weight files (content_check.py: empty or garbled
+files, token shards of another tokenizer or cut short, HF folders missing a shard), and runs
+torchrun so that an error a restart would meet again stops the job with one line
+(final_error.py).
+
 With `DRY_RUN=1` it prints the torchrun command line this node would run, and exits.
 """
 
@@ -14,6 +19,7 @@ import shlex
 import sys
 
 from titan.config import ConfigError, help_text, parse_args, to_toml
+from titan.final_error import run_torchrun
 
 
 def rendezvous_id(dump_folder: str) -> str:
@@ -23,8 +29,9 @@ def rendezvous_id(dump_folder: str) -> str:
     return f"titan-{digest}"
 
 
-def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int) -> None:
-    """plan_run for every world size the job may see; ConfigError names the node count."""
+def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
+    """plan_run for every world size the job may see (returns the last plan); ConfigError
+    names the node count."""
     from titan.preflight import plan_run  # imports torch: only once the config parses
 
     elastic = min_nodes < max_nodes
@@ -35,13 +42,14 @@ def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int) -> Non
             "training.global_batch_size (the gradient accumulation then grows instead)")
     for nodes in range(max_nodes, min_nodes - 1, -1):
         try:
-            plan_run(job, world_size=nodes * nproc)
+            plan = plan_run(job, world_size=nodes * nproc)
         except ConfigError as e:
             if not elastic:
                 raise
             raise ConfigError(
                 f"with {nodes} of NNODES={min_nodes}:{max_nodes} nodes ({nodes * nproc} ranks): "
                 f"{e}. Raise the minimum node count or change the parallel degrees") from None
+    return plan
 
 
 def check_memory(job, world_size: int) -> None:
@@ -74,7 +82,10 @@ def main() -> None:
         except (RuntimeError, ValueError):
             raise ConfigError(f"NNODES={ta.nnodes!r} / NGPU={ta.nproc_per_node!r}: NNODES is a "
                               "node count or MIN:MAX, NGPU a rank count per node") from None
-        validate_world_sizes(job, min_nodes, max_nodes, nproc)
+        plan = validate_world_sizes(job, min_nodes, max_nodes, nproc)
+        from titan.content_check import check_content
+
+        check_content(job, plan.tokenizer)
         check_memory(job, min_nodes * nproc)  # the fewest ranks hold the most each
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
@@ -89,9 +100,7 @@ def main() -> None:
     if os.environ.get("DRY_RUN", "0") not in ("", "0"):
         print("torchrun " + shlex.join(command), flush=True)
         sys.exit(0)
-    from torch.distributed.run import main as torchrun
-
-    torchrun(command)
+    run_torchrun(command)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from titan import final_error
 from titan.components.checkpoint import CheckpointError
 from titan.components.checkpoint_identity import model_identity
 from titan.components.checkpointer import Checkpointer
@@ -363,6 +364,12 @@ def run(job: JobConfig, plan: RunPlan) -> None:
         trainer.close()
 
 
+# errors a restart would meet again: (kind, exit code), handed to the launcher
+FINAL_ERRORS = {ConfigError: ("config error", 2), DataError: ("data error", 2),
+                CheckpointError: ("checkpoint error", 2),
+                NonFiniteLossError: ("training stopped", 1)}
+
+
 def main(argv: list[str] | None = None) -> None:
     init_logging()
     try:
@@ -370,15 +377,17 @@ def main(argv: list[str] | None = None) -> None:
         plan = plan_run(job)
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
+        final_error.record("config error", e, 2)
         sys.exit(2)
     if job.job.print_config and int(os.environ.get("RANK", "0")) == 0:
         print(to_toml(job), flush=True)
     code = 0
     try:
         run(job, plan)
-    except (NonFiniteLossError, DataError, CheckpointError) as e:
+    except tuple(FINAL_ERRORS) as e:
         logger.error("%s", e)
-        code = 1
+        kind, code = next(v for cls, v in FINAL_ERRORS.items() if isinstance(e, cls))
+        final_error.record(kind, e, code)
     except Exception:
         logger.exception("training failed")
         code = 1

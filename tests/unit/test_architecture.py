@@ -99,12 +99,13 @@ def test_config_check_stays_light():
     import subprocess
     import sys
 
-    # the launcher's own checks (titan.launch.main runs these two before torchrun); the
+    # the launcher's own checks (titan.launch.main runs these three before torchrun); the
     # memory check once imported DTensor, unseen while this test ran plan_run alone
     code = ("import sys; from titan.config import parse_args; from titan.launch import "
-            "check_memory, validate_world_sizes; "
+            "check_memory, validate_world_sizes; from titan.content_check import check_content; "
             "job = parse_args(['--parallelism.pipeline_parallel_degree', '2']); "
-            "validate_world_sizes(job, 1, 1, 2); check_memory(job, 2); "
+            "plan = validate_world_sizes(job, 1, 1, 2); check_content(job, plan.tokenizer); "
+            "check_memory(job, 2); "
             "heavy = [m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp', "
             "'torch.distributed.pipelining', 'torch.distributed.checkpoint') if m in sys.modules];"
             "assert not heavy, heavy")

@@ -204,19 +204,49 @@ def _write_index(out_dir: Path, n_files: int) -> None:
     (out_dir / HF_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _hf_weight_files(hf_dir: Path) -> list[Path]:
+def hf_weight_files(hf_dir: Path) -> list[Path]:
+    """The folder's weight files, each present and as long as its header says; a
+    CheckpointError naming the file otherwise. Reads the index and the headers only."""
     index = hf_dir / HF_INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index} is not an HF weight index (no readable "
+                                  "weight_map); download or copy the folder again") from None
         missing = [f for f in files if not (hf_dir / f).is_file()]
         if missing:
-            raise CheckpointError(f"{HF_INDEX_FILE} in {str(hf_dir)!r} names missing shards {missing}")
-        return [hf_dir / f for f in files]
-    if (hf_dir / HF_SINGLE_FILE).is_file():
-        return [hf_dir / HF_SINGLE_FILE]
-    raise CheckpointError(f"no {HF_SINGLE_FILE} or {HF_INDEX_FILE} in {str(hf_dir)!r} "
-                          "(only safetensors weights are read, never .bin/.pth pickles)")
+            raise CheckpointError(f"{HF_INDEX_FILE} in {str(hf_dir)!r} names missing shards "
+                                  f"{missing}; download or copy them again")
+        paths = [hf_dir / f for f in files]
+    elif (hf_dir / HF_SINGLE_FILE).is_file():
+        paths = [hf_dir / HF_SINGLE_FILE]
+    else:
+        raise CheckpointError(f"no {HF_SINGLE_FILE} or {HF_INDEX_FILE} in {str(hf_dir)!r} "
+                              "(only safetensors weights are read, never .bin/.pth pickles)")
+    for path in paths:
+        _check_length(path)
+    return paths
+
+
+def _check_length(file: Path) -> None:
+    """An interrupted download leaves a file shorter than its header's offsets: caught here,
+    before any rank maps it and fails somewhere inside DCP."""
+    have = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if 8 + n > have:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise CheckpointError(f"{file} is not a safetensors file (its header is cut off or "
+                              "unreadable); download or copy it again") from None
+    if have < 8 + n + end:
+        raise CheckpointError(f"{file} is truncated ({have} of {8 + n + end} bytes): download "
+                              "or copy it again")
 
 
 def load_hf_state(hf_dir: str | Path, dtype: str | torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -224,7 +254,7 @@ def load_hf_state(hf_dir: str | Path, dtype: str | torch.dtype | None = None) ->
     from safetensors import safe_open
 
     out = {}
-    for file in _hf_weight_files(Path(hf_dir)):
+    for file in hf_weight_files(Path(hf_dir)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
                 out[name] = f.get_tensor(name)
@@ -241,7 +271,7 @@ class _HFReader(HuggingFaceStorageReader):
 
     def __init__(self, hf_dir: Path):
         super().__init__(str(hf_dir))
-        self.files = {str(f) for f in _hf_weight_files(hf_dir)}
+        self.files = {str(f) for f in hf_weight_files(hf_dir)}
         self.bytes_read = 0
         listing = self.fs.ls
         self.fs.ls = lambda path: [f for f in listing(path) if f in self.files]
