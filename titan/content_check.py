@@ -43,7 +43,7 @@ def check_content(job: JobConfig, tokenizer: Tokenizer) -> None:
         from titan.components.hf_io import hf_weight_files
 
         try:
-            hf_weight_files(resolve(ck.initial_load_path))
+            hf_weight_files(resolve(ck.initial_load_path), ck.verify)
         except CheckpointError as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
 

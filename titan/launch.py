@@ -86,6 +86,9 @@ def main() -> None:
         from titan.content_check import check_content
 
         check_content(job, plan.tokenizer)
+        from titan.checkpoint_check import check_checkpoints
+
+        check_checkpoints(job, plan)
         check_memory(job, min_nodes * nproc)  # the fewest ranks hold the most each
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ from titan import final_error
 from titan.components.checkpoint import CheckpointError
 from titan.components.checkpoint_identity import model_identity
 from titan.components.checkpointer import Checkpointer
+from titan.components.disk_space import save_bytes
 from titan.components.dataloader import DataShard, build_dataloader
 from titan.components.dataset import DataError
 from titan.components.fault_injection import FaultInjector
@@ -94,6 +95,7 @@ class Trainer:
             job.checkpoint, dump_folder=job.job.dump_folder, rank=self.rank,
             layout=plan.layout(),
             identity=model_identity(plan.spec, job.model.flavor, plan.model_args),
+            save_bytes=save_bytes(plan.model_args.num_params(), job.optimizer.state_dtype),
             states={"model": ModelState(self.model_parts), "optimizer": self.optimizer,
                     "lr_scheduler": self.lr_scheduler,
                     "dataloader": DataState(self.dataloader, self.shard.dp_rank,

@@ -108,6 +108,10 @@ def saved_model(path: Path) -> dict | None:
     return _marker(path).get("model")
 
 
+def saved_model_only(path: Path) -> bool:
+    return bool(_marker(path).get("model_only"))
+
+
 def saved_files(path: Path) -> dict[str, list[int]] | None:
     """{file name: [crc32, size]} as written (None for saves older than checksums)."""
     return _marker(path).get("files")

@@ -25,6 +25,10 @@ from titan.components.checkpoint import (
 )
 from titan.components.tied_state import saved_form
 
+RESUME_FIX = ("Resume with the model it was saved from (model.name / model.flavor), or start a "
+              "new run in another job.dump_folder or checkpoint.folder")
+INITIAL_LOAD_FIX = ("Set model.name / model.flavor to the model it was saved from, or point "
+                    "checkpoint.initial_load_path at a checkpoint of this one")
 # the RoPE table's length is the run's seq_len, not a weight: a resume may change it
 _RUN_SETTINGS = ("max_seq_len",)
 

@@ -28,6 +28,8 @@ HF_CONFIG = "config.json"
 HF_GENERATION_CONFIG = "generation_config.json"
 HF_SINGLE_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
+# [crc32, size] of each weight file as exported; transformers ignores files it does not know
+HF_CHECKSUMS = "titan_checksums.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # HF's "5GB"
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 SUFFIX = ".safetensors"
@@ -99,7 +101,8 @@ def args_from_hf(hf_dir: str | Path, spec: TrainSpec, max_seq_len: int | None = 
 
 def _stale_hf_weights(out_dir: Path) -> list[Path]:
     return [p for p in out_dir.iterdir()
-            if p.name in (HF_SINGLE_FILE, HF_INDEX_FILE) or _SHARD_NAME.match(p.name)]
+            if p.name in (HF_SINGLE_FILE, HF_INDEX_FILE, HF_CHECKSUMS)
+            or _SHARD_NAME.match(p.name)]
 
 
 def _distributed() -> bool:
@@ -170,6 +173,8 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         _write_index(out_dir, max(indices.values()))
+    _write_checksums(out_dir, distributed, rank)
+    if rank == 0:
         config = adapter.hf_config() | (config_extra or {})
         config["torch_dtype"] = dtype_name(dtype)
         (out_dir / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -179,6 +184,26 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
     if distributed:  # the folder is whole when any rank returns
         dist.barrier()
     return out_dir
+
+
+def _write_checksums(out_dir: Path, distributed: bool, rank: int) -> None:
+    """The weight files' checksums, read back once the files are whole (DCP's assembly writes
+    them): each rank reads its share; rank 0 writes them beside the index."""
+    from titan.components.checkpoint_integrity import file_crc32
+
+    if distributed:
+        dist.barrier()  # the index (or the single file's rename) is in place
+    files = sorted(p.name for p in out_dir.glob(f"*{SUFFIX}"))
+    world = dist.get_world_size() if distributed else 1
+    mine = {n: [file_crc32(out_dir / n), (out_dir / n).stat().st_size]
+            for n in files[rank::world]}
+    parts = [mine]
+    if distributed:
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
+    if rank == 0:
+        sums = {k: v for part in parts for k, v in part.items()}
+        (out_dir / HF_CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
 
 
 def _header_offsets(file: Path) -> dict[str, tuple[int, int]]:
@@ -204,9 +229,10 @@ def _write_index(out_dir: Path, n_files: int) -> None:
     (out_dir / HF_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def hf_weight_files(hf_dir: Path) -> list[Path]:
-    """The folder's weight files, each present and as long as its header says; a
-    CheckpointError naming the file otherwise. Reads the index and the headers only."""
+def hf_weight_files(hf_dir: Path, verify: str = "fast") -> list[Path]:
+    """The folder's weight files, each present and as long as its header says, and (a folder
+    titan exported) as long as it was written, or with `verify` "full" the same bytes; a
+    CheckpointError naming the file otherwise. "fast" reads the index and the headers only."""
     index = hf_dir / HF_INDEX_FILE
     if index.is_file():
         try:
@@ -226,7 +252,25 @@ def hf_weight_files(hf_dir: Path) -> list[Path]:
                               "(only safetensors weights are read, never .bin/.pth pickles)")
     for path in paths:
         _check_length(path)
+    _check_checksums(hf_dir, paths, verify)
     return paths
+
+
+def _check_checksums(hf_dir: Path, paths: list[Path], verify: str) -> None:
+    from titan.components.checkpoint_integrity import file_problem
+
+    sidecar = hf_dir / HF_CHECKSUMS
+    if verify == "off" or not sidecar.is_file():
+        return  # a folder from the hub, or exported before checksums
+    try:
+        sums = json.loads(sidecar.read_text())
+    except ValueError:
+        raise CheckpointError(f"{sidecar} is unreadable; export the folder again") from None
+    for path in paths:
+        if path.name in sums:
+            why = file_problem(hf_dir, path.name, sums[path.name], full=verify == "full")
+            if why:
+                raise CheckpointError(f"{hf_dir}: {why}; export or copy the folder again")
 
 
 def _check_length(file: Path) -> None:
