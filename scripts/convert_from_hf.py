@@ -43,6 +43,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     from titan.components import checkpoint, hf_io
+    from titan.components.checkpoint_identity import model_identity
     from titan.dtypes import to_dtype
     from titan.models.spec import get_train_spec
 
@@ -71,7 +72,10 @@ def main(argv=None) -> None:
             empty = {n: dtensor_empty(s, dtype=to_dtype(args.dtype), device_mesh=mesh,
                                       placements=[Shard(0)]) for n, s in shapes.items()}
         state, nbytes = hf_io.load_hf_into(empty, args.hf_dir, spec, model_args)
-        out = checkpoint.save_dcp_model_state(state, args.output, overwrite=args.overwrite)
+        record = model_identity(spec, spec.matching_flavor(model_args) or "from_hf",
+                                model_args).record()
+        out = checkpoint.save_dcp_model_state(state, args.output, overwrite=args.overwrite,
+                                              model=record)
     except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
 

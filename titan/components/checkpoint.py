@@ -264,10 +264,11 @@ def load_dcp_model_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def save_dcp_model_state(state: dict[str, torch.Tensor], path: str | Path,
-                         overwrite: bool = False) -> Path:
+                         overwrite: bool = False, model: dict | None = None) -> Path:
     """Write a model-only DCP checkpoint `{"model": state}` and its `.complete` marker.
 
-    The result is what `checkpoint.initial_load_path` (and `last_save_model_only`) expect.
+    The result is what `checkpoint.initial_load_path` (and `last_save_model_only`) expect;
+    `model` is the identity record to store (`ModelIdentity.record()`), when known.
     Full tensors in one process, or DTensor shards with every rank of a process group calling.
     """
     import torch.distributed as dist
@@ -293,8 +294,17 @@ def save_dcp_model_state(state: dict[str, torch.Tensor], path: str | Path,
     if rank0:
         path.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous() for name, t in state.items()}
+    from titan.components.checkpoint_integrity import (
+        ChecksummingWriter,
+        collect_sidecars,
+        remove_sidecars,
+    )
+
     with _quiet_no_dist():
-        dcp.save({MODEL_KEY: tensors}, checkpoint_id=str(path), no_dist=not distributed)
+        dcp.save({MODEL_KEY: tensors}, checkpoint_id=str(path), no_dist=not distributed,
+                 storage_writer=ChecksummingWriter(str(path)))
     if rank0:  # dcp.save returns once every rank's files and the metadata are written
-        write_complete_marker(path, step=-1, model_only=True)
+        write_complete_marker(path, step=-1, model_only=True, model=model,
+                              files=collect_sidecars(path))
+        remove_sidecars(path)
     return path

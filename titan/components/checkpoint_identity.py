@@ -6,9 +6,9 @@ trained on (the loss jumped from 6.9 to 64). Every save records the family, the 
 architecture in its marker; a load compares them, and the tensor names and shapes too (which
 also covers saves older than the record), before a byte of state is read.
 
-The one mismatch that loads is the former tied format: saves from before `tied_state` stored
-a tied weight under both names. Such a save has no record, and its two tensors are equal; an
-untied model's are not, which is how the two are told apart.
+The one mismatch that loads is a tied weight stored under both names (saves from before
+`tied_state`, and `convert_from_hf`'s): its two tensors are equal, an untied model's are not,
+which is how the two are told apart.
 """
 
 import json
@@ -54,7 +54,7 @@ class ModelIdentity:
             why = self._record_problem(saved)
             if why:
                 return why
-        return self._tensor_problem(path, legacy=saved is None)
+        return self._tensor_problem(path)
 
     def _record_problem(self, saved: dict) -> str | None:
         theirs = f"{saved.get('family')} {saved.get('flavor')}"
@@ -68,7 +68,7 @@ class ModelIdentity:
                     + ", ".join(diffs))
         return None
 
-    def _tensor_problem(self, path: Path, legacy: bool) -> str | None:
+    def _tensor_problem(self, path: Path) -> str | None:
         held = {name: tuple(size) for name, (size, _) in dcp_model_metadata(path).items()}
         missing = [n for n in self.shapes if n not in held]
         shapes = [f"{n} {list(held[n])} (checkpoint) vs {list(s)} (this run)"
@@ -82,7 +82,7 @@ class ModelIdentity:
             return (f"its weights are not this {self.describe()} model's: "
                     + "; ".join(p for p in parts if p))
         for copy, owner in copies.items():
-            if copy in held and not (legacy and _equal_tensors(path, owner, copy)):
+            if copy in held and not _equal_tensors(path, owner, copy):
                 return (f"it holds {copy} apart from {owner}: it was saved from a model that "
                         f"does not tie them, and this {self.describe()} model does")
         return None
