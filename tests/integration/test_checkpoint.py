@@ -9,7 +9,15 @@ import sys
 
 import pytest
 
-from tests.integration.harness import COMMON, RTOL, dp_batch, launch, losses, read_metrics
+from tests.integration.harness import (
+    COMMON,
+    FAST,
+    RTOL,
+    dp_batch,
+    launch,
+    losses,
+    read_metrics,
+)
 from titan.paths import REPO_ROOT
 
 STEPS = 20
@@ -105,17 +113,51 @@ def test_interval_first_step_and_keep_latest_k(train_run, tmp_path):
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-6", "step-7"]
 
 
-def test_truncated_newest_checkpoint_falls_back(straight, tmp_path):
+def file_bytes(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def refused_in_one_line(proc, *fragments):
+    """Exit 2 from the launcher, before any worker: one line naming the problem."""
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("titan: config error:"), proc.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused(straight, tmp_path):
+    """4 KiB of 0xFF in the middle of the newest save (its size unchanged): the resume skips it,
+    naming the file, and continues exactly from the save before. Then a run of another model
+    (the tied flavor) is refused from that folder, and as an initial load, leaving every file
+    as it was."""
     common = [*BASE, *CK, "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
               *dp_batch(1)]
     dump = tmp_path / "run"
     launch(1, [*common, "--training.exit_at_step", "10"], dump, timeout=300)
+    step5 = file_bytes(dump / "checkpoint" / "step-5")
     shard = next((dump / "checkpoint" / "step-10").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * 4096)
     proc = launch(1, common, dump, timeout=300)
-    assert "step-10 is unusable (truncated file" in proc.stderr
+    assert f"step-10 is unusable (file {shard.name} fails its checksum" in proc.stderr
     assert "resumed from" in proc.stderr and "step-5" in proc.stderr
     assert losses(dump) == straight(1, dp_batch(1))
+    assert file_bytes(dump / "checkpoint" / "step-5") == step5
+
+    before = file_bytes(dump)
+    tied = ["--model.flavor", "debugmodel_tied"]
+    proc = launch(1, [*common, *tied], dump, timeout=120, check=False)
+    refused_in_one_line(proc, "cannot resume from", "step-20",
+                        "tie_word_embeddings False (checkpoint) vs True (this run)")
+    proc = launch(1, [*BASE, *tied, "--checkpoint.initial_load_path",
+                      str(dump / "checkpoint" / "step-5")], tmp_path / "fresh", timeout=120,
+                  check=False)
+    refused_in_one_line(proc, "checkpoint.initial_load_path", "tie_word_embeddings")
+    assert file_bytes(dump) == before and not (tmp_path / "fresh").exists()
 
 
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
@@ -123,9 +165,43 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     launch(1, [*BASE, *CK, "--training.exit_at_step", "10", *dp_batch(1)], dump, timeout=300)
     (dump / "checkpoint" / "step-10" / ".metadata").write_bytes(b"garbage")
     proc = launch(1, [*BASE, *CK, *dp_batch(1)], dump, timeout=300, check=False)
-    assert proc.returncode != 0
-    assert "no usable checkpoint" in proc.stderr and "unreadable metadata" in proc.stderr
+    refused_in_one_line(proc, "no usable checkpoint", "file .metadata has 7 bytes")
     assert sorted(losses(dump)) == list(range(1, 11))  # the history was not overwritten
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 100 MiB tmpfs: room for one debug-model save (70 MB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100M", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_full_disk_stops_before_writing_and_keeps_the_last_checkpoint(small_disk):
+    """The save of step 4 does not fit next to step 2's: the run stops before writing it, in
+    one line naming the folder, the space needed and free; step 2 stays intact (its checksums
+    as written), and a relaunch is refused before any worker starts."""
+    from titan.components.checkpoint import folder_problem
+
+    dump = small_disk / "run"
+    run = [*FAST, "--training.steps", "4", *CK, "--checkpoint.interval", "2"]
+    proc = launch(1, run, dump, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = [x for x in proc.stderr.splitlines() if x.startswith("titan:")]
+    assert len(line) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "step-4 not saved" in line[0] and "a save needs 0.07 GiB" in line[0]
+    assert "GiB free" in line[0] and str(dump / "checkpoint") in line[0]
+    assert steps_on_disk(dump) == [2]
+    assert [p.name for p in (dump / "checkpoint").iterdir()] == ["step-2"]
+    assert folder_problem(dump / "checkpoint" / "step-2", "full") is None
+    before = file_bytes(dump)
+    proc = launch(1, run, dump, timeout=120, check=False)
+    refused_in_one_line(proc, "a save needs 0.07 GiB", "GiB free")
+    assert file_bytes(dump) == before
 
 
 def test_exclude_from_loading_and_model_only_initial_load(tmp_path):

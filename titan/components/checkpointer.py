@@ -106,9 +106,10 @@ def _write_failure(e: BaseException) -> str:
         if isinstance(err, OSError) and err.errno == errno.EIO:
             return "an I/O error on the disk (EIO)"
         for failure in (getattr(err, "failures", None) or {}).values():
-            todo.append(getattr(failure, "exception", failure) if not isinstance(
-                failure, BaseException) else failure)
+            # DCP's per-rank failures are (exception, stack) pairs
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
         todo += [x for x in (err.__cause__, err.__context__) if x is not None]
+        todo = [x for x in todo if isinstance(x, BaseException)]
     text = str(e)
     if "No space left on device" in text or "unexpected pos" in text:
         return "the disk is full (no space left on device)"
@@ -279,7 +280,7 @@ class Checkpointer:
         else:
             state = dict(self.states)
         path = self.root / f"step-{step}"
-        self._check_space(path, model_only, state["model"].export_dtype)
+        self._check_space(path, model_only, getattr(state.get("model"), "export_dtype", None))
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)  # a re-run of a step rewrites it whole
             path.mkdir(parents=True)
