@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         rest = ["--job.config_file",
                 os.environ.get("CONFIG_FILE", "train_configs/debug_model.toml"), *rest]
     try:
+        for flag, value in (("--ngpu", args.ngpu), ("--nnodes", args.nnodes)):
+            if value < 1:
+                raise ConfigError(f"{flag} {value}: must be >= 1 ({flag} 1 plans one process)")
         job = parse_args(rest)
         if args.suggest:
             memory = args.device_memory or device_memory_bytes(job)

@@ -312,9 +312,11 @@ def test_toml_top_level_value(tmp_path):
     assert_config_error(["--job.config_file", path], "'steps'", f"config file {path}", "[section]")
 
 
-def test_negative_steps_cli():
-    assert_config_error(["--training.steps", "-1"], "training.steps", "-1", "command line",
-                        ">= 0")
+@pytest.mark.parametrize("steps", ["-1", "0"])
+def test_steps_below_one_cli(steps):
+    # 0 steps would start every worker, build the model and train nothing
+    assert_config_error(["--training.steps", steps], "training.steps", steps, "command line",
+                        "must be >= 1")
 
 
 def test_negative_steps_toml(tmp_path):

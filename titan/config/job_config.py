@@ -96,7 +96,7 @@ class Training:
     )
     seq_len: int = opt(2048, "Tokens per training sequence")
     max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping")
-    steps: int = opt(10000, "Optimizer steps to train (the lr schedule spans them)")
+    steps: int = opt(10000, "Optimizer steps to train, >= 1 (the lr schedule spans them)")
     exit_at_step: int = opt(
         -1, "Stop after this step (saving a checkpoint if enabled) keeping the schedule of "
         "training.steps, e.g. for time-limited jobs; -1 = train all steps"

@@ -248,7 +248,7 @@ def validate(cfg: JobConfig) -> None:
     t, o, s, m, p, c, v = (cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.metrics,
                            cfg.profiling, cfg.comm, cfg.validation)
     checks = [
-        (t.steps >= 0, "training.steps", "must be >= 0"),
+        (t.steps >= 1, "training.steps", "must be >= 1"),
         (t.seq_len >= 1, "training.seq_len", "must be >= 1"),
         (t.local_batch_size >= 1, "training.local_batch_size", "must be >= 1"),
         (t.global_batch_size == -1 or t.global_batch_size >= 1, "training.global_batch_size",
