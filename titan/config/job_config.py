@@ -255,7 +255,8 @@ class Metrics:
     enable_tensorboard: bool = opt(True, "Write TensorBoard events under <dump_folder>/<save_tb_folder>")
     save_tb_folder: str = opt("tb", "TensorBoard folder inside the dump folder")
     peak_flops: float = opt(
-        0.0, "Peak FLOP/s of one device for MFU; 0 = device table (GPU) or a measured matmul (CPU)"
+        0.0, "Peak FLOP/s of one device for MFU; 0 = the GPU's datasheet peak (an unknown GPU: "
+        "a measured bf16 matmul), and no MFU on CPU, which publishes no peak"
     )
     disable_color_printing: bool = opt(False, "Plain console output without ANSI colors")
 
