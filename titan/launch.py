@@ -23,8 +23,9 @@ def rendezvous_id(dump_folder: str) -> str:
     return f"titan-{digest}"
 
 
-def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int) -> None:
-    """plan_run for every world size the job may see; ConfigError names the node count."""
+def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
+    """plan_run for every world size the job may see; ConfigError names the node count.
+    Returns the plan of the smallest."""
     from titan.preflight import plan_run  # imports torch: only once the config parses
 
     elastic = min_nodes < max_nodes
@@ -35,13 +36,14 @@ def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int) -> Non
             "training.global_batch_size (the gradient accumulation then grows instead)")
     for nodes in range(max_nodes, min_nodes - 1, -1):
         try:
-            plan_run(job, world_size=nodes * nproc)
+            plan = plan_run(job, world_size=nodes * nproc)
         except ConfigError as e:
             if not elastic:
                 raise
             raise ConfigError(
                 f"with {nodes} of NNODES={min_nodes}:{max_nodes} nodes ({nodes * nproc} ranks): "
                 f"{e}. Raise the minimum node count or change the parallel degrees") from None
+    return plan
 
 
 def ranks_per_node(text: str) -> int:
@@ -98,11 +100,16 @@ def main() -> None:
             raise ConfigError(f"NNODES={ta.nnodes!r}: a node count or MIN:MAX") from None
         nproc = ranks_per_node(ta.nproc_per_node)
         check_log_ranks(ta.local_ranks_filter, nproc)
-        validate_world_sizes(job, min_nodes, max_nodes, nproc)
+        plan = validate_world_sizes(job, min_nodes, max_nodes, nproc)
         check_memory(job, min_nodes * nproc)  # the fewest ranks hold the most each
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    from titan.preflight import vocabulary_note
+
+    note = vocabulary_note(job, plan)
+    if note:
+        print(f"titan: note: {note}", file=sys.stderr, flush=True)
     if not ta.standalone and ta.rdzv_id == "none":
         torchrun_args = [*torchrun_args, f"--rdzv-id={rendezvous_id(job.job.dump_folder)}"]
     if job.job.print_config:

@@ -340,3 +340,6 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     # not a section: where each value set by a file or the command line came from
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # not a section: set by python -m titan.plan, which needs the tokenizer only for its
+    # vocabulary size, so a missing one plans the flavor's vocabulary instead of failing
+    plan_only: bool = field(default=False, repr=False, compare=False)
