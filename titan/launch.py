@@ -14,6 +14,7 @@ import shlex
 import sys
 
 from titan.config import ConfigError, help_text, parse_args, to_toml
+from titan.console import print_out
 
 
 def rendezvous_id(dump_folder: str) -> str:
@@ -87,7 +88,7 @@ def main() -> None:
     sep = argv.index("--") if "--" in argv else len(argv)
     torchrun_args, trainer_args = argv[:sep], argv[sep + 1:]
     if "--help" in trainer_args or "-h" in trainer_args:
-        print(help_text())
+        print_out(help_text())
         sys.exit(0)
     try:
         job = parse_args(trainer_args)
@@ -118,7 +119,7 @@ def main() -> None:
         trainer_args = [*trainer_args, "--job.no_print_config"]
     command = [*torchrun_args, "-m", "titan.train", *trainer_args]
     if os.environ.get("DRY_RUN", "0") not in ("", "0"):
-        print("torchrun " + shlex.join(command), flush=True)
+        print_out("torchrun " + shlex.join(command))
         sys.exit(0)
     from torch.distributed.run import main as torchrun
 

@@ -158,4 +158,8 @@ def render_suggestions(found: list, memory: int, world_size: int) -> str:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # a short-lived tool piped into head & co ends as GNU tools do when the reader goes
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())

@@ -374,6 +374,16 @@ def test_help_lists_every_field_with_doc():
             assert doc and doc in matching[0], flag
 
 
+def test_help_lists_test_hooks_apart_after_the_real_options():
+    lines = help_text().splitlines()
+    heading = next(i for i, ln in enumerate(lines) if ln.startswith("TESTING HOOKS:"))
+    flags = [(i, ln.split()[0]) for i, ln in enumerate(lines) if ln.startswith("  --")]
+    hooks = [f for i, f in flags if i > heading]
+    assert hooks and all(f.startswith("--debug.") for f in hooks)
+    assert not any(f.startswith("--debug.") for i, f in flags if i < heading)
+    assert "never set them for training" in lines[heading + 1]
+
+
 def _non_default_config():
     cfg = JobConfig()
     cfg.job.description = 'quote " backslash \\ tab\tand unicode ünïcødé ✓'

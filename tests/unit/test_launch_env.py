@@ -1,6 +1,7 @@
 """run_train.sh's environment (NGPU, LOG_RANK) and python -m titan.plan's rank counts: a
 value that names no rank count or no local rank is one "titan: config error" line and exit 2,
-before torchrun starts (NGPU=0 used to stop bash on a division by zero first)."""
+before torchrun starts (NGPU=0 used to stop bash on a division by zero first). Their output
+into a pipe closed early (`--help | head`) ends quietly, as GNU tools do."""
 
 import os
 import subprocess
@@ -54,3 +55,26 @@ def test_plan_refuses_zero_ranks(flag, capsys):
     assert main([flag, "0"]) == 2
     err = capsys.readouterr().err
     assert err == f"titan: config error: {flag} 0: must be >= 1 ({flag} 1 plans one process)\n"
+
+
+def _into_a_closed_pipe(argv: list[str]) -> subprocess.CompletedProcess:
+    """argv with stdout a pipe whose reader is gone before it writes (head that exited)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(argv, cwd=REPO_ROOT, stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+
+
+def test_help_into_a_closed_pipe_ends_quietly():
+    proc = _into_a_closed_pipe(["bash", "run_train.sh", "--help"])
+    assert proc.stderr == "" and proc.returncode == 141  # 128 + SIGPIPE, as a shell reports it
+
+
+def test_plan_into_a_closed_pipe_ends_quietly():
+    import sys
+
+    proc = _into_a_closed_pipe([sys.executable, "-m", "titan.plan", "--help"])
+    assert proc.stderr == "" and proc.returncode == -13  # killed by SIGPIPE
