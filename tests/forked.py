@@ -19,10 +19,10 @@ import torch.multiprocessing as mp
 DEADLINE_S = 60
 
 
-def _worker(fn, rank, world_size, init_method, out_dir, args, init_pg, barrier):
+def _worker(fn, rank, world_size, init_method, out_dir, args, init_pg, barrier, threads):
     code, result = 1, None
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
         if init_pg:
             dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=30))
@@ -44,7 +44,7 @@ def _worker(fn, rank, world_size, init_method, out_dir, args, init_pg, barrier):
 
 
 def run_workers(fn, world_size, tmp_path, *args, deadline_s=DEADLINE_S, init_pg=True,
-                barrier=True):
+                barrier=True, threads=1):
     """Run fn(rank, world_size, *args) on forked ranks; return the per-rank results.
 
     With `init_pg=False` the ranks start without a process group (fn makes its own, e.g. a
@@ -53,7 +53,8 @@ def run_workers(fn, world_size, tmp_path, *args, deadline_s=DEADLINE_S, init_pg=
     ctx = mp.get_context("fork")
     init = f"file://{tmp_path}/pg_store"
     procs = [ctx.Process(target=_worker,
-                         args=(fn, r, world_size, init, str(tmp_path), args, init_pg, barrier))
+                         args=(fn, r, world_size, init, str(tmp_path), args, init_pg, barrier,
+                               threads))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -129,10 +130,10 @@ def _trainer_rank(rank, world_size, port, argv):
     return read_metrics(job.job.dump_folder) if rank == 0 else []
 
 
-def run_trainer(tmp_path, world_size, argv, deadline_s=DEADLINE_S) -> list[dict]:
+def run_trainer(tmp_path, world_size, argv, deadline_s=DEADLINE_S, threads=1) -> list[dict]:
     """The real Trainer on `world_size` forked ranks (no torchrun, no re-import): a cheap way
     to train models registered in the test process; returns rank 0's metrics records."""
     dump = tmp_path / "dump"
     argv = [*argv, "--job.dump_folder", str(dump)]
     return run_workers(_trainer_rank, world_size, tmp_path, free_port(), argv,
-                       deadline_s=deadline_s, init_pg=False)[0]
+                       deadline_s=deadline_s, init_pg=False, threads=threads)[0]

@@ -5,6 +5,11 @@ in one process, so a bad config fails in a second with exit code 2 and one messa
 before torchrun starts workers or anything is written to disk. It uses the real world size:
 nodes x ranks per node, for every node count an elastic job (`--nnodes MIN:MAX`) may run on.
 
+It also reads a little of the data and weight files (content_check.py: empty or garbled
+files, token shards of another tokenizer or cut short, HF folders missing a shard), and runs
+torchrun so that an error a restart would meet again stops the job with one line
+(final_error.py).
+
 With `DRY_RUN=1` it prints the torchrun command line this node would run, and exits.
 """
 
@@ -15,6 +20,7 @@ import sys
 
 from titan.config import ConfigError, help_text, parse_args, to_toml
 from titan.console import print_out
+from titan.final_error import run_torchrun
 
 
 def rendezvous_id(dump_folder: str) -> str:
@@ -25,8 +31,8 @@ def rendezvous_id(dump_folder: str) -> str:
 
 
 def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
-    """plan_run for every world size the job may see; ConfigError names the node count.
-    Returns the plan of the smallest."""
+    """plan_run for every world size the job may see (returns the last plan); ConfigError
+    names the node count."""
     from titan.preflight import plan_run  # imports torch: only once the config parses
 
     elastic = min_nodes < max_nodes
@@ -102,6 +108,12 @@ def main() -> None:
         nproc = ranks_per_node(ta.nproc_per_node)
         check_log_ranks(ta.local_ranks_filter, nproc)
         plan = validate_world_sizes(job, min_nodes, max_nodes, nproc)
+        from titan.content_check import check_content
+
+        check_content(job, plan.tokenizer)
+        from titan.checkpoint_check import check_checkpoints
+
+        check_checkpoints(job, plan)
         check_memory(job, min_nodes * nproc)  # the fewest ranks hold the most each
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
@@ -121,9 +133,7 @@ def main() -> None:
     if os.environ.get("DRY_RUN", "0") not in ("", "0"):
         print_out("torchrun " + shlex.join(command))
         sys.exit(0)
-    from torch.distributed.run import main as torchrun
-
-    torchrun(command)
+    run_torchrun(command)
 
 
 if __name__ == "__main__":

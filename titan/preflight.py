@@ -7,7 +7,6 @@ by other launchers.
 
 import logging
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
@@ -109,7 +108,7 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     if ck.async_mode == "async_with_pinned_mem":
         require(job, device == "cuda", "checkpoint.async_mode",
                 "pinned staging memory needs CUDA; use async on CPU")
-    check_writable(job, model_args.num_params())
+    check_writable(job)
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     check_fault_tolerance(job, dims)
@@ -290,9 +289,9 @@ def _probe_write(folder: Path) -> str | None:
     return None
 
 
-def check_writable(job: JobConfig, n_params: int) -> None:
-    """Dump and checkpoint folders must be writable before anything starts; warn when the
-    disk cannot hold one more checkpoint."""
+def check_writable(job: JobConfig) -> None:
+    """Dump and checkpoint folders must be writable before anything starts (whether their
+    disk holds one more save is the launcher's `checkpoint_check`)."""
     dump = Path(job.job.dump_folder)
     targets = [("job.dump_folder", dump)]
     if job.checkpoint.enable:
@@ -301,15 +300,6 @@ def check_writable(job: JobConfig, n_params: int) -> None:
         why = _probe_write(_existing_ancestor(path))
         if why:
             raise ConfigError(f"{key}: cannot write {path}: {why}; choose a writable location")
-    if job.checkpoint.enable:
-        # fp32 weights + two AdamW moments; a model-only export is a third of that
-        estimate = n_params * 4 * 3
-        free = shutil.disk_usage(_existing_ancestor(dump / job.checkpoint.folder)).free
-        if free < estimate:
-            logger.warning(
-                "only %.1f GiB free under %s, less than one checkpoint (~%.1f GiB): saves will "
-                "fail; free space or lower checkpoint.keep_latest_k", free / 2**30,
-                dump / job.checkpoint.folder, estimate / 2**30)
 
 
 CONVERTERS = ("float8",)

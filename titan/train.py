@@ -15,8 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from titan import final_error
 from titan.components.checkpoint import CheckpointError
+from titan.components.checkpoint_identity import model_identity
 from titan.components.checkpointer import Checkpointer
+from titan.components.disk_space import save_bytes
 from titan.components.dataloader import DataShard, build_dataloader
 from titan.components.dataset import DataError
 from titan.components.fault_injection import FaultInjector
@@ -91,6 +94,8 @@ class Trainer:
         self.checkpointer = Checkpointer(
             job.checkpoint, dump_folder=job.job.dump_folder, rank=self.rank,
             layout=plan.layout(),
+            identity=model_identity(plan.spec, job.model.flavor, plan.model_args),
+            save_bytes=save_bytes(plan.model_args.num_params(), job.optimizer.state_dtype),
             states={"model": ModelState(self.model_parts), "optimizer": self.optimizer,
                     "lr_scheduler": self.lr_scheduler,
                     "dataloader": DataState(self.dataloader, self.shard.dp_rank,
@@ -364,6 +369,12 @@ def run(job: JobConfig, plan: RunPlan) -> None:
         trainer.close()
 
 
+# errors a restart would meet again: (kind, exit code), handed to the launcher
+FINAL_ERRORS = {ConfigError: ("config error", 2), DataError: ("data error", 2),
+                CheckpointError: ("checkpoint error", 2),
+                NonFiniteLossError: ("training stopped", 1)}
+
+
 def main(argv: list[str] | None = None) -> None:
     init_logging()
     try:
@@ -371,15 +382,17 @@ def main(argv: list[str] | None = None) -> None:
         plan = plan_run(job)
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
+        final_error.record("config error", e, 2)
         sys.exit(2)
     if job.job.print_config and int(os.environ.get("RANK", "0")) == 0:
         print(to_toml(job), flush=True)
     code = 0
     try:
         run(job, plan)
-    except (NonFiniteLossError, DataError, CheckpointError) as e:
+    except tuple(FINAL_ERRORS) as e:
         logger.error("%s", e)
-        code = 1
+        kind, code = next(v for cls, v in FINAL_ERRORS.items() if isinstance(e, cls))
+        final_error.record(kind, e, code)
     except Exception:
         logger.exception("training failed")
         code = 1

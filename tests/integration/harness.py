@@ -87,9 +87,11 @@ def assert_records_match(baseline, records, nproc, case, rtol=RTOL):
     print(format_table(rows, "loss", "1 rank", f"{case} on {nproc} ranks"))
     assert len(rows) == STEPS
     assert max(d for *_, d in rows) <= rtol, format_table(rows, "loss", "1 rank", case)
-    # the global gradient norm (over every shard, mesh dim and pipeline stage) matches too
+    # the global gradient norm (over every shard, mesh dim and pipeline stage) matches too: on
+    # CPU it is a float64 sum, so only the gradients' own last bits may differ (torch's float32
+    # norm kernel needed 10x the bound, which hid a clipping factor 8e-5 off under FSDP)
     norms = compare(baseline, records, "grad_norm")
-    assert max(d for *_, d in norms) <= 10 * rtol, format_table(norms, "grad_norm", "1 rank", case)
+    assert max(d for *_, d in norms) <= rtol, format_table(norms, "grad_norm", "1 rank", case)
     assert_token_counts(records, nproc)
     return records
 

@@ -114,3 +114,24 @@ def test_failed_run_reports_every_ranks_last_lines(tmp_path):
     assert "local rank 1 ---" in msg and "local rank 0 ---" in msg
     assert "debug.kill_in_checkpoint_step: rank 1 kills itself now" in msg
     assert "exitcode  : -9" in msg  # torchrun's summary follows
+
+
+def test_data_error_found_by_a_worker_is_one_line_not_retried(tmp_path):
+    """A bad record past the lines the launcher checks is found while tokenizing, inside the
+    worker: one line from the launcher, exit 2, and no restart, though MAX_RESTARTS allows 2."""
+    bad = tmp_path / "corpus.jsonl"
+    lines = [f'{{"text": "And God said, let there be light {i}."}}' for i in range(200)]
+    lines[150] = "And there was light."  # not JSON
+    bad.write_text("\n".join(lines) + "\n")
+    logs = tmp_path / "logs"
+    proc = launch(1, [*BASE, "--training.dataset_path", str(bad)], tmp_path / "run",
+                  env={"MAX_RESTARTS": "2", "PET_LOG_DIR": str(logs),
+                       "TITAN_CACHE_DIR": str(tmp_path / "cache")}, timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    line = f"titan: data error on rank 0: {bad} is unreadable as json"
+    assert out.count(line) == 1 and "JSON parse error" in out, out[-3000:]
+    assert "(not restarted: a restart would fail the same way)" in out
+    assert "Traceback" not in out and "ChildFailedError" not in out
+    assert len(list(logs.glob("*/attempt_*"))) == 1  # started once
+    assert out.count(f"ERROR {bad} is unreadable") == 1  # the worker's own line, once

@@ -93,19 +93,23 @@ def test_multi_stage_schedules_match_torch():
                                 if issubclass(get_schedule_class(s), PipelineScheduleMulti)}
 
 
-def test_config_check_stays_light():
+def test_config_check_stays_light(tmp_path):
     """The launcher validates every job before torchrun starts (and tests launch ~100 jobs):
     it must not import DTensor, FSDP, pipelining or DCP, a second or more each."""
     import subprocess
     import sys
 
-    # the launcher's own checks (titan.launch.main runs these two before torchrun); the
+    # the launcher's own checks (titan.launch.main runs these three before torchrun); the
     # memory check once imported DTensor, unseen while this test ran plan_run alone
     code = ("import sys; from titan.config import parse_args; from titan.launch import "
-            "check_memory, validate_world_sizes; "
-            "job = parse_args(['--parallelism.pipeline_parallel_degree', '2']); "
-            "validate_world_sizes(job, 1, 1, 2); check_memory(job, 2); "
+            "check_memory, validate_world_sizes; from titan.content_check import check_content; "
+            "from titan.checkpoint_check import check_checkpoints; "
+            "job = parse_args(['--parallelism.pipeline_parallel_degree', '2', "
+            "'--checkpoint.enable', '--job.dump_folder', sys.argv[1]]); "
+            "plan = validate_world_sizes(job, 1, 1, 2); check_content(job, plan.tokenizer); "
+            "check_checkpoints(job, plan); check_memory(job, 2); "
             "heavy = [m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp', "
             "'torch.distributed.pipelining', 'torch.distributed.checkpoint') if m in sys.modules];"
             "assert not heavy, heavy")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO_ROOT)
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "fresh")], check=True,
+                   timeout=120, cwd=REPO_ROOT)

@@ -204,6 +204,14 @@ def test_streamed_record_without_text_field(tokenizer, tmp_path):
     assert take(streamed(tokenizer, path, text_field="body"), 1)
 
 
+def test_streamed_garbage_is_a_data_error_naming_the_file(tokenizer, tmp_path):
+    """Found while reading, by a worker: a DataError, which the launcher does not retry."""
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    path.write_text(path.read_text() + "In the beginning\n")
+    with pytest.raises(DataError, match=f"{path}: a record is unreadable .*fix or remove"):
+        list(streamed(tokenizer, path, infinite=False))
+
+
 # ----------------------------------------------------------------------------- dp sharding
 
 

@@ -39,32 +39,58 @@ def test_config_gate(monkeypatch):
     assert "pip install -e '.[float8]'" in refused(*F8)
 
 
+# Each layout runs under two thread counts: CPU kernels may pick another reduction order for
+# another count, and the bound must hold whichever they pick.
+@pytest.fixture(scope="module", params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    return run_trainer(tmp_path_factory.mktemp("one"), 1, [*COMMON, *F8])
+def one_rank(tmp_path_factory, threads):
+    """The 1-rank float8 run, and the same run in float32 (no converter)."""
+    tmp = tmp_path_factory.mktemp("one")
+    return (run_trainer(tmp / "f8", 1, [*COMMON, *F8], threads=threads),
+            run_trainer(tmp / "fp32", 1, COMMON, threads=threads))
 
 
-# Float8 rounds to 3 mantissa bits: a float32 sum that differs in its last bit between
-# layouts (another reduction order) lands on another float8 value now and then. Sharding
-# by FSDP keeps each matmul whole (measured 1.3e-6); TP splits the matmuls' reductions
-# (measured up to 2.2e-5 relative over 5 steps), so it gets 1e-4.
+def relative_diffs(a: list[dict], b: list[dict]) -> list[float]:
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    return [abs(x["loss"] - y["loss"]) / x["loss"] for x, y in zip(a, b)]
+
+
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"], 1e-5),
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "fsdp2_float8_all_gather": (2, ["--parallelism.data_parallel_shard_degree", "2",
                                     "--float8.enable_fsdp_float8_all_gather",
-                                    "--float8.precompute_float8_dynamic_scale_for_fsdp"], 1e-5),
+                                    "--float8.precompute_float8_dynamic_scale_for_fsdp"]),
     "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.tensor_parallel_degree", "2"], 1e-4),
+                      "--parallelism.tensor_parallel_degree", "2"]),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_match_one_rank(layout, one_rank, tmp_path):
-    world, flags, rtol = LAYOUTS[layout]
-    records = run_trainer(tmp_path, world, [*COMMON, *F8, *flags], deadline_s=120)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for a, b in zip(one_rank, records, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= rtol * a["loss"], (layout, a, b)
+def test_layouts_match_one_rank(layout, one_rank, threads, tmp_path):
+    """The bound, from the mechanism. A layout computes the 1-rank run's float32 values up to
+    their last bits (TP splits matmul reductions; FSDP keeps every matmul and the gradient sum
+    of the 1-rank run, and the grad norm is summed in float64, so it differs in none here).
+    Float8 rounds to 3 mantissa bits, so a last-bit difference now and then sends a value to
+    the neighbouring float8 number: a rounding of the float8 cast taken the other way. Those
+    flips are a sparse subset (about 2^-20 of the elements) of the roundings float8 makes
+    anyway, so their cost is bounded by what all of float8's rounding does to the loss: the
+    gap between this float8 run and the float32 one, measured here on the same CPU. Measured
+    under 1 and 2 threads alike: FSDP 0 (bit for bit), FSDP x TP 1.0e-5, float8 against
+    float32 1.7e-4."""
+    f8, fp32 = one_rank
+    world, flags = LAYOUTS[layout]
+    records = run_trainer(tmp_path, world, [*COMMON, *F8, *flags], deadline_s=120,
+                          threads=threads)
+    rounding = max(relative_diffs(fp32, f8))
+    diffs = relative_diffs(f8, records)
+    print(f"{layout}, {threads} thread(s): largest relative loss difference {max(diffs):.2e}; "
+          f"float8 against float32 {rounding:.2e}")
+    assert rounding > 0  # float8 really rounded: the bound is not vacuous
+    assert max(diffs) <= rounding, (layout, diffs, rounding)
 
 
 def test_50_steps_stay_near_bf16(tmp_path):

@@ -74,7 +74,8 @@ def assert_identical(a: dict, b: dict):
 def test_hf_round_trip_bit_identical(model, tmp_path):
     sd = model.state_dict()
     out = hf_io.save_hf(sd, LLAMA, ARGS, tmp_path / "hf")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
+                                                    "titan_checksums.json"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["torch_dtype"] == "float32" and cfg["rope_scaling"]["rope_type"] == "llama3"
     assert cfg["tie_word_embeddings"] is False and cfg["intermediate_size"] == ARGS.ffn_hidden_dim
@@ -97,7 +98,8 @@ def test_hf_sharded_and_bf16(model, tmp_path):
     assert_identical(hf_io.load_hf(out, LLAMA), sd)
     # re-export into the same folder unsharded in bf16: old shards go, values are the bf16 cast
     hf_io.save_hf(sd, LLAMA, ARGS, out, dtype="bfloat16")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
+                                                    "titan_checksums.json"]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert_identical(hf_io.load_hf(out, LLAMA), {k: v.to(torch.bfloat16) for k, v in sd.items()})
     assert_identical(hf_io.load_hf(out, LLAMA, dtype="float32"),
@@ -273,7 +275,8 @@ def test_convert_to_hf_refuses_an_hf_folder_unless_overwrite(model, tmp_path, ca
     to_hf([*argv, "--overwrite"])
     assert "removed the earlier export" in capsys.readouterr().out
     # the tokenizer, the shards and their index are gone; what is not HF's stays
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors",
+                                            "titan_checksums.json", "README.md"}
     assert "bos_token_id" not in json.loads((out / "config.json").read_text())
     assert_identical(hf_io.load_hf(out, LLAMA), model.state_dict())
     # a folder holding only other files is no export: no --overwrite needed

@@ -2,9 +2,10 @@
 
 Layout: `<dump_folder>/<folder>/step-N/` holds DCP shards, `.metadata`, and a `.complete`
 marker that rank 0 writes (atomically, fsynced) only after every rank's data and the metadata
-are on disk. Everything here refuses folders without it. Resume takes the newest folder that
-is complete and whose files match its metadata; torn or corrupt ones are skipped with a
-warning.
+are on disk. The marker records the step, the layout, the model the save was made from
+(`checkpoint_identity`) and every file's size and checksum (`checkpoint_integrity`).
+Everything here refuses folders without it. Resume takes the newest folder that is complete
+and whose files match what was written; torn or corrupt ones are skipped with a warning.
 
 The state dict is nested, `{"model": {<name>: tensor}, "optimizer": ..., ...}`; DCP flattens it,
 so the weights are stored under `model.<name>`. A model-only export holds just `"model"`; the
@@ -26,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+
+from titan.components.checkpoint_integrity import file_problem
 
 COMPLETE_MARKER = ".complete"
 MODEL_KEY = "model"
@@ -76,14 +79,17 @@ def check_complete(path: str | Path) -> Path:
 
 
 def write_complete_marker(path: Path, step: int, model_only: bool,
-                          layout: dict | None = None, fmt: str = "dcp") -> None:
+                          layout: dict | None = None, fmt: str = "dcp",
+                          model: dict | None = None,
+                          files: dict[str, list[int]] | None = None) -> None:
     """Mark `path` complete: write a temp file, fsync it, rename it into place. The marker
-    records the step, the format ("dcp", or "hf" for an HF export) and the parallel layout
-    that saved it."""
+    records the step, the format ("dcp", or "hf" for an HF export), the parallel layout that
+    saved it, the model it holds (`checkpoint_identity.model_record`) and each file's
+    [crc32, size] as written."""
     tmp = path / (COMPLETE_MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"step": step, "model_only": model_only, "time": time.time(),
-                   "layout": layout, "format": fmt}, f)
+                   "layout": layout, "format": fmt, "model": model, "files": files}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / COMPLETE_MARKER)
@@ -97,6 +103,20 @@ def _marker(path: Path) -> dict:
     return marker if isinstance(marker, dict) else {}
 
 
+def saved_model(path: Path) -> dict | None:
+    """The model record of a complete folder's marker (None for saves older than it)."""
+    return _marker(path).get("model")
+
+
+def saved_model_only(path: Path) -> bool:
+    return bool(_marker(path).get("model_only"))
+
+
+def saved_files(path: Path) -> dict[str, list[int]] | None:
+    """{file name: [crc32, size]} as written (None for saves older than checksums)."""
+    return _marker(path).get("files")
+
+
 def saved_layout(path: Path) -> dict | None:
     """The parallel layout recorded in a complete folder's marker (None if it has none)."""
     return _marker(path).get("layout")
@@ -105,12 +125,22 @@ def saved_layout(path: Path) -> dict | None:
 HF_EXPORT = "an HF export (model weights only)"
 
 
-def folder_problem(path: Path) -> str | None:
-    """Why a step folder cannot be loaded, or None if it is complete and its files add up."""
+def folder_problem(path: Path, verify: str = "fast") -> str | None:
+    """Why a step folder cannot be loaded, or None if it is complete and its files add up:
+    `verify` "off" trusts the marker, "fast" compares the sizes, "full" the checksums too."""
     if not (path / COMPLETE_MARKER).is_file():
         return "incomplete (no completion marker: the save was interrupted)"
-    if _marker(path).get("format") == "hf":
+    marker = _marker(path)
+    if not marker:
+        return f"unreadable completion marker {COMPLETE_MARKER}"
+    if marker.get("format") == "hf":
         return HF_EXPORT
+    if verify == "off":
+        return None
+    for name, expected in sorted((marker.get("files") or {}).items()):
+        why = file_problem(path, name, expected, full=verify == "full")
+        if why:
+            return why
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001  any unreadable metadata means unusable
@@ -124,6 +154,46 @@ def folder_problem(path: Path) -> str | None:
             return f"missing file {name}"
         if f.stat().st_size < needed:
             return f"truncated file {name} ({f.stat().st_size} of {needed} bytes)"
+    return None
+
+
+def resume_candidate(root: Path, load_step: int, problem=folder_problem,
+                     warn=None) -> Path | None:
+    """The step folder a resume loads: `load_step`'s, else the newest usable one; None when
+    there is none to resume from. `problem(path)` says why a folder is unusable; skipped
+    folders are reported through `warn(message)`. Raises CheckpointError when `load_step`'s
+    folder cannot be used, or when every completed folder is damaged (starting afresh would
+    write over the run's history)."""
+    if load_step >= 0:
+        path = root / f"step-{load_step}"
+        why = problem(path) if path.is_dir() else "does not exist"
+        if why:
+            have = [p.name for _, p in step_folders(root)] if root.is_dir() else []
+            raise CheckpointError(
+                f"checkpoint.load_step = {load_step}: {path} {why}"
+                + (f" (the folder holds {', '.join(have[-5:])})" if have else "")
+                + "; set checkpoint.load_step to one of them, or -1 for the newest usable one")
+        return path
+    steps = step_folders(root) if root.is_dir() else []
+    skipped = []
+    for _, path in reversed(steps):
+        why = problem(path)
+        if why is None:
+            for name, reason in skipped:
+                if warn:
+                    warn(f"checkpoint {name} is unusable ({reason}); resuming from {path.name} "
+                         "instead")
+            return path
+        skipped.append((path.name, why))
+    completed = [(n, r) for n, r in skipped if not r.startswith(("incomplete", HF_EXPORT))]
+    if completed:
+        details = "; ".join(f"{n}: {r}" for n, r in skipped)
+        raise CheckpointError(
+            f"no usable checkpoint in {root} ({details}). Fix or remove the damaged "
+            "folders, or point checkpoint.folder / job.dump_folder elsewhere to start fresh")
+    for name, reason in skipped:
+        if warn:
+            warn(f"ignoring checkpoint {name}: {reason}")
     return None
 
 

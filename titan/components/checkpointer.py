@@ -5,7 +5,10 @@ Async saves hand the state to DCP's saving process through shared memory: the co
 during the next step's forward/backward, and the optimizer step waits for it.
 """
 
+import contextlib
+import errno
 import logging
+import math
 import os
 import queue
 import shutil
@@ -23,14 +26,24 @@ from torch.distributed.tensor import DTensor
 
 from titan.components.checkpoint import (
     COMPLETE_MARKER,
-    HF_EXPORT,
     CheckpointError,
     folder_problem,
+    resume_candidate,
+    saved_files,
     saved_keys,
     saved_layout,
+    saved_model_only,
     step_folders,
     write_complete_marker,
 )
+from titan.components.checkpoint_identity import INITIAL_LOAD_FIX, RESUME_FIX
+from titan.components.checkpoint_integrity import (
+    ChecksummingWriter,
+    collect_sidecars,
+    file_problem,
+    remove_sidecars,
+)
+from titan.components.disk_space import OVERHEAD_BYTES, OVERHEAD_FACTOR, space_problem
 from titan.components.train_state import ModelState
 from titan.dtypes import to_dtype
 from titan.paths import resolve
@@ -80,24 +93,50 @@ def _stop_save_process() -> None:
         proc.__del__()  # sends TERMINATE and joins; a later call is a no-op
 
 
+def _write_failure(e: BaseException) -> str:
+    """The reason a save failed, in a few words: the OSError beneath DCP's wrapping."""
+    seen, todo = set(), [e]
+    while todo:
+        err = todo.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "the disk is full (no space left on device)"
+        if isinstance(err, OSError) and err.errno == errno.EIO:
+            return "an I/O error on the disk (EIO)"
+        for failure in (getattr(err, "failures", None) or {}).values():
+            todo.append(getattr(failure, "exception", failure) if not isinstance(
+                failure, BaseException) else failure)
+        todo += [x for x in (err.__cause__, err.__context__) if x is not None]
+    text = str(e)
+    if "No space left on device" in text or "unexpected pos" in text:
+        return "the disk is full (no space left on device)"
+    return f"{type(e).__name__}: {text.strip().splitlines()[0][:300] if text.strip() else ''}"
+
+
 class Checkpointer:
     """Saves and restores `states` (STATE_KEYS -> Stateful) as configured by `cfg`, the
     checkpoint section.
 
     `layout` describes the parallel layout, recorded with each save and compared on resume.
-    `hf` (an `hf_io.HFModelIO`) reads and writes HF folders through the model's adapter, for
+    `identity` (a `checkpoint_identity.ModelIdentity`) is the model: recorded with each save,
+    and a checkpoint of another model is refused before anything is loaded. `save_bytes`
+    estimates a full save before there is one to measure (0: no space check). `hf` (an `hf_io.HFModelIO`) reads and writes HF folders through the model's adapter, for
     `initial_load_in_hf` and `last_save_in_hf`. `on_files_written(step)` runs after a save's
     files are written and before it is marked complete (the fault injector's hook).
     """
 
     def __init__(self, cfg, *, dump_folder: str, states: dict, rank: int,
-                 layout: dict | None = None, hf=None,
+                 layout: dict | None = None, identity=None, save_bytes: int = 0, hf=None,
                  on_files_written: Callable[[int], None] | None = None):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.states = states
         self.rank = rank
         self.layout = layout
+        self.identity = identity
+        self.save_bytes = save_bytes
         self.hf = hf
         self.on_files_written = on_files_written
         self._pending = None  # (upload future, path, step) of an async save in flight
@@ -112,42 +151,43 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load
 
-    def _resume_candidate(self) -> Path | None:
-        if self.cfg.load_step >= 0:
-            path = self.root / f"step-{self.cfg.load_step}"
-            why = folder_problem(path) if path.is_dir() else "does not exist"
-            if why:
-                raise CheckpointError(f"checkpoint.load_step = {self.cfg.load_step}: {path} {why}")
-            return path
-        steps = step_folders(self.root) if self.root.is_dir() else []
-        skipped = []
-        for _, path in reversed(steps):
-            why = folder_problem(path)
-            if why is None:
-                for name, reason in skipped:
-                    logger.warning("checkpoint %s is unusable (%s); resuming from %s instead",
-                                   name, reason, path.name)
-                return path
-            skipped.append((path.name, why))
-        completed = [(n, r) for n, r in skipped if not r.startswith(("incomplete", HF_EXPORT))]
-        if completed:
-            details = "; ".join(f"{n}: {r}" for n, r in skipped)
-            raise CheckpointError(
-                f"no usable checkpoint in {self.root} ({details}). Fix or remove the damaged "
-                "folders, or point checkpoint.folder / job.dump_folder elsewhere to start fresh"
-            )
-        for name, reason in skipped:
-            logger.warning("ignoring checkpoint %s: %s", name, reason)
-        return None
+    def _problem(self, path: Path) -> str | None:
+        """folder_problem under checkpoint.verify; "full" reads the checksummed files once in
+        all, each rank its share, and every rank gets the same answer."""
+        verify = self.cfg.verify
+        why = folder_problem(path, "off" if verify == "off" else "fast")
+        if why or verify != "full":
+            return why
+        files = sorted((saved_files(path) or {}).items())
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        t0 = time.perf_counter()
+        mine = next((w for name, expected in files[rank::world]
+                     if (w := file_problem(path, name, expected, full=True))), None)
+        if distributed:
+            found: list = [None] * world
+            dist.all_gather_object(found, mine)
+            mine = next((w for w in found if w), None)
+        if mine is None and files:
+            logger.info("verified the checksums of %s's %d files in %.2fs", path.name,
+                        len(files), time.perf_counter() - t0)
+        return mine
+
+    def _check_identity(self, path: Path, what: str, fix: str) -> None:
+        why = self.identity.problem(path) if self.identity is not None else None
+        if why:
+            raise CheckpointError(f"{what} {path}: {why}. {fix}")
 
     def load(self) -> bool:
         """Restore from the newest usable checkpoint, else load the initial load path; True if
         the training state (not only the model) was restored."""
         if not self.cfg.enable:
             return self._initial_load()  # nothing to resume from without checkpointing
-        path = self._resume_candidate()
+        path = resume_candidate(self.root, self.cfg.load_step, self._problem,
+                                warn=logger.warning)
         if path is None:
             return self._initial_load()
+        self._check_identity(path, "cannot resume from", RESUME_FIX)
         keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
         present = saved_keys(path)
         absent = [k for k in keys if k not in present]
@@ -211,9 +251,10 @@ class Checkpointer:
                         "read by this rank (its shards only) in %.2fs", path, len(state),
                         nbytes / 2**20, time.perf_counter() - t0)
             return False
-        why = folder_problem(path) if path.is_dir() else "does not exist"
+        why = self._problem(path) if path.is_dir() else "does not exist"
         if why:
             raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}")
+        self._check_identity(path, "checkpoint.initial_load_path", INITIAL_LOAD_FIX)
         keys = ["model"] if cfg.initial_load_model_only else [
             k for k in STATE_KEYS if k not in cfg.exclude_from_loading and k in saved_keys(path)]
         self._dcp_load({k: self.states[k] for k in keys}, path)
@@ -238,13 +279,15 @@ class Checkpointer:
         else:
             state = dict(self.states)
         path = self.root / f"step-{step}"
+        self._check_space(path, model_only, state["model"].export_dtype)
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)  # a re-run of a step rewrites it whole
             path.mkdir(parents=True)
         dist.barrier()
         if model_only and step > 0 and self.cfg.last_save_in_hf:
-            self.hf.save(state["model"].state_dict(), path, state["model"].export_dtype,
-                         self.cfg.hf_max_shard_size)
+            with self._writing(path, step):
+                self.hf.save(state["model"].state_dict(), path, state["model"].export_dtype,
+                             self.cfg.hf_max_shard_size)
             self._files_written(step)
             self._mark_complete(path, step, model_only, fmt="hf")
             blocked = time.perf_counter() - t0
@@ -266,11 +309,14 @@ class Checkpointer:
             # state_dict() runs here (FSDP's must stay on this thread); the copy into shared
             # memory runs on the stager's thread while the next forward/backward does
             response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self._stager(),
+                                      storage_writer=ChecksummingWriter(str(path)),
                                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
             self._pending = (response.upload_completion, path, step)
             self._staging = (response.staging_completion, step)
         else:
-            dcp.save(state, checkpoint_id=str(path))
+            with self._writing(path, step):
+                dcp.save(state, checkpoint_id=str(path),
+                         storage_writer=ChecksummingWriter(str(path)))
             self._files_written(step)
             self._mark_complete(path, step, model_only)
         blocked = time.perf_counter() - t0
@@ -278,6 +324,51 @@ class Checkpointer:
                     "staging" if run_async else "saved",
                     "async" if run_async else "sync", blocked)
         return blocked
+
+    def _needed_bytes(self, model_only: bool, export_dtype: torch.dtype | None) -> int:
+        """What the save will write: the newest complete save's size when there is one of the
+        same kind, else the estimate (a model-only save: the weights in its dtype)."""
+        if model_only:
+            elements = sum(math.prod(s) for s in self.identity.shapes.values()) \
+                if self.identity is not None else 0
+            itemsize = (export_dtype or torch.float32).itemsize
+            return int(elements * itemsize * OVERHEAD_FACTOR) + OVERHEAD_BYTES
+        for _, folder in reversed(step_folders(self.root) if self.root.is_dir() else []):
+            files = saved_files(folder)
+            if files and not saved_model_only(folder):
+                return int(sum(size for _, size in files.values()) * OVERHEAD_FACTOR) + OVERHEAD_BYTES
+        return self.save_bytes
+
+    def _check_space(self, path: Path, model_only: bool, export_dtype) -> None:
+        """Refuse a save the disk cannot hold, before a byte of it is written; every rank
+        gets rank 0's answer (a save is collective)."""
+        why = None
+        if self.rank == 0 and (need := self._needed_bytes(model_only, export_dtype)):
+            why = space_problem(self.root, need)
+        box = [why]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise CheckpointError(f"{path.name} not saved: {box[0]}; then resume")
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path, step: int):
+        """A save that fails part-way (a full disk, an I/O error) leaves no folder behind and
+        one line that says why; the newest complete checkpoint stays as it was."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001  DCP wraps each rank's OSError its own way
+            if self.rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            kept = next((p.name for _, p in reversed(step_folders(self.root))
+                         if p != path and (p / COMPLETE_MARKER).is_file()), None)
+            raise CheckpointError(
+                f"checkpoint step {step} could not be written to {path}: {_write_failure(e)}. "
+                "The partial folder was removed; "
+                + (f"{kept} is the newest complete checkpoint and is kept" if kept else
+                   "there is no earlier checkpoint")
+                + f". Free space under {self.root} (or point job.dump_folder at another disk) "
+                "and resume") from None
 
     def _stager(self):
         """One stager per run: its staging buffers are reused by every save, so only the first
@@ -319,7 +410,8 @@ class Checkpointer:
         self.wait_for_staging()
         future, path, step = self._pending
         self._pending = None
-        future.result()
+        with self._writing(path, step):
+            future.result()
         self._files_written(step)
         self._mark_complete(path, step, model_only=False)
 
@@ -327,7 +419,11 @@ class Checkpointer:
         # every rank's writes and the metadata are done when dcp.save / the future returns
         if self.rank != 0:
             return
-        write_complete_marker(path, step, model_only, self.layout, fmt)
+        files = collect_sidecars(path)
+        write_complete_marker(path, step, model_only, self.layout, fmt,
+                              model=self.identity.record() if self.identity else None,
+                              files=files or None)
+        remove_sidecars(path)
         if self._purger is not None:
             self._purge_queue.put(step)
 

@@ -84,6 +84,8 @@ def open_local(files: list[Path]):
     """(the files as a streamed HF dataset: nothing held in memory, their format)."""
     from datasets import load_dataset
 
+    # its loaders log each error they then raise, which DataError reports with the file
+    logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
     fmt = _FORMATS[files[0].suffix]
     kwargs = {"sample_by": "paragraph"} if fmt == "text" else {}
     return load_dataset(fmt, data_files=[str(f) for f in files], split="train", streaming=True,

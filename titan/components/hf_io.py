@@ -28,6 +28,8 @@ HF_CONFIG = "config.json"
 HF_GENERATION_CONFIG = "generation_config.json"
 HF_SINGLE_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
+# [crc32, size] of each weight file as exported; transformers ignores files it does not know
+HF_CHECKSUMS = "titan_checksums.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # HF's "5GB"
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 SUFFIX = ".safetensors"
@@ -103,12 +105,12 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 
 
 def hf_model_files(folder: str | Path) -> list[Path]:
-    """The files of an HF model in `folder`: config files, weights (any safetensors), index
-    and tokenizer files; nothing else (a README stays)."""
+    """The files of an HF model in `folder`: config files, weights (any safetensors), index,
+    titan's checksums and tokenizer files; nothing else (a README stays)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    names = {HF_CONFIG, HF_GENERATION_CONFIG, HF_INDEX_FILE, *HF_TOKENIZER_FILES}
+    names = {HF_CONFIG, HF_GENERATION_CONFIG, HF_INDEX_FILE, HF_CHECKSUMS, *HF_TOKENIZER_FILES}
     return sorted(p for p in folder.iterdir()
                   if p.is_file() and (p.name in names or p.name.endswith(SUFFIX)))
 
@@ -129,7 +131,8 @@ def remove_hf_model(folder: str | Path) -> list[Path]:
 
 def _stale_hf_weights(out_dir: Path) -> list[Path]:
     return [p for p in out_dir.iterdir()
-            if p.name in (HF_SINGLE_FILE, HF_INDEX_FILE) or _SHARD_NAME.match(p.name)]
+            if p.name in (HF_SINGLE_FILE, HF_INDEX_FILE, HF_CHECKSUMS)
+            or _SHARD_NAME.match(p.name)]
 
 
 def _distributed() -> bool:
@@ -200,6 +203,8 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         _write_index(out_dir, max(indices.values()))
+    _write_checksums(out_dir, distributed, rank)
+    if rank == 0:
         config = adapter.hf_config() | (config_extra or {})
         config["torch_dtype"] = dtype_name(dtype)
         (out_dir / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -209,6 +214,26 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
     if distributed:  # the folder is whole when any rank returns
         dist.barrier()
     return out_dir
+
+
+def _write_checksums(out_dir: Path, distributed: bool, rank: int) -> None:
+    """The weight files' checksums, read back once the files are whole (DCP's assembly writes
+    them): each rank reads its share; rank 0 writes them beside the index."""
+    from titan.components.checkpoint_integrity import file_crc32
+
+    if distributed:
+        dist.barrier()  # the index (or the single file's rename) is in place
+    files = sorted(p.name for p in out_dir.glob(f"*{SUFFIX}"))
+    world = dist.get_world_size() if distributed else 1
+    mine = {n: [file_crc32(out_dir / n), (out_dir / n).stat().st_size]
+            for n in files[rank::world]}
+    parts = [mine]
+    if distributed:
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
+    if rank == 0:
+        sums = {k: v for part in parts for k, v in part.items()}
+        (out_dir / HF_CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
 
 
 def _header_offsets(file: Path) -> dict[str, tuple[int, int]]:
@@ -234,19 +259,68 @@ def _write_index(out_dir: Path, n_files: int) -> None:
     (out_dir / HF_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _hf_weight_files(hf_dir: Path) -> list[Path]:
+def hf_weight_files(hf_dir: Path, verify: str = "fast") -> list[Path]:
+    """The folder's weight files, each present and as long as its header says, and (a folder
+    titan exported) as long as it was written, or with `verify` "full" the same bytes; a
+    CheckpointError naming the file otherwise. "fast" reads the index and the headers only."""
     index = hf_dir / HF_INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index} is not an HF weight index (no readable "
+                                  "weight_map); download or copy the folder again") from None
         missing = [f for f in files if not (hf_dir / f).is_file()]
         if missing:
-            raise CheckpointError(f"{HF_INDEX_FILE} in {str(hf_dir)!r} names missing shards {missing}")
-        return [hf_dir / f for f in files]
-    if (hf_dir / HF_SINGLE_FILE).is_file():
-        return [hf_dir / HF_SINGLE_FILE]
-    raise CheckpointError(f"no {HF_SINGLE_FILE} or {HF_INDEX_FILE} in {str(hf_dir)!r} "
-                          "(only safetensors weights are read, never .bin/.pth pickles)")
+            raise CheckpointError(f"{HF_INDEX_FILE} in {str(hf_dir)!r} names missing shards "
+                                  f"{missing}; download or copy them again")
+        paths = [hf_dir / f for f in files]
+    elif (hf_dir / HF_SINGLE_FILE).is_file():
+        paths = [hf_dir / HF_SINGLE_FILE]
+    else:
+        raise CheckpointError(f"no {HF_SINGLE_FILE} or {HF_INDEX_FILE} in {str(hf_dir)!r} "
+                              "(only safetensors weights are read, never .bin/.pth pickles)")
+    for path in paths:
+        _check_length(path)
+    _check_checksums(hf_dir, paths, verify)
+    return paths
+
+
+def _check_checksums(hf_dir: Path, paths: list[Path], verify: str) -> None:
+    from titan.components.checkpoint_integrity import file_problem
+
+    sidecar = hf_dir / HF_CHECKSUMS
+    if verify == "off" or not sidecar.is_file():
+        return  # a folder from the hub, or exported before checksums
+    try:
+        sums = json.loads(sidecar.read_text())
+    except ValueError:
+        raise CheckpointError(f"{sidecar} is unreadable; export the folder again") from None
+    for path in paths:
+        if path.name in sums:
+            why = file_problem(hf_dir, path.name, sums[path.name], full=verify == "full")
+            if why:
+                raise CheckpointError(f"{hf_dir}: {why}; export or copy the folder again")
+
+
+def _check_length(file: Path) -> None:
+    """An interrupted download leaves a file shorter than its header's offsets: caught here,
+    before any rank maps it and fails somewhere inside DCP."""
+    have = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if 8 + n > have:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise CheckpointError(f"{file} is not a safetensors file (its header is cut off or "
+                              "unreadable); download or copy it again") from None
+    if have < 8 + n + end:
+        raise CheckpointError(f"{file} is truncated ({have} of {8 + n + end} bytes): download "
+                              "or copy it again")
 
 
 def load_hf_state(hf_dir: str | Path, dtype: str | torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -254,7 +328,7 @@ def load_hf_state(hf_dir: str | Path, dtype: str | torch.dtype | None = None) ->
     from safetensors import safe_open
 
     out = {}
-    for file in _hf_weight_files(Path(hf_dir)):
+    for file in hf_weight_files(Path(hf_dir)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
                 out[name] = f.get_tensor(name)
@@ -271,7 +345,7 @@ class _HFReader(HuggingFaceStorageReader):
 
     def __init__(self, hf_dir: Path):
         super().__init__(str(hf_dir))
-        self.files = {str(f) for f in _hf_weight_files(hf_dir)}
+        self.files = {str(f) for f in hf_weight_files(hf_dir)}
         self.bytes_read = 0
         listing = self.fs.ls
         self.fs.ls = lambda path: [f for f in listing(path) if f in self.files]

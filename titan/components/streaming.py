@@ -43,14 +43,14 @@ class StreamingPackedDataset(IterableDataset):
             ds = split_dataset_by_node(ds, rank=shard.dp_rank, world_size=shard.dp_world_size)
         self.ds = ds
         self.tokenizer, self.seq_len, self.text_field = tokenizer, seq_len, field
-        self.infinite, self.name = infinite, name
+        self.infinite, self.name, self.files = infinite, name, files
         self.epoch, self.buffer, self.in_batch = 0, [], 0
         self._start = self.state_dict()
 
     def _windows(self):
         while True:
             self.ds.set_epoch(self.epoch)
-            for sample in self.ds:
+            for sample in self._records():
                 text = sample.get(self.text_field)
                 if not isinstance(text, str):
                     raise DataError(
@@ -65,6 +65,25 @@ class StreamingPackedDataset(IterableDataset):
                 return
             self.epoch += 1
             logger.info("%s: stream exhausted, starting epoch %d", self.name, self.epoch)
+
+    def _records(self):
+        """The stream's records. A local file that fails to parse fails the same way after a
+        restart: a DataError naming the files. A hub stream's errors may be the network's."""
+        if self.files is None:
+            yield from self.ds
+            return
+        records = iter(self.ds)
+        while True:
+            try:
+                sample = next(records)
+            except StopIteration:
+                return
+            except Exception as e:  # noqa: BLE001  datasets/pyarrow raise many types
+                names = ", ".join(str(f) for f in self.files[:3])
+                more = f" (and {len(self.files) - 3} more)" if len(self.files) > 3 else ""
+                raise DataError(f"{names}{more}: a record is unreadable ({type(e).__name__}: "
+                                f"{e}); fix or remove the file") from None
+            yield sample
 
     def __iter__(self):
         if not self.global_index:

@@ -110,9 +110,7 @@ class TokenShards:
 
     def __init__(self, folder: str | Path, tokenizer: Tokenizer | None = None):
         self.folder = Path(folder)
-        self.meta = _read_meta(self.folder)
-        if tokenizer is not None:
-            self._check_tokenizer(tokenizer)
+        self.meta = verify(self.folder, tokenizer)
         self.dtype = np.dtype(self.meta["dtype"])
         sizes = [int(s["tokens"]) for s in self.meta["shards"]]
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
@@ -120,28 +118,11 @@ class TokenShards:
         self._map_starts = self.starts[:-1][np.asarray(sizes) > 0]
 
     def _map(self, shard: dict) -> np.memmap:
-        path = self.folder / shard["file"]
-        want = int(shard["tokens"]) * self.dtype.itemsize
-        have = path.stat().st_size if path.is_file() else -1
-        if have != want:
-            raise ShardError(
-                f"token shard {path} is {'missing' if have < 0 else f'{have} bytes'}, but "
-                f"{self.folder / META} says {want}: the folder is incomplete or was modified; "
-                "write it again with scripts/pretokenize.py")
-        m = np.memmap(path, dtype=self.dtype, mode="r")
+        m = np.memmap(self.folder / shard["file"], dtype=self.dtype, mode="r")
         if hasattr(mmap, "MADV_RANDOM"):
             # windows are read at random offsets: readahead would map megabytes per window
             m._mmap.madvise(mmap.MADV_RANDOM)
         return m
-
-    def _check_tokenizer(self, tokenizer: Tokenizer) -> None:
-        theirs = self.meta["tokenizer"]
-        if theirs["fingerprint"] != tokenizer_fingerprint(tokenizer):
-            raise ShardError(
-                f"token shards {self.folder} were written by the tokenizer {theirs['path']} "
-                f"(fingerprint {theirs['fingerprint']}), not by {tokenizer.path} which this run "
-                "uses: training on them would read the wrong tokens. Set model.tokenizer_path "
-                "to the tokenizer that wrote them, or pretokenize again with this one")
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -180,6 +161,32 @@ class ArrayTokens:
 
     def read(self, start: int, length: int) -> np.ndarray:
         return self.tokens[start:start + length].astype(np.int64)
+
+
+def verify(folder: Path, tokenizer: Tokenizer | None = None) -> dict:
+    """The folder's meta.json, once its shards have the sizes it records and (given a
+    tokenizer) it was written by that tokenizer; ShardError naming the file otherwise. Reads
+    the index and the files' sizes only, so the launcher checks a folder of any size."""
+    meta = _read_meta(folder)
+    if tokenizer is not None:
+        theirs = meta["tokenizer"]
+        if theirs["fingerprint"] != tokenizer_fingerprint(tokenizer):
+            raise ShardError(
+                f"token shards {folder} were written by the tokenizer {theirs['path']} "
+                f"(fingerprint {theirs['fingerprint']}), not by {tokenizer.path} which this run "
+                "uses: training on them would read the wrong tokens. Set model.tokenizer_path "
+                "to the tokenizer that wrote them, or pretokenize again with this one")
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for shard in meta["shards"]:
+        path = folder / shard["file"]
+        want = int(shard["tokens"]) * itemsize
+        have = path.stat().st_size if path.is_file() else -1
+        if have != want:
+            raise ShardError(
+                f"token shard {path} is {'missing' if have < 0 else f'{have} bytes'}, but "
+                f"{folder / META} says {want}: the folder is incomplete or was modified; "
+                "write it again with scripts/pretokenize.py")
+    return meta
 
 
 def _read_meta(folder: Path) -> dict:

@@ -212,6 +212,10 @@ class Checkpoint:
     )
     enable_first_step_checkpoint: bool = opt(False, "Also save right after step 1")
     load_step: int = opt(-1, "Resume from this step's checkpoint instead of the newest (-1)")
+    verify: Literal["full", "fast", "off"] = opt(
+        "full", "Before a resume: full = every file against its checksum (the ranks share the "
+        "reading), fast = file sizes only, off = trust the completion marker"
+    )
     initial_load_path: str | None = opt(
         None, "Start from this checkpoint (a step folder) or, with initial_load_in_hf, an HF "
         "safetensors folder; ignored when the checkpoint folder holds one to resume from"

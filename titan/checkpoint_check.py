@@ -1,0 +1,59 @@
+"""What the checkpoint folders hold and have room for, checked once by the launcher.
+
+A resume of another model, a `load_step` that names no checkpoint, a folder of damaged saves
+only, or a disk too small for one more save would each stop every worker after torchrun
+started them; here they stop the launch with one line, before anything is written. The
+workers check the same again (`Checkpointer`), against the checksums too, which they read
+together: the launcher compares sizes only, so that a large checkpoint is read once, not
+once here and once there.
+"""
+
+from pathlib import Path
+
+from titan.components.disk_space import save_bytes, space_problem
+from titan.config import ConfigError, JobConfig
+from titan.paths import resolve
+
+
+def check_checkpoints(job: JobConfig, plan) -> None:
+    """ConfigError for a checkpoint the run would refuse, or a disk it would fill."""
+    ck = job.checkpoint
+    root = Path(job.job.dump_folder) / ck.folder
+    resuming = ck.enable and (ck.load_step >= 0 or any(root.glob("step-*")))
+    if resuming or (ck.initial_load_path and not ck.initial_load_in_hf):
+        _check_loaded_folder(job, plan, root, resuming)
+    if ck.enable:
+        why = space_problem(root, save_bytes(plan.model_args.num_params(),
+                                             job.optimizer.state_dtype))
+        if why:
+            raise ConfigError(why)
+
+
+def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> None:
+    # DCP is imported only when there is a checkpoint to read: a fresh launch stays light
+    from titan.components.checkpoint import CheckpointError, folder_problem, resume_candidate
+    from titan.components.checkpoint_identity import (
+        INITIAL_LOAD_FIX,
+        RESUME_FIX,
+        model_identity,
+    )
+
+    ck = job.checkpoint
+    identity = model_identity(plan.spec, job.model.flavor, plan.model_args)
+    mode = "off" if ck.verify == "off" else "fast"
+    try:
+        path = None
+        if resuming:
+            path = resume_candidate(root, ck.load_step, lambda p: folder_problem(p, mode))
+            if path is not None and (why := identity.problem(path)):
+                raise CheckpointError(f"cannot resume from {path}: {why}. {RESUME_FIX}")
+        if path is None and ck.initial_load_path and not ck.initial_load_in_hf:
+            path = resolve(ck.initial_load_path)
+            why = folder_problem(path, mode) if path.is_dir() else "does not exist"
+            if why is None:
+                why = identity.problem(path)
+            if why:
+                raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}. "
+                                      f"{INITIAL_LOAD_FIX}")
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,114 @@
+"""Which model a checkpoint holds, and whether it is the model a run builds.
+
+A resume loads weights by name, and DCP ignores names the model does not ask for: without a
+check, a checkpoint of an untied flavor "resumed" into a tied one dropped its output matrix and
+trained on (the loss jumped from 6.9 to 64). Every save records the family, the flavor and the
+architecture in its marker; a load compares them, and the tensor names and shapes too (which
+also covers saves older than the record), before a byte of state is read.
+
+The one mismatch that loads is the former tied format: saves from before `tied_state` stored
+a tied weight under both names. Such a save has no record, and its two tensors are equal; an
+untied model's are not, which is how the two are told apart.
+"""
+
+import json
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+
+import torch
+
+from titan.components.checkpoint import (
+    MODEL_KEY,
+    _quiet_no_dist,
+    dcp_model_metadata,
+    saved_model,
+)
+from titan.components.tied_state import saved_form
+
+RESUME_FIX = ("Resume with the model it was saved from (model.name / model.flavor), or start a "
+              "new run in another job.dump_folder or checkpoint.folder")
+INITIAL_LOAD_FIX = ("Set model.name / model.flavor to the model it was saved from, or point "
+                    "checkpoint.initial_load_path at a checkpoint of this one")
+# the RoPE table's length is the run's seq_len, not a weight: a resume may change it
+_RUN_SETTINGS = ("max_seq_len",)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    family: str
+    flavor: str
+    args: dict  # the architecture, as JSON holds it
+    shapes: dict[str, tuple[int, ...]]  # every saved tensor of the whole model
+    ties: tuple[tuple[str, str], ...]  # (owner, copy) of tied weights
+
+    def record(self) -> dict:
+        return {"family": self.family, "flavor": self.flavor, "args": self.args}
+
+    def describe(self) -> str:
+        return f"{self.family} {self.flavor}"
+
+    def problem(self, path: Path) -> str | None:
+        """Why the checkpoint folder `path` does not hold this model (None if it does)."""
+        saved = saved_model(path)
+        if saved is not None:
+            why = self._record_problem(saved)
+            if why:
+                return why
+        return self._tensor_problem(path, legacy=saved is None)
+
+    def _record_problem(self, saved: dict) -> str | None:
+        theirs = f"{saved.get('family')} {saved.get('flavor')}"
+        if saved.get("family") != self.family:
+            return f"it holds a {theirs} model and this run builds {self.describe()}"
+        args = saved.get("args") or {}
+        diffs = [f"{k} {args.get(k)} (checkpoint) vs {v} (this run)"
+                 for k, v in self.args.items() if args.get(k) != v]
+        if diffs:
+            return (f"it was saved from {theirs} and this run builds {self.describe()}: "
+                    + ", ".join(diffs))
+        return None
+
+    def _tensor_problem(self, path: Path, legacy: bool) -> str | None:
+        held = {name: tuple(size) for name, (size, _) in dcp_model_metadata(path).items()}
+        missing = [n for n in self.shapes if n not in held]
+        shapes = [f"{n} {list(held[n])} (checkpoint) vs {list(s)} (this run)"
+                  for n, s in self.shapes.items() if n in held and held[n] != s]
+        copies = {copy: owner for owner, copy in self.ties}
+        extra = [n for n in held if n not in self.shapes and n not in copies]
+        if missing or shapes or extra:
+            parts = [f"lacks {_few(missing)}" if missing else "",
+                     f"holds {_few(extra)} that this model has not" if extra else "",
+                     f"shapes differ: {_few(shapes)}" if shapes else ""]
+            return (f"its weights are not this {self.describe()} model's: "
+                    + "; ".join(p for p in parts if p))
+        for copy, owner in copies.items():
+            if copy in held and not (legacy and _equal_tensors(path, owner, copy)):
+                return (f"it holds {copy} apart from {owner}: it was saved from a model that "
+                        f"does not tie them, and this {self.describe()} model does")
+        return None
+
+
+def _few(items: list[str], n: int = 4) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def _equal_tensors(path: Path, a: str, b: str) -> bool:
+    """Whether the checkpoint's tensors `a` and `b` are equal (read in this process only)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp_model_metadata(path)
+    state = {n: torch.empty(meta[n][0], dtype=meta[n][1]) for n in (a, b)}
+    with _quiet_no_dist():
+        dcp.load({MODEL_KEY: state}, checkpoint_id=str(path), no_dist=True)
+    return torch.equal(state[a], state[b])
+
+
+def model_identity(spec, flavor: str, args) -> ModelIdentity:
+    """The identity of the model `spec` builds from `args` (flavor as configured)."""
+    fields = asdict(args) if is_dataclass(args) else dict(vars(args))
+    fields = {k: v for k, v in fields.items() if k not in _RUN_SETTINGS}
+    meta = spec.build_meta(args)
+    ties = tuple(tuple(pair) for pair in meta.tied_parameters())
+    shapes = saved_form({n: tuple(t.shape) for n, t in meta.state_dict().items()}, list(ties))
+    return ModelIdentity(family=spec.name, flavor=flavor,
+                         args=json.loads(json.dumps(fields)), shapes=shapes, ties=ties)
