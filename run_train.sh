@@ -42,7 +42,12 @@ else
     [[ -z "${RDZV_CONF:-}" ]] || NODES+=(--rdzv-conf="$RDZV_CONF")
 fi
 
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
+# the cores shared among this node's ranks; an NGPU that is no rank count (0, abc) is left to
+# the launcher, which says so in one line (bash arithmetic would fail on it first)
+if [[ "$NGPU" =~ ^[0-9]+$ ]] && (( 10#$NGPU >= 1 )); then
+    per_rank=$(( $(nproc) / 10#$NGPU ))
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( per_rank > 0 ? per_rank : 1 ))}
+fi
 
 exec "$PYTHON" -m titan.launch \
     "${NODES[@]}" --nproc_per_node="$NGPU" \

@@ -2,7 +2,8 @@
 measured ones, and (on CUDA) the planned total vs `torch.cuda.max_memory_allocated`.
 
     python benchmarks/memory_plan_check.py             # GPU: Llama 3 1B, seq 8192, AC none/full
-    python benchmarks/memory_plan_check.py --tiny      # CPU: the debug model (the code path)
+    python benchmarks/memory_plan_check.py --tiny      # CPU: the debug model (the code path),
+                                                       # batch 1: 35.9 / 4.3 MiB (AC none / full)
 
 Compile is off (the planner traces eagerly). Two steps: the first makes the optimizer states
 after its peak, the second peaks with them, as every later step does. The bundled tokenizer
@@ -56,7 +57,7 @@ def main() -> int:
               f"{p['activations_bytes'] / m['activations_bytes']:>6.3f} "
               f"{human_bytes(p['total_bytes']):>14} "
               f"{human_bytes(allocated) if allocated else 'n/a (CPU)':>14} "
-              f"{p['total_bytes'] / allocated if allocated else float('nan'):>6.3f}")
+              f"{format(p['total_bytes'] / allocated, '.3f') if allocated else 'n/a':>6}")
     return 0
 
 

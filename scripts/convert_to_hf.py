@@ -20,6 +20,11 @@ is never loaded. Folders without the `.complete` marker are refused. --tokenizer
 tokenizer.json (adding BOS as titan does), tokenizer_config.json and
 special_tokens_map.json, and puts the BOS/EOS ids in config.json and
 generation_config.json, so HF generation stops where titan's does.
+
+An output folder that already holds an HF model (config.json, safetensors, index) is refused
+unless --overwrite, which deletes that model's files (config, weights, index, tokenizer; other
+files stay) once the checkpoint has been read, so no stale tokenizer is left beside a
+config.json without its BOS/EOS ids. Bad input ends with one line on stderr and exit code 2.
 """
 
 import argparse
@@ -29,10 +34,16 @@ import time
 from pathlib import Path
 
 
+def fail(why) -> None:
+    print(f"convert_to_hf: error: {why}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="DCP step folder (…/checkpoint/step-N) or a checkpoint root")
-    ap.add_argument("output", help="HF folder to write (created; old weight files in it are replaced)")
+    ap.add_argument("output", help="HF folder to write (created; one holding an HF model needs "
+                    "--overwrite)")
     ap.add_argument("--model-name", default="llama3", help="registered model family (default llama3)")
     arch = ap.add_mutually_exclusive_group(required=True)
     arch.add_argument("--flavor", help="flavor the checkpoint was trained with, e.g. 8B")
@@ -46,6 +57,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-shard-size", default="5GB",
                     help="shard the safetensors above this size, e.g. 5GB, 500MB (default 5GB)")
     ap.add_argument("--tokenizer", help="tokenizer.json, or a folder holding it, to write alongside")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the HF model already in the output folder (its config, "
+                    "weights, index and tokenizer files)")
     args = ap.parse_args(argv)
 
     from titan.components import checkpoint, hf_io
@@ -56,13 +70,18 @@ def main(argv=None) -> None:
     try:
         spec = get_train_spec(args.model_name)
     except KeyError as e:
-        raise SystemExit(f"error: {e.args[0]}") from None
+        fail(e.args[0])
     if args.flavor is not None and args.flavor not in spec.flavors:
-        raise SystemExit(f"error: unknown flavor {args.flavor!r} for {args.model_name}; "
-                         f"choose from {', '.join(spec.flavors)}, or give --hf-config")
+        fail(f"unknown flavor {args.flavor!r} for {args.model_name}; "
+             f"choose from {', '.join(spec.flavors)}, or give --hf-config")
     if spec.state_dict_adapter is None:
-        raise SystemExit(f"error: model family {args.model_name!r} registers no HF state-dict "
-                         "adapter, so it cannot be exported to HF")
+        fail(f"model family {args.model_name!r} registers no HF state-dict adapter, so it "
+             "cannot be exported to HF")
+    out_dir = Path(args.output)
+    if hf_io.holds_hf_model(out_dir) and not args.overwrite:
+        fail(f"{out_dir} already holds an HF model "
+             f"({', '.join(p.name for p in hf_io.hf_model_files(out_dir)[:4])}); pass "
+             "--overwrite to replace it, or choose another output folder")
 
     ckpt = Path(args.checkpoint)
     if not (ckpt / checkpoint.COMPLETE_MARKER).is_file():
@@ -73,7 +92,7 @@ def main(argv=None) -> None:
     try:
         tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
     except TokenizerError as e:
-        raise SystemExit(f"error: --tokenizer: {e}") from None
+        fail(f"--tokenizer: {e}")
     try:
         if args.hf_config:
             config = json.loads(Path(args.hf_config).read_text())
@@ -83,10 +102,14 @@ def main(argv=None) -> None:
         state = checkpoint.load_dcp_model_state(ckpt)
         vocab = spec.vocab_size_of({n: t.shape for n, t in state.items()}, base)
         model_args = base.with_updates(vocab_size=vocab)
+        if args.overwrite:  # only now: a checkpoint that fails to read leaves the old export
+            removed = hf_io.remove_hf_model(out_dir)
+            if removed:
+                print(f"removed the earlier export in {out_dir} ({len(removed)} files)")
         out = hf_io.HFModelIO(spec, model_args, tokenizer).save(
-            state, Path(args.output), args.dtype, args.max_shard_size)
+            state, out_dir, args.dtype, args.max_shard_size)
     except (checkpoint.CheckpointError, OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+        fail(e)
     n = sum(t.numel() for t in state.values())
     print(f"wrote {out} ({n / 1e6:.1f}M parameters, {args.dtype}, vocab {vocab}"
           f"{', tokenizer ' + str(tokenizer.path) if tokenizer else ''}) in {time.time() - t0:.1f}s")

@@ -11,6 +11,11 @@ override is accepted); its vocabulary comes from the checkpoint. An HF folder br
 own architecture (config.json) and tokenizer. The tokenizer is the HF folder's, else
 --model.tokenizer_path. Several ranks split the model by tensor parallelism and each reads
 only its shards. Decoding keeps a KV cache; temperature 0 is greedy.
+
+A prompt plus --max-new-tokens must fit the model's positions (an HF folder's
+max_position_embeddings; for DCP the flavor's published context, else training.seq_len), and
+a DCP checkpoint must hold --model.flavor's shapes. These and out-of-range options end with
+one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -103,6 +108,74 @@ def checkpoint_folder(path: Path) -> Path:
     return checkpoint.latest_complete_step(path) or path
 
 
+class GenerateError(ValueError):
+    """A command line or checkpoint that cannot be used: one line for the user, exit 2."""
+
+
+def positions(args) -> int:
+    """Positions the model was made for: a long-context flavor's published context, else the
+    sequence length it was trained at (an HF folder's max_position_embeddings)."""
+    return getattr(args, "context_len", None) or args.max_seq_len
+
+
+def model_args(path: Path, job, spec):
+    """The args of the model in `path` (a folder as `checkpoint_folder` gives it), with
+    max_seq_len its positions: an HF folder's own; for DCP, --model.flavor's at the training
+    seq_len, with the checkpoint's vocabulary, after checking that the shapes are the flavor's."""
+    from titan.components import checkpoint, hf_io
+
+    if _is_hf(path):
+        return hf_io.args_from_hf(path, spec)
+    checkpoint.check_complete(path)
+    shapes = {n: s for n, (s, _) in checkpoint.dcp_model_metadata(path).items()}
+    name = job.model.flavor
+    if name not in spec.flavors:
+        raise GenerateError(f"--model.flavor {name}: {spec.name} has flavors "
+                            f"{', '.join(spec.flavors)}")
+    args = _flavor_args(spec, spec.flavors[name], shapes, job.training.seq_len)
+    if args is None:
+        from titan.config.manager import source_of
+
+        fits = [f for f, a in spec.flavors.items()
+                if _flavor_args(spec, a, shapes, job.training.seq_len) is not None]
+        fix = (f"it holds flavor {fits[0]!r}: pass --model.flavor {fits[0]}" if fits else
+               "pass the flavor it was trained with (--model.flavor or its --job.config_file)")
+        raise GenerateError(f"{path} does not hold a {spec.name} {name!r} model (model.flavor "
+                            f"from {source_of(job, 'model.flavor')}): "
+                            f"{_shape_difference(spec, spec.flavors[name], shapes)}; {fix}")
+    return args
+
+
+def _flavor_args(spec, flavor, shapes: dict, seq_len: int):
+    """The flavor's args at the checkpoint's vocabulary when every shape is the flavor's, else
+    None (a tied copy the checkpoint stores under its owner's name only is no difference)."""
+    try:
+        args = flavor.with_updates(vocab_size=spec.vocab_size_of(shapes, flavor),
+                                   max_seq_len=seq_len)
+    except ValueError:  # no vocabulary-sized tensor: another family's checkpoint
+        return None
+    want = spec.state_shapes(args)
+    copies = {c for owner, c in spec.build_meta(args).tied_parameters() if owner in shapes}
+    same = set(want) - copies <= set(shapes) <= set(want) and all(
+        tuple(shapes[n]) == tuple(want[n]) for n in shapes)
+    return args if same else None
+
+
+def _shape_difference(spec, flavor, shapes: dict) -> str:
+    """The first few differences between a checkpoint's shapes and the flavor's."""
+    try:
+        flavor = flavor.with_updates(vocab_size=spec.vocab_size_of(shapes, flavor))
+    except ValueError:
+        pass
+    want = spec.state_shapes(flavor)
+    diff = [f"{n} {tuple(shapes[n])} vs {tuple(want[n])}" for n in want
+            if n in shapes and tuple(shapes[n]) != tuple(want[n])]
+    diff += [f"{n} only in the checkpoint" for n in sorted(set(shapes) - set(want))]
+    if not diff:
+        diff = [f"{n} missing" for n in sorted(set(want) - set(shapes))]
+    return f"{'; '.join(diff[:3])}{' ...' if len(diff) > 3 else ''} (checkpoint vs flavor)"
+
+
 def load_model(path: Path, job, spec, max_len: int, device: torch.device, tp_dims=None):
     """The model of a DCP checkpoint or HF folder, on `device`, split over `tp_dims` when
     given (each rank reads only its shards); returns (model, args)."""
@@ -110,13 +183,7 @@ def load_model(path: Path, job, spec, max_len: int, device: torch.device, tp_dim
     from titan.components.train_state import ModelState
 
     path = checkpoint_folder(path)
-    if _is_hf(path):
-        args = hf_io.args_from_hf(path, spec, max_seq_len=max_len)
-    else:
-        checkpoint.check_complete(path)
-        shapes = {n: s for n, (s, _) in checkpoint.dcp_model_metadata(path).items()}
-        flavor = spec.flavors[job.model.flavor]
-        args = flavor.with_updates(vocab_size=spec.vocab_size_of(shapes, flavor), max_seq_len=max_len)
+    args = model_args(path, job, spec).with_updates(max_seq_len=max_len)
     model = spec.build_meta(args)
     if tp_dims is not None:
         model = spec.parallelize_fn(model, tp_dims, job)
@@ -164,17 +231,55 @@ class TextStream:
         return self.tokenizer.decode(self.ids, skip_special=True)[self.shown:]
 
 
+def check_options(opts) -> None:
+    """Sampling options out of range fail before anything is loaded."""
+    problems = [
+        (opts.max_new_tokens >= 1, f"--max-new-tokens {opts.max_new_tokens}: must be >= 1"),
+        (opts.temperature >= 0, f"--temperature {opts.temperature}: must be >= 0 (0 = greedy)"),
+        (opts.top_k >= 0, f"--top-k {opts.top_k}: must be >= 0 (0 = no limit)"),
+        (0 < opts.top_p <= 1, f"--top-p {opts.top_p}: must lie in (0, 1] (1 = no cut)"),
+    ]
+    for ok, why in problems:
+        if not ok:  # also NaN, which compares false either way
+            raise GenerateError(why)
+
+
+def check_positions(prompts: list[list[int]], max_new_tokens: int, limit: int) -> None:
+    """Every prompt and its new tokens must fit the positions the model was made for."""
+    for i, p in enumerate(prompts):
+        if len(p) >= limit:
+            raise GenerateError(f"prompt {i} is {len(p)} tokens, the model has {limit} "
+                                "positions (max_seq_len): shorten the prompt")
+        if len(p) + max_new_tokens > limit:
+            raise GenerateError(
+                f"prompt {i} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} need "
+                f"{len(p) + max_new_tokens} positions, the model has {limit} (max_seq_len): "
+                f"pass --max-new-tokens {limit - len(p)} or less, or a shorter prompt")
+
+
+def _fail(why) -> None:
+    print(f"titan.generate: {why}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="DCP step folder / checkpoint root, or an HF folder")
     ap.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help="at most this many tokens per prompt (>= 1; prompt + these must fit "
+                    "the model's positions)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling mass, in (0, 1] (1: all)")
     ap.add_argument("--seed", type=int, default=0)
     opts, overrides = ap.parse_known_args(argv)
+    try:
+        check_options(opts)
+    except GenerateError as e:
+        _fail(e)
 
     from titan.components.checkpoint import CheckpointError
     from titan.components.tokenizer import Tokenizer, TokenizerError
@@ -185,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan.parallelisms.parallel_dims import ParallelDims
 
     init_logging()
+    # every rank checks alike, so with torchrun all of them stop at the same line
     try:
         job = parse_args(overrides)
         spec = get_train_spec(job.model.name)
@@ -194,8 +300,12 @@ def main(argv: list[str] | None = None) -> None:
         path = checkpoint_folder(path)
         tok_path = path if _is_hf(path) and (path / "tokenizer.json").is_file() else job.model.tokenizer_path
         tokenizer = Tokenizer(str(tok_path))
-    except (ConfigError, CheckpointError, TokenizerError, KeyError) as e:
-        sys.exit(f"titan.generate: {e}")
+        prompts = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
+        check_positions(prompts, opts.max_new_tokens, positions(model_args(path, job, spec)))
+    except (ConfigError, CheckpointError, TokenizerError, GenerateError) as e:
+        _fail(e)
+    except KeyError as e:  # an unregistered model name
+        _fail(e.args[0])
     device = pick_device(job.training.device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp_dims = None
@@ -204,12 +314,11 @@ def main(argv: list[str] | None = None) -> None:
         tp_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, world_size=world)
         tp_dims.build_mesh(device.type)
         job = _tp_job(job, world)
-    prompts = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
     max_len = max(len(p) for p in prompts) + opts.max_new_tokens
     try:
         model, _ = load_model(path, job, spec, max_len, device, tp_dims)
     except CheckpointError as e:
-        sys.exit(f"titan.generate: {e}")
+        _fail(e)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     stream = len(prompts) == 1 and rank0
     text_stream = TextStream(tokenizer)

@@ -19,6 +19,7 @@ import shlex
 import sys
 
 from titan.config import ConfigError, help_text, parse_args, to_toml
+from titan.console import print_out
 from titan.final_error import run_torchrun
 
 
@@ -52,6 +53,30 @@ def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
     return plan
 
 
+def ranks_per_node(text: str) -> int:
+    """NGPU as a rank count (torchrun's "auto"/"gpu" would pick a count the checks never saw)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"NGPU={text!r}: the ranks per node must be a whole number >= 1, e.g. "
+                          "NGPU=1 (one CPU process) or NGPU=8 (a node of 8 GPUs)")
+    return int(text)
+
+
+def check_log_ranks(text: str, nproc: int) -> None:
+    """LOG_RANK must name local ranks of this node: torchrun would show nothing for a rank
+    that does not exist, and fail with a traceback on a non-number."""
+    if not text:
+        return
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"LOG_RANK={text!r}: a comma-separated list of local ranks, e.g. "
+                          "LOG_RANK=0 or LOG_RANK=0,1") from None
+    missing = [r for r in ranks if not 0 <= r < nproc]
+    if missing:
+        raise ConfigError(f"LOG_RANK={text}: this node has no local rank {missing[0]} (NGPU="
+                          f"{nproc}: ranks 0 to {nproc - 1}); e.g. LOG_RANK=0")
+
+
 def check_memory(job, world_size: int) -> None:
     """States that cannot fit the device fail here, not as an out-of-memory at step 1."""
     from titan.memory_plan import check_fits
@@ -69,7 +94,7 @@ def main() -> None:
     sep = argv.index("--") if "--" in argv else len(argv)
     torchrun_args, trainer_args = argv[:sep], argv[sep + 1:]
     if "--help" in trainer_args or "-h" in trainer_args:
-        print(help_text())
+        print_out(help_text())
         sys.exit(0)
     try:
         job = parse_args(trainer_args)
@@ -78,10 +103,10 @@ def main() -> None:
         ta = get_args_parser().parse_args([*torchrun_args, "-m", "titan.train"])
         try:
             min_nodes, max_nodes = parse_min_max_nnodes(ta.nnodes)
-            nproc = int(ta.nproc_per_node)
         except (RuntimeError, ValueError):
-            raise ConfigError(f"NNODES={ta.nnodes!r} / NGPU={ta.nproc_per_node!r}: NNODES is a "
-                              "node count or MIN:MAX, NGPU a rank count per node") from None
+            raise ConfigError(f"NNODES={ta.nnodes!r}: a node count or MIN:MAX") from None
+        nproc = ranks_per_node(ta.nproc_per_node)
+        check_log_ranks(ta.local_ranks_filter, nproc)
         plan = validate_world_sizes(job, min_nodes, max_nodes, nproc)
         from titan.content_check import check_content
 
@@ -93,6 +118,11 @@ def main() -> None:
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    from titan.preflight import vocabulary_note
+
+    note = vocabulary_note(job, plan)
+    if note:
+        print(f"titan: note: {note}", file=sys.stderr, flush=True)
     if not ta.standalone and ta.rdzv_id == "none":
         torchrun_args = [*torchrun_args, f"--rdzv-id={rendezvous_id(job.job.dump_folder)}"]
     if job.job.print_config:
@@ -101,7 +131,7 @@ def main() -> None:
         trainer_args = [*trainer_args, "--job.no_print_config"]
     command = [*torchrun_args, "-m", "titan.train", *trainer_args]
     if os.environ.get("DRY_RUN", "0") not in ("", "0"):
-        print("torchrun " + shlex.join(command), flush=True)
+        print_out("torchrun " + shlex.join(command))
         sys.exit(0)
     run_torchrun(command)
 

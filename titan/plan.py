@@ -35,7 +35,8 @@ def parse_bytes(text: str) -> int:
 def plan(job, world_size: int, device_memory: int | None) -> dict:
     from titan.preflight import plan_run
 
-    dims = plan_run(job, world_size).dims
+    run = plan_run(job, world_size)
+    dims = run.dims
     ranks = [{"rank": rank, "pp_rank": pp_rank, **b}
              for rank, pp_rank, b in pipeline_rank_bytes(job, world_size)]
     worst = max(r["total_bytes"] for r in ranks)
@@ -43,7 +44,8 @@ def plan(job, world_size: int, device_memory: int | None) -> dict:
         "world_size": world_size,
         "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                    "tp": dims.tp, "pp": dims.pp},
-        "model": {"name": job.model.name, "flavor": job.model.flavor},
+        "model": {"name": job.model.name, "flavor": job.model.flavor,
+                  "vocab_size": run.model_args.vocab_size},
         "activation_checkpoint": job.activation_checkpoint.mode,
         "ranks": ranks,
         "max_states_bytes": max(r["states_bytes"] for r in ranks),
@@ -58,8 +60,9 @@ _COLUMNS = ("params", "grads", "optimizer", "activations", "transient", "total")
 
 def render(report: dict) -> str:
     lay = report["layout"]
-    lines = [f"{report['model']['name']} {report['model']['flavor']} on {report['world_size']} "
-             f"ranks: " + ", ".join(f"{k} {v}" for k, v in lay.items())
+    model = report["model"]
+    lines = [f"{model['name']} {model['flavor']} (vocabulary {model['vocab_size']}) on "
+             f"{report['world_size']} ranks: " + ", ".join(f"{k} {v}" for k, v in lay.items())
              + f"; activation checkpointing {report['activation_checkpoint']}",
              f"{'rank':>6} {'pp':>3} " + " ".join(f"{c:>12}" for c in _COLUMNS)]
     for r in report["ranks"]:
@@ -101,7 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         rest = ["--job.config_file",
                 os.environ.get("CONFIG_FILE", "train_configs/debug_model.toml"), *rest]
     try:
+        for flag, value in (("--ngpu", args.ngpu), ("--nnodes", args.nnodes)):
+            if value < 1:
+                raise ConfigError(f"{flag} {value}: must be >= 1 ({flag} 1 plans one process)")
         job = parse_args(rest)
+        job.plan_only = True
+        from titan.preflight import plan_run, vocabulary_note
+
+        note = vocabulary_note(job, plan_run(job, args.ngpu * args.nnodes))
+        if note:
+            print(f"titan: note: {note}", file=sys.stderr, flush=True)
         if args.suggest:
             memory = args.device_memory or device_memory_bytes(job)
             if memory is None:
@@ -146,4 +158,8 @@ def render_suggestions(found: list, memory: int, world_size: int) -> str:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # a short-lived tool piped into head & co ends as GNU tools do when the reader goes
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())

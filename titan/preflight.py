@@ -28,7 +28,7 @@ class RunPlan:
     spec: TrainSpec
     model_args: ModelArgs
     dims: ParallelDims
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: planning only, the configured tokenizer is missing
     global_batch_size: int
     grad_accum_steps: int
     # data-parallel replicas in all: the mesh's dp times torchft replica groups
@@ -60,7 +60,9 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     try:
         tokenizer = Tokenizer(m.tokenizer_path)
     except TokenizerError as e:
-        raise ConfigError(str(e)) from None
+        if not (job.plan_only and m.flavor != FROM_HF):
+            raise ConfigError(str(e)) from None
+        tokenizer = None  # the planner sizes the flavor's vocabulary (vocabulary_note says so)
     model_args = resolve_model_args(job, spec, tokenizer)
     try:
         dims = ParallelDims(
@@ -139,10 +141,11 @@ def _differences(a: ModelArgs, b: ModelArgs) -> list[str]:
     return [] if a == b else [f"{a} vs {b}"]
 
 
-def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer) -> ModelArgs:
+def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer | None) -> ModelArgs:
     """The flavor's args (or an HF folder's, with model.flavor = "from_hf"), with the
-    tokenizer's vocabulary (an HF model's embedding may be larger) and a RoPE table of
-    exactly one sequence. An HF initial load must have the flavor's architecture."""
+    tokenizer's vocabulary (an HF model's embedding may be larger; no tokenizer: the
+    flavor's own) and a RoPE table of exactly one sequence. An HF initial load must have the
+    flavor's architecture."""
     m, seq_len = job.model, job.training.seq_len
     hf = _hf_args(job, spec, seq_len)
     if m.flavor == FROM_HF:
@@ -151,8 +154,9 @@ def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer) ->
                 "checkpoint.initial_load_in_hf = true")
         args = hf
     else:
-        args = spec.flavors[m.flavor].with_updates(vocab_size=tokenizer.vocab_size,
-                                                   max_seq_len=seq_len)
+        flavor = spec.flavors[m.flavor]
+        args = flavor.with_updates(vocab_size=tokenizer.vocab_size if tokenizer
+                                   else flavor.vocab_size, max_seq_len=seq_len)
         if hf is not None:
             diff = _differences(hf.with_updates(vocab_size=args.vocab_size), args)
             if diff:
@@ -162,11 +166,29 @@ def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer) ->
                     f"{'; '.join(diff)} (HF vs flavor). Set model.flavor = \"{FROM_HF}\" to "
                     "train the HF model's shape")
             args = args.with_updates(vocab_size=hf.vocab_size)
-    if tokenizer.vocab_size > args.vocab_size:
+    if tokenizer is not None and tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer {m.tokenizer_path!r} has {tokenizer.vocab_size} tokens "
                           f"but the HF model's embedding only {args.vocab_size}: use the "
                           "model's own tokenizer (model.tokenizer_path = the HF folder)")
     return args
+
+
+def vocabulary_note(job: JobConfig, run: RunPlan) -> str | None:
+    """One line when the run's vocabulary is not its flavor's, which would otherwise go
+    unseen: a tokenizer of another size (e.g. the bundled 2048 tokens with the 8B flavor)
+    sizes the embedding and output layer; the planner without a tokenizer plans the flavor's."""
+    m = job.model
+    if m.flavor == FROM_HF or job.checkpoint.initial_load_in_hf:
+        return None  # the HF model's own vocabulary
+    flavor = run.spec.flavors[m.flavor].vocab_size
+    if run.tokenizer is None:
+        return (f"tokenizer {m.tokenizer_path!r} not found: planned with the {m.flavor} "
+                f"flavor's {flavor}-token vocabulary (training needs the tokenizer)")
+    if run.tokenizer.vocab_size != flavor:
+        return (f"the {m.flavor} flavor has a {flavor}-token vocabulary, the tokenizer "
+                f"{m.tokenizer_path!r} {run.tokenizer.vocab_size}: the embedding and output "
+                f"layer are sized for {run.tokenizer.vocab_size}")
+    return None
 
 
 def device_type(job: JobConfig) -> str:

@@ -112,7 +112,10 @@ class Trainer:
         m = job.metrics
         peak, peak_source = peak_flops(self.device, to_dtype(t.mixed_precision_param),
                                        m.peak_flops)
-        logger.info("MFU is relative to %.4g TFLOP/s (%s)", peak / 1e12, peak_source)
+        if peak is None:
+            logger.info("MFU %s", peak_source)
+        else:
+            logger.info("MFU is relative to %.4g TFLOP/s (%s)", peak / 1e12, peak_source)
         self.metrics = MetricsLogger(
             m, dump_folder=job.job.dump_folder, rank=self.rank, device=self.device,
             flops_per_token=plan.model_args.flops_per_token(t.seq_len), peak_flops=peak,

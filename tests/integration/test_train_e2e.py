@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.integration.harness import FAST
+from tests.integration.harness import DEVICE, FAST
 from titan.paths import REPO_ROOT
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "gc_s"}
@@ -18,7 +18,9 @@ def test_debug_model_learns_and_logs(train_run):
     assert [r["step"] for r in records] == list(range(1, 31))
     for r in records:
         assert REQUIRED <= r.keys(), r
-        assert r["tps"] > 0 and r["tflops"] > 0 and 0 < r["mfu"] and r["memory_gib"] > 0
+        assert r["tps"] > 0 and r["tflops"] > 0 and r["memory_gib"] > 0
+        # CPUs publish no peak FLOP/s: no MFU there unless metrics.peak_flops states one
+        assert r["mfu"] is None if DEVICE == "cpu" else 0 < r["mfu"] <= 100
     first, last = records[0]["loss"], records[-1]["loss"]
     # uniform guessing over the 2048-token vocabulary is ln(2048) = 7.62
     assert 7.3 < first < 8.5

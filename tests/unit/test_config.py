@@ -312,9 +312,11 @@ def test_toml_top_level_value(tmp_path):
     assert_config_error(["--job.config_file", path], "'steps'", f"config file {path}", "[section]")
 
 
-def test_negative_steps_cli():
-    assert_config_error(["--training.steps", "-1"], "training.steps", "-1", "command line",
-                        ">= 0")
+@pytest.mark.parametrize("steps", ["-1", "0"])
+def test_steps_below_one_cli(steps):
+    # 0 steps would start every worker, build the model and train nothing
+    assert_config_error(["--training.steps", steps], "training.steps", steps, "command line",
+                        "must be >= 1")
 
 
 def test_negative_steps_toml(tmp_path):
@@ -370,6 +372,16 @@ def test_help_lists_every_field_with_doc():
             assert len(matching) == 1, flag
             doc = f.metadata["doc"]
             assert doc and doc in matching[0], flag
+
+
+def test_help_lists_test_hooks_apart_after_the_real_options():
+    lines = help_text().splitlines()
+    heading = next(i for i, ln in enumerate(lines) if ln.startswith("TESTING HOOKS:"))
+    flags = [(i, ln.split()[0]) for i, ln in enumerate(lines) if ln.startswith("  --")]
+    hooks = [f for i, f in flags if i > heading]
+    assert hooks and all(f.startswith("--debug.") for f in hooks)
+    assert not any(f.startswith("--debug.") for i, f in flags if i < heading)
+    assert "never set them for training" in lines[heading + 1]
 
 
 def _non_default_config():

@@ -80,10 +80,39 @@ def test_peak_flops_unknown_cuda_measures(monkeypatch):
     assert calls == [(torch.device("cuda"), torch.bfloat16, 4096)]
 
 
-def test_peak_flops_cpu_measures(monkeypatch):
-    monkeypatch.setattr(flops, "measure_matmul_flops", lambda device, dtype, **kw: 1e11)
+def test_no_mfu_on_cpu_unless_a_peak_is_given(monkeypatch):
+    """A matmul timed at start-up is no ceiling on a shared CPU: the quick start showed up to
+    304% MFU against one. CPU MFU is left out unless metrics.peak_flops states a peak."""
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda *a, **kw: pytest.fail("timed"))
     peak, source = peak_flops(torch.device("cpu"), torch.float32)
-    assert peak == 1e11 and "CPU" in source
+    assert peak is None and source.startswith("not reported on CPU") and "metrics.peak_flops" in source
+    assert peak_flops(torch.device("cpu"), torch.bfloat16, override=2e11)[0] == 2e11
+
+
+def _logged(tmp_path, peak, caplog):
+    from titan.components.metrics import MetricsLogger
+    from titan.config import JobConfig
+
+    cfg = JobConfig().metrics
+    cfg.enable_tensorboard = False
+    log = MetricsLogger(cfg, dump_folder=str(tmp_path), rank=0, device=torch.device("cpu"),
+                        flops_per_token=1e9, peak_flops=peak)
+    log.record_step(tokens=1000, data_s=0.0, gc_s=0.0)
+    with caplog.at_level("INFO", logger="titan.components.metrics"):
+        record = log.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_seen=1000)
+    log.close()
+    return record, caplog.records[-1].getMessage()
+
+
+def test_metrics_leave_mfu_out_without_a_peak(tmp_path, caplog):
+    import json
+
+    record, line = _logged(tmp_path, None, caplog)
+    assert record["mfu"] is None and record["tflops"] > 0 and "mfu:   n/a" in line
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["mfu"] is None
+    record, line = _logged(tmp_path / "given", 1e15, caplog)
+    assert record["mfu"] == pytest.approx(100 * record["tflops"] / 1e3)
+    assert f"mfu: {record['mfu']:5.2f}%" in line
 
 
 def test_measure_matmul_flops_small():

@@ -127,6 +127,76 @@ def test_cli_on_dcp_and_hf_checkpoints(model, tmp_path):
     assert bad.returncode != 0 and "no such folder" in bad.stderr
 
 
+@pytest.mark.parametrize("argv,why", [
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    (["--temperature", "-0.5"], "--temperature -0.5: must be >= 0 (0 = greedy)"),
+    (["--top-p", "0"], "--top-p 0.0: must lie in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p 1.5: must lie in (0, 1]"),
+    (["--top-k", "-1"], "--top-k -1: must be >= 0"),
+])
+def test_out_of_range_options_exit_2_in_one_line(argv, why, capsys):
+    from titan.generate import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--checkpoint", "nowhere", "--prompt", "x", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("titan.generate: " + why)
+    assert err.count("\n") == 1
+
+
+def test_prompt_must_fit_the_model_positions():
+    from titan.generate import GenerateError, check_positions
+
+    check_positions([[1] * 100, [1] * 3], 28, 128)  # 100 + 28 = 128: fits exactly
+    with pytest.raises(GenerateError, match=r"prompt 0 \(100 tokens\) \+ --max-new-tokens 29 "
+                       r"need 129 positions, the model has 128 .*--max-new-tokens 28 or less"):
+        check_positions([[1] * 100], 29, 128)
+    with pytest.raises(GenerateError, match="prompt 1 is 128 tokens, the model has 128 positions"):
+        check_positions([[1], [1] * 128], 1, 128)
+
+
+def test_checkpoint_of_another_flavor_is_named(model, tmp_path):
+    from titan.config import parse_args
+    from titan.generate import GenerateError, model_args, positions
+
+    step = checkpoint.save_dcp_model_state(model.state_dict(), tmp_path / "step-1")
+    job = parse_args(["--training.seq_len", "96"])
+    args = model_args(step, job, LLAMA)
+    assert args == ARGS.with_updates(max_seq_len=96) and positions(args) == 96
+    with pytest.raises(GenerateError) as e:
+        model_args(step, parse_args(["--model.flavor", "1B"]), LLAMA)
+    assert "does not hold a llama3 '1B' model (model.flavor from command line" in str(e.value)
+    assert "tok_embeddings.weight (2048, 256) vs (2048, 2048)" in str(e.value)
+    assert str(e.value).endswith("it holds flavor 'debugmodel': pass --model.flavor debugmodel")
+    # a tied model's checkpoint stores the shared matrix once: the untied flavor misses one
+    tied = LLAMA.build_meta(LLAMA.flavors["debugmodel_tied"].with_updates(vocab_size=2048))
+    tied.to_empty(device="cpu")
+    tied.init_weights(1)
+    state = {k: v for k, v in tied.state_dict().items() if k != "output.weight"}
+    tied_step = checkpoint.save_dcp_model_state(state, tmp_path / "tied" / "step-1")
+    with pytest.raises(GenerateError, match=r"output.weight missing \(checkpoint vs flavor\); "
+                       "it holds flavor 'debugmodel_tied': pass --model.flavor debugmodel_tied"):
+        model_args(tied_step, parse_args([]), LLAMA)
+    assert model_args(tied_step, parse_args(["--model.flavor", "debugmodel_tied"]), LLAMA)
+
+
+def test_cli_refuses_a_long_prompt_and_a_wrong_flavor(model, tmp_path):
+    step = checkpoint.save_dcp_model_state(model.state_dict(), tmp_path / "step-1")
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "titan.generate", "--checkpoint", str(step),
+                               *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    long = run("--prompt", "In the beginning " * 40, "--training.seq_len", "64")
+    assert long.returncode == 2 and long.stdout == "", long.stderr
+    assert long.stderr.startswith("titan.generate: prompt 0 is ") and long.stderr.count("\n") == 1
+    assert "the model has 64 positions (max_seq_len)" in long.stderr
+    other = run("--prompt", "In", "--model.flavor", "3B")
+    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
+    assert other.stderr.startswith("titan.generate: ") and "Traceback" not in other.stderr
+    assert other.stderr.rstrip().endswith("pass --model.flavor debugmodel")
+
+
 def _tokenizer():
     from titan.components.tokenizer import Tokenizer
 

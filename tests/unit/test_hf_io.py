@@ -254,6 +254,37 @@ def test_convert_scripts_end_to_end(tmp_path):
     assert_identical(checkpoint.load_dcp_model_state(dcp_dir), fsd)
 
 
+def test_convert_to_hf_refuses_an_hf_folder_unless_overwrite(model, tmp_path, capsys):
+    """A second export without --tokenizer used to leave the first one's tokenizer beside a
+    config.json without BOS/EOS ids."""
+    ckpt = checkpoint.save_dcp_model_state(model.state_dict(), tmp_path / "step-5")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(Llama3StateDictAdapter(ARGS).hf_config()))
+    out = tmp_path / "hf"
+    to_hf = _load_script("convert_to_hf").main
+    argv = [str(ckpt), str(out), "--hf-config", str(config)]
+    to_hf([*argv, "--tokenizer", str(REPO / "assets" / "tokenizer"), "--max-shard-size", "100KB"])
+    (out / "README.md").write_text("mine")
+    first = {p.name for p in out.iterdir()}
+    assert {"tokenizer.json", "model.safetensors.index.json"} <= first
+    capsys.readouterr()
+    err = _exit_2(capsys, to_hf, argv)
+    assert err.startswith(f"convert_to_hf: error: {out} already holds an HF model (config.json")
+    assert err.rstrip().endswith("pass --overwrite to replace it, or choose another output folder")
+    assert {p.name for p in out.iterdir()} == first  # untouched
+    to_hf([*argv, "--overwrite"])
+    assert "removed the earlier export" in capsys.readouterr().out
+    # the tokenizer, the shards and their index are gone; what is not HF's stays
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors",
+                                            "titan_checksums.json", "README.md"}
+    assert "bos_token_id" not in json.loads((out / "config.json").read_text())
+    assert_identical(hf_io.load_hf(out, LLAMA), model.state_dict())
+    # a folder holding only other files is no export: no --overwrite needed
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("x")
+    to_hf([str(ckpt), str(tmp_path / "plain"), "--hf-config", str(config)])
+
+
 def _load_script(name):
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
@@ -261,13 +292,22 @@ def _load_script(name):
     return mod
 
 
-def test_convert_scripts_refuse_bad_input(tmp_path):
+def _exit_2(capsys, main, argv) -> str:
+    """The one line a script prints on stderr when it refuses `argv` with exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_convert_scripts_refuse_bad_input(tmp_path, capsys):
     (tmp_path / "step-1").mkdir()
-    with pytest.raises(SystemExit, match="not a completed checkpoint"):
-        _load_script("convert_to_hf").main([str(tmp_path / "step-1"), str(tmp_path / "o"),
-                                            "--flavor", "debugmodel"])
-    with pytest.raises(SystemExit, match="unknown flavor"):
-        _load_script("convert_to_hf").main([str(tmp_path), str(tmp_path / "o"), "--flavor", "9B"])
+    to_hf = _load_script("convert_to_hf").main
+    assert "not a completed checkpoint" in _exit_2(
+        capsys, to_hf, [str(tmp_path / "step-1"), str(tmp_path / "o"), "--flavor", "debugmodel"])
+    assert "unknown flavor" in _exit_2(capsys, to_hf, [str(tmp_path), str(tmp_path / "o"),
+                                                       "--flavor", "9B"])
     with pytest.raises(SystemExit, match="no config.json"):
         _load_script("convert_from_hf").main([str(tmp_path), str(tmp_path / "o")])
 

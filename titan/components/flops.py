@@ -1,4 +1,4 @@
-"""Peak FLOP/s of a device, for MFU."""
+"""Peak FLOP/s of a device, for MFU: a GPU's datasheet figure, or none on CPU."""
 
 import time
 
@@ -38,8 +38,16 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024
     return best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> tuple[float, str]:
-    """(peak FLOP/s, where the figure came from)."""
+# A CPU publishes no peak, and a matmul timed at start-up is no ceiling either: on a shared
+# or throttled machine it ran slower than the steps that followed (the quick start showed
+# 200-300% MFU). torchtitan reports no meaningful CPU MFU either; a stated figure is used.
+NO_CPU_PEAK = ("not reported on CPU (no datasheet peak; a timed matmul is no ceiling): set "
+               "metrics.peak_flops to the FLOP/s to compare with")
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype,
+               override: float = 0.0) -> tuple[float | None, str]:
+    """(peak FLOP/s or None when MFU is not reported, where the figure came from)."""
     if override > 0:
         return override, "metrics.peak_flops"
     if device.type == "cuda":
@@ -48,4 +56,4 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override: float = 0.0) 
         if peak is not None:
             return peak, f"datasheet bf16 peak of {name}"
         return measure_matmul_flops(device, torch.bfloat16, n=4096), f"measured matmul on {name}"
-    return measure_matmul_flops(device, dtype), f"measured {dtype} matmul on CPU"
+    return None, NO_CPU_PEAK

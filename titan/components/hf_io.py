@@ -99,6 +99,36 @@ def args_from_hf(hf_dir: str | Path, spec: TrainSpec, max_seq_len: int | None = 
     return args_from_hf_config(spec, read_hf_config(hf_dir), max_seq_len)
 
 
+# what an export writes beside the weights: left from an earlier export, a tokenizer would
+# disagree with a config.json written without one (no BOS/EOS ids)
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def hf_model_files(folder: str | Path) -> list[Path]:
+    """The files of an HF model in `folder`: config files, weights (any safetensors), index,
+    titan's checksums and tokenizer files; nothing else (a README stays)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    names = {HF_CONFIG, HF_GENERATION_CONFIG, HF_INDEX_FILE, HF_CHECKSUMS, *HF_TOKENIZER_FILES}
+    return sorted(p for p in folder.iterdir()
+                  if p.is_file() and (p.name in names or p.name.endswith(SUFFIX)))
+
+
+def holds_hf_model(folder: str | Path) -> bool:
+    """Whether `folder` already holds an HF model: a config.json, weights or an index."""
+    return any(p.name in (HF_CONFIG, HF_INDEX_FILE) or p.name.endswith(SUFFIX)
+               for p in hf_model_files(folder))
+
+
+def remove_hf_model(folder: str | Path) -> list[Path]:
+    """Delete the files of an HF model in `folder` (see hf_model_files); returns them."""
+    files = hf_model_files(folder)
+    for f in files:
+        f.unlink()
+    return files
+
+
 def _stale_hf_weights(out_dir: Path) -> list[Path]:
     return [p for p in out_dir.iterdir()
             if p.name in (HF_SINGLE_FILE, HF_INDEX_FILE, HF_CHECKSUMS)

@@ -39,6 +39,10 @@ def memory_gib(device: torch.device) -> dict[str, float]:
     return stats
 
 
+def _percent(value: float | None) -> str:
+    return "  n/a" if value is None else f"{value:5.2f}%"
+
+
 def _status_kib(field: str) -> int | None:
     """A field of /proc/self/status in KiB (Linux), else None."""
     try:
@@ -77,12 +81,13 @@ class _Window:
 class MetricsLogger:
     """Configured by `cfg` (the metrics section). Rank 0 writes the files; every rank prints.
 
+    `peak_flops` None leaves MFU out (null in the JSONL, n/a on the console);
     `max_over_ranks(value)` is a collective giving the largest value over all ranks;
     `resume_step` keeps the history of a resumed run up to that step.
     """
 
     def __init__(self, cfg, *, dump_folder: str, rank: int, device: torch.device,
-                 flops_per_token: float, peak_flops: float, resume_step: int | None = None,
+                 flops_per_token: float, peak_flops: float | None, resume_step: int | None = None,
                  max_over_ranks=None):
         self.log_freq = cfg.log_freq
         self.device = device
@@ -132,7 +137,8 @@ class MetricsLogger:
         tflops = tps * self.flops_per_token / 1e12
         record = {
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
-            "tflops": tflops, "mfu": 100 * tflops * 1e12 / self.peak_flops,
+            "tflops": tflops,
+            "mfu": None if self.peak_flops is None else 100 * tflops * 1e12 / self.peak_flops,
             **self._memory(),
             "data_pct": 100 * w.data_s / elapsed, "gc_s": w.gc_s,
             "step_time_s": elapsed / max(w.steps, 1), "tokens_seen": tokens_seen, **extra,
@@ -153,7 +159,7 @@ class MetricsLogger:
             f"grad_norm: {grad_norm:7.4f}  lr: {lr:.2e}  "
             f"{c('mem')}memory: {record['memory_gib']:6.2f}GiB  "
             f"{c('tps')}tps: {tps:>10,.0f}  tflops: {tflops:7.2f}  "
-            f"{c('mfu')}mfu: {record['mfu']:5.2f}%{c('reset')}  "
+            f"{c('mfu')}mfu: {_percent(record['mfu'])}{c('reset')}  "
             f"data: {record['data_pct']:4.1f}%  gc: {w.gc_s:.3f}s"
             + "".join(f"  {k}: {v}" for k, v in extra.items())
         )

@@ -96,7 +96,7 @@ class Training:
     )
     seq_len: int = opt(2048, "Tokens per training sequence")
     max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping")
-    steps: int = opt(10000, "Optimizer steps to train (the lr schedule spans them)")
+    steps: int = opt(10000, "Optimizer steps to train, >= 1 (the lr schedule spans them)")
     exit_at_step: int = opt(
         -1, "Stop after this step (saving a checkpoint if enabled) keeping the schedule of "
         "training.steps, e.g. for time-limited jobs; -1 = train all steps"
@@ -259,7 +259,8 @@ class Metrics:
     enable_tensorboard: bool = opt(True, "Write TensorBoard events under <dump_folder>/<save_tb_folder>")
     save_tb_folder: str = opt("tb", "TensorBoard folder inside the dump folder")
     peak_flops: float = opt(
-        0.0, "Peak FLOP/s of one device for MFU; 0 = device table (GPU) or a measured matmul (CPU)"
+        0.0, "Peak FLOP/s of one device for MFU; 0 = the GPU's datasheet peak (an unknown GPU: "
+        "a measured bf16 matmul), and no MFU on CPU, which publishes no peak"
     )
     disable_color_printing: bool = opt(False, "Plain console output without ANSI colors")
 
@@ -343,3 +344,6 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     # not a section: where each value set by a file or the command line came from
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # not a section: set by python -m titan.plan, which needs the tokenizer only for its
+    # vocabulary size, so a missing one plans the flavor's vocabulary instead of failing
+    plan_only: bool = field(default=False, repr=False, compare=False)

@@ -248,7 +248,7 @@ def validate(cfg: JobConfig) -> None:
     t, o, s, m, p, c, v = (cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.metrics,
                            cfg.profiling, cfg.comm, cfg.validation)
     checks = [
-        (t.steps >= 0, "training.steps", "must be >= 0"),
+        (t.steps >= 1, "training.steps", "must be >= 1"),
         (t.seq_len >= 1, "training.seq_len", "must be >= 1"),
         (t.local_batch_size >= 1, "training.local_batch_size", "must be >= 1"),
         (t.global_batch_size == -1 or t.global_batch_size >= 1, "training.global_batch_size",
@@ -312,6 +312,10 @@ def _valid_selective_ac(option: str) -> bool:
     return option == "op" or (option.isdigit() and int(option) >= 1)
 
 
+# fault injection for titan's own tests: listed apart, after the options of real runs
+TEST_HOOK_SECTIONS = ("debug",)
+
+
 def help_text() -> str:
     cfg = JobConfig()
     lines = [
@@ -319,17 +323,33 @@ def help_text() -> str:
         " --section.no_flag] ...",
         "",
         "Precedence: command line > TOML file (--job.config_file) > defaults.",
-        "Lists are comma-separated. Env for run_train.sh: NGPU, CONFIG_FILE, LOG_RANK.",
+        "Lists are comma-separated. Environment of run_train.sh: NGPU (ranks per node, >= 1),",
+        "CONFIG_FILE, LOG_RANK (local ranks shown), MAX_RESTARTS, NNODES, RDZV_ENDPOINT,",
+        "NODE_RANK, RDZV_ID, RDZV_CONF, DRY_RUN (see README).",
     ]
-    for section, obj in _sections(cfg).items():
-        lines.append(f"\n[{section}]")
-        types_ = _field_types(obj)
-        for f in dataclasses.fields(obj):
-            flag = f"--{section}.{f.name}"
-            default = getattr(obj, f.name)
-            lines.append(f"  {flag:<44} {f.metadata['doc']}")
-            lines.append(f"  {'':<44} ({_type_name(types_[f.name])}, default: {default!r})")
+    sections = _sections(cfg)
+    real = [s for s in sections if s not in TEST_HOOK_SECTIONS]
+    hooks = [s for s in sections if s in TEST_HOOK_SECTIONS]
+    for section in real:
+        lines += _section_help(section, sections[section])
+    lines += ["", "=" * 78,
+              "TESTING HOOKS: fault injection for titan's own tests (NaN losses, hung or killed",
+              "ranks). They break a run on purpose; never set them for training.",
+              "=" * 78]
+    for section in hooks:
+        lines += _section_help(section, sections[section])
     return "\n".join(lines)
+
+
+def _section_help(section: str, obj) -> list[str]:
+    lines = [f"\n[{section}]"]
+    types_ = _field_types(obj)
+    for f in dataclasses.fields(obj):
+        flag = f"--{section}.{f.name}"
+        default = getattr(obj, f.name)
+        lines.append(f"  {flag:<44} {f.metadata['doc']}")
+        lines.append(f"  {'':<44} ({_type_name(types_[f.name])}, default: {default!r})")
+    return lines
 
 
 _TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n",

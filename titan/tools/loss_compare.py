@@ -1,11 +1,14 @@
 """Run training configurations through run_train.sh and compare their metrics step by step.
 
 Used by the integration tests and by `scripts/loss_compare.py`. Each run gets its own dump
-folder; numbers come from metrics.jsonl, never from the console.
+folder; numbers come from metrics.jsonl, never from the console. Runs that would train
+different global batches (the default global_batch_size grows with the data-parallel ranks)
+are refused before any of them starts.
 """
 
 import contextlib
 import json
+import math
 import os
 import re
 import shlex
@@ -134,6 +137,28 @@ def train(run: Run, common: list[str], dump_folder: str | Path, timeout: float =
     return records
 
 
+def global_batch(run: Run, common: list[str]) -> int:
+    """The sequences per optimizer step of `run`, as the launcher will resolve them."""
+    from titan.config import parse_args
+    from titan.preflight import plan_run
+
+    config = {**os.environ, **(run.env or {})}.get("CONFIG_FILE", "train_configs/debug_model.toml")
+    job = parse_args(["--job.config_file", config, *common, *run.overrides])
+    return plan_run(job, world_size=run.nproc).global_batch_size
+
+
+def check_same_global_batch(runs: dict[str, Run], common: list[str]) -> None:
+    """ValueError unless every run trains the same global batch: with the default
+    global_batch_size (-1, local x dp) it grows with the ranks, and the losses with it."""
+    sizes = {name: global_batch(run, common) for name, run in runs.items()}
+    if len(set(sizes.values())) > 1:
+        each = ", ".join(f"{name} ({runs[name].label().strip()}) {n}" for name, n in sizes.items())
+        fix = math.lcm(*sizes.values())
+        raise ValueError(f"the runs train different global batches ({each} sequences), so their "
+                         "losses differ by design; give every run the same one, e.g. --common "
+                         f"\"... --training.global_batch_size {fix}\"")
+
+
 def compare(base: list[dict], other: list[dict], key: str = "loss") -> list[tuple]:
     """Rows (step, base value, other value, relative difference) over the common steps."""
     other_by_step = {r["step"]: r for r in other}
@@ -159,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(
         description="Train two configurations (same seed and data) and compare losses per step. "
-                    "Exits 1 if any step differs by more than --rtol (relative).")
+                    "Exits 1 if any step differs by more than --rtol (relative), 2 if the runs "
+                    "cannot be compared (a config error, or different global batches: set "
+                    "--training.global_batch_size in --common).")
     ap.add_argument("--baseline", required=True, help="'NPROC:overrides', e.g. '1:'")
     ap.add_argument("--candidate", required=True, action="append",
                     help="'NPROC:overrides', e.g. '4:--parallelism.data_parallel_shard_degree 4'")
@@ -172,6 +199,18 @@ def main(argv: list[str] | None = None) -> int:
 
     common = shlex.split(args.common)
     base = Run.parse(args.baseline)
+    runs = {"baseline": base, **{f"candidate {i}" if len(args.candidate) > 1 else "candidate":
+                                 Run.parse(c) for i, c in enumerate(args.candidate)}}
+    from titan.config import ConfigError
+
+    try:  # before any training: a mistake costs a second, not two runs
+        check_same_global_batch(runs, common)
+    except ConfigError as e:
+        print(f"loss_compare: config error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"loss_compare: {e}", file=sys.stderr)
+        return 2
     base_records = train(base, common, Path(args.out) / "baseline", args.timeout)
     worst = 0.0
     for i, spec in enumerate(args.candidate):

@@ -1,0 +1,16 @@
+"""Output of titan's command-line tools into a pipe that may close early (`| head`)."""
+
+import os
+import signal
+import sys
+
+
+def print_out(text: str) -> None:
+    """print(text); when the reader has gone (`./run_train.sh --help | head`), end quietly
+    with the status a shell gives a tool killed by SIGPIPE (141), not a traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # the unwritten rest is still buffered: flushed again at exit, it would raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
