@@ -143,6 +143,16 @@ def model_args(path: Path, job, spec):
         raise GenerateError(f"{path} does not hold a {spec.name} {name!r} model (model.flavor "
                             f"from {source_of(job, 'model.flavor')}): "
                             f"{_shape_difference(spec, spec.flavors[name], shapes)}; {fix}")
+    from titan.components.checkpoint_identity import model_identity
+
+    # shapes alike, models not: a tied flavor reading an untied checkpoint, or a record that
+    # names another architecture (rope, norms)
+    why = model_identity(spec, name, args).problem(path)
+    if why:
+        saved = checkpoint.saved_model(path) or {}
+        fix = (f"pass --model.flavor {saved['flavor']}" if saved.get("flavor") in spec.flavors
+               else "pass the flavor it was trained with")
+        raise GenerateError(f"{path} does not hold this model: {why}; {fix}")
     return args
 
 

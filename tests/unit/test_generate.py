@@ -178,6 +178,10 @@ def test_checkpoint_of_another_flavor_is_named(model, tmp_path):
                        "it holds flavor 'debugmodel_tied': pass --model.flavor debugmodel_tied"):
         model_args(tied_step, parse_args([]), LLAMA)
     assert model_args(tied_step, parse_args(["--model.flavor", "debugmodel_tied"]), LLAMA)
+    # the untied checkpoint has every name the tied flavor asks for: its output matrix, apart
+    # from the embedding, is what tells them apart
+    with pytest.raises(GenerateError, match="output.weight apart from tok_embeddings.weight"):
+        model_args(step, parse_args(["--model.flavor", "debugmodel_tied"]), LLAMA)
 
 
 def test_cli_refuses_a_long_prompt_and_a_wrong_flavor(model, tmp_path):
