@@ -49,8 +49,11 @@ def run_workers(fn, world_size, tmp_path, *args, deadline_s=DEADLINE_S, init_pg=
 
     With `init_pg=False` the ranks start without a process group (fn makes its own, e.g. a
     Trainer from the RANK/WORLD_SIZE/MASTER_* environment). `barrier=False` skips the closing
-    barrier, for tests that break the group on purpose."""
-    ctx = mp.get_context("fork")
+    barrier, for tests that break the group on purpose. `threads`: torch threads per rank
+    (another count changes the reduction order of CPU kernels)."""
+    # more than one thread: spawned, as OpenMP's thread pool does not survive a fork (a forked
+    # child that uses two threads hangs once the parent has used its pool); ~4 s more a rank
+    ctx = mp.get_context("fork" if threads == 1 else "spawn")
     init = f"file://{tmp_path}/pg_store"
     procs = [ctx.Process(target=_worker,
                          args=(fn, r, world_size, init, str(tmp_path), args, init_pg, barrier,
