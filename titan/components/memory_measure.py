@@ -1,6 +1,7 @@
 """What a run holds per rank, measured on its real tensors at the first step, in the keys of
 the memory planner (titan.memory_plan): `<dump_folder>/memory_measured.json`."""
 
+import gc
 import json
 from pathlib import Path
 
@@ -67,6 +68,10 @@ class ActivationTracker(TorchDispatchMode):
                 for s in storages(t)}
 
     def held_bytes(self) -> int:
+        # garbage in reference cycles (automatic GC is off while training) is no activation:
+        # whether it was collected yet depended on the collector's counters, which a forked
+        # rank inherits, so the count varied from run to run (1.4x once on a CP rank)
+        gc.collect()
         params = self._states | self._state_storages()
         total = 0
         for key, ref in list(self.watched.items()):
