@@ -11,8 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from titan.components.dataloader import DataShard, build_text_dataloader
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.dataloader import DataShard, build_text_dataloader
+from titan.components.data.tokenizer import Tokenizer
 from titan.models.llama3 import LLAMA3_FLAVORS, Transformer
 
 

@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import titan.components.checkpoint_integrity as checkpoint_integrity  # noqa: E402
-import titan.components.checkpointer as checkpointer  # noqa: E402
-from titan.components.checkpointer import Checkpointer, local_state_bytes  # noqa: E402
-from titan.components.optimizer import build_optimizer  # noqa: E402
-from titan.components.train_state import ModelState, TrainState  # noqa: E402
+import titan.components.checkpoint.integrity as checkpoint_integrity  # noqa: E402
+import titan.components.checkpoint.checkpointer as checkpointer  # noqa: E402
+from titan.components.checkpoint.checkpointer import Checkpointer, local_state_bytes  # noqa: E402
+from titan.components.optim.optimizer import build_optimizer  # noqa: E402
+from titan.components.checkpoint.train_state import ModelState, TrainState  # noqa: E402
 from titan.config.job_config import Optimizer  # noqa: E402
 from titan.distributed import init_distributed, pick_device  # noqa: E402
 from titan.logging_setup import init_logging  # noqa: E402

@@ -56,7 +56,7 @@ from titan.tools.loss_compare import read_metrics  # noqa: E402
 KINDS = ("train", "peer", "checkpoint", "tests")
 PEAK_CODE = """
 import importlib, json, sys, torch
-from titan.components.flops import gpu_peak_flops, measure_matmul_flops
+from titan.components.observability.flops import gpu_peak_flops, measure_matmul_flops
 missing = {}
 for name in ("datasets", "torchdata", "torchao"):
     try:
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         return 2
     if "torchao" in info["missing"]:
         print(f"gpu_suite: float8 rows will fail: {info['missing']['torchao']}", flush=True)
-    from titan.components.tokenizer import Tokenizer
+    from titan.components.data.tokenizer import Tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="gpu_suite-"))
     ctx = {"args": args, "env": env, "work": work, "done": [],

@@ -70,7 +70,7 @@ def _register_cut_flavors(argv: list[str]) -> None:
 
 
 def _time_checkpoints() -> None:
-    from titan.components.checkpointer import Checkpointer
+    from titan.components.checkpoint.checkpointer import Checkpointer
 
     save, wait_for_staging = Checkpointer.save, Checkpointer.wait_for_staging
     staging = {}  # id(checkpointer) -> step of the async save whose copy is not waited for yet

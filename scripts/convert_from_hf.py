@@ -42,8 +42,10 @@ def main(argv=None) -> None:
     ap.add_argument("--model-name", default="llama3", help="registered model family (default llama3)")
     args = ap.parse_args(argv)
 
-    from titan.components import checkpoint, hf_io
-    from titan.components.checkpoint_identity import model_identity
+    from titan.components.checkpoint import folders as checkpoint
+
+    from titan.components.checkpoint import hf_io
+    from titan.components.checkpoint.identity import model_identity
     from titan.dtypes import to_dtype
     from titan.models.spec import get_train_spec
 

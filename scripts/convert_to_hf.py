@@ -62,8 +62,10 @@ def main(argv=None) -> None:
                     "weights, index and tokenizer files)")
     args = ap.parse_args(argv)
 
-    from titan.components import checkpoint, hf_io
-    from titan.components.tokenizer import Tokenizer, TokenizerError
+    from titan.components.checkpoint import folders as checkpoint
+
+    from titan.components.checkpoint import hf_io
+    from titan.components.data.tokenizer import Tokenizer, TokenizerError
     from titan.models.spec import get_train_spec
 
     t0 = time.time()

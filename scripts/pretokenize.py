@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titan.components.dataset import DataError, open_hub, iter_texts, local_files  # noqa: E402
-from titan.components.token_shards import ShardWriter, encode_documents, is_shard_folder  # noqa: E402
-from titan.components.tokenizer import Tokenizer  # noqa: E402
+from titan.components.data.dataset import DataError, open_hub, iter_texts, local_files  # noqa: E402
+from titan.components.data.token_shards import ShardWriter, encode_documents, is_shard_folder  # noqa: E402
+from titan.components.data.tokenizer import Tokenizer  # noqa: E402
 
 
 def hub_texts(name: str, text_field: str, batch_size: int):

@@ -19,6 +19,6 @@ TOKENIZER_PATH = REPO_ROOT / "assets" / "tokenizer" / "tokenizer.json"
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from titan.components.tokenizer import Tokenizer
+    from titan.components.data.tokenizer import Tokenizer
 
     return Tokenizer(str(TOKENIZER_PATH))

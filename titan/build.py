@@ -1,14 +1,14 @@
 """The model parts of a run, on the meta device, as every rank builds them: the family's meta
 model -> converters (float8) -> this rank's pipeline stages -> parallelisms.
 
-The trainer materializes and initializes them; the memory planner (titan.memory_plan) reads
+The trainer materializes and initializes them; the memory planner (titan.planner.memory) reads
 their local shard shapes under a fake process group. One function for both keeps the plan's
 parameter bytes equal to the run's.
 """
 
 from torch import nn
 
-from titan.components.float8 import apply_float8
+from titan.components.quantization.float8 import apply_float8
 from titan.config import JobConfig
 from titan.parallelisms.pipeline import PipelinePlan
 from titan.preflight import RunPlan, pipeline_plan

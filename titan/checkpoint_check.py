@@ -10,7 +10,7 @@ once here and once there.
 
 from pathlib import Path
 
-from titan.components.disk_space import save_bytes, space_problem
+from titan.components.checkpoint.disk_space import save_bytes, space_problem
 from titan.config import ConfigError, JobConfig
 from titan.paths import resolve
 
@@ -31,8 +31,8 @@ def check_checkpoints(job: JobConfig, plan) -> None:
 
 def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> None:
     # DCP is imported only when there is a checkpoint to read: a fresh launch stays light
-    from titan.components.checkpoint import CheckpointError, folder_problem, resume_candidate
-    from titan.components.checkpoint_identity import (
+    from titan.components.checkpoint.folders import CheckpointError, folder_problem, resume_candidate
+    from titan.components.checkpoint.identity import (
         INITIAL_LOAD_FIX,
         RESUME_FIX,
         model_identity,

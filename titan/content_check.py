@@ -11,9 +11,9 @@ the middle of a file) is the workers' to report (titan/final_error.py).
 import json
 from pathlib import Path
 
-from titan.components.dataset import DataError, local_files, parse_mix
-from titan.components.token_shards import ShardError, is_shard_folder, verify
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.dataset import DataError, local_files, parse_mix
+from titan.components.data.token_shards import ShardError, is_shard_folder, verify
+from titan.components.data.tokenizer import Tokenizer
 from titan.config import ConfigError, JobConfig
 from titan.paths import resolve
 
@@ -39,8 +39,8 @@ def check_content(job: JobConfig, tokenizer: Tokenizer) -> None:
             raise ConfigError(f"{key}: {e}") from None
     ck = job.checkpoint
     if ck.initial_load_in_hf and ck.initial_load_path:
-        from titan.components.checkpoint import CheckpointError
-        from titan.components.hf_io import hf_weight_files
+        from titan.components.checkpoint.folders import CheckpointError
+        from titan.components.checkpoint.hf_io import hf_weight_files
 
         try:
             hf_weight_files(resolve(ck.initial_load_path), ck.verify)

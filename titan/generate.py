@@ -101,7 +101,7 @@ def _is_hf(path: Path) -> bool:
 def checkpoint_folder(path: Path) -> Path:
     """A step folder or HF folder as given; for a checkpoint root, its newest complete step
     (which may be a final HF save)."""
-    from titan.components import checkpoint
+    from titan.components.checkpoint import folders as checkpoint
 
     if _is_hf(path) or (path / checkpoint.COMPLETE_MARKER).is_file():
         return path
@@ -122,7 +122,8 @@ def model_args(path: Path, job, spec):
     """The args of the model in `path` (a folder as `checkpoint_folder` gives it), with
     max_seq_len its positions: an HF folder's own; for DCP, --model.flavor's at the training
     seq_len, with the checkpoint's vocabulary, after checking that the shapes are the flavor's."""
-    from titan.components import checkpoint, hf_io
+    from titan.components.checkpoint import folders as checkpoint
+    from titan.components.checkpoint import hf_io
 
     if _is_hf(path):
         return hf_io.args_from_hf(path, spec)
@@ -143,7 +144,7 @@ def model_args(path: Path, job, spec):
         raise GenerateError(f"{path} does not hold a {spec.name} {name!r} model (model.flavor "
                             f"from {source_of(job, 'model.flavor')}): "
                             f"{_shape_difference(spec, spec.flavors[name], shapes)}; {fix}")
-    from titan.components.checkpoint_identity import model_identity
+    from titan.components.checkpoint.identity import model_identity
 
     # shapes alike, models not: a tied flavor reading an untied checkpoint, or a record that
     # names another architecture (rope, norms)
@@ -189,8 +190,9 @@ def _shape_difference(spec, flavor, shapes: dict) -> str:
 def load_model(path: Path, job, spec, max_len: int, device: torch.device, tp_dims=None):
     """The model of a DCP checkpoint or HF folder, on `device`, split over `tp_dims` when
     given (each rank reads only its shards); returns (model, args)."""
-    from titan.components import checkpoint, hf_io
-    from titan.components.train_state import ModelState
+    from titan.components.checkpoint import folders as checkpoint
+    from titan.components.checkpoint import hf_io
+    from titan.components.checkpoint.train_state import ModelState
 
     path = checkpoint_folder(path)
     args = model_args(path, job, spec).with_updates(max_seq_len=max_len)
@@ -291,8 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     except GenerateError as e:
         _fail(e)
 
-    from titan.components.checkpoint import CheckpointError
-    from titan.components.tokenizer import Tokenizer, TokenizerError
+    from titan.components.checkpoint.folders import CheckpointError
+    from titan.components.data.tokenizer import Tokenizer, TokenizerError
     from titan.config import ConfigError, parse_args
     from titan.distributed import init_distributed, pick_device
     from titan.logging_setup import init_logging

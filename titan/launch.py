@@ -79,7 +79,7 @@ def check_log_ranks(text: str, nproc: int) -> None:
 
 def check_memory(job, world_size: int) -> None:
     """States that cannot fit the device fail here, not as an out-of-memory at step 1."""
-    from titan.memory_plan import check_fits
+    from titan.planner.memory import check_fits
 
     problem = check_fits(job, world_size)
     if problem is None:

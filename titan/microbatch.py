@@ -1,7 +1,7 @@
 """Forward and backward of one batch on this rank's model parts: the loss, the context-parallel
 and loss-parallel contexts, document masks and the pipeline schedule around them.
 
-The trainer runs it on real tensors; the memory planner (titan.activation_plan) runs the same
+The trainer runs it on real tensors; the memory planner (titan.planner.activations) runs the same
 forward on fake ones, so the activations it counts are the ones the run keeps.
 """
 
@@ -10,7 +10,7 @@ import contextlib
 import torch
 from torch import nn
 
-from titan.components.loss import cross_entropy_sum, plain
+from titan.components.training.loss import cross_entropy_sum, plain
 from titan.config import JobConfig
 from titan.models.documents import document_ids, document_positions
 from titan.parallelisms.context_parallel import context_parallel_ctx

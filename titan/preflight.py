@@ -11,8 +11,8 @@ import tempfile
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
-from titan.components.dataset import DataError, local_files, parse_mix
-from titan.components.tokenizer import Tokenizer, TokenizerError
+from titan.components.data.dataset import DataError, local_files, parse_mix
+from titan.components.data.tokenizer import Tokenizer, TokenizerError
 from titan.config import ConfigError, JobConfig
 from titan.config.manager import require, source_of
 from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_names
@@ -125,8 +125,8 @@ def _hf_args(job: JobConfig, spec: TrainSpec, seq_len: int) -> ModelArgs | None:
     ck = job.checkpoint
     if not (ck.initial_load_in_hf and ck.initial_load_path):
         return None
-    from titan.components.checkpoint import CheckpointError
-    from titan.components.hf_io import args_from_hf
+    from titan.components.checkpoint.folders import CheckpointError
+    from titan.components.checkpoint.hf_io import args_from_hf
 
     try:
         return args_from_hf(resolve(ck.initial_load_path), spec, max_seq_len=seq_len)
@@ -314,7 +314,7 @@ def check_converters(job: JobConfig, device: str) -> None:
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
-        from titan.components.float8 import MISSING
+        from titan.components.quantization.float8 import MISSING
 
         raise ConfigError(f"model.converters = {job.model.converters}: {MISSING}") from None
     require(job, f8.emulate or device == "cuda", "float8.emulate",

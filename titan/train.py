@@ -16,27 +16,27 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from titan import final_error
-from titan.components.checkpoint import CheckpointError
-from titan.components.checkpoint_identity import model_identity
-from titan.components.checkpointer import Checkpointer
-from titan.components.disk_space import save_bytes
-from titan.components.dataloader import DataShard, build_dataloader
-from titan.components.dataset import DataError
-from titan.components.fault_injection import FaultInjector
-from titan.components.float8 import scale_precomputer
-from titan.components.flops import peak_flops
-from titan.components.gc import ScheduledGC
-from titan.components.grad_clip import clip_grad_norm_
-from titan.components.hf_io import HFModelIO
-from titan.components.loss import reduce_loss
-from titan.components.lr_scheduler import build_lr_scheduler
-from titan.components.memory_measure import ActivationTracker, state_bytes, write_measured
-from titan.components.metrics import MetricsLogger
-from titan.components.optimizer import build_optimizer
-from titan.components.profiling import maybe_profile
-from titan.components.train_state import DataState, ModelState, TrainState
-from titan.components.validate import Validator
-from titan.components.watchdog import StepWatchdog
+from titan.components.checkpoint.folders import CheckpointError
+from titan.components.checkpoint.identity import model_identity
+from titan.components.checkpoint.checkpointer import Checkpointer
+from titan.components.checkpoint.disk_space import save_bytes
+from titan.components.data.dataloader import DataShard, build_dataloader
+from titan.components.data.dataset import DataError
+from titan.components.fault_tolerance.injection import FaultInjector
+from titan.components.quantization.float8 import scale_precomputer
+from titan.components.observability.flops import peak_flops
+from titan.components.training.gc import ScheduledGC
+from titan.components.optim.grad_clip import clip_grad_norm_
+from titan.components.checkpoint.hf_io import HFModelIO
+from titan.components.training.loss import reduce_loss
+from titan.components.optim.lr_scheduler import build_lr_scheduler
+from titan.components.observability.memory_measure import ActivationTracker, state_bytes, write_measured
+from titan.components.observability.metrics import MetricsLogger
+from titan.components.optim.optimizer import build_optimizer
+from titan.components.observability.profiling import maybe_profile
+from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
+from titan.components.training.validate import Validator
+from titan.components.fault_tolerance.watchdog import StepWatchdog
 from titan.config import ConfigError, JobConfig, parse_args, to_toml
 from titan.distributed import (
     clean_exit,
@@ -152,7 +152,7 @@ class Trainer:
     def _fault_tolerance(self):
         if not self.job.fault_tolerance.enable:
             return None
-        from titan.components.fault_tolerance import FaultTolerance
+        from titan.components.fault_tolerance.torchft_groups import FaultTolerance
 
         ft = FaultTolerance(self.job.fault_tolerance, device=self.device)
         ft.average_gradients_across_groups(self.model_parts)

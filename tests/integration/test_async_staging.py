@@ -18,8 +18,8 @@ SCRIPT = textwrap.dedent("""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    from titan.components.checkpointer import Checkpointer
-    from titan.components.train_state import ModelState, TrainState
+    from titan.components.checkpoint.checkpointer import Checkpointer
+    from titan.components.checkpoint.train_state import ModelState, TrainState
 
     DELAY = 1.5
     slow_stage = DefaultStager._stage

@@ -185,7 +185,7 @@ def test_full_disk_stops_before_writing_and_keeps_the_last_checkpoint(small_disk
     """The save of step 4 does not fit next to step 2's: the run stops before writing it, in
     one line naming the folder, the space needed and free; step 2 stays intact (its checksums
     as written), and a relaunch is refused before any worker starts."""
-    from titan.components.checkpoint import folder_problem
+    from titan.components.checkpoint.folders import folder_problem
 
     dump = small_disk / "run"
     run = [*FAST, "--training.steps", "4", *CK, "--checkpoint.interval", "2"]

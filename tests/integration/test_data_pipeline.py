@@ -10,8 +10,8 @@ import pytest
 
 from tests.integration.harness import (COMMON, STEPS, FAST, assert_matches_baseline, dp_batch,
                                        launch, read_metrics)
-from titan.components.token_shards import ShardWriter
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.token_shards import ShardWriter
+from titan.components.data.tokenizer import Tokenizer
 from titan.paths import REPO_ROOT
 
 BLOCK = ["--model.attn_mask_type", "block_causal", "--model.document_positions"]

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan.components import checkpoint, disk_space
-from titan.components.checkpoint import CheckpointError, folder_problem, resume_candidate
-from titan.components.checkpoint_identity import model_identity
-from titan.components.checkpointer import _write_failure
+from titan.components.checkpoint import folders as checkpoint
+
+from titan.components.checkpoint import disk_space
+from titan.components.checkpoint.folders import CheckpointError, folder_problem, resume_candidate
+from titan.components.checkpoint.identity import model_identity
+from titan.components.checkpoint.checkpointer import _write_failure
 from titan.config import ConfigError, parse_args
 from titan.models.spec import get_train_spec
 from titan.preflight import plan_run
@@ -196,8 +198,8 @@ def test_a_write_failure_is_told_in_a_few_words():
 
 
 def _failing_save(rank, world_size, root):
-    from titan.components import checkpointer
-    from titan.components.train_state import TrainState
+    from titan.components.checkpoint import checkpointer
+    from titan.components.checkpoint.train_state import TrainState
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -6,12 +6,12 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan.components.checkpoint import folder_problem, saved_keys
-from titan.components.data_order import GlobalOrder
-from titan.components.dataloader import IndexedLoader, Workers
-from titan.components.packed import MixedWindows, PackedWindows
-from titan.components.lr_scheduler import build_lr_scheduler
-from titan.components.train_state import DataState, decode_json, encode_json
+from titan.components.checkpoint.folders import folder_problem, saved_keys
+from titan.components.data.data_order import GlobalOrder
+from titan.components.data.dataloader import IndexedLoader, Workers
+from titan.components.data.packed import MixedWindows, PackedWindows
+from titan.components.optim.lr_scheduler import build_lr_scheduler
+from titan.components.checkpoint.train_state import DataState, decode_json, encode_json
 from titan.config.job_config import LRScheduler
 
 
@@ -107,8 +107,8 @@ def test_lr_scheduler_state_is_one_integer():
 def test_checkpoint_saved_on_cpu_resumes_on_a_gpu_and_back(tmp_path, monkeypatch, caplog):
     """A CPU checkpoint holds no CUDA RNG state; a GPU run's template asks for one. The
     GPU is stood in for by torch.cuda's RNG functions (the load path calls nothing else)."""
-    from titan.components.checkpointer import Checkpointer
-    from titan.components.train_state import TrainState
+    from titan.components.checkpoint.checkpointer import Checkpointer
+    from titan.components.checkpoint.train_state import TrainState
 
     cpu_ckpt = tmp_path / "cpu"
     saved = TrainState()

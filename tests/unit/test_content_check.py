@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from titan import launch
-from titan.components.token_shards import META, ShardWriter
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.token_shards import META, ShardWriter
+from titan.components.data.tokenizer import Tokenizer
 from titan.config import parse_args
 from titan.content_check import check_content
 from titan.preflight import plan_run
@@ -112,7 +112,7 @@ def test_hf_folder_missing_or_truncated_shard_is_refused(monkeypatch, capsys, tm
     import torch
     from safetensors.torch import save_file
 
-    from titan.components.hf_io import HF_INDEX_FILE
+    from titan.components.checkpoint.hf_io import HF_INDEX_FILE
     from titan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
     from titan.models.spec import get_train_spec
 

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-import titan.components.dataset as dataset_mod
-from titan.components.data_order import GlobalOrder
-from titan.components.dataloader import DataShard, IndexedLoader, Workers, build_text_dataloader
-from titan.components.dataset import DataError, local_files
-from titan.components.packed import MixedWindows, PackedWindows, open_tokens
+import titan.components.data.dataset as dataset_mod
+from titan.components.data.data_order import GlobalOrder
+from titan.components.data.dataloader import DataShard, IndexedLoader, Workers, build_text_dataloader
+from titan.components.data.dataset import DataError, local_files
+from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens
 
 SEQ = 64
 
@@ -253,7 +253,7 @@ def test_epoch_wrap(tokenizer, tmp_path, caplog):
     path = write_jsonl(tmp_path / "tiny.jsonl", DOCS)
     seq = 8
     n = len(stream_of(tokenizer, DOCS)) // (seq + 1)
-    caplog.set_level(logging.INFO, logger="titan.components.data_order")
+    caplog.set_level(logging.INFO, logger="titan.components.data.data_order")
     samples = take(loader(tokenizer, 1, 1, dataset="tiny", path=str(path), seq_len=seq,
                           shuffle=False), 2 * n + 3)
     assert len(samples) == 2 * n + 3  # kept yielding past the end

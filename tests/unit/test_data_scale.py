@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tests.unit.test_data import DOCS, assert_batches_equal, loader, take, write_jsonl
-from titan.components.data_order import GlobalOrder, WindowPermutation
-from titan.components.dataloader import DataShard, build_text_dataloader
-from titan.components.dataset import DataError
-from titan.components.packed import open_tokens
-from titan.components.token_shards import ShardWriter, TokenShards
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.data_order import GlobalOrder, WindowPermutation
+from titan.components.data.dataloader import DataShard, build_text_dataloader
+from titan.components.data.dataset import DataError
+from titan.components.data.packed import open_tokens
+from titan.components.data.token_shards import ShardWriter, TokenShards
+from titan.components.data.tokenizer import Tokenizer
 from titan.paths import REPO_ROOT
 
 SEQ = 32

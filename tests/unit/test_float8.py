@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
-from titan.components import checkpoint, hf_io
+from titan.components.checkpoint import folders as checkpoint
+from titan.components.checkpoint import hf_io
 from titan.config import ConfigError, parse_args
 from titan.models.spec import get_train_spec
 from titan.preflight import plan_run

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import titan.components.flops as flops
-from titan.components.flops import gpu_peak_flops, measure_matmul_flops, peak_flops
+import titan.components.observability.flops as flops
+from titan.components.observability.flops import gpu_peak_flops, measure_matmul_flops, peak_flops
 from titan.models.llama3.args import LLAMA3_FLAVORS
 
 
@@ -90,7 +90,7 @@ def test_no_mfu_on_cpu_unless_a_peak_is_given(monkeypatch):
 
 
 def _logged(tmp_path, peak, caplog):
-    from titan.components.metrics import MetricsLogger
+    from titan.components.observability.metrics import MetricsLogger
     from titan.config import JobConfig
 
     cfg = JobConfig().metrics
@@ -98,7 +98,7 @@ def _logged(tmp_path, peak, caplog):
     log = MetricsLogger(cfg, dump_folder=str(tmp_path), rank=0, device=torch.device("cpu"),
                         flops_per_token=1e9, peak_flops=peak)
     log.record_step(tokens=1000, data_s=0.0, gc_s=0.0)
-    with caplog.at_level("INFO", logger="titan.components.metrics"):
+    with caplog.at_level("INFO", logger="titan.components.observability.metrics"):
         record = log.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_seen=1000)
     log.close()
     return record, caplog.records[-1].getMessage()

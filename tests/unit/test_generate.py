@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.forked import free_port, run_workers
-from titan.components import checkpoint, hf_io
+from titan.components.checkpoint import folders as checkpoint
+from titan.components.checkpoint import hf_io
 from titan.generate import Sampling, generate, load_model, sample
 from titan.models.spec import get_train_spec
 
@@ -202,7 +203,7 @@ def test_cli_refuses_a_long_prompt_and_a_wrong_flavor(model, tmp_path):
 
 
 def _tokenizer():
-    from titan.components.tokenizer import Tokenizer
+    from titan.components.data.tokenizer import Tokenizer
 
     return Tokenizer(str(REPO / "assets" / "tokenizer" / "tokenizer.json"))
 

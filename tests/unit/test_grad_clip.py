@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from titan.components.grad_clip import clip_grad_norm_
+from titan.components.optim.grad_clip import clip_grad_norm_
 
 
 def params_with_grads(scale=1.0, seed=0):

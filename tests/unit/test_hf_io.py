@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan.components import checkpoint, hf_io
+from titan.components.checkpoint import folders as checkpoint
+
+from titan.components.checkpoint import hf_io
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan.models.llama3.model import Transformer
 from titan.models.llama3.state_dict_adapter import Llama3StateDictAdapter, llama3_args_from_hf_config

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.forked import build_trainer, free_port, run_trainer, run_workers
-from titan.components import checkpoint, hf_io
+from titan.components.checkpoint import folders as checkpoint
+from titan.components.checkpoint import hf_io
 from titan.models.llama3.args import Llama3Args
 from titan.models.spec import get_train_spec
 
@@ -138,7 +139,7 @@ def test_fsdp4_loads_its_quarter_of_an_hf_folder(tmp_path):
 
 
 def _round_trip(rank, world_size, port, argv, out_dir, dtype):
-    from titan.components.train_state import ModelState
+    from titan.components.checkpoint.train_state import ModelState
 
     trainer = build_trainer(rank, world_size, port, argv)
     model = ModelState(trainer.model_parts)
@@ -223,7 +224,7 @@ def test_transformers_reads_the_final_hf_save(final_saves):
     transformers = pytest.importorskip("transformers")
     import warnings
 
-    from titan.components.tokenizer import Tokenizer
+    from titan.components.data.tokenizer import Tokenizer
 
     dcp_step, hf_step = final_saves
     with warnings.catch_warnings():

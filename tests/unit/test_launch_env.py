@@ -1,4 +1,4 @@
-"""run_train.sh's environment (NGPU, LOG_RANK) and python -m titan.plan's rank counts: a
+"""run_train.sh's environment (NGPU, LOG_RANK) and python -m titan.planner's rank counts: a
 value that names no rank count or no local rank is one "titan: config error" line and exit 2,
 before torchrun starts (NGPU=0 used to stop bash on a division by zero first). Their output
 into a pipe closed early (`--help | head`) ends quietly, as GNU tools do."""
@@ -50,7 +50,7 @@ def test_run_train_sh_refuses_bad_env_in_one_line(env, why, tmp_path):
 
 @pytest.mark.parametrize("flag", ["--ngpu", "--nnodes"])
 def test_plan_refuses_zero_ranks(flag, capsys):
-    from titan.plan import main
+    from titan.planner.cli import main
 
     assert main([flag, "0"]) == 2
     err = capsys.readouterr().err
@@ -76,5 +76,5 @@ def test_help_into_a_closed_pipe_ends_quietly():
 def test_plan_into_a_closed_pipe_ends_quietly():
     import sys
 
-    proc = _into_a_closed_pipe([sys.executable, "-m", "titan.plan", "--help"])
+    proc = _into_a_closed_pipe([sys.executable, "-m", "titan.planner", "--help"])
     assert proc.stderr == "" and proc.returncode == -13  # killed by SIGPIPE

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from titan.components.lr_scheduler import build_lr_scheduler, lr_factor
+from titan.components.optim.lr_scheduler import build_lr_scheduler, lr_factor
 from titan.config.job_config import LRScheduler
 
 

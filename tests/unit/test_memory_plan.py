@@ -10,7 +10,7 @@ import pytest
 
 from tests.forked import run_trainer, run_workers, tiny_run
 from titan.config import parse_args
-from titan.memory_plan import rank_bytes
+from titan.planner.memory import rank_bytes
 
 ONE_STEP = tiny_run(1)
 LAYOUTS = {
@@ -110,7 +110,7 @@ def test_plan_cli_json_and_errors(tmp_path):
     from titan.paths import REPO_ROOT
 
     def plan(*args):
-        return subprocess.run([sys.executable, "-m", "titan.plan", *args], cwd=REPO_ROOT,
+        return subprocess.run([sys.executable, "-m", "titan.planner", *args], cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=120)
 
     overrides = ["--parallelism.pipeline_parallel_degree", "2"]
@@ -164,7 +164,7 @@ def _suggest_in_child(rank, world_size, argv):
     """The suggestions, each put through the launcher's own checks (parse, every world
     size's plan, the memory check against 0.25 GiB)."""
     from titan.launch import check_memory, validate_world_sizes
-    from titan.layout_search import Hardware, suggest
+    from titan.planner.layout_search import Hardware, suggest
 
     found = suggest(parse_args(argv), 4, 256 * 2**20, Hardware(gpus_per_node=4), top=3)
     for c in found:

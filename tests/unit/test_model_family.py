@@ -10,7 +10,8 @@ import torch
 
 from tests.families import gelu_llama
 from tests.forked import run_trainer
-from titan.components import checkpoint, hf_io
+from titan.components.checkpoint import folders as checkpoint
+from titan.components.checkpoint import hf_io
 from titan.config import parse_args
 from titan.models import spec as spec_registry
 from titan.preflight import plan_run

@@ -10,8 +10,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.forked import run_trainer, tiny_run
-from titan.components.low_precision_adam import LowPrecisionStateAdam
-from titan.components.optimizer import build_optimizer
+from titan.components.optim.low_precision_adam import LowPrecisionStateAdam
+from titan.components.optim.optimizer import build_optimizer
 from titan.config import parse_args
 from titan.models.spec import get_train_spec
 

@@ -47,7 +47,7 @@ def test_a_tokenizer_of_another_size_is_said():
 
 def test_plan_cli_plans_the_flavor_vocabulary_and_says_so(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "titan.plan", "--json", "--model.flavor", "1B",
+        [sys.executable, "-m", "titan.planner", "--json", "--model.flavor", "1B",
          "--model.tokenizer_path", str(tmp_path / "none"), "--training.seq_len", "64",
          "--training.local_batch_size", "1"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)

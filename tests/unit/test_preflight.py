@@ -69,7 +69,7 @@ def test_cuda_is_picked_when_present(tmp_path):
 
 
 def _hf_folder(tmp_path, args):
-    from titan.components import hf_io
+    from titan.components.checkpoint import hf_io
     from titan.models.spec import get_train_spec
 
     llama = get_train_spec("llama3")

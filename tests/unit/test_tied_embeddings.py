@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
-from titan.components import hf_io
+from titan.components.checkpoint import hf_io
 from titan.models.spec import get_train_spec
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
@@ -134,7 +134,7 @@ def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(one_ran
             "optimizer.state.tok_embeddings.weight.exp_avg_sq"} <= names
     assert not [n for n in names if "output.weight" in n], names
     # the weights alone (convert_to_hf, generate) read as the tied model
-    from titan.components import checkpoint
+    from titan.components.checkpoint import folders as checkpoint
     from titan.config import parse_args
     from titan.generate import load_model
 
@@ -160,7 +160,8 @@ def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(one_ran
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (name, a, b)
 
     # the former format: every name as is, the copy and its moments too
-    from titan.components import optimizer, train_state
+    from titan.components.optim import optimizer
+    from titan.components.checkpoint import train_state
 
     monkeypatch.setattr(train_state, "saved_form", lambda sd, ties, prefix="": sd)
     monkeypatch.setattr(optimizer, "saved_form", lambda sd, ties, prefix="": sd)

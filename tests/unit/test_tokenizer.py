@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from titan.components.tokenizer import Tokenizer, TokenizerError
+from titan.components.data.tokenizer import Tokenizer, TokenizerError
 from titan.paths import REPO_ROOT
 
 TEXTS = [

@@ -300,7 +300,7 @@ class Validation:
 class Memory:
     device_memory_gib: float = opt(
         0.0, "Memory of one device that each rank's planned bytes must fit (python -m "
-        "titan.plan); 0 = the visible GPU's own, no check on CPU"
+        "titan.planner); 0 = the visible GPU's own, no check on CPU"
     )
     check: Literal["error", "warn", "off"] = opt(
         "error", "When a rank's parameters + gradients + optimizer states exceed the device "
@@ -344,6 +344,6 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     # not a section: where each value set by a file or the command line came from
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
-    # not a section: set by python -m titan.plan, which needs the tokenizer only for its
+    # not a section: set by python -m titan.planner, which needs the tokenizer only for its
     # vocabulary size, so a missing one plans the flavor's vocabulary instead of failing
     plan_only: bool = field(default=False, repr=False, compare=False)

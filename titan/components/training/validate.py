@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan.components.dataloader import DataShard, build_text_dataloader
-from titan.components.dataset import DataError
-from titan.components.loss import sum_over
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.dataloader import DataShard, build_text_dataloader
+from titan.components.data.dataset import DataError
+from titan.components.training.loss import sum_over
+from titan.components.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 states of every rank, from the model parts that rank would build (`titan.build.meta_parts`)
 under a fake process group, so every sharding (FSDP's uneven last shards, TP's plans,
 pipeline stages, tied copies) is torch's own and the bytes equal the run's; activations and
-transient buffers from a forward of those parts on fake tensors (`titan.activation_plan`).
+transient buffers from a forward of those parts on fake tensors (`titan.planner.activations`).
 
 Keys match `<dump_folder>/memory_measured.json`, which the trainer writes at its first step.
 """
@@ -40,7 +40,7 @@ def state_bytes(parts: list, job: JobConfig) -> dict:
     """Parameters, gradients and optimizer states of one rank's (meta) parts, in bytes."""
     # here, not at the top: it imports DTensor, a second of the launcher's start-up that a
     # run with no device memory to check against (CPU) never needs
-    from titan.components.memory_measure import tensor_bytes
+    from titan.components.observability.memory_measure import tensor_bytes
 
     params = list({id(p): p for part in parts for p in part.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
@@ -56,7 +56,7 @@ def rank_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
     """States, activations and transient buffers of one rank, and their total, from one
     build of its parts. A forward the fake tensors cannot trace leaves activations and
     transients None, with the reason."""
-    from titan.activation_plan import trace_activations
+    from titan.planner.activations import trace_activations
     from titan.build import meta_parts
 
     job = copy.deepcopy(job)
@@ -165,5 +165,5 @@ def check_fits(job: JobConfig, world_size: int) -> str | None:
                     f"optimizer states, activations and transient buffers), more than the "
                     f"device's {human_bytes(memory)} (memory.device_memory_gib). The biggest "
                     f"item: {biggest.removesuffix('_bytes')} {human_bytes(items[biggest])}; "
-                    f"{_FIXES[biggest]}. See python -m titan.plan")
+                    f"{_FIXES[biggest]}. See python -m titan.planner")
     return None

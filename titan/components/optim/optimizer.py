@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan.components.low_precision_adam import LowPrecisionStateAdam
-from titan.components.tied_state import saved_form, saved_key, tied_names
+from titan.components.optim.low_precision_adam import LowPrecisionStateAdam
+from titan.components.checkpoint.tied_state import saved_form, saved_key, tied_names
 from titan.dtypes import to_dtype
 
 logger = logging.getLogger(__name__)

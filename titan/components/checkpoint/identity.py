@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from titan.components.checkpoint import (
+from titan.components.checkpoint.folders import (
     MODEL_KEY,
     _quiet_no_dist,
     dcp_model_metadata,
     saved_model,
 )
-from titan.components.tied_state import saved_form
+from titan.components.checkpoint.tied_state import saved_form
 
 RESUME_FIX = ("Resume with the model it was saved from (model.name / model.flavor), or start a "
               "new run in another job.dump_folder or checkpoint.folder")

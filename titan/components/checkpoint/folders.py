@@ -28,7 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from titan.components.checkpoint_integrity import file_problem
+from titan.components.checkpoint.integrity import file_problem
 
 COMPLETE_MARKER = ".complete"
 MODEL_KEY = "model"
@@ -294,7 +294,7 @@ def save_dcp_model_state(state: dict[str, torch.Tensor], path: str | Path,
     if rank0:
         path.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous() for name, t in state.items()}
-    from titan.components.checkpoint_integrity import (
+    from titan.components.checkpoint.integrity import (
         ChecksummingWriter,
         collect_sidecars,
         remove_sidecars,

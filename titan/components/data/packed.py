@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from titan.components.dataset import DataError, iter_texts
-from titan.components.token_shards import (ArrayTokens, ShardError, ShardWriter, TokenShards,
+from titan.components.data.dataset import DataError, iter_texts
+from titan.components.data.token_shards import (ArrayTokens, ShardError, ShardWriter, TokenShards,
                                            encode_documents, is_shard_folder,
                                            tokenizer_fingerprint)
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

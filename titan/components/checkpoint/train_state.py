@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from titan.components.tied_state import saved_form, saved_key, tied_names
+from titan.components.checkpoint.tied_state import saved_form, saved_key, tied_names
 
 logger = logging.getLogger(__name__)
 

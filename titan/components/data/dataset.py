@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan.components.token_shards import is_shard_folder
+from titan.components.data.token_shards import is_shard_folder
 from titan.paths import resolve
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """What a run holds per rank, measured on its real tensors at the first step, in the keys of
-the memory planner (titan.memory_plan): `<dump_folder>/memory_measured.json`."""
+the memory planner (titan.planner.memory): `<dump_folder>/memory_measured.json`."""
 
 import gc
 import json

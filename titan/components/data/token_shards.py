@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.tokenizer import Tokenizer
 
 FORMAT = "titan-token-shards"
 VERSION = 1

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan.components.data_order import GlobalOrder
-from titan.components.dataset import DataError, DataShard, local_files, parse_mix
-from titan.components.packed import MixedWindows, PackedWindows, open_tokens
-from titan.components.streaming import StreamingPackedDataset
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.data_order import GlobalOrder
+from titan.components.data.dataset import DataError, DataShard, local_files, parse_mix
+from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens
+from titan.components.data.streaming import StreamingPackedDataset
+from titan.components.data.tokenizer import Tokenizer
 
 __all__ = ["DataShard", "build_dataloader", "build_text_dataloader"]
 

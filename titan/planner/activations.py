@@ -25,14 +25,14 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from titan.components.memory_measure import ActivationTracker, storages
+from titan.components.observability.memory_measure import ActivationTracker, storages
 from titan.config import JobConfig
 from titan.dtypes import to_dtype
 
 
 def trace_activations(job: JobConfig, plan, parts: list[nn.Module], pp_plan) -> dict:
     """{"activations_bytes", "transient_bytes"} of one rank at its peak, from its meta parts
-    built under a fake process group (titan.memory_plan.rank_bytes). Materializes them as
+    built under a fake process group (titan.planner.memory.rank_bytes). Materializes them as
     fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset
 
-from titan.components.dataset import DataError, DataShard, open_hub, open_local, text_column
-from titan.components.tokenizer import Tokenizer
+from titan.components.data.dataset import DataError, DataShard, open_hub, open_local, text_column
+from titan.components.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
 
-from titan.components.checkpoint import (
+from titan.components.checkpoint.folders import (
     COMPLETE_MARKER,
     CheckpointError,
     folder_problem,
@@ -36,15 +36,15 @@ from titan.components.checkpoint import (
     step_folders,
     write_complete_marker,
 )
-from titan.components.checkpoint_identity import INITIAL_LOAD_FIX, RESUME_FIX
-from titan.components.checkpoint_integrity import (
+from titan.components.checkpoint.identity import INITIAL_LOAD_FIX, RESUME_FIX
+from titan.components.checkpoint.integrity import (
     ChecksummingWriter,
     collect_sidecars,
     file_problem,
     remove_sidecars,
 )
-from titan.components.disk_space import OVERHEAD_BYTES, OVERHEAD_FACTOR, space_problem
-from titan.components.train_state import ModelState
+from titan.components.checkpoint.disk_space import OVERHEAD_BYTES, OVERHEAD_FACTOR, space_problem
+from titan.components.checkpoint.train_state import ModelState
 from titan.dtypes import to_dtype
 from titan.paths import resolve
 

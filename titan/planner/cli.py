@@ -1,14 +1,14 @@
-"""Plan a run's memory before launching it: `python -m titan.plan [run_train.sh's config and
+"""Plan a run's memory before launching it: `python -m titan.planner [run_train.sh's config and
 overrides] --ngpu N [--nnodes M] [--device-memory 80GiB] [--json]`.
 
 For each pipeline rank (ranks of one pipeline rank differ only by a few elements of an uneven
 FSDP shard; the one shown, the first, holds the largest), the bytes of parameters, gradients
-and optimizer states, computed from the model parts that rank builds (`titan.memory_plan`):
+and optimizer states, computed from the model parts that rank builds (`titan.planner.memory`):
 they equal what the trainer measures (`memory_measured.json`); the activations held for
 backward at the peak, traced through the same parts on fake tensors (the trainer measures
 them too); and transient buffers (FSDP's gathered units, the logits' gradient), estimated.
 
-`--suggest` ranks the layouts for the GPUs given instead (`titan.layout_search`).
+`--suggest` ranks the layouts for the GPUs given instead (`titan.planner.layout_search`).
 """
 
 import argparse
@@ -18,8 +18,8 @@ import re
 import sys
 
 from titan.config import ConfigError, parse_args
-from titan.layout_search import Hardware, suggest
-from titan.memory_plan import device_memory_bytes, human_bytes, pipeline_rank_bytes
+from titan.planner.layout_search import Hardware, suggest
+from titan.planner.memory import device_memory_bytes, human_bytes, pipeline_rank_bytes
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -78,7 +78,7 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan.plan", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m titan.planner", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ngpu", type=int, default=1, help="ranks per node (NGPU of run_train.sh)")
     ap.add_argument("--nnodes", type=int, default=1, help="nodes")
@@ -146,7 +146,7 @@ def render_suggestions(found: list, memory: int, world_size: int) -> str:
         return (f"no layout of {world_size} ranks fits {human_bytes(memory)} per device with "
                 "the margin: add devices, bf16 optimizer states or a smaller seq_len")
     lines = [f"layouts of {world_size} ranks that fit {human_bytes(memory)}, fastest first "
-             "(step-time model: python -m titan.plan --help, README):"]
+             "(step-time model: python -m titan.planner --help, README):"]
     for i, c in enumerate(found, 1):
         lay = ", ".join(f"{k} {v}" for k, v in c.layout.items() if v > 1) or "1 rank"
         why = ", ".join(f"{k} {v:.3g} s" for k, v in c.parts.items() if v > 0)
@@ -156,10 +156,3 @@ def render_suggestions(found: list, memory: int, world_size: int) -> str:
                   "   " + " ".join(c.overrides())]
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    import signal
-
-    # a short-lived tool piped into head & co ends as GNU tools do when the reader goes
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    sys.exit(main())

@@ -1,9 +1,9 @@
-"""`python -m titan.plan --suggest`: the layouts of N GPUs that fit, ranked by a step-time model.
+"""`python -m titan.planner --suggest`: the layouts of N GPUs that fit, ranked by a step-time model.
 
 Candidates: every dp_replicate x dp_shard x cp x tp x pp = N the config validation accepts
 (the launcher's own `plan_run`), at the configured global batch, each with the cheapest
 activation checkpointing (none, then selective, then full) and the largest local batch
-(then halved, accumulating gradients) whose planned peak (`titan.memory_plan`) leaves
+(then halved, accumulating gradients) whose planned peak (`titan.planner.memory`) leaves
 `margin` of the device memory free.
 
 Step time, per rank, the documented model (for ranking, not a promise):
@@ -135,7 +135,7 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
 
 def suggest(job: JobConfig, world_size: int, device_memory: int, hw: Hardware,
             margin: float = 0.1, top: int = 5) -> list[Candidate]:
-    from titan.memory_plan import pipeline_rank_bytes
+    from titan.planner.memory import pipeline_rank_bytes
     from titan.preflight import plan_run
 
     global_batch = plan_run(job, world_size).global_batch_size

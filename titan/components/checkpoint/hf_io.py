@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-from titan.components.checkpoint import CheckpointError, _quiet_no_dist
+from titan.components.checkpoint.folders import CheckpointError, _quiet_no_dist
 from titan.dtypes import dtype_name, to_dtype
 from titan.models.spec import ModelArgs, StateDictAdapter, TrainSpec
 
@@ -219,7 +219,7 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
 def _write_checksums(out_dir: Path, distributed: bool, rank: int) -> None:
     """The weight files' checksums, read back once the files are whole (DCP's assembly writes
     them): each rank reads its share; rank 0 writes them beside the index."""
-    from titan.components.checkpoint_integrity import file_crc32
+    from titan.components.checkpoint.integrity import file_crc32
 
     if distributed:
         dist.barrier()  # the index (or the single file's rename) is in place
@@ -287,7 +287,7 @@ def hf_weight_files(hf_dir: Path, verify: str = "fast") -> list[Path]:
 
 
 def _check_checksums(hf_dir: Path, paths: list[Path], verify: str) -> None:
-    from titan.components.checkpoint_integrity import file_problem
+    from titan.components.checkpoint.integrity import file_problem
 
     sidecar = hf_dir / HF_CHECKSUMS
     if verify == "off" or not sidecar.is_file():

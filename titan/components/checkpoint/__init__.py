@@ -1,0 +1,1 @@
+"""Checkpoints: DCP folders, saving and loading, integrity, model identity, HF files."""

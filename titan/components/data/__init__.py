@@ -1,0 +1,1 @@
+"""Where tokens come from: datasets, packing, data order, tokenizer, dataloaders."""

@@ -1,0 +1,1 @@
+"""Surviving faults: torchft replica groups, watchdog, injected faults for tests."""

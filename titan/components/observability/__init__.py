@@ -1,0 +1,1 @@
+"""Metrics, FLOPs/MFU, measured memory and profiler traces."""
