@@ -63,6 +63,17 @@ class ActivationTracker(TorchDispatchMode):
         self._in_backward = False
         self._states = self._state_storages()
 
+    def __enter__(self):
+        # what existed before is no activation: frozen, it is left out of the collections
+        # below, which then scan only what the step made (a full collection of a test
+        # process's heap took 0.14 s, 96 times in a V-schedule step)
+        gc.freeze()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        gc.unfreeze()
+        return super().__exit__(*exc)
+
     def _state_storages(self) -> set[int]:
         return {s._cdata for part in self.parts for t in (*part.parameters(), *part.buffers())
                 for s in storages(t)}
