@@ -36,16 +36,14 @@ class RunPlan:
 
     def layout(self) -> dict:
         """The parallel layout, as checkpoints record it."""
-        d = self.dims
-        return {"world_size": d.world_size, "dp_replicate": d.dp_replicate,
-                "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp, "pp": d.pp,
+        return {"world_size": self.dims.world_size, **self.dims.degrees(),
                 "grad_accum_steps": self.grad_accum_steps}
 
 
 def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     """Resolve model, tokenizer and parallel layout; raise ConfigError on any problem."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    m, t, par = job.model, job.training, job.parallelism
+    m, t = job.model, job.training
     try:
         spec = get_train_spec(m.name)
     except KeyError:
@@ -65,12 +63,7 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
         tokenizer = None  # the planner sizes the flavor's vocabulary (vocabulary_note says so)
     model_args = resolve_model_args(job, spec, tokenizer)
     try:
-        dims = ParallelDims(
-            dp_replicate=par.data_parallel_replicate_degree,
-            dp_shard=par.data_parallel_shard_degree, cp=par.context_parallel_degree,
-            tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
-            world_size=world_size,
-        )
+        dims = ParallelDims.from_config(job, world_size)
         ft = job.fault_tolerance
         dp_size = dims.dp * (ft.group_size if ft.enable else 1)
         global_batch = (t.global_batch_size if t.global_batch_size != -1

@@ -220,3 +220,55 @@ def test_plan_cpu_offload_needs_fsdp():
     msg = plan_error(["--training.enable_cpu_offload"], world_size=1)
     assert "enable_cpu_offload" in msg and "FSDP" in msg
     plan_run(job("--training.enable_cpu_offload"), world_size=2)
+
+
+# ----------------------------------------------------------------------------- the dims table
+
+
+def test_the_dims_table_drives_mesh_layout_record_planner_and_search(monkeypatch):
+    from titan.parallelisms import parallel_dims
+    from titan.parallelisms.parallel_dims import DIMS
+    from titan.planner import layout_search
+
+    names = [d.name for d in DIMS]
+    d = dims(dp_replicate=2, tp=2, pp=2, world_size=16)
+    assert list(d.degrees()) == names
+    # the checkpoint's layout record: world size, the table's dims, grad accumulation
+    plan = plan_run(job("--parallelism.tensor_parallel_degree", "2"), world_size=4)
+    assert list(plan.layout()) == ["world_size", *names, "grad_accum_steps"]
+    assert plan.layout() == {"world_size": 4, "dp_replicate": 1, "dp_shard": 2, "cp": 1,
+                             "tp": 2, "pp": 1, "grad_accum_steps": 1}  # as checkpoints hold
+    # each dim's degree is read from its config field
+    for row in DIMS:
+        section, attr = row.config_field.split(".")
+        assert getattr(getattr(job(), section), attr) is not None
+    assert ParallelDims.from_config(job("--parallelism.pipeline_parallel_degree", "2"),
+                                    4).degrees() == {**dict.fromkeys(names, 1), "dp_shard": 2,
+                                                     "pp": 2}
+    assert layout_search.LAYOUT_FIELDS == {r.name: r.config_field for r in DIMS}
+    # the mesh's dims follow the table's mesh positions: moving a row moves the dim
+    assert [n for n, _ in d.mesh_dims()] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+    moved = tuple(parallel_dims.Dim(r.name, r.config_field, 9 if r.name == "pp" else
+                                    r.mesh_position, r.fills) for r in DIMS)
+    monkeypatch.setattr(parallel_dims, "MESH_ORDER",
+                        tuple(sorted(moved, key=lambda r: r.mesh_position)))
+    assert [n for n, _ in d.mesh_dims()] == ["dp_replicate", "dp_shard", "cp", "tp", "pp"]
+    assert dict(d.mesh_dims()) == d.degrees()
+    # layout search: one degree per row, the candidates every factorization
+    assert all(len(f) == len(DIMS) for f in layout_search.factorizations(8, len(DIMS)))
+
+
+def test_a_degree_field_without_its_row_is_refused(monkeypatch):
+    from titan.parallelisms import parallel_dims
+
+    monkeypatch.setattr(parallel_dims, "DIMS", parallel_dims.DIMS[:-1])
+    with pytest.raises(TypeError, match="rows of DIMS"):
+        dims(world_size=8)
+
+
+def test_a_copy_of_dims_has_no_mesh():
+    import dataclasses
+
+    d = dims(world_size=2)
+    d._mesh = object()
+    assert dataclasses.replace(d)._mesh is None

@@ -1,12 +1,41 @@
-"""Parallel degrees, their validation, and the one DeviceMesh every parallelism draws from."""
+"""Parallel degrees, their validation, and the one DeviceMesh every parallelism draws from.
 
-from dataclasses import dataclass, field
+`DIMS` is the one list of the parallel dims: the mesh, the layout a checkpoint records, the
+planner's report and its layout search all iterate it, so a new dim is a row here (and a
+field of `ParallelDims`, and of the parallelism config section), not an edit in each of them.
+"""
+
+from dataclasses import dataclass, field, fields
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 class ParallelismError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class Dim:
+    name: str  # the mesh dim, the `ParallelDims` field and the layout record's key
+    config_field: str  # the dotted config field that sets its degree
+    mesh_position: int  # 0 = outermost dim of the device mesh
+    fills: bool = False  # -1 takes whatever the other degrees leave of the world size
+
+
+# in the order layouts are written (checkpoint markers compare them by key, so the order of
+# the keys is the one existing checkpoints hold)
+DIMS = (
+    Dim("dp_replicate", "parallelism.data_parallel_replicate_degree", 1),
+    Dim("dp_shard", "parallelism.data_parallel_shard_degree", 2, fills=True),
+    Dim("cp", "parallelism.context_parallel_degree", 3),
+    Dim("tp", "parallelism.tensor_parallel_degree", 4),
+    Dim("pp", "parallelism.pipeline_parallel_degree", 0),
+)
+MESH_ORDER = tuple(sorted(DIMS, key=lambda d: d.mesh_position))  # outer to inner
+# dims of the mesh made of several named ones: data loading ("dp"), FSDP ("dp_shard_cp") and
+# loss averaging ("dp_cp")
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
 @dataclass
@@ -17,29 +46,62 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
-    _mesh: DeviceMesh | None = field(default=None, repr=False)
-    _flat: dict = field(default_factory=dict, repr=False)
+    # not init fields: a copy (dataclasses.replace) is a layout whose mesh is not built yet
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _flat: dict = field(default_factory=dict, init=False, repr=False)
+
+    @classmethod
+    def from_config(cls, job, world_size: int) -> "ParallelDims":
+        """The degrees a JobConfig sets, one per row of DIMS."""
+        degrees = {}
+        for d in DIMS:
+            section, attr = d.config_field.split(".")
+            degrees[d.name] = getattr(getattr(job, section), attr)
+        return cls(**degrees, world_size=world_size)
+
+    def degrees(self) -> dict[str, int]:
+        """{dim name: degree}, in DIMS order."""
+        return {d.name: getattr(self, d.name) for d in DIMS}
+
+    def mesh_dims(self) -> list[tuple[str, int]]:
+        """(name, size) of the mesh's named dims, outer to inner."""
+        return [(d.name, getattr(self, d.name)) for d in MESH_ORDER]
 
     def __post_init__(self):
-        for name in ("dp_replicate", "cp", "tp", "pp"):
-            if getattr(self, name) < 1:
-                raise ParallelismError(f"parallel degree {name} = {getattr(self, name)} must be >= 1")
-        if self.dp_shard == -1:
-            rest = self.dp_replicate * self.cp * self.tp * self.pp
+        names = [f.name for f in fields(self) if f.init and f.name != "world_size"]
+        if names != [d.name for d in DIMS]:
+            raise TypeError(f"ParallelDims' degree fields {names} must be the rows of DIMS "
+                            f"{[d.name for d in DIMS]}, in order")
+        for d in DIMS:
+            value = getattr(self, d.name)
+            if d.fills and value == -1:
+                continue
+            if value < 1:
+                raise ParallelismError(
+                    f"{d.config_field.split('.')[-1]} = {value} must be -1 or >= 1" if d.fills
+                    else f"parallel degree {d.name} = {value} must be >= 1 ({d.config_field})")
+        for d in DIMS:
+            if not (d.fills and getattr(self, d.name) == -1):
+                continue
+            others = [o for o in DIMS if o is not d]
+            rest = 1
+            for o in others:
+                rest *= getattr(self, o.name)
             if self.world_size % rest:
                 raise ParallelismError(
-                    f"world size {self.world_size} is not divisible by dp_replicate x cp x tp x pp "
-                    f"= {rest}; change the degrees or the number of ranks (NGPU)"
+                    f"world size {self.world_size} is not divisible by "
+                    f"{' x '.join(o.name for o in others)} = {rest}; change the degrees or the "
+                    "number of ranks (NGPU)"
                 )
-            self.dp_shard = self.world_size // rest
-        if self.dp_shard < 1:
-            raise ParallelismError(f"data_parallel_shard_degree = {self.dp_shard} must be -1 or >= 1")
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+            setattr(self, d.name, self.world_size // rest)
+        product = 1
+        for value in self.degrees().values():
+            product *= value
         if product != self.world_size:
             raise ParallelismError(
-                f"dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x cp({self.cp}) x "
-                f"tp({self.tp}) x pp({self.pp}) = {product}, but the world size is "
-                f"{self.world_size}; make the product equal the number of ranks"
+                " x ".join(f"{name}({value})" for name, value in self.degrees().items())
+                + f" = {product}, but the world size is {self.world_size}; make the product "
+                "equal the number of ranks"
             )
 
     @property
@@ -72,18 +134,12 @@ class ParallelDims:
         return self.pp > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Named dims pp, dp_replicate, dp_shard, cp, tp (outer to inner), plus flattened
-        "dp" (data loading), "dp_shard_cp" (FSDP) and "dp_cp" (loss averaging)."""
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate),
-                ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp)]
-        names = tuple(n for n, _ in dims)
-        mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
+        """The named dims of `mesh_dims()`, plus the FLATTENED ones."""
+        dims = self.mesh_dims()
+        mesh = init_device_mesh(device_type, tuple(size for _, size in dims),
+                                mesh_dim_names=tuple(name for name, _ in dims))
         # flattened meshes are kept here: slicing them back out of the root is deprecated
-        self._flat = {
-            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-        }
+        self._flat = {name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}
         self._mesh = mesh
         return mesh
 

@@ -42,8 +42,7 @@ def plan(job, world_size: int, device_memory: int | None) -> dict:
     worst = max(r["total_bytes"] for r in ranks)
     return {
         "world_size": world_size,
-        "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-                   "tp": dims.tp, "pp": dims.pp},
+        "layout": dims.degrees(),
         "model": {"name": job.model.name, "flavor": job.model.flavor,
                   "vocab_size": run.model_args.vocab_size},
         "activation_checkpoint": job.activation_checkpoint.mode,

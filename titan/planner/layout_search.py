@@ -1,6 +1,7 @@
 """`python -m titan.planner --suggest`: the layouts of N GPUs that fit, ranked by a step-time model.
 
-Candidates: every dp_replicate x dp_shard x cp x tp x pp = N the config validation accepts
+Candidates: every choice of the degrees of `parallel_dims.DIMS` (dp_replicate x dp_shard x cp
+x tp x pp today) whose product is N and that the config validation accepts
 (the launcher's own `plan_run`), at the configured global batch, each with the cheapest
 activation checkpointing (none, then selective, then full) and the largest local batch
 (then halved, accumulating gradients) whose planned peak (`titan.planner.memory`) leaves
@@ -11,8 +12,8 @@ Step time, per rank, the documented model (for ranking, not a promise):
   (half the matmuls recomputed), x 4/3 under full AC (the forward again);
 - pipeline bubble = compute x (pp - 1) / (microbatches x stages per rank);
 - communication, bytes over the link of each mesh dim (NVLink inside a node, the network
-  across; tp innermost, then cp, dp_shard, dp_replicate, pp): TP all-gathers and
-  reduce-scatters of activations (4 per layer, forward and backward) and CP's ring of K and
+  across; the mesh's dims innermost first: tp, cp, dp_shard, dp_replicate, pp): TP all-gathers
+  and reduce-scatters of activations (4 per layer, forward and backward) and CP's ring of K and
   V are exposed; FSDP's all-gathers and reduce-scatter and HSDP's all-reduce are hidden
   behind compute up to the compute time; pipeline sends are exposed.
 """
@@ -22,6 +23,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from titan.config import ConfigError, JobConfig
+from titan.parallelisms.parallel_dims import DIMS, ParallelDims
 
 AC_COST = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
 
@@ -35,11 +37,7 @@ class Hardware:
     gpus_per_node: int = 8
 
 
-LAYOUT_FIELDS = {"dp_replicate": "parallelism.data_parallel_replicate_degree",
-                 "dp_shard": "parallelism.data_parallel_shard_degree",
-                 "cp": "parallelism.context_parallel_degree",
-                 "tp": "parallelism.tensor_parallel_degree",
-                 "pp": "parallelism.pipeline_parallel_degree"}
+LAYOUT_FIELDS = {d.name: d.config_field for d in DIMS}
 
 
 def settings(layout: dict, ac: str, local_batch: int, global_batch: int) -> dict:
@@ -100,10 +98,8 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
     compute = (args.flops_per_token(t.seq_len) * tokens / world_size
                / (hw.peak_flops * hw.efficiency) * AC_COST[job.activation_checkpoint.mode])
     parts = {"compute": compute}
-    order = [("tp", d.tp), ("cp", d.cp), ("dp_shard", d.dp_shard),
-             ("dp_replicate", d.dp_replicate), ("pp", d.pp)]  # innermost first
     bw, inner = {}, 1
-    for name, size in order:
+    for name, size in reversed(d.mesh_dims()):  # innermost first
         inner *= size
         bw[name] = hw.intra_node_bw if inner <= hw.gpus_per_node else hw.inter_node_bw
     act = 2  # bytes per activation element (bf16)
@@ -141,11 +137,12 @@ def suggest(job: JobConfig, world_size: int, device_memory: int, hw: Hardware,
     global_batch = plan_run(job, world_size).global_batch_size
     budget = device_memory * (1 - margin)
     found = []
-    for rep, shard, cp, tp, pp in factorizations(world_size, 5):
-        layout = {"dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp, "pp": pp}
-        if global_batch % (rep * shard):
+    for degrees in factorizations(world_size, len(DIMS)):
+        layout = dict(zip(LAYOUT_FIELDS, degrees))
+        dp = ParallelDims(**layout, world_size=world_size).dp
+        if global_batch % dp:
             continue
-        per_rank = global_batch // (rep * shard)
+        per_rank = global_batch // dp
         batches = [b for b in (per_rank >> i for i in range(8)) if b and per_rank % b == 0]
         for ac, local in itertools.product(AC_COST, dict.fromkeys(batches)):
             fields = settings(layout, ac, local, global_batch)
