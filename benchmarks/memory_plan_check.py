@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan.config import parse_args  # noqa: E402
 from titan.planner.memory import human_bytes, rank_bytes  # noqa: E402
+from titan.preflight import plan_run  # noqa: E402
 from titan.tools.loss_compare import launch  # noqa: E402
 
 
@@ -42,7 +43,8 @@ def main() -> int:
     rows = []
     for ac in args.ac.split(","):
         overrides = [*base, "--activation_checkpoint.mode", ac]
-        planned = rank_bytes(parse_args(["--job.config_file", config, *overrides]), 1, 0)
+        job = parse_args(["--job.config_file", config, *overrides])
+        planned = rank_bytes(job, plan_run(job, 1), 0)
         with tempfile.TemporaryDirectory() as dump:
             launch(1, overrides, dump, timeout=1200, config_file=config)
             measured = json.loads((Path(dump) / "memory_measured.json").read_text())["ranks"][0]

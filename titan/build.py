@@ -11,7 +11,7 @@ from torch import nn
 from titan.components.quantization.float8 import apply_float8
 from titan.config import JobConfig
 from titan.parallelisms.pipeline import PipelinePlan
-from titan.preflight import RunPlan, pipeline_plan
+from titan.preflight import RunPlan
 
 
 def meta_parts(job: JobConfig, plan: RunPlan) -> tuple[nn.Module, list[nn.Module],
@@ -22,9 +22,8 @@ def meta_parts(job: JobConfig, plan: RunPlan) -> tuple[nn.Module, list[nn.Module
     whole = spec.build_meta(plan.model_args)
     if "float8" in job.model.converters:  # model converters run before any parallelism
         apply_float8(whole, job.float8)
-    pp_plan = None
+    pp_plan = plan.pipeline(dims["pp"].get_local_rank()) if dims.pp_enabled else None
     parts = [whole]
-    if dims.pp_enabled:
-        pp_plan = pipeline_plan(job, plan.model_args.n_layers, dims["pp"].get_local_rank())
+    if pp_plan is not None:
         parts = [spec.pipelining_fn(whole, sid, pp_plan) for sid in pp_plan.stage_ids]
     return whole, [spec.parallelize_fn(part, dims, job) for part in parts], pp_plan

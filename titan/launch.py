@@ -41,9 +41,11 @@ def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
             f"NNODES={min_nodes}:{max_nodes} (elastic) with training.global_batch_size = -1: "
             "the global batch would shrink with the job and the loss curve change; set "
             "training.global_batch_size (the gradient accumulation then grows instead)")
+    plan = None
     for nodes in range(max_nodes, min_nodes - 1, -1):
         try:
-            plan = plan_run(job, world_size=nodes * nproc)
+            plan = plan_run(job, world_size=nodes * nproc,
+                            tokenizer=plan.tokenizer if plan else None)
         except ConfigError as e:
             if not elastic:
                 raise
@@ -77,11 +79,12 @@ def check_log_ranks(text: str, nproc: int) -> None:
                           f"{nproc}: ranks 0 to {nproc - 1}); e.g. LOG_RANK=0")
 
 
-def check_memory(job, world_size: int) -> None:
-    """States that cannot fit the device fail here, not as an out-of-memory at step 1."""
+def check_memory(job, plan) -> None:
+    """States that cannot fit the device fail here, not as an out-of-memory at step 1.
+    `plan`: the job's RunPlan at the fewest ranks it may run on (they hold the most each)."""
     from titan.planner.memory import check_fits
 
-    problem = check_fits(job, world_size)
+    problem = check_fits(job, plan)
     if problem is None:
         return
     if job.memory.check == "error":
@@ -114,7 +117,7 @@ def main() -> None:
         from titan.checkpoint_check import check_checkpoints
 
         check_checkpoints(job, plan)
-        check_memory(job, min_nodes * nproc)  # the fewest ranks hold the most each
+        check_memory(job, plan)  # validate_world_sizes' last plan: the fewest nodes
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -15,7 +15,7 @@ from titan.config import JobConfig
 from titan.models.documents import document_ids, document_positions
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.pipeline import PipelinePlan, build_schedule
-from titan.preflight import RunPlan, pipeline_plan
+from titan.preflight import RunPlan
 
 
 class ForwardBackward:
@@ -111,8 +111,8 @@ class ForwardBackward:
         tokens = labels.numel() // self.plan.dims.cp
         if self.pp_plan is not None:
             if self.eval_schedule is None:
-                plan = pipeline_plan(self.job, self.plan.model_args.n_layers,
-                                     self.plan.dims["pp"].get_local_rank(), validation=True)
+                plan = self.plan.pipeline(self.plan.dims["pp"].get_local_rank(),
+                                          validation=True)
                 self.eval_schedule = self._schedule(plan, cross_entropy_sum)
             has_last = self.pp_plan.num_stages - 1 in self.pp_plan.stage_ids
             loss = self.run_pipeline(self.eval_schedule, inputs, labels, train=False)

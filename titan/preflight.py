@@ -17,7 +17,7 @@ from titan.config import ConfigError, JobConfig
 from titan.config.manager import require, source_of
 from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_names
 from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, validate_against_model
-from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipeline
+from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipelines
 from titan.paths import resolve
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,16 @@ class RunPlan:
     grad_accum_steps: int
     # data-parallel replicas in all: the mesh's dp times torchft replica groups
     data_parallel_size: int
+    # every pipeline rank's stages (index: pp rank), for training batches and for validation
+    # batches (same stages, as many microbatches as a validation batch holds); empty without
+    # pipelining, and validation's without validation
+    pipelines: tuple[PipelinePlan, ...] = ()
+    validation_pipelines: tuple[PipelinePlan, ...] = ()
+
+    def pipeline(self, pp_rank: int, validation: bool = False) -> PipelinePlan | None:
+        """Pipeline rank `pp_rank`'s stages; None without pipelining."""
+        plans = self.validation_pipelines if validation else self.pipelines
+        return plans[pp_rank] if plans else None
 
     def layout(self) -> dict:
         """The parallel layout, as checkpoints record it."""
@@ -40,8 +50,13 @@ class RunPlan:
                 "grad_accum_steps": self.grad_accum_steps}
 
 
-def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
-    """Resolve model, tokenizer and parallel layout; raise ConfigError on any problem."""
+def plan_run(job: JobConfig, world_size: int | None = None,
+             tokenizer: Tokenizer | None = None) -> RunPlan:
+    """Resolve model, tokenizer and parallel layout; raise ConfigError on any problem.
+
+    Once per process and job: every part of a run reads the plan, not the config again.
+    `tokenizer`: the job's, when the caller has read it already (the same job at another
+    world size or layout); read here otherwise."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     m, t = job.model, job.training
     try:
@@ -55,12 +70,8 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
             f"{m.name} has flavors {', '.join(spec.flavors)}, or '{FROM_HF}' (the shape of "
             "the HF model in checkpoint.initial_load_path)")
     device = device_type(job)
-    try:
-        tokenizer = Tokenizer(m.tokenizer_path)
-    except TokenizerError as e:
-        if not (job.plan_only and m.flavor != FROM_HF):
-            raise ConfigError(str(e)) from None
-        tokenizer = None  # the planner sizes the flavor's vocabulary (vocabulary_note says so)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(job)
     model_args = resolve_model_args(job, spec, tokenizer)
     try:
         dims = ParallelDims.from_config(job, world_size)
@@ -80,12 +91,13 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
             check_torch_version(device)
         except RuntimeError as e:
             raise ConfigError(f"parallelism.context_parallel_degree = {dims.cp}: {e}") from None
+    pipelines = validation_pipelines = ()
     if dims.pp_enabled:
         require(job, spec.pipelining_fn is not None, "parallelism.pipeline_parallel_degree",
                 f"model {m.name} registers no pipeline split function")
-        pipeline_plan(job, model_args.n_layers, pp_rank=0)
+        pipelines = pipeline_plans(job, model_args.n_layers)
         if job.validation.enable:
-            pipeline_plan(job, model_args.n_layers, pp_rank=0, validation=True)
+            validation_pipelines = pipeline_plans(job, model_args.n_layers, validation=True)
     check_datasets(job)
     ck = job.checkpoint
     require(job, not ck.create_seed_checkpoint or ck.enable, "checkpoint.create_seed_checkpoint",
@@ -107,7 +119,20 @@ def plan_run(job: JobConfig, world_size: int | None = None) -> RunPlan:
     check_fault_tolerance(job, dims)
     check_converters(job, device)
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,
-                   global_batch // (t.local_batch_size * dp_size), dp_size)
+                   global_batch // (t.local_batch_size * dp_size), dp_size, pipelines,
+                   validation_pipelines)
+
+
+def load_tokenizer(job: JobConfig) -> Tokenizer | None:
+    """The configured tokenizer; None when it is missing and the job only plans (the planner
+    then sizes the flavor's vocabulary, and vocabulary_note says so)."""
+    m = job.model
+    try:
+        return Tokenizer(m.tokenizer_path)
+    except TokenizerError as e:
+        if not (job.plan_only and m.flavor != FROM_HF):
+            raise ConfigError(str(e)) from None
+        return None
 
 
 FROM_HF = "from_hf"
@@ -196,14 +221,13 @@ def device_type(job: JobConfig) -> str:
         else "cpu"
 
 
-def pipeline_plan(job: JobConfig, n_layers: int, pp_rank: int,
-                  validation: bool = False) -> PipelinePlan:
-    """The pipeline stages for training batches, or (`validation`) for validation batches:
-    same stages, as many microbatches as the validation batch holds."""
+def pipeline_plans(job: JobConfig, n_layers: int,
+                   validation: bool = False) -> tuple[PipelinePlan, ...]:
+    """Every pipeline rank's stages for training batches, or (`validation`) for validation
+    batches: same stages, as many microbatches as the validation batch holds."""
     batch = job.validation.local_batch_size if validation else job.training.local_batch_size
     try:
-        return plan_pipeline(job.parallelism, n_layers=n_layers, pp_rank=pp_rank,
-                             local_batch_size=batch)
+        return plan_pipelines(job.parallelism, n_layers=n_layers, local_batch_size=batch)
     except PipelineConfigError as e:
         where = (f"validation.local_batch_size = {batch} (from "
                  f"{source_of(job, 'validation.local_batch_size')})" if validation

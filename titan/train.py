@@ -51,7 +51,7 @@ from titan.logging_setup import init_logging
 from titan.microbatch import ForwardBackward
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
 from titan.parallelisms.tied_weights import TiedCopies
-from titan.preflight import RunPlan, pipeline_plan, plan_run
+from titan.preflight import RunPlan, plan_run
 
 logger = logging.getLogger("titan")
 
@@ -145,7 +145,7 @@ class Trainer:
         tied = None
         if pp_plan is not None and whole.tied_parameters():
             last = pp_plan.num_stages - 1
-            split = last not in pipeline_plan(job, self.plan.model_args.n_layers, 0).stage_ids
+            split = last not in self.plan.pipeline(0).stage_ids
             tied = TiedCopies(parts, whole.tied_parameters(), self.plan.dims.world_mesh, split)
         return parts, pp_plan, tied
 

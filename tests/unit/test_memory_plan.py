@@ -11,6 +11,7 @@ import pytest
 from tests.forked import run_trainer, run_workers, tiny_run
 from titan.config import parse_args
 from titan.planner.memory import rank_bytes
+from titan.preflight import plan_run
 
 ONE_STEP = tiny_run(1)
 LAYOUTS = {
@@ -58,7 +59,8 @@ LAYOUTS.update({
 
 def _plan_in_child(rank, world_size, argv, nproc):
     job = parse_args(argv)
-    return [rank_bytes(job, nproc, r) for r in range(nproc)]
+    plan = plan_run(job, nproc)
+    return [rank_bytes(job, plan, r) for r in range(nproc)]
 
 
 def planned_bytes(argv, nproc, tmp_path) -> list[dict]:
@@ -166,11 +168,12 @@ def _suggest_in_child(rank, world_size, argv):
     from titan.launch import check_memory, validate_world_sizes
     from titan.planner.layout_search import Hardware, suggest
 
-    found = suggest(parse_args(argv), 4, 256 * 2**20, Hardware(gpus_per_node=4), top=3)
+    job = parse_args(argv)
+    found = suggest(job, plan_run(job, 4), 256 * 2**20, Hardware(gpus_per_node=4), top=3)
     for c in found:
         job = parse_args([*argv, *c.overrides(), "--memory.device_memory_gib", "0.25"])
-        validate_world_sizes(job, 1, 1, 4)
-        check_memory(job, 4)  # raises ConfigError if the launcher would refuse it
+        plan = validate_world_sizes(job, 1, 1, 4)
+        check_memory(job, plan)  # raises ConfigError if the launcher would refuse it
     return found
 
 

@@ -58,9 +58,9 @@ class PipelinePlan:
     n_microbatches: int
 
 
-def plan_pipeline(cfg, *, n_layers: int, pp_rank: int, local_batch_size: int) -> PipelinePlan:
+def plan_pipelines(cfg, *, n_layers: int, local_batch_size: int) -> tuple[PipelinePlan, ...]:
     """The stages of `cfg` (the parallelism section) for a model of `n_layers` layers, as
-    seen by pipeline rank `pp_rank`, for batches of `local_batch_size` sequences."""
+    seen by each pipeline rank (index: pp rank), for batches of `local_batch_size` sequences."""
     pp, schedule = cfg.pipeline_parallel_degree, cfg.pipeline_parallel_schedule
     microbatch_size = cfg.pipeline_parallel_microbatch_size
     layers_per_stage = cfg.pipeline_parallel_layers_per_stage
@@ -108,13 +108,16 @@ def plan_pipeline(cfg, *, n_layers: int, pp_rank: int, local_batch_size: int) ->
         raise PipelineConfigError(
             f"{schedule} needs at least as many microbatches as stages ({num_stages}), got {n_micro}"
         )
-    ranges = stage_layer_ranges(n_layers, num_stages, points)
+    ranges = tuple(stage_layer_ranges(n_layers, num_stages, points))
+    return tuple(PipelinePlan(schedule, num_stages, _stage_ids(schedule, num_stages, pp, pp_rank),
+                              ranges, n_micro) for pp_rank in range(pp))
+
+
+def _stage_ids(schedule: str, num_stages: int, pp: int, pp_rank: int) -> tuple[int, ...]:
     if schedule in V_SCHEDULES:
         # V placement: rank r holds stage r on the way down and 2*pp-1-r on the way back
-        ids = (pp_rank, num_stages - 1 - pp_rank)
-    else:
-        ids = tuple(range(pp_rank, num_stages, pp))
-    return PipelinePlan(schedule, num_stages, ids, tuple(ranges), n_micro)
+        return (pp_rank, num_stages - 1 - pp_rank)
+    return tuple(range(pp_rank, num_stages, pp))
 
 
 def _layer_index(point: str) -> int:

@@ -32,16 +32,14 @@ def parse_bytes(text: str) -> int:
     return int(float(m[1]) * _UNITS[m[2].lower()])
 
 
-def plan(job, world_size: int, device_memory: int | None) -> dict:
-    from titan.preflight import plan_run
-
-    run = plan_run(job, world_size)
+def plan(job, run, device_memory: int | None) -> dict:
+    """The report of the job's RunPlan `run`."""
     dims = run.dims
     ranks = [{"rank": rank, "pp_rank": pp_rank, **b}
-             for rank, pp_rank, b in pipeline_rank_bytes(job, world_size)]
+             for rank, pp_rank, b in pipeline_rank_bytes(job, run)]
     worst = max(r["total_bytes"] for r in ranks)
     return {
-        "world_size": world_size,
+        "world_size": dims.world_size,
         "layout": dims.degrees(),
         "model": {"name": job.model.name, "flavor": job.model.flavor,
                   "vocab_size": run.model_args.vocab_size},
@@ -110,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         job.plan_only = True
         from titan.preflight import plan_run, vocabulary_note
 
-        note = vocabulary_note(job, plan_run(job, args.ngpu * args.nnodes))
+        run = plan_run(job, args.ngpu * args.nnodes)
+        note = vocabulary_note(job, run)
         if note:
             print(f"titan: note: {note}", file=sys.stderr, flush=True)
         if args.suggest:
@@ -120,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                                   "--device-memory (e.g. 80GiB) or memory.device_memory_gib")
             hw = Hardware(args.peak_tflops * 1e12, args.efficiency, args.intra_node_gbps * 1e9,
                           args.inter_node_gbps * 1e9, args.ngpu)
-            found = suggest(job, args.ngpu * args.nnodes, memory, hw, args.margin, args.top)
+            found = suggest(job, run, memory, hw, args.margin, args.top)
             print(json.dumps(suggestions_json(found, memory), indent=1) if args.json
                   else render_suggestions(found, memory, args.ngpu * args.nnodes))
             return 0 if found else 1
-        report = plan(job, args.ngpu * args.nnodes, args.device_memory)
+        report = plan(job, run, args.device_memory)
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from titan.config import ConfigError, JobConfig
 from titan.parallelisms.parallel_dims import DIMS, ParallelDims
+from titan.preflight import RunPlan
 
 AC_COST = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
 
@@ -121,20 +122,19 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
     parts["data-parallel (exposed)"] = max(0.0, hidden - compute)
     if d.pp > 1:
         n_mb = plan.global_batch_size // d.dp // job.parallelism.pipeline_parallel_microbatch_size
-        from titan.preflight import pipeline_plan
-
-        per_rank = len(pipeline_plan(job, args.n_layers, 0).stage_ids)
+        per_rank = len(plan.pipeline(0).stage_ids)
         parts["bubble"] = compute * (d.pp - 1) / (n_mb * per_rank)
         parts["pp sends"] = 2 * local_tokens * args.dim * act / bw["pp"]
     return sum(parts.values()), parts
 
 
-def suggest(job: JobConfig, world_size: int, device_memory: int, hw: Hardware,
+def suggest(job: JobConfig, base: RunPlan, device_memory: int, hw: Hardware,
             margin: float = 0.1, top: int = 5) -> list[Candidate]:
+    """The `top` fastest candidates on the world size of `base`, the job's RunPlan."""
     from titan.planner.memory import pipeline_rank_bytes
     from titan.preflight import plan_run
 
-    global_batch = plan_run(job, world_size).global_batch_size
+    world_size, global_batch = base.dims.world_size, base.global_batch_size
     budget = device_memory * (1 - margin)
     found = []
     for degrees in factorizations(world_size, len(DIMS)):
@@ -148,10 +148,10 @@ def suggest(job: JobConfig, world_size: int, device_memory: int, hw: Hardware,
             fields = settings(layout, ac, local, global_batch)
             candidate = apply_settings(job, fields)
             try:
-                plan = plan_run(candidate, world_size)
+                plan = plan_run(candidate, world_size, tokenizer=base.tokenizer)
             except ConfigError:
                 continue
-            ranks = [b for _, _, b in pipeline_rank_bytes(candidate, world_size)]
+            ranks = [b for _, _, b in pipeline_rank_bytes(candidate, plan)]
             if any(b["activations_bytes"] is None for b in ranks):
                 continue  # not traced: no claim that it fits
             peak = max(b["total_bytes"] for b in ranks)

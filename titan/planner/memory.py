@@ -9,6 +9,7 @@ Keys match `<dump_folder>/memory_measured.json`, which the trainer writes at its
 
 import contextlib
 import copy
+import dataclasses
 import warnings
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from titan.config import JobConfig
 from titan.dtypes import to_dtype
-from titan.preflight import RunPlan, plan_run
+from titan.preflight import RunPlan
 
 
 @contextlib.contextmanager
@@ -52,18 +53,19 @@ def state_bytes(parts: list, job: JobConfig) -> dict:
             "optimizer_bytes": moments + 4 * len(trainable)}
 
 
-def rank_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
-    """States, activations and transient buffers of one rank, and their total, from one
-    build of its parts. A forward the fake tensors cannot trace leaves activations and
-    transients None, with the reason."""
+def rank_bytes(job: JobConfig, plan: RunPlan, rank: int) -> dict:
+    """States, activations and transient buffers of one rank of the run `plan` (the job's
+    plan_run), and their total, from one build of its parts. A forward the fake tensors
+    cannot trace leaves activations and transients None, with the reason."""
     from titan.planner.activations import trace_activations
     from titan.build import meta_parts
 
     job = copy.deepcopy(job)
     job.compile.enable = False  # no state changes; activations are traced eagerly
-    with fake_world(world_size, rank), warnings.catch_warnings():
+    # the mesh of this fake world is built on a copy: the caller's plan keeps none
+    plan = dataclasses.replace(plan, dims=dataclasses.replace(plan.dims))
+    with fake_world(plan.dims.world_size, rank), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's own, about FSDP hooks and flattened dims
-        plan: RunPlan = plan_run(job, world_size)
         plan.dims.build_mesh("cpu")
         _, parts, pp_plan = meta_parts(job, plan)
         out = state_bytes(parts, job)
@@ -78,26 +80,23 @@ def rank_bytes(job: JobConfig, world_size: int, rank: int) -> dict:
     return out
 
 
-def pipeline_rank_bytes(job: JobConfig, world_size: int) -> list[tuple[int, int, dict]]:
+def pipeline_rank_bytes(job: JobConfig, plan: RunPlan) -> list[tuple[int, int, dict]]:
     """(rank, pp rank, rank_bytes) for the first rank of every pipeline rank: the others of a
     pipeline rank differ only by an uneven FSDP shard's few elements, the first holding the
     most. Pipeline ranks whose stages have the same layer counts and ends are computed once
     (a family's blocks are alike), so a 126-layer model on 16 stages builds a few, not 16."""
-    from titan.preflight import pipeline_plan
-
-    run = plan_run(job, world_size)
-    dims, n_layers = run.dims, run.model_args.n_layers
-    per_pp = world_size // dims.pp
+    dims = plan.dims
+    per_pp = dims.world_size // dims.pp
     done: dict[tuple, dict] = {}
     out = []
     for pp_rank in range(dims.pp):
         key = None
         if dims.pp_enabled:
-            pp = pipeline_plan(job, n_layers, pp_rank)
+            pp = plan.pipeline(pp_rank)
             last = pp.num_stages - 1
             key = tuple((s == 0, s == last, len(pp.layer_ranges[s])) for s in pp.stage_ids)
         if key not in done:
-            done[key] = rank_bytes(job, world_size, pp_rank * per_pp)
+            done[key] = rank_bytes(job, plan, pp_rank * per_pp)
         out.append((pp_rank * per_pp, pp_rank, done[key]))
     return out
 
@@ -146,13 +145,13 @@ def _gpu_total_memory() -> int | None:
         return None
 
 
-def check_fits(job: JobConfig, world_size: int) -> str | None:
+def check_fits(job: JobConfig, plan: RunPlan) -> str | None:
     """None when every pipeline rank's planned memory fits the device (or nothing to check
     against); else the reason, naming the biggest item and what would shrink it."""
     memory = device_memory_bytes(job)
     if job.memory.check == "off" or memory is None:
         return None
-    for rank, _, b in pipeline_rank_bytes(job, world_size):
+    for rank, _, b in pipeline_rank_bytes(job, plan):
         items = {k: b[k] or 0 for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
                                         "activations_bytes", "transient_bytes")}
         if job.training.enable_cpu_offload:  # offloaded states live in host memory
