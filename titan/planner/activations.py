@@ -20,6 +20,7 @@ upper bound with `compile.enable`.
 """
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,10 +31,11 @@ from titan.config import JobConfig
 from titan.dtypes import to_dtype
 
 
-def trace_activations(job: JobConfig, plan, parts: list[nn.Module], pp_plan) -> dict:
-    """{"activations_bytes", "transient_bytes"} of one rank at its peak, from its meta parts
-    built under a fake process group (titan.planner.memory.rank_bytes). Materializes them as
-    fake tensors."""
+def trace_activations(job: JobConfig, plan, parts: list[nn.Module],
+                      pp_plan) -> tuple[dict, "PipelineHeld | None"]:
+    """({"activations_bytes", "transient_bytes"} of one rank at its peak, what its pipeline
+    stages hold (None without pipelining)), from its meta parts built under a fake process
+    group (titan.planner.memory.rank_bytes). Materializes them as fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan.microbatch import ForwardBackward
@@ -47,17 +49,20 @@ def trace_activations(job: JobConfig, plan, parts: list[nn.Module], pp_plan) -> 
                 part.to_empty(device="cpu")  # fake: shapes only
                 part.train()
             fb = ForwardBackward(job, plan, parts, pp_plan, torch.device("cpu"))
+            held = None
             if pp_plan is None:
                 t = job.training
                 acts, _ = _forward_held(fb, parts, 0, t.local_batch_size, t.seq_len)
                 logits = _output_bytes(parts[0], t.local_batch_size, t.seq_len // plan.dims.cp,
                                        fb)
             else:
-                acts, logits = _pipeline_held(fb, parts, pp_plan, plan)
+                held, logits = _pipeline_held(fb, parts, pp_plan, plan)
+                acts = held.activations_bytes(plan.dims["pp"].get_local_rank(),
+                                              pp_plan.stage_ids)
     finally:
         fake_log.setLevel(level)
     return {"activations_bytes": acts,
-            "transient_bytes": fsdp_transient_bytes(parts, job) + logits}
+            "transient_bytes": fsdp_transient_bytes(parts, job) + logits}, held
 
 
 def _forward_held(fb, parts: list[nn.Module], index: int, batch: int, seq_len: int,
@@ -96,7 +101,34 @@ def _act_dtype(fb) -> torch.dtype:
     return torch.float32
 
 
-def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[int, int]:
+@dataclass
+class PipelineHeld:
+    """What a pipeline rank's stages hold, by their position in its stage list: per
+    microbatch until its backward, the output, the receive buffers; and every pipeline rank's
+    actions, in order (torch's schedule plans them all). A rank whose stages have the same
+    structure holds the same per microbatch, but walks its own actions: 1F1B's ranks keep
+    different counts of microbatches in flight."""
+    per_mb: tuple[int, ...]
+    outputs: tuple[int, ...]
+    buffers: int
+    num_stages: int
+    multi_stage: bool
+    orders: dict
+
+    def activations_bytes(self, pp_rank: int, stage_ids: tuple[int, ...]) -> int:
+        """Pipeline rank `pp_rank`'s peak, its stages `stage_ids` alike to the traced ones."""
+        # which outputs outlive their backward: the last stage's all (`output_chunks`), and
+        # every stage's under multi-stage schedules, which await their sends only when the
+        # step ends; single-stage ones (1F1B, GPipe) await each send soon, but 1F1B's loop
+        # holds the work of its last fired warmup send, and with it that output, until its
+        # steady phase ends
+        keep_all = {sid for sid in stage_ids if sid == self.num_stages - 1 or self.multi_stage}
+        return self.buffers + peak_in_flight(
+            self.orders[pp_rank], dict(zip(stage_ids, self.per_mb)),
+            dict(zip(stage_ids, self.outputs)), keep_all)
+
+
+def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[PipelineHeld, int]:
     t, dims, args = fb.job.training, plan.dims, plan.model_args
     mb = t.local_batch_size // pp_plan.n_microbatches
     seq = t.seq_len // dims.cp
@@ -104,7 +136,7 @@ def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[int, int]:
     hidden_seq = seq // dims.tp if dims.tp_enabled and fb.job.parallelism.enable_sequence_parallel \
         else seq
     hidden_bytes = mb * hidden_seq * args.dim * _act_dtype(fb).itemsize
-    per_mb, outputs, buffers, logits = {}, {}, 0, 0
+    per_mb, outputs, buffers, logits = [], [], 0, 0
     for i, sid in enumerate(pp_plan.stage_ids):
         hidden = None
         if sid > 0:
@@ -113,28 +145,25 @@ def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[int, int]:
             buffers += pp_plan.n_microbatches * hidden_bytes  # activation receive buffers
         if sid < pp_plan.num_stages - 1:
             buffers += pp_plan.n_microbatches * hidden_bytes  # gradient receive buffers
-        per_mb[sid], outputs[sid] = _forward_held(fb, parts, i, mb, t.seq_len, hidden)
+        held, out = _forward_held(fb, parts, i, mb, t.seq_len, hidden)
+        per_mb.append(held)
+        outputs.append(out)
         logits = max(logits, _output_bytes(parts[i], mb, seq, fb))
-    # which outputs outlive their backward: the last stage's all (`output_chunks`), and every
-    # stage's under multi-stage schedules, which await their sends only when the step ends;
-    # single-stage ones (1F1B, GPipe) await each send soon, but 1F1B's loop holds the work of
-    # its last fired warmup send, and with it that output, until its steady phase ends
-    keep_all = {sid for sid in pp_plan.stage_ids if sid == pp_plan.num_stages - 1
-                or not isinstance(fb.schedule, PipelineScheduleSingle)}
-    return buffers + peak_in_flight(fb.schedule, dims["pp"].get_local_rank(), per_mb,
-                                    outputs, keep_all), logits
+    orders = {rank: list(_flat(actions)) for rank, actions in fb.schedule.pipeline_order.items()}
+    return PipelineHeld(tuple(per_mb), tuple(outputs), buffers, pp_plan.num_stages,
+                        not isinstance(fb.schedule, PipelineScheduleSingle), orders), logits
 
 
-def peak_in_flight(schedule, pp_rank: int, per_mb: dict[int, int], outputs: dict[int, int],
+def peak_in_flight(actions: list, per_mb: dict[int, int], outputs: dict[int, int],
                    keep_all: set[int]) -> int:
-    """The most bytes this pipeline rank holds at once, walking its actions in the schedule's
+    """The most bytes a pipeline rank holds at once, walking its actions in the schedule's
     order: a forward keeps its stage's microbatch, a full or weight backward frees it (an
     input-only backward frees little: the weight gradient still needs the inputs) but for
     its output where the schedule keeps that: every output of the stages in `keep_all`, one
     of the others'."""
     held = peak = 0
     kept_one = set()
-    for action in _flat(schedule.pipeline_order[pp_rank]):
+    for action in actions:
         kind, sid = action.computation_type.value, action.stage_index
         if kind == "F":
             held += per_mb[sid]

@@ -57,6 +57,15 @@ def rank_bytes(job: JobConfig, plan: RunPlan, rank: int) -> dict:
     """States, activations and transient buffers of one rank of the run `plan` (the job's
     plan_run), and their total, from one build of its parts. A forward the fake tensors
     cannot trace leaves activations and transients None, with the reason."""
+    return _rank_figures(job, plan, rank)[0]
+
+
+def _total(out: dict) -> int:
+    return out["states_bytes"] + (out["activations_bytes"] or 0) + (out["transient_bytes"] or 0)
+
+
+def _rank_figures(job: JobConfig, plan: RunPlan, rank: int):
+    """(rank_bytes, what its pipeline stages hold: `activations.PipelineHeld`, or None)."""
     from titan.planner.activations import trace_activations
     from titan.build import meta_parts
 
@@ -70,35 +79,83 @@ def rank_bytes(job: JobConfig, plan: RunPlan, rank: int) -> dict:
         _, parts, pp_plan = meta_parts(job, plan)
         out = state_bytes(parts, job)
         out["states_bytes"] = sum(out.values())
+        held = None
         try:
-            out.update(trace_activations(job, plan, parts, pp_plan))
+            traced, held = trace_activations(job, plan, parts, pp_plan)
+            out.update(traced)
         except Exception as e:  # noqa: BLE001  the states are still worth reporting
             out.update(activations_bytes=None, transient_bytes=None,
                        activations_error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
-    out["total_bytes"] = out["states_bytes"] + (out["activations_bytes"] or 0) \
-        + (out["transient_bytes"] or 0)
-    return out
+    out["total_bytes"] = _total(out)
+    return out, held
 
 
 def pipeline_rank_bytes(job: JobConfig, plan: RunPlan) -> list[tuple[int, int, dict]]:
     """(rank, pp rank, rank_bytes) for the first rank of every pipeline rank: the others of a
     pipeline rank differ only by an uneven FSDP shard's few elements, the first holding the
-    most. Pipeline ranks whose stages have the same layer counts and ends are computed once
-    (a family's blocks are alike), so a 126-layer model on 16 stages builds a few, not 16."""
+    most. Pipeline ranks whose stages have the same structure (`stage_structures`) are built
+    and traced once, so a 126-layer model on 16 stages builds a few, not 16; each walks its
+    own schedule actions with those figures."""
     dims = plan.dims
     per_pp = dims.world_size // dims.pp
-    done: dict[tuple, dict] = {}
+    if not dims.pp_enabled:
+        return [(0, 0, rank_bytes(job, plan, 0))]
+    done: dict[tuple, tuple] = {}
     out = []
-    for pp_rank in range(dims.pp):
-        key = None
-        if dims.pp_enabled:
-            pp = plan.pipeline(pp_rank)
-            last = pp.num_stages - 1
-            key = tuple((s == 0, s == last, len(pp.layer_ranges[s])) for s in pp.stage_ids)
+    for pp_rank, key in enumerate(stage_structures(plan)):
+        rank = pp_rank * per_pp
         if key not in done:
-            done[key] = rank_bytes(job, plan, pp_rank * per_pp)
-        out.append((pp_rank * per_pp, pp_rank, done[key]))
+            done[key] = _rank_figures(job, plan, rank)
+            figures = done[key][0]
+        else:
+            figures, held = dict(done[key][0]), done[key][1]
+            if held is not None:  # traced: the same stages, this rank's order of actions
+                figures["activations_bytes"] = held.activations_bytes(
+                    pp_rank, plan.pipeline(pp_rank).stage_ids)
+                figures["total_bytes"] = _total(figures)
+        out.append((rank, pp_rank, figures))
     return out
+
+
+def stage_structures(plan: RunPlan) -> list[tuple]:
+    """Per pipeline rank, what its figures depend on besides its place in the schedule: for
+    each of its stages, whether it is the first or the last, which top-level modules it holds
+    (embedding, norm, output: a tied output has no parameter of its own), and its modules'
+    types and parameters' shapes and dtypes, named with a block's index taken as its position
+    in the stage (`layers.7` of a stage of layers 6-7 is `layers.1`), so equal layer counts
+    of unlike blocks (a family whose first layers differ) do not match."""
+    whole = plan.spec.build_meta(plan.model_args)
+    out = []
+    for pp_rank in range(plan.dims.pp):
+        pp_plan = plan.pipeline(pp_rank)
+        stages = []
+        for sid in pp_plan.stage_ids:
+            stage = plan.spec.pipelining_fn(whole, sid, pp_plan)
+            rename = _block_positions(stage)
+            stages.append((
+                sid == 0, sid == pp_plan.num_stages - 1,
+                tuple(name for name, _ in stage.named_children()),
+                tuple((rename(name), type(m).__name__) for name, m in stage.named_modules()),
+                tuple((rename(name), tuple(p.shape), p.dtype)
+                      for name, p in stage.named_parameters(remove_duplicate=False))))
+        out.append(tuple(stages))
+    return out
+
+
+def _block_positions(stage: torch.nn.Module):
+    """A renaming of `stage`'s dotted names: a numbered child of a top-level module (a block
+    of the stack) by its position among those the stage holds."""
+    position = {}
+    for top, child in stage.named_children():
+        blocks = [name for name, _ in child.named_children() if name.isdigit()]
+        position.update({(top, name): str(i) for i, name in enumerate(blocks)})
+
+    def rename(dotted: str) -> str:
+        parts = dotted.split(".")
+        if len(parts) > 1 and (parts[0], parts[1]) in position:
+            parts[1] = position[parts[0], parts[1]]
+        return ".".join(parts)
+    return rename
 
 
 _FIXES = {
