@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.forked import run_workers
-from titan.config import parse_args
+from titan.config import ConfigError, parse_args
 
 CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
 needs_fork = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
@@ -20,6 +20,45 @@ def job(*argv):
     j = parse_args([*CONFIG, *argv])
     j.plan_only = True
     return j
+
+
+# ----------------------------------------------------------------------------- unknown != 0
+
+
+def _check_untraceable(rank, world_size, argv, mode):
+    import titan.planner.activations as activations
+    from titan.launch import check_memory
+    from titan.planner.memory import check_fits
+    from titan.preflight import plan_run
+
+    def untraceable(*args, **kwargs):
+        raise NotImplementedError("aten::made_up_op has no fake-tensor kernel")
+
+    activations.trace_activations = untraceable
+    j = job(*argv, "--memory.check", mode)
+    plan = plan_run(j, 2)
+    problem = check_fits(j, plan)
+    try:
+        check_memory(j, plan)
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
+    return problem, refused
+
+
+@needs_fork
+def test_untraced_activations_fail_the_memory_check(tmp_path):
+    # 80 GiB: the debug model's states fit many times over; only the activations are unknown
+    argv = ["--memory.device_memory_gib", "80"]
+    problem, refused = run_workers(_check_untraceable, 1, tmp_path, argv, "error",
+                                   init_pg=False, barrier=False)[0]
+    assert problem is not None and refused is not None
+    assert "activations could not be traced" in refused and "made_up_op" in refused
+    assert "is unknown" in refused and "memory.check" in refused  # why, and the way on
+    (tmp_path / "warn").mkdir()
+    problem, refused = run_workers(_check_untraceable, 1, tmp_path / "warn", argv, "warn",
+                                   init_pg=False, barrier=False)[0]
+    assert "could not be traced" in problem and refused is None  # warn: launches anyway
 
 
 # ----------------------------------------------------------------------------- reuse

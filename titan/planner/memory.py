@@ -204,10 +204,12 @@ def _gpu_total_memory() -> int | None:
 
 def check_fits(job: JobConfig, plan: RunPlan) -> str | None:
     """None when every pipeline rank's planned memory fits the device (or nothing to check
-    against); else the reason, naming the biggest item and what would shrink it."""
+    against); else the reason, naming the biggest item and what would shrink it. Activations
+    that could not be traced are unknown, not zero: they fail the check too."""
     memory = device_memory_bytes(job)
     if job.memory.check == "off" or memory is None:
         return None
+    unknown = None
     for rank, _, b in pipeline_rank_bytes(job, plan):
         items = {k: b[k] or 0 for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
                                         "activations_bytes", "transient_bytes")}
@@ -222,4 +224,12 @@ def check_fits(job: JobConfig, plan: RunPlan) -> str | None:
                     f"device's {human_bytes(memory)} (memory.device_memory_gib). The biggest "
                     f"item: {biggest.removesuffix('_bytes')} {human_bytes(items[biggest])}; "
                     f"{_FIXES[biggest]}. See python -m titan.planner")
-    return None
+        if b["activations_bytes"] is None and unknown is None:
+            # a rank that surely does not fit, found later, is the better reason
+            unknown = (f"rank {rank}'s activations could not be traced on fake tensors "
+                       f"({b['activations_error']}), so whether it fits the device's "
+                       f"{human_bytes(memory)} is unknown: its parameters, gradients and "
+                       f"optimizer states alone need {human_bytes(total)}. python -m "
+                       "titan.planner shows the same; memory.check = \"off\" skips the "
+                       "check, and a model that should trace is worth reporting")
+    return unknown
