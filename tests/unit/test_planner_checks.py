@@ -11,6 +11,8 @@ import pytest
 
 from tests.forked import run_workers
 from titan.config import ConfigError, parse_args
+from titan.config.manager import source_of
+from titan.planner.layout_search import LAYOUT_FIELDS, apply_settings, settings
 
 CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
 needs_fork = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
@@ -126,3 +128,26 @@ def test_stages_of_unlike_blocks_are_not_reused(tmp_path):
     assert built == [0, 1, 2, 3]  # same layer counts, other blocks
     assert planned == alone
     assert planned[1]["params_bytes"] > planned[2]["params_bytes"]
+
+
+# ----------------------------------------------------------------------------- --suggest
+
+
+def layout(**degrees):
+    return {**dict.fromkeys(LAYOUT_FIELDS, 1), **degrees}
+
+
+def test_suggested_settings_go_through_the_config_parser():
+    base = job("--model.attn_mask_type", "block_causal")
+    fields = settings(layout(dp_shard=2, tp=2), "selective", 4, 32)
+    candidate = apply_settings(base, fields)
+    assert candidate.parallelism.tensor_parallel_degree == 2
+    assert {source_of(candidate, k) for k in fields} == {"--suggest"}
+    assert source_of(base, "parallelism.tensor_parallel_degree") == "the default"  # a copy
+    assert source_of(candidate, "model.attn_mask_type").startswith("command line")
+    # the parser's cross-field checks: block-causal masks are refused under CP
+    with pytest.raises(ConfigError, match="block_causal is not supported with context"):
+        apply_settings(base, settings(layout(cp=2, dp_shard=2), "none", 4, 32))
+    # and its field checks, naming the source
+    with pytest.raises(ConfigError, match=r"'sometimes' \(from --suggest\)"):
+        apply_settings(base, {"activation_checkpoint.mode": "sometimes"})

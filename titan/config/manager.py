@@ -4,6 +4,7 @@ Kept free of torch so that a bad config is reported in a fraction of a second,
 before a process group, a folder or a log file exists.
 """
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -222,12 +223,29 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     if config_files and config_files[-1] not in (None, "", "None"):
         _apply_toml(cfg, config_files[-1], sources)
     for dotted, value, source in overrides:
-        obj, name, tp = _lookup(cfg, dotted, source)
-        setattr(obj, name, _coerce(value, tp, dotted, source))
-        sources[dotted] = source
+        _set(cfg, dotted, value, source, sources)
     cfg.sources = sources
     validate(cfg)
     return cfg
+
+
+def _set(cfg: JobConfig, dotted: str, value, source: str, sources: dict[str, str]) -> None:
+    obj, name, tp = _lookup(cfg, dotted, source)
+    setattr(obj, name, _coerce(value, tp, dotted, source))
+    sources[dotted] = source
+
+
+def with_overrides(cfg: JobConfig, values: dict[str, Any], source: str) -> JobConfig:
+    """A copy of `cfg` with `values` ({"section.key": value}) set as the command line's
+    are: each checked against its field, recorded as coming from `source` (for the errors
+    that name it), then the whole config validated again. For tools that choose settings
+    (the planner's --suggest), so a setting the parser would refuse is refused here too."""
+    out = copy.deepcopy(cfg)
+    out.sources = dict(cfg.sources)
+    for dotted, value in values.items():
+        _set(out, dotted, value, source, out.sources)
+    validate(out)
+    return out
 
 
 def source_of(cfg: JobConfig, key: str) -> str:

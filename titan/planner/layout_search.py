@@ -18,15 +18,16 @@ Step time, per rank, the documented model (for ranking, not a promise):
   behind compute up to the compute time; pipeline sends are exposed.
 """
 
-import copy
 import itertools
 from dataclasses import dataclass, field
 
 from titan.config import ConfigError, JobConfig
+from titan.config.manager import with_overrides
 from titan.parallelisms.parallel_dims import DIMS, ParallelDims
 from titan.preflight import RunPlan
 
 AC_COST = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
+SOURCE = "--suggest"  # where a candidate's settings come from, as the config parser records it
 
 
 @dataclass
@@ -50,11 +51,9 @@ def settings(layout: dict, ac: str, local_batch: int, global_batch: int) -> dict
 
 
 def apply_settings(job: JobConfig, fields: dict) -> JobConfig:
-    j = copy.deepcopy(job)
-    for name, value in fields.items():
-        section, attr = name.split(".")
-        setattr(getattr(j, section), attr, value)
-    return j
+    """The job with a candidate's settings, through the config parser: checked and validated
+    like the printed overrides will be, each recorded as coming from --suggest."""
+    return with_overrides(job, fields, SOURCE)
 
 
 @dataclass
@@ -146,8 +145,8 @@ def suggest(job: JobConfig, base: RunPlan, device_memory: int, hw: Hardware,
         batches = [b for b in (per_rank >> i for i in range(8)) if b and per_rank % b == 0]
         for ac, local in itertools.product(AC_COST, dict.fromkeys(batches)):
             fields = settings(layout, ac, local, global_batch)
-            candidate = apply_settings(job, fields)
             try:
+                candidate = apply_settings(job, fields)
                 plan = plan_run(candidate, world_size, tokenizer=base.tokenizer)
             except ConfigError:
                 continue
