@@ -65,7 +65,7 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: in
     """The new tokens of each prompt (up to and including EOS). `model(tokens, cache)` is a
     family's model with a decode cache; prompts are left-padded into one batch.
     `on_step(new_ids)` sees each step's (batch,) tokens, e.g. to stream them."""
-    from titan.models.decode import DecodeCache
+    from titan.models.common.decode import DecodeCache
 
     device = next(model.parameters()).device
     longest = max(len(p) for p in prompts)

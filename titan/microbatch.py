@@ -12,7 +12,7 @@ from torch import nn
 
 from titan.components.training.loss import cross_entropy_sum, plain
 from titan.config import JobConfig
-from titan.models.documents import document_ids, document_positions
+from titan.models.common.documents import document_ids, document_positions
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.pipeline import PipelinePlan, build_schedule
 from titan.preflight import RunPlan, pipeline_plan

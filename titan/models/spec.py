@@ -17,7 +17,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from titan.config import JobConfig
-    from titan.models.decode import DecodeCache
+    from titan.models.common.decode import DecodeCache
     from titan.parallelisms.parallel_dims import ParallelDims
     from titan.parallelisms.pipeline import PipelinePlan
 
