@@ -101,7 +101,7 @@ def parallelize_gelu_llama(model, dims, job):
 
 
 class GeluLlamaAdapter(DecoderHFAdapter):
-    family = NAME
+    family = hf_model_type = NAME
     interleaved_rope = True
     layer_names = {
         "attention.wq.weight": "self_attn.q_proj.weight",

@@ -68,6 +68,8 @@ class Model(Protocol):
 class StateDictAdapter(Protocol):
     """Maps a family's state dict and config to and from the Hugging Face layout."""
 
+    hf_model_type: str  # config.json's model_type: how an HF folder names its family
+
     def __init__(self, args: ModelArgs) -> None: ...
 
     @classmethod
@@ -159,6 +161,17 @@ def get_train_spec(name: str) -> TrainSpec:
     if name not in _REGISTRY:
         raise KeyError(f"unknown model.name {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def family_of_hf_config(config: dict) -> str | None:
+    """The registered family whose adapter reads this HF config.json's model_type."""
+    import titan.models  # noqa: F401
+
+    for name, spec in sorted(_REGISTRY.items()):
+        adapter = spec.state_dict_adapter
+        if adapter is not None and getattr(adapter, "hf_model_type", None) == config.get("model_type"):
+            return name
+    return None
 
 
 def registered_names() -> list[str]:
