@@ -32,6 +32,8 @@ class ForwardBackward:
         self.amp = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16))
                     if bf16_autocast else contextlib.nullcontext)
         self.schedule = self._schedule(pp_plan, self.loss)
+        # forwards per microbatch of the step: a schedule splits each into its own
+        self.pipeline_microbatches = pp_plan.n_microbatches if pp_plan is not None else 1
         self.eval_schedule = None  # built at the first validation
 
     def _schedule(self, pp_plan, loss_fn):

@@ -1,6 +1,8 @@
 """A test-only model family: Llama 3 with a two-matrix GELU MLP in place of SwiGLU.
 
-It proves the model contract: nothing in titan is edited for it. Everything a family provides
+It proves the model contract: nothing in titan is edited for it. It also uses what the
+contract offers beyond a plain decoder: an auxiliary loss, a post-optimizer-step hook and a
+config section of its own ([gelu_llama]). Everything a family provides
 is here (args, model, TP plan, state-dict adapter, one TrainSpec), built only from
 titan/models/common: its attention, decoder, pipeline split, HF renaming and parallelize
 policy, the latter with this family's MLP plan.
@@ -9,12 +11,17 @@ policy, the latter with this family's MLP plan.
 
 from dataclasses import dataclass, replace
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
+from titan.config.family_options import register_family_options, unregister_family_options
+from titan.config.job_config import opt
+from titan.models import spec as spec_registry
 from titan.models.common.attention import Attention
+from titan.models.common.aux_loss import attach_aux_loss
 from titan.models.common.decoder import Decoder, TransformerBlock
 from titan.models.common.hf_adapter import DecoderHFAdapter
 from titan.models.common.init import normal
@@ -36,6 +43,8 @@ class GeluLlamaArgs:
     rope_theta: float = 500000.0
     max_seq_len: int = 2048
     tie_word_embeddings: bool = False
+    # weight of an auxiliary loss on the MLP inputs' mean square (0: none)
+    aux_loss_coeff: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -60,29 +69,57 @@ class GeluLlamaArgs:
 
 
 class GeluMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, aux_loss_coeff: float = 0.0):
         super().__init__()
         self.fc_in = nn.Linear(dim, hidden, bias=False)
         self.fc_out = nn.Linear(hidden, dim, bias=False)
+        self.aux_loss_coeff = aux_loss_coeff
 
     def init_plan(self, out_init) -> dict:
         return {"fc_in.weight": normal(0.02), "fc_out.weight": out_init}
 
     def forward(self, x):
-        return self.fc_out(F.gelu(self.fc_in(x)))
+        out = self.fc_out(F.gelu(self.fc_in(x)))
+        if self.aux_loss_coeff:
+            # of the input, which is whole on every TP rank: the same loss in every layout
+            out = attach_aux_loss(out, "activation_l2", self.aux_loss_coeff * x.pow(2).mean())
+        return out
 
 
 class GeluLlama(Decoder):
+    def __init__(self, args: GeluLlamaArgs):
+        super().__init__(args)
+        # counted by this family's post-optimizer hook
+        self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.int64),
+                             persistent=False)
+
     def build_block(self, layer_id: int, args: GeluLlamaArgs) -> TransformerBlock:
         return TransformerBlock(
             layer_id, args.dim, args.norm_eps,
             Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim),
-            GeluMLP(args.dim, args.ffn_hidden_dim))
+            GeluMLP(args.dim, args.ffn_hidden_dim, args.aux_loss_coeff))
 
     @staticmethod
     def rope_table(args: GeluLlamaArgs, device=None):
         return rope_table(inverse_frequencies(args.head_dim, args.rope_theta), args.max_seq_len,
                           device=device)
+
+    def init_weights(self, seed: int, buffer_device=None) -> None:
+        super().init_weights(seed, buffer_device)
+        self.optimizer_steps = torch.zeros((), dtype=torch.int64, device=self.rope.device)
+
+
+def count_optimizer_steps(parts, job):
+    def hook():
+        for part in parts:
+            part.optimizer_steps += 1
+    return hook
+
+
+@dataclass
+class GeluLlamaOptions:
+    aux_loss_coeff: float = opt(0.0, "Weight of the auxiliary loss on the MLP inputs' mean "
+                                "square (0: none)")
 
 
 def gelu_mlp_plan(between) -> dict:
@@ -141,4 +178,11 @@ def register() -> None:
         name=NAME, model_cls=GeluLlama, flavors=FLAVORS,
         parallelize_fn=parallelize_gelu_llama,
         pipelining_fn=pipeline_decoder, state_dict_adapter=GeluLlamaAdapter,
+        post_optimizer_hooks=(count_optimizer_steps,),
     ))
+    register_family_options(NAME, GeluLlamaOptions)
+
+
+def unregister() -> None:
+    spec_registry._REGISTRY.pop(NAME)
+    unregister_family_options(NAME)

@@ -1,5 +1,7 @@
 """Llama 3 model: published sizes, meta-device build, init determinism and layout independence."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -181,3 +183,22 @@ def test_init_last_stage_layout_independent(debug_model):
         for lid in first_layers:
             h = debug_model.layers[lid](h, debug_model.rope)
         torch.testing.assert_close(stage(h), debug_model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_an_aux_loss_adds_its_gradient_only_in_a_collected_step():
+    from titan.models.common.aux_loss import AuxLossCollector, attach_aux_loss
+
+    def grad(collect: bool):
+        x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+        with AuxLossCollector(0.25) if collect else contextlib.nullcontext() as aux:
+            h = attach_aux_loss(x * 2, "square", (x ** 2).sum())
+            assert torch.equal(h, x * 2)  # the output is unchanged
+            h.sum().backward()
+        return x.grad, aux
+
+    plain, _ = grad(False)
+    assert torch.equal(plain, torch.full((3,), 2.0))
+    with_aux, aux = grad(True)
+    x = torch.tensor([1.0, -2.0, 3.0])
+    assert torch.allclose(with_aux, 2 + 0.25 * 2 * x)  # weighted like one microbatch of four
+    assert aux.floats() == {"square": 0.25 * 14.0}
