@@ -12,6 +12,7 @@ from torch import nn
 
 from titan.components.training.loss import cross_entropy_sum, plain
 from titan.config import JobConfig
+from titan.models.common import aux_loss
 from titan.models.common.documents import document_ids, document_positions
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.pipeline import PipelinePlan, build_schedule
@@ -39,7 +40,8 @@ class ForwardBackward:
     def _schedule(self, pp_plan, loss_fn):
         if pp_plan is None:
             return None
-        return build_schedule(self.parts, pp_plan, self.plan.dims["pp"], self.device, loss_fn)
+        return build_schedule(self.parts, pp_plan, self.plan.dims["pp"], self.device, loss_fn,
+                              inference_ctx=aux_loss.paused)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # normalized by every token of this rank's step: microbatches and stages add up
