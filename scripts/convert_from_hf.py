@@ -1,5 +1,6 @@
 """Convert an HF folder (config.json + safetensors) to a model-only titan DCP checkpoint,
-through the model family's state-dict adapter (--model-name, default llama3).
+through the model family's state-dict adapter: the family whose adapter reads config.json's
+model_type (llama, qwen3, ...), or --model-name.
 
     python scripts/download_hf_assets.py --repo meta-llama/Llama-3.1-8B --weights
     python scripts/convert_from_hf.py assets/hf/Llama-3.1-8B assets/dcp/llama3_8b
@@ -39,7 +40,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of the stored weights (default float32)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    ap.add_argument("--model-name", default="llama3", help="registered model family (default llama3)")
+    ap.add_argument("--model-name", help="registered model family (default: the one that reads "
+                    "config.json's model_type)")
     args = ap.parse_args(argv)
 
     from titan.components.checkpoint import folders as checkpoint
@@ -47,7 +49,7 @@ def main(argv=None) -> None:
     from titan.components.checkpoint import hf_io
     from titan.components.checkpoint.identity import model_identity
     from titan.dtypes import to_dtype
-    from titan.models.spec import get_train_spec
+    from titan.models.spec import family_of_hf_config, get_train_spec, registered_names
 
     t0 = time.time()
     mesh = None
@@ -59,7 +61,15 @@ def main(argv=None) -> None:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     rank0 = mesh is None or mesh.get_rank() == 0
     try:
-        spec = get_train_spec(args.model_name)
+        name = args.model_name or family_of_hf_config(hf_io.read_hf_config(args.hf_dir))
+        if name is None:
+            raise KeyError(f"no registered model family reads model_type "
+                           f"{hf_io.read_hf_config(args.hf_dir).get('model_type')!r} of "
+                           f"{args.hf_dir}/config.json; registered: "
+                           f"{', '.join(registered_names())} (--model-name)")
+        spec = get_train_spec(name)
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
     except KeyError as e:
         raise SystemExit(f"error: {e.args[0]}") from None
     try:

@@ -8,13 +8,14 @@ model family's state-dict adapter.
     # a checkpoint root: the newest completed step-N folder in it is used
     python scripts/convert_to_hf.py outputs/checkpoint exports/debug_hf --flavor debugmodel
 
-    # an architecture no flavor describes (e.g. trained with model.flavor = "from_hf"):
-    # take it from the HF config.json it started from
+    # an architecture no flavor describes, from a checkpoint saved before titan recorded its
+    # model: take it from the HF config.json it started from
     python scripts/convert_to_hf.py outputs/run/checkpoint exports/run_hf --hf-config hf_in/config.json
 
-The architecture comes from the registered flavor (--model-name/--flavor, as in the
-training config) or from an HF config.json (--hf-config); the vocab size is read from the
-checkpoint's embedding. max_position_embeddings is the flavor's published context (131072
+The family and architecture are the ones the checkpoint records (every save since the record
+was added: any family, any flavor, from_hf's too); --model-name/--flavor (as in the training
+config) or an HF config.json (--hf-config) name them for older saves, or override. The vocab
+size is read from the checkpoint's embedding. max_position_embeddings is the flavor's published context (131072
 for Llama 3.1/3.2), else --max-seq-len. Only the `model` entry is read; the optimizer state
 is never loaded. Folders without the `.complete` marker are refused. --tokenizer writes
 tokenizer.json (adding BOS as titan does), tokenizer_config.json and
@@ -44,8 +45,9 @@ def main(argv=None) -> None:
     ap.add_argument("checkpoint", help="DCP step folder (…/checkpoint/step-N) or a checkpoint root")
     ap.add_argument("output", help="HF folder to write (created; one holding an HF model needs "
                     "--overwrite)")
-    ap.add_argument("--model-name", default="llama3", help="registered model family (default llama3)")
-    arch = ap.add_mutually_exclusive_group(required=True)
+    ap.add_argument("--model-name", help="registered model family (default: the one the "
+                    "checkpoint records, else llama3)")
+    arch = ap.add_mutually_exclusive_group()
     arch.add_argument("--flavor", help="flavor the checkpoint was trained with, e.g. 8B")
     arch.add_argument("--hf-config", help="an HF config.json with the checkpoint's architecture "
                       "(for models trained with model.flavor = \"from_hf\")")
@@ -65,32 +67,38 @@ def main(argv=None) -> None:
     from titan.components.checkpoint import folders as checkpoint
 
     from titan.components.checkpoint import hf_io
+    from titan.components.checkpoint.identity import args_in_record
     from titan.components.data.tokenizer import Tokenizer, TokenizerError
     from titan.models.spec import get_train_spec
 
     t0 = time.time()
-    try:
-        spec = get_train_spec(args.model_name)
-    except KeyError as e:
-        fail(e.args[0])
-    if args.flavor is not None and args.flavor not in spec.flavors:
-        fail(f"unknown flavor {args.flavor!r} for {args.model_name}; "
-             f"choose from {', '.join(spec.flavors)}, or give --hf-config")
-    if spec.state_dict_adapter is None:
-        fail(f"model family {args.model_name!r} registers no HF state-dict adapter, so it "
-             "cannot be exported to HF")
-    out_dir = Path(args.output)
-    if hf_io.holds_hf_model(out_dir) and not args.overwrite:
-        fail(f"{out_dir} already holds an HF model "
-             f"({', '.join(p.name for p in hf_io.hf_model_files(out_dir)[:4])}); pass "
-             "--overwrite to replace it, or choose another output folder")
-
     ckpt = Path(args.checkpoint)
     if not (ckpt / checkpoint.COMPLETE_MARKER).is_file():
         latest = checkpoint.latest_complete_step(ckpt)
         if latest is not None:
             print(f"using the newest completed checkpoint {latest}")
             ckpt = latest
+    record = checkpoint.saved_model(ckpt) if (ckpt / checkpoint.COMPLETE_MARKER).is_file() else None
+    name = args.model_name or (record or {}).get("family") or "llama3"
+    try:
+        spec = get_train_spec(name)
+    except KeyError as e:
+        fail(e.args[0])
+    if args.flavor is not None and args.flavor not in spec.flavors:
+        fail(f"unknown flavor {args.flavor!r} for {name}; "
+             f"choose from {', '.join(spec.flavors)}, or give --hf-config")
+    recorded = record is not None and record.get("family") == spec.name
+    if args.flavor is None and args.hf_config is None and not recorded:
+        fail(f"{ckpt} does not record a {name} model (saved before titan recorded it, or of "
+             "another family): give --flavor (and --model-name) or --hf-config")
+    if spec.state_dict_adapter is None:
+        fail(f"model family {name!r} registers no HF state-dict adapter, so it "
+             "cannot be exported to HF")
+    out_dir = Path(args.output)
+    if hf_io.holds_hf_model(out_dir) and not args.overwrite:
+        fail(f"{out_dir} already holds an HF model "
+             f"({', '.join(p.name for p in hf_io.hf_model_files(out_dir)[:4])}); pass "
+             "--overwrite to replace it, or choose another output folder")
     try:
         tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
     except TokenizerError as e:
@@ -99,8 +107,10 @@ def main(argv=None) -> None:
         if args.hf_config:
             config = json.loads(Path(args.hf_config).read_text())
             base = hf_io.args_from_hf_config(spec, config, args.max_seq_len)
-        else:
+        elif args.flavor is not None:
             base = spec.flavors[args.flavor].with_updates(max_seq_len=args.max_seq_len)
+        else:
+            base = args_in_record(spec, record, args.max_seq_len)
         state = checkpoint.load_dcp_model_state(ckpt)
         vocab = spec.vocab_size_of({n: t.shape for n, t in state.items()}, base)
         model_args = base.with_updates(vocab_size=vocab)

@@ -65,7 +65,7 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: in
     """The new tokens of each prompt (up to and including EOS). `model(tokens, cache)` is a
     family's model with a decode cache; prompts are left-padded into one batch.
     `on_step(new_ids)` sees each step's (batch,) tokens, e.g. to stream them."""
-    from titan.models.decode import DecodeCache
+    from titan.models.common.decode import DecodeCache
 
     device = next(model.parameters()).device
     longest = max(len(p) for p in prompts)
@@ -130,6 +130,13 @@ def model_args(path: Path, job, spec):
     checkpoint.check_complete(path)
     shapes = {n: s for n, (s, _) in checkpoint.dcp_model_metadata(path).items()}
     name = job.model.flavor
+    saved = checkpoint.saved_model(path) or {}
+    if "model.flavor" not in job.sources and saved.get("family") == spec.name:
+        name = saved["flavor"]  # the flavor it records, unless one is named
+        if name not in spec.flavors:  # from_hf: the architecture is in the record
+            from titan.components.checkpoint.identity import args_in_record
+
+            return args_in_record(spec, saved, job.training.seq_len)
     if name not in spec.flavors:
         raise GenerateError(f"--model.flavor {name}: {spec.name} has flavors "
                             f"{', '.join(spec.flavors)}")
@@ -294,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail(e)
 
     from titan.components.checkpoint.folders import CheckpointError
+    from titan.components.checkpoint.identity import family_in
     from titan.components.data.tokenizer import Tokenizer, TokenizerError
     from titan.config import ConfigError, parse_args
     from titan.distributed import init_distributed, pick_device
@@ -305,11 +313,13 @@ def main(argv: list[str] | None = None) -> None:
     # every rank checks alike, so with torchrun all of them stop at the same line
     try:
         job = parse_args(overrides)
-        spec = get_train_spec(job.model.name)
         path = Path(opts.checkpoint)
         if not path.is_dir():
             raise CheckpointError(f"--checkpoint {path}: no such folder")
         path = checkpoint_folder(path)
+        if "model.name" not in job.sources:  # the family the folder holds, unless one is named
+            job.model.name = family_in(path) or job.model.name
+        spec = get_train_spec(job.model.name)
         tok_path = path if _is_hf(path) and (path / "tokenizer.json").is_file() else job.model.tokenizer_path
         tokenizer = Tokenizer(str(tok_path))
         prompts = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]

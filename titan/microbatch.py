@@ -12,7 +12,8 @@ from torch import nn
 
 from titan.components.training.loss import cross_entropy_sum, plain
 from titan.config import JobConfig
-from titan.models.documents import document_ids, document_positions
+from titan.models.common import aux_loss
+from titan.models.common.documents import document_ids, document_positions
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.pipeline import PipelinePlan, build_schedule
 from titan.preflight import RunPlan
@@ -32,12 +33,15 @@ class ForwardBackward:
         self.amp = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16))
                     if bf16_autocast else contextlib.nullcontext)
         self.schedule = self._schedule(pp_plan, self.loss)
+        # forwards per microbatch of the step: a schedule splits each into its own
+        self.pipeline_microbatches = pp_plan.n_microbatches if pp_plan is not None else 1
         self.eval_schedule = None  # built at the first validation
 
     def _schedule(self, pp_plan, loss_fn):
         if pp_plan is None:
             return None
-        return build_schedule(self.parts, pp_plan, self.plan.dims["pp"], self.device, loss_fn)
+        return build_schedule(self.parts, pp_plan, self.plan.dims["pp"], self.device, loss_fn,
+                              inference_ctx=aux_loss.paused)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # normalized by every token of this rank's step: microbatches and stages add up

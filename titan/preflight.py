@@ -5,6 +5,7 @@ after torchrun starts N workers); each worker runs it again, as workers may be s
 by other launchers.
 """
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -184,11 +185,22 @@ def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer | N
                     f"{'; '.join(diff)} (HF vs flavor). Set model.flavor = \"{FROM_HF}\" to "
                     "train the HF model's shape")
             args = args.with_updates(vocab_size=hf.vocab_size)
+    args = args.with_updates(**family_overrides(job, spec, args))
     if tokenizer is not None and tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer {m.tokenizer_path!r} has {tokenizer.vocab_size} tokens "
                           f"but the HF model's embedding only {args.vocab_size}: use the "
                           "model's own tokenizer (model.tokenizer_path = the HF folder)")
     return args
+
+
+def family_overrides(job: JobConfig, spec: TrainSpec, args: ModelArgs) -> dict:
+    """The family's options ([<family>]) set by a file or the command line that name a field
+    of its ModelArgs: they override the flavor's value."""
+    options = job.families.get(spec.name)
+    if options is None:
+        return {}
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+            if f"{spec.name}.{f.name}" in job.sources and hasattr(args, f.name)}
 
 
 def vocabulary_note(job: JobConfig, run: RunPlan) -> str | None:

@@ -24,6 +24,7 @@ from titan.components.data.dataloader import DataShard, build_dataloader
 from titan.components.data.dataset import DataError
 from titan.components.fault_tolerance.injection import FaultInjector
 from titan.components.quantization.float8 import scale_precomputer
+from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
 from titan.components.observability.flops import peak_flops
 from titan.components.training.gc import ScheduledGC
 from titan.components.optim.grad_clip import clip_grad_norm_
@@ -87,7 +88,12 @@ class Trainer:
                     if self.pp_plan else "")
 
         self.optimizer = build_optimizer(self.model_parts, job.optimizer)
-        self.after_optimizer_step = scale_precomputer(self.model_parts, job.float8)
+        # run after every optimizer step that is taken, in order: float8 scales of the new
+        # weights, then the family's (an MoE's router-bias update, say)
+        self.post_optimizer_hooks = [h for h in (
+            scale_precomputer(self.model_parts, job.float8),
+            *(make(self.model_parts, job) for make in plan.spec.post_optimizer_hooks)) if h]
+        self.aux_losses: dict[str, float] = {}
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
 
         self.train_state = TrainState()
@@ -200,9 +206,11 @@ class Trainer:
             self.checkpointer.wait_for_staging()  # a heal may overwrite the parameters
             self.ft.start_step()  # the quorum forms while forward/backward run
         loss = torch.zeros((), device=self.device)
-        for inputs, labels in microbatches:
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            loss += self.fwd_bwd.step(inputs, labels)
+        with AuxLossCollector(1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)) as aux:
+            for inputs, labels in microbatches:
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                loss += self.fwd_bwd.step(inputs, labels)
+        self.aux_losses = aux.floats()
         params = [p for part in self.model_parts for p in part.parameters()]
         shard_grads_like_params(params)
         copies = []
@@ -233,8 +241,8 @@ class Trainer:
         # an async checkpoint's copy of the parameters overlaps forward/backward, not this
         self.checkpointer.wait_for_staging()
         self.optimizer.step()
-        if self.after_optimizer_step is not None:  # float8 scales of the new weights
-            self.after_optimizer_step()
+        for hook in self.post_optimizer_hooks:
+            hook()
         self.lr_scheduler.step()
         return loss_v, norm_v, False
 
@@ -292,6 +300,9 @@ class Trainer:
                                          gc_sched.step(self.step))
                 if self.metrics.should_log(self.step, t.steps):
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+                    # the model's auxiliary losses, beside the cross-entropy `loss`
+                    extra.update({f"aux_loss/{k}": v for k, v in reduce_aux_losses(
+                        self.aux_losses, self.plan.dims.pp).items()})
                     mix = self.dataloader.source_tokens(t.seq_len)
                     if mix is not None:  # the realized mix of weighted sources
                         extra["source_tokens"] = mix

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan.models.spec import Model, ModelArgs, TrainSpec, get_train_spec, register_train_spec
+from titan.models.spec import (Model, ModelArgs, TrainSpec, get_train_spec, register_train_spec,
+                               registered_names)
 from titan.paths import REPO_ROOT
 
 TITAN = REPO_ROOT / "titan"
@@ -29,29 +30,62 @@ def imported_modules(path: Path) -> set[str]:
     return out
 
 
+FAMILIES = registered_names()
+
+
+def family_folder(path: Path) -> str | None:
+    """The registered family whose folder (titan/models/<family>/) holds `path`."""
+    rel = path.relative_to(TITAN).parts
+    return rel[1] if len(rel) > 2 and rel[0] == "models" and rel[1] in FAMILIES else None
+
+
 def generic_files() -> list[Path]:
     """Everything that must work for any model family: all of titan but the families
-    themselves (titan/models/<family>/ and the registry's import lines), and the scripts."""
+    themselves (titan/models/<family>/ and the registry's import lines), titan/models/common
+    included, and the scripts."""
     files = [p for p in TITAN.rglob("*.py")
-             if p.parent.parent != TITAN / "models" and p != TITAN / "models" / "__init__.py"]
+             if family_folder(p) is None and p != TITAN / "models" / "__init__.py"]
     return files + sorted((REPO_ROOT / "scripts").glob("*.py"))
 
 
-@pytest.mark.parametrize("folder", ["components", "parallelisms"])
+@pytest.mark.parametrize("folder", ["components", "parallelisms", "models/common", "planner"])
 def test_generic_folders_exist_and_are_scanned(folder):
     assert any(TITAN / folder in p.parents for p in generic_files())
 
 
+def imports_a_family(module: str) -> str | None:
+    return next((f for f in FAMILIES if module == f"titan.models.{f}"
+                 or module.startswith(f"titan.models.{f}.")), None)
+
+
 def test_no_generic_module_imports_a_model_family():
+    assert {"llama3", "qwen3"} <= set(FAMILIES)
     offenders = {str(p.relative_to(REPO_ROOT)): sorted(m for m in imported_modules(p)
-                                                        if m.startswith("titan.models.llama3"))
+                                                        if imports_a_family(m))
                  for p in generic_files()}
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-def test_the_scan_sees_llama_imports():
-    # the check above would pass vacuously if it could not see an import of the family
+def test_families_do_not_import_each_other():
+    offenders = {str(p.relative_to(REPO_ROOT)): sorted(
+        m for m in imported_modules(p) if imports_a_family(m) not in (None, family_folder(p)))
+        for p in TITAN.rglob("*.py") if family_folder(p)}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_scan_sees_family_imports():
+    # the checks above would pass vacuously if they could not see an import of a family
+    assert imports_a_family("titan.models.llama3.args") == "llama3"
     assert "titan.models.llama3.args" in imported_modules(TITAN / "models" / "llama3" / "model.py")
+    assert "titan.models.qwen3.args" in imported_modules(TITAN / "models" / "qwen3" / "model.py")
+    assert TITAN / "models" / "common" / "attention.py" in generic_files()
+
+
+def test_the_test_family_builds_on_common_only():
+    from tests.families import gelu_llama
+
+    used = {imports_a_family(m) for m in imported_modules(Path(gelu_llama.__file__))}
+    assert used == {None}
 
 
 def test_one_dtype_name_map():
@@ -67,11 +101,12 @@ def test_one_dtype_name_map():
     assert found == ["titan/dtypes.py"]
 
 
-def test_registered_family_satisfies_the_protocols():
-    llama = get_train_spec("llama3")
-    for args in llama.flavors.values():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_registered_family_satisfies_the_protocols(family):
+    spec = get_train_spec(family)
+    for args in spec.flavors.values():
         assert isinstance(args, ModelArgs)
-    model = llama.build_meta(llama.flavors["debugmodel"])
+    model = spec.build_meta(spec.flavors["debugmodel"])
     assert isinstance(model, Model)
     (rope, dim), = model.cp_buffers()
     assert rope is model.rope and dim == 0

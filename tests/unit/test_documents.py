@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan.models.documents import (block_causal_block_mask, block_causal_mask, document_ids,
+from titan.models.common.documents import (block_causal_block_mask, block_causal_mask, document_ids,
                                     document_positions)
 from titan.models.llama3 import LLAMA3_FLAVORS, Transformer
 

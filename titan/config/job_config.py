@@ -5,7 +5,9 @@ must not import torch: the launcher validates configs before any heavy import.
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from titan.config.family_options import family_sections
 
 
 def opt(default, doc: str):
@@ -342,8 +344,17 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     memory: Memory = field(default_factory=Memory)
     debug: Debug = field(default_factory=Debug)
+    # the sections model families own ([qwen3], ...): titan.config.family_options
+    families: dict[str, Any] = field(default_factory=family_sections, repr=False)
     # not a section: where each value set by a file or the command line came from
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     # not a section: set by python -m titan.planner, which needs the tokenizer only for its
     # vocabulary size, so a missing one plans the flavor's vocabulary instead of failing
     plan_only: bool = field(default=False, repr=False, compare=False)
+
+    def __getattr__(self, name: str):
+        # job.<family> reaches a family's section; only called when no attribute has the name
+        families = self.__dict__.get("families") or {}
+        if name in families:
+            return families[name]
+        raise AttributeError(f"{type(self).__name__} has no section {name!r}")

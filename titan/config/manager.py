@@ -27,8 +27,9 @@ class ConfigError(ValueError):
 
 
 def _sections(cfg: JobConfig) -> dict[str, Any]:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    own = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+           if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    return {**own, **cfg.families}
 
 
 def _field_types(section_obj) -> dict[str, Any]:

@@ -1,3 +1,4 @@
 """Model families; importing this package registers their train specs."""
 
 import titan.models.llama3  # noqa: F401
+import titan.models.qwen3  # noqa: F401

@@ -1,14 +1,16 @@
 """The model contract and the train-spec registry.
 
 A model family is a folder `titan/models/<family>/` that registers one TrainSpec, plus one
-import line in `titan/models/__init__.py`. The trainer, the parallelisms, checkpoints and HF
-conversion reach a family only through the protocols below, never through its attributes:
-a second family, or an MoE, needs no edit anywhere else.
+import line in `titan/models/__init__.py`; it builds on `titan/models/common/` (attention,
+RoPE, decoder, parallelize policy, HF renaming). The trainer, the parallelisms, checkpoints
+and HF conversion reach a family only through the protocols below, never through its
+attributes; its own config section, if any, is `titan/models/<family>/options.py`
+(titan.config.family_options).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -17,7 +19,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from titan.config import JobConfig
-    from titan.models.decode import DecodeCache
+    from titan.models.common.decode import DecodeCache
     from titan.parallelisms.parallel_dims import ParallelDims
     from titan.parallelisms.pipeline import PipelinePlan
 
@@ -61,12 +63,17 @@ class Model(Protocol):
         ...
 
     def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
-        """Logits; with a cache (generation), `tokens` continue the cached ones."""
+        """Logits; with a cache (generation), `tokens` continue the cached ones. Auxiliary
+        losses (an MoE's load balancing) ride on an activation through
+        `titan.models.common.aux_loss.attach_aux_loss`: backward sees them, metrics log them
+        as aux_loss/<name>, and `loss` stays the cross-entropy."""
         ...
 
 
 class StateDictAdapter(Protocol):
     """Maps a family's state dict and config to and from the Hugging Face layout."""
+
+    hf_model_type: str  # config.json's model_type: how an HF folder names its family
 
     def __init__(self, args: ModelArgs) -> None: ...
 
@@ -100,6 +107,10 @@ class PipeliningFn(Protocol):
     def __call__(self, whole: nn.Module, stage_id: int, plan: PipelinePlan) -> nn.Module: ...
 
 
+class PostOptimizerHook(Protocol):
+    def __call__(self, parts: list[nn.Module], job: JobConfig) -> Callable[[], None] | None: ...
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     name: str
@@ -108,6 +119,9 @@ class TrainSpec:
     parallelize_fn: ParallelizeFn
     pipelining_fn: PipeliningFn | None = None
     state_dict_adapter: type[StateDictAdapter] | None = None
+    # each makes, from the built model parts and the job, a callable run after every optimizer
+    # step taken (or None: nothing to do in this run), e.g. an MoE's router-bias update
+    post_optimizer_hooks: tuple[PostOptimizerHook, ...] = ()
 
     def build_meta(self, args: ModelArgs) -> nn.Module:
         """The model with parameters on the meta device: shapes, no memory."""
@@ -159,6 +173,17 @@ def get_train_spec(name: str) -> TrainSpec:
     if name not in _REGISTRY:
         raise KeyError(f"unknown model.name {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def family_of_hf_config(config: dict) -> str | None:
+    """The registered family whose adapter reads this HF config.json's model_type."""
+    import titan.models  # noqa: F401
+
+    for name, spec in sorted(_REGISTRY.items()):
+        adapter = spec.state_dict_adapter
+        if adapter is not None and getattr(adapter, "hf_model_type", None) == config.get("model_type"):
+            return name
+    return None
 
 
 def registered_names() -> list[str]:

@@ -2,6 +2,7 @@
 schedule. Cutting a stage out of a model is the model family's `pipelining_fn`.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,13 +128,31 @@ def _layer_index(point: str) -> int:
     return int(name)
 
 
-def build_schedule(stages: list[nn.Module], plan: PipelinePlan, pp_mesh: DeviceMesh,
-                   device: torch.device, loss_fn: Callable):
+def _stage_class(inference_ctx: Callable):
     from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        """A stage whose first step's shape inference (a forward and backward on empty
+        tensors) runs inside `inference_ctx` (so that, e.g., no auxiliary loss is recorded)."""
+
+        def _prepare_forward_infra(self, *args, **kwargs):
+            with inference_ctx():
+                return super()._prepare_forward_infra(*args, **kwargs)
+
+        def _prepare_backward_infra(self, *args, **kwargs):
+            with inference_ctx():
+                return super()._prepare_backward_infra(*args, **kwargs)
+
+    return Stage
+
+
+def build_schedule(stages: list[nn.Module], plan: PipelinePlan, pp_mesh: DeviceMesh,
+                   device: torch.device, loss_fn: Callable,
+                   inference_ctx: Callable = contextlib.nullcontext):
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     pipeline_stages = [
-        PipelineStage(m, sid, plan.num_stages, device, group=pp_mesh.get_group())
+        _stage_class(inference_ctx)(m, sid, plan.num_stages, device, group=pp_mesh.get_group())
         for m, sid in zip(stages, plan.stage_ids)
     ]
     cls = get_schedule_class(plan.schedule)

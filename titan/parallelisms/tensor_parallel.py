@@ -1,5 +1,5 @@
 """Tensor-parallel helpers that know no model: the plans themselves live with each family
-(e.g. titan/models/llama3/parallelize.py) and go through torch's `parallelize_module`."""
+(e.g. titan/models/common/parallelize.py) and go through torch's `parallelize_module`."""
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh

@@ -112,3 +112,21 @@ def model_identity(spec, flavor: str, args) -> ModelIdentity:
     shapes = saved_form({n: tuple(t.shape) for n, t in meta.state_dict().items()}, list(ties))
     return ModelIdentity(family=spec.name, flavor=flavor,
                          args=json.loads(json.dumps(fields)), shapes=shapes, ties=ties)
+
+
+def family_in(path: Path) -> str | None:
+    """The model family a step folder (its marker's record) or an HF folder (config.json's
+    model_type) holds; None when it does not say."""
+    from titan.models.spec import family_of_hf_config
+
+    if (path / "config.json").is_file():
+        return family_of_hf_config(json.loads((path / "config.json").read_text()))
+    record = saved_model(path)
+    return record.get("family") if record else None
+
+
+def args_in_record(spec, record: dict, max_seq_len: int):
+    """The ModelArgs a marker's model record describes (any flavor, from_hf's too)."""
+    base = next(iter(spec.flavors.values()))
+    known = {k: v for k, v in record["args"].items() if hasattr(base, k)}
+    return base.with_updates(**known, max_seq_len=max_seq_len)

@@ -1,18 +1,12 @@
 """Map titan's Llama 3 state dict and args to and from the HF `LlamaForCausalLM` layout.
 
 titan rotates interleaved pairs (Meta's layout); HF rotates the two halves of each head,
-so q/k projection rows are permuted on the way across.
-
-A tied model (`tie_word_embeddings`, Llama 3.2 1B/3B) stores its one matrix as
-embed_tokens only, as HF does; a pipeline stage that holds only the output layer's copy of
-it reads and writes it under that name too.
+so q/k projection rows are permuted on the way across (titan.models.common.hf_adapter).
 """
 
 import math
-import re
 
-import torch
-
+from titan.models.common.hf_adapter import DecoderHFAdapter, rope_settings
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
 _LAYER = {
@@ -26,99 +20,13 @@ _LAYER = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
 }
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def _permute_rows(w: torch.Tensor, n_heads: int, to_halves: bool) -> torch.Tensor:
-    """Reorder the rows of each head between the interleaved and the two-halves layout.
-
-    A DTensor sharded along whole heads is permuted shard by shard, with no communication;
-    one whose shards cut through heads is gathered for this one tensor, permuted, and
-    resharded as it was."""
-    rows, cols = w.shape
-    split = (n_heads, rows // n_heads // 2, 2) if to_halves else (n_heads, 2, rows // n_heads // 2)
-    try:
-        return w.view(*split, cols).transpose(1, 2).reshape(rows, cols)
-    except RuntimeError:
-        from torch.distributed.tensor import DTensor, Replicate
-
-        if not isinstance(w, DTensor):
-            raise
-        full = w.redistribute(placements=[Replicate()] * w.device_mesh.ndim)
-        out = full.view(*split, cols).transpose(1, 2).reshape(rows, cols)
-        return out.redistribute(placements=w.placements)
-
-
-def _interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    return _permute_rows(w, n_heads, to_halves=True)
-
-
-def _halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    return _permute_rows(w, n_heads, to_halves=False)
-
-
-class Llama3StateDictAdapter:
-    # titan name within a block -> HF name within a layer; a variant family overrides it
-    layer_names = _LAYER
-
-    def __init__(self, args: Llama3Args):
-        self.args = args
-        self._heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}
-
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in state_dict.items():
-            m = _TITAN_LAYER.match(name)
-            if m is None:
-                if name not in _TOP:
-                    raise KeyError(f"no HF name for titan parameter {name!r}")
-                if name == "output.weight" and self.args.tie_word_embeddings:
-                    if "tok_embeddings.weight" in state_dict:
-                        continue  # the same matrix, stored once
-                    name = "tok_embeddings.weight"  # a last pipeline stage's copy
-                out[_TOP[name]] = t
-                continue
-            layer, rest = m.groups()
-            if rest not in self.layer_names:
-                raise KeyError(f"no HF name for titan parameter {name!r}")
-            if rest in self._heads:
-                t = _interleaved_to_halves(t, self._heads[rest])
-            out[f"model.layers.{layer}.{self.layer_names[rest]}"] = t
-        return out
-
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor],
-                hf_config: dict | None = None) -> dict[str, torch.Tensor]:
-        tied = self.args.tie_word_embeddings
-        if tied:  # some tied repos also store lm_head: HF ignores it, and so does titan
-            hf_state_dict = {k: v for k, v in hf_state_dict.items() if k != "lm_head.weight"}
-        top = {v: k for k, v in _TOP.items()}
-        layer_map = {v: k for k, v in self.layer_names.items()}
-        out = {}
-        for name, t in hf_state_dict.items():
-            if "rotary_emb" in name:
-                continue  # HF may store inv_freq; titan recomputes it
-            m = _HF_LAYER.match(name)
-            if m is None:
-                if name not in top:
-                    raise KeyError(f"unexpected HF parameter {name!r} for a Llama 3 model")
-                out[top[name]] = t
-                continue
-            layer, rest = m.groups()
-            if rest not in layer_map:
-                raise KeyError(f"unexpected HF parameter {name!r} for a Llama 3 model")
-            titan_name = layer_map[rest]
-            if titan_name in self._heads:
-                t = _halves_to_interleaved(t, self._heads[titan_name])
-            out[f"layers.{layer}.{titan_name}"] = t
-        if tied and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-        return out
+class Llama3StateDictAdapter(DecoderHFAdapter):
+    family = "Llama 3"
+    hf_model_type = "llama"
+    layer_names = _LAYER  # a variant family overrides it
+    interleaved_rope = True
 
     @classmethod
     def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> Llama3Args:
@@ -194,12 +102,8 @@ def llama3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> 
     if n_heads % n_kv:
         problems.append(f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}")
 
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
-        problems.append("per-layer-type rope_parameters are not supported")
-        rope = {}
-    rope_theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_theta, rope_type, rope, rope_problems = rope_settings(c)
+    problems += rope_problems
     scaling = {}
     if rope_type == "llama3":
         scaling = {
@@ -211,8 +115,6 @@ def llama3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> 
         }
     elif rope_type != "default":
         problems.append(f"rope type {rope_type!r} (titan implements plain RoPE and 'llama3' scaling)")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        problems.append("partial_rotary_factor != 1")
     if problems:
         raise ValueError("unsupported HF config for titan's Llama 3: " + "; ".join(problems))
 

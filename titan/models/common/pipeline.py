@@ -1,4 +1,4 @@
-"""Cut one pipeline stage out of a whole (meta-device) Llama 3 model.
+"""Cut one pipeline stage out of a whole (meta-device) `Decoder`.
 
 Stages keep the original parameter names (layers not in a stage are deleted, embedding/head
 set to None and skipped in forward), so weight init, checkpoints and HF conversion see the
@@ -12,7 +12,7 @@ from torch import nn
 from titan.parallelisms.pipeline import PipelinePlan
 
 
-def pipeline_llama(whole: nn.Module, stage_id: int, plan: PipelinePlan) -> nn.Module:
+def pipeline_decoder(whole: nn.Module, stage_id: int, plan: PipelinePlan) -> nn.Module:
     stage = copy.deepcopy(whole)
     keep = {str(i) for i in plan.layer_ranges[stage_id]}
     for name in list(stage.layers.keys()):

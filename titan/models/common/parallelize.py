@@ -1,15 +1,16 @@
-"""Apply the configured parallelisms to a Llama 3 model part: TP -> AC -> compile -> FSDP/DDP.
+"""The generic parallelize policy for a `Decoder` (titan.models.common.decoder) part:
+TP -> AC -> compile -> FSDP/DDP, which a family's `parallelize_fn` assembles.
 
 Context parallelism is not applied here: it shards each batch (and the model's `cp_buffers`)
-inside the trainer's forward/backward context. The TP plan is the only place that names
-Llama's submodules; families with another FFN reuse everything else through `ffn_plan`.
+inside the trainer's forward/backward context. The TP plan names the common blocks'
+submodules; a family with another FFN passes its own `ffn_plan`.
 """
 
 from collections.abc import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -51,6 +52,13 @@ def attention_plan(between) -> dict:
     }
 
 
+def qk_norm_plan(between) -> dict:
+    # each rank normalizes its own heads (dim 2 of (batch, seq, heads, head_dim)); the weight
+    # is replicated and its gradient summed over the heads of every rank
+    return {"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
              loss_parallel: bool, ffn_plan: BlockPlan = swiglu_ffn_plan) -> None:
     """Megatron-style TP: heads and FFN width split, norms (and residuals) sequence-split."""
@@ -70,12 +78,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         plan = {**attention_plan(between), **ffn_plan(between)}
+        if getattr(block.attention, "q_norm", None) is not None:
+            plan.update(qk_norm_plan(between))
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
-    if not sequence_parallel:
-        replicate_modules([m for m in model.modules() if isinstance(m, nn.RMSNorm)], tp_mesh)
+    if not sequence_parallel:  # the norms not split above
+        replicate_modules([m for m in model.modules() if isinstance(m, nn.RMSNorm)
+                           and not isinstance(m.weight, DTensor)], tp_mesh)
 
 
 def _tied(model: nn.Module) -> bool:
@@ -84,7 +95,7 @@ def _tied(model: nn.Module) -> bool:
             and model.output.weight is model.tok_embeddings.weight)
 
 
-def parallelize_llama(model: nn.Module, dims: ParallelDims, job, *,
+def parallelize_decoder(model: nn.Module, dims: ParallelDims, job, *,
                       ffn_plan: BlockPlan = swiglu_ffn_plan) -> nn.Module:
     par, training = job.parallelism, job.training
     if dims.tp_enabled:

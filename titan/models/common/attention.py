@@ -1,0 +1,80 @@
+"""Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm (Qwen3) and a head
+width of its own (not necessarily dim / n_heads); SDPA, FlexAttention for document masks, and
+the decode cache for generation."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan.models.common.decode import DecodeCache
+from titan.models.common.init import normal, ones
+from titan.models.common.rope import apply_rope
+
+
+def flex_attention(q, k, v, block_mask):
+    """FlexAttention, compiled once on first use: uncompiled it materializes every score."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention as eager
+
+        _flex = torch.compile(eager, dynamic=False) if q.is_cuda else eager
+    return _flex(q, k, v, block_mask=block_mask)
+
+
+_flex = None
+
+
+class Attention(nn.Module):
+    """Projections wq, wk, wv, wo (no bias); with `qk_norm_eps`, q_norm and k_norm normalize
+    each head's query and key before the rotation."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 qk_norm_eps: float | None = None, interleaved_rope: bool = True):
+        super().__init__()
+        self.head_dim = head_dim
+        self.interleaved_rope = interleaved_rope
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        if qk_norm_eps is not None:
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def init_plan(self, out_init) -> dict:
+        """Parameter name -> how to fill it; `out_init` for wo, which writes the residual."""
+        plan = {"wq.weight": normal(0.02), "wk.weight": normal(0.02),
+                "wv.weight": normal(0.02), "wo.weight": out_init}
+        if self.q_norm is not None:
+            plan.update({"q_norm.weight": ones, "k_norm.weight": ones})
+        return plan
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: DecodeCache | None = None,
+                layer: int = 0, mask=None) -> torch.Tensor:
+        """`mask`: None (causal), a bool (batch, 1, seq, seq) tensor, or a FlexAttention
+        BlockMask (see titan.models.common.documents)."""
+        bs, seq, _ = x.shape
+        rows = rope if cache is None else rope[cache.positions(seq)]
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, rows, self.interleaved_rope)
+        k = apply_rope(k, rows, self.interleaved_rope)
+        if cache is not None:
+            mask = cache.mask(seq)
+            k, v = cache.update(layer, k, v)
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            out = flex_attention(q, k, v, block_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))

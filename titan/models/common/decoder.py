@@ -1,0 +1,129 @@
+"""A decoder-only transformer assembled from common pieces: embedding, pre-norm blocks
+(attention, then a feed-forward network, each with a residual), final norm, and an output
+projection that may be tied to the embedding.
+
+A family subclasses `Decoder` with its `build_block` and `rope_table`; everything the trainer
+needs of a model (the Model protocol of titan/models/spec.py) is here. Pure model code:
+parallelisms rewrite a built model from outside; submodules a pipeline stage drops are set to
+None and skipped in forward.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from titan.models.common.decode import DecodeCache
+from titan.models.common.documents import block_causal_block_mask, block_causal_mask
+from titan.models.common.init import normal, ones, seeded_init_
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, dim: int, norm_eps: float, attention: nn.Module,
+                 feed_forward: nn.Module):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.feed_forward = feed_forward
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                cache: DecodeCache | None = None, mask=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache=cache, layer=self.layer_id,
+                               mask=mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_plan(self) -> dict:
+        """Parameter name (within the block) -> how to fill it."""
+        # depth-scaled std on the projections that write into the residual stream
+        deep = normal(0.02 / math.sqrt(2 * (self.layer_id + 1)))
+        plan = {"attention_norm.weight": ones, "ffn_norm.weight": ones}
+        for name in ("attention", "feed_forward"):
+            plan.update({f"{name}.{k}": v
+                         for k, v in getattr(self, name).init_plan(deep).items()})
+        return plan
+
+    def init_weights(self, seed: int, prefix: str) -> None:
+        for name, fill in self.init_plan().items():
+            module_path, _, pname = name.rpartition(".")
+            param = getattr(self.get_submodule(module_path), pname)
+            seeded_init_(param, f"{prefix}.{name}", seed, fill)
+
+
+class Decoder(nn.Module):
+    """`args` needs dim, n_layers, vocab_size, norm_eps, max_seq_len, tie_word_embeddings."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): self.build_block(i, args)
+                                     for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # recomputed, never checkpointed: it is a pure function of the args
+        self.register_buffer("rope", self.rope_table(args), persistent=False)
+
+    def build_block(self, layer_id: int, args) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must define build_block")
+
+    @staticmethod
+    def rope_table(args, device=None) -> torch.Tensor:
+        """The (max_seq_len, head_dim/2, 2) RoPE table of titan.models.common.rope."""
+        raise NotImplementedError("a Decoder family must define rope_table")
+
+    def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None,
+                doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of every position; with `cache`, `tokens` continue the cached ones.
+
+        `doc_ids` (batch, seq): attend only within each document (block-causal);
+        `positions` (batch, seq): each token's RoPE position, when not 0, 1, 2, ..."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope if positions is None else self.rope[positions]
+        if cache is not None:
+            for layer in self.layers.values():
+                h = layer(h, rope, cache=cache)
+        else:
+            mask = None if doc_ids is None else (
+                block_causal_block_mask(doc_ids) if doc_ids.is_cuda else block_causal_mask(doc_ids))
+            for layer in self.layers.values():
+                h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
+        h = self.norm(h) if self.norm is not None else h
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        return self.output(h) if self.output is not None else h
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        # the name a checkpoint or HF file stores first, then the name that shares it
+        return [("tok_embeddings.weight", "output.weight")] if self.args.tie_word_embeddings else []
+
+    def cp_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        # RoPE rows are positions: under CP each rank keeps the rows of its sequence chunk
+        return [(self.rope, 0)]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Initialize every parameter from (seed, its name), whatever the sharding."""
+        self.rope = self.rope_table(self.args, device=buffer_device or self.rope.device)
+        out_init = normal(self.args.dim ** -0.5)
+        tied = self.args.tie_word_embeddings
+        if tied and self.tok_embeddings is not None and self.output is not None:
+            # to_empty() gives each module its own new parameter: tie them again
+            self.output.weight = self.tok_embeddings.weight
+        if self.tok_embeddings is not None:
+            # a tied matrix is scaled for its output role, where a large init would blow up
+            # the first logits
+            seeded_init_(self.tok_embeddings.weight, "tok_embeddings.weight", seed,
+                         out_init if tied else normal(1.0, truncate=False))
+        for layer_id, layer in self.layers.items():
+            layer.init_weights(seed, f"layers.{layer_id}")
+        if self.norm is not None:
+            seeded_init_(self.norm.weight, "norm.weight", seed, ones)
+        if self.output is not None and not (tied and self.tok_embeddings is not None):
+            # a pipeline's last stage holds a copy of a tied matrix: the same values
+            seeded_init_(self.output.weight, "tok_embeddings.weight" if tied else "output.weight",
+                         seed, out_init)

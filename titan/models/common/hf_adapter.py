@@ -1,0 +1,118 @@
+"""Map a `Decoder`'s state dict to and from the Hugging Face hub layout
+(`model.embed_tokens`, `model.layers.N.<...>`, `model.norm`, `lm_head`).
+
+A family names its block's parameters in HF terms (`layer_names`) and says whether it
+rotates interleaved pairs: HF rotates the two halves of each head, so an interleaved
+family's q/k projection rows are permuted on the way across. A tied model
+(`tie_word_embeddings`) stores its one matrix as embed_tokens only, as HF does; a pipeline
+stage that holds only the output layer's copy of it reads and writes it under that name too.
+"""
+
+import re
+
+import torch
+
+TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _permute_rows(w: torch.Tensor, n_heads: int, to_halves: bool) -> torch.Tensor:
+    """Reorder the rows of each head between the interleaved and the two-halves layout.
+
+    A DTensor sharded along whole heads is permuted shard by shard, with no communication;
+    one whose shards cut through heads is gathered for this one tensor, permuted, and
+    resharded as it was."""
+    rows, cols = w.shape
+    split = (n_heads, rows // n_heads // 2, 2) if to_halves else (n_heads, 2, rows // n_heads // 2)
+    try:
+        return w.view(*split, cols).transpose(1, 2).reshape(rows, cols)
+    except RuntimeError:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not isinstance(w, DTensor):
+            raise
+        full = w.redistribute(placements=[Replicate()] * w.device_mesh.ndim)
+        out = full.view(*split, cols).transpose(1, 2).reshape(rows, cols)
+        return out.redistribute(placements=w.placements)
+
+
+class DecoderHFAdapter:
+    """The renaming and permuting half of a StateDictAdapter (titan/models/spec.py); a
+    family adds `hf_config` and `args_from_hf_config`."""
+
+    family = "decoder"  # how error messages name the family
+    layer_names: dict[str, str] = {}  # titan name within a block -> HF name within a layer
+    interleaved_rope = False  # True: q/k rows are permuted between the two layouts
+
+    def __init__(self, args):
+        self.args = args
+        self._heads = ({"attention.wq.weight": args.n_heads,
+                        "attention.wk.weight": args.n_kv_heads} if self.interleaved_rope else {})
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in state_dict.items():
+            m = _TITAN_LAYER.match(name)
+            if m is None:
+                if name not in TOP_NAMES:
+                    raise KeyError(f"no HF name for titan parameter {name!r}")
+                if name == "output.weight" and self.args.tie_word_embeddings:
+                    if "tok_embeddings.weight" in state_dict:
+                        continue  # the same matrix, stored once
+                    name = "tok_embeddings.weight"  # a last pipeline stage's copy
+                out[TOP_NAMES[name]] = t
+                continue
+            layer, rest = m.groups()
+            if rest not in self.layer_names:
+                raise KeyError(f"no HF name for titan parameter {name!r}")
+            if rest in self._heads:
+                t = _permute_rows(t, self._heads[rest], to_halves=True)
+            out[f"model.layers.{layer}.{self.layer_names[rest]}"] = t
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor],
+                hf_config: dict | None = None) -> dict[str, torch.Tensor]:
+        tied = self.args.tie_word_embeddings
+        if tied:  # some tied repos also store lm_head: HF ignores it, and so does titan
+            hf_state_dict = {k: v for k, v in hf_state_dict.items() if k != "lm_head.weight"}
+        top = {v: k for k, v in TOP_NAMES.items()}
+        layer_map = {v: k for k, v in self.layer_names.items()}
+        out = {}
+        for name, t in hf_state_dict.items():
+            if "rotary_emb" in name:
+                continue  # HF may store inv_freq; titan recomputes it
+            m = _HF_LAYER.match(name)
+            if m is None:
+                if name not in top:
+                    raise KeyError(f"unexpected HF parameter {name!r} for a {self.family} model")
+                out[top[name]] = t
+                continue
+            layer, rest = m.groups()
+            if rest not in layer_map:
+                raise KeyError(f"unexpected HF parameter {name!r} for a {self.family} model")
+            titan_name = layer_map[rest]
+            if titan_name in self._heads:
+                t = _permute_rows(t, self._heads[titan_name], to_halves=False)
+            out[f"layers.{layer}.{titan_name}"] = t
+        if tied and "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
+        return out
+
+
+def rope_settings(config: dict) -> tuple[float, str, dict, list[str]]:
+    """(rope_theta, rope type, its parameters, problems) of an HF config, in transformers 4.x
+    (`rope_scaling`) or 5.x (`rope_parameters`) layout."""
+    problems = []
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        problems.append("per-layer-type rope_parameters are not supported")
+        rope = {}
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append("partial_rotary_factor != 1")
+    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    return float(theta), rope.get("rope_type", rope.get("type", "default")), rope, problems
