@@ -32,6 +32,7 @@ class ModelArgs(Protocol):
     n_layers: int
     n_heads: int
     n_kv_heads: int
+    head_dim: int  # width of one attention head (Qwen3's is not dim / n_heads)
     vocab_size: int
     max_seq_len: int  # length of position tables (the RoPE cache): the training seq_len
 

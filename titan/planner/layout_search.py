@@ -108,7 +108,8 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
     if d.tp > 1:  # 4 collectives a layer, forward and backward, of (tp-1)/tp of a hidden
         parts["tp"] = 8 * layers * local_tokens * args.dim * act * (d.tp - 1) / d.tp / bw["tp"]
     if d.cp > 1:  # K and V around the ring, forward; and their gradients, backward
-        kv = 2 * local_tokens * args.dim * act * (args.n_kv_heads or args.n_heads) / args.n_heads
+        # keys and values: n_kv_heads x head_dim each (head_dim need not be dim / n_heads)
+        kv = 2 * local_tokens * args.n_kv_heads * args.head_dim * act
         parts["cp"] = 3 * layers * kv * (d.cp - 1) / bw["cp"]
     params = args.num_params() / (d.tp * d.pp)
     hidden = 0.0
