@@ -1,7 +1,10 @@
 """The reference for benchmarks/overhead.py: a hand-written loop with nothing but the work.
 
 Same model class, data, optimizer and schedule as the trainer; no process group, metrics,
-GC control, profiler or checkpoint logic. Prints one JSON line with its tokens/s.
+GC control, profiler or checkpoint logic. The model is titan's own class, so its attention path
+is the trainer's (SDPA sharing each K/V head among its query heads, `enable_gqa`; RoPE as one
+complex multiply): the same "bare" as benchmarks/vs_torchtitan.py's runs. Prints one JSON line
+with its tokens/s.
 """
 
 import argparse

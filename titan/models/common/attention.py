@@ -11,14 +11,14 @@ from titan.models.common.init import normal, ones
 from titan.models.common.rope import apply_rope
 
 
-def flex_attention(q, k, v, block_mask):
+def flex_attention(q, k, v, block_mask, enable_gqa=False):
     """FlexAttention, compiled once on first use: uncompiled it materializes every score."""
     global _flex
     if _flex is None:
         from torch.nn.attention.flex_attention import flex_attention as eager
 
         _flex = torch.compile(eager, dynamic=False) if q.is_cuda else eager
-    return _flex(q, k, v, block_mask=block_mask)
+    return _flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 _flex = None
@@ -68,13 +68,13 @@ class Attention(nn.Module):
         if cache is not None:
             mask = cache.mask(seq)
             k, v = cache.update(layer, k, v)
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
+        # each K/V head serves n_heads / n_kv_heads query heads inside the kernel: repeating
+        # K/V first would copy them, and sum the copies' gradients back, in every layer
+        gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if mask is not None and not isinstance(mask, torch.Tensor):
-            out = flex_attention(q, k, v, block_mask=mask)
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
