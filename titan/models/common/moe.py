@@ -1,0 +1,189 @@
+"""Mixture-of-experts feed-forward: a router picks each token's top-k experts, the routed
+experts (stacked 3-D SwiGLU weights) run over the tokens sorted by expert, and shared experts
+(when there are any) see every token. Dropless: every token reaches all k of its experts,
+however unevenly they are chosen.
+
+Routers: softmax top-k with optional renormalization of the k weights (Qwen3-MoE), and
+sigmoid scores with group-limited top-k, a score-correction bias that steers the choice but
+not the weights, and a scaling factor (DeepSeek-V3). transformers' implementations are the
+reference for the numerics (tests/unit/test_moe.py compares the two).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan.models.common.feed_forward import FeedForward
+from titan.models.common.init import normal
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    n_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 128  # each expert's SwiGLU width (HF: moe_intermediate_size)
+    score_func: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalize the k chosen weights to sum to 1
+    n_groups: int = 1  # experts are split into groups; a token may use topk_groups of them
+    topk_groups: int = 1
+    route_scale: float = 1.0  # DeepSeek-V3's routed_scaling_factor
+    score_bias: bool = False  # a per-expert bias added to the scores for the choice only
+    n_shared_experts: int = 0  # one SwiGLU of n_shared_experts x hidden_dim on every token
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, each naming its fields (empty: nothing)."""
+        out = []
+        if self.score_func not in ("softmax", "sigmoid"):
+            out.append(f"score_func {self.score_func!r} is not 'softmax' or 'sigmoid'")
+        if not 1 <= self.top_k <= self.n_experts:
+            out.append(f"top_k {self.top_k} must be between 1 and n_experts {self.n_experts}")
+        if self.n_groups < 1 or self.n_experts % self.n_groups:
+            out.append(f"n_groups {self.n_groups} must divide n_experts {self.n_experts}")
+        elif self.n_groups > 1:
+            per_group = self.n_experts // self.n_groups
+            if per_group < 2:  # a group's score is the sum of its two best experts
+                out.append(f"n_groups {self.n_groups} leaves fewer than 2 experts per group")
+            if not 1 <= self.topk_groups <= self.n_groups:
+                out.append(f"topk_groups {self.topk_groups} must be between 1 and n_groups "
+                           f"{self.n_groups}")
+            elif self.top_k > self.topk_groups * per_group:
+                out.append(f"top_k {self.top_k} exceeds the {self.topk_groups * per_group} "
+                           "experts of topk_groups groups")
+        return out
+
+
+class Router(nn.Module):
+    """Scores (tokens, experts) -> the k chosen experts' weights and indices per token."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+        if args.score_bias:
+            # model state (checkpointed, exported as HF's e_score_correction_bias), not trained
+            # by the optimizer: a load-balancing rule moves it after each step
+            self.register_buffer("expert_bias", torch.zeros(args.n_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (tokens, dim) -> weights (tokens, k) float32, indices (tokens, k), and every
+        expert's score (tokens, experts) float32, which auxiliary losses use."""
+        a = self.args
+        if a.score_func == "sigmoid":
+            # DeepSeek scores in float32 whatever the activations' dtype
+            scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        else:
+            scores = self.gate(x).softmax(dim=-1, dtype=torch.float32)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if a.n_groups > 1:
+            grouped = choice.unflatten(-1, (a.n_groups, -1))
+            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_score.topk(a.topk_groups, dim=-1, sorted=False).indices
+            dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
+            choice = grouped.masked_fill(dropped[..., None], float("-inf")).flatten(-2)
+        # sorted as transformers sorts each router's choice: the k weights are summed for
+        # the renormalization in this order
+        indices = choice.topk(a.top_k, dim=-1, sorted=a.score_func == "softmax").indices
+        weights = scores.gather(1, indices)
+        if a.norm_topk_prob:
+            # DeepSeek's guard against an all-zero sigmoid row; softmax rows are never zero
+            eps = 1e-20 if a.score_func == "sigmoid" else 0.0
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+        if a.route_scale != 1.0:
+            weights = weights * a.route_scale
+        return weights, indices, scores
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU networks as stacked weights: w1 (gate) and w3 (up) are
+    (experts, hidden, dim), w2 (down) is (experts, dim, hidden)."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def init_plan(self, out_init) -> dict:
+        return {"w1": normal(0.02), "w2": out_init, "w3": out_init}
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (tokens, dim), sorted so that expert e's `counts[e]` tokens are contiguous."""
+        if _grouped_mm_fits(x, self.w1):
+            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            h = (F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
+                 * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets))
+            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+        # the same products one expert at a time, where torch's grouped GEMM cannot run
+        outs = [F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]),
+                         self.w2[e])
+                for e, chunk in enumerate(x.split(counts)) if counts[e]]
+        return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[1])
+
+
+def _zeros(t: torch.Tensor, g: torch.Generator) -> None:
+    t.zero_()
+
+
+def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Where torch's grouped GEMM runs: CUDA in bfloat16 with 16-byte aligned rows; CPU in
+    float32, where it equals the per-expert loop bit for bit, forward and backward, and is
+    faster (tests/unit/test_moe.py)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts), in place of a block's FeedForward."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        problems = args.problems()
+        if problems:
+            raise ValueError("MoE settings: " + "; ".join(problems))
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
+        self.shared_experts = (FeedForward(dim, args.hidden_dim * args.n_shared_experts)
+                               if args.n_shared_experts else None)
+
+    def init_plan(self, out_init) -> dict:
+        """Parameter (and bias buffer) name -> how to fill it; `out_init` for what writes the
+        residual stream."""
+        plan = {"router.gate.weight": normal(0.02)}
+        if self.router.expert_bias is not None:
+            plan["router.expert_bias"] = _zeros
+        plan.update({f"experts.{k}": v for k, v in self.experts.init_plan(out_init).items()})
+        if self.shared_experts is not None:
+            plan.update({f"shared_experts.{k}": v
+                         for k, v in self.shared_experts.init_plan(out_init).items()})
+        return plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, indices, _ = self.router(flat)
+        out = self.routed(flat, weights, indices)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(shape)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor,
+               indices: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's k experts of weight x expert(token)."""
+        n_experts, k = self.args.n_experts, indices.shape[1]
+        flat_experts = indices.reshape(-1)
+        # stable: within one expert, tokens keep their order, so each token's k outputs are
+        # added in expert order below (what transformers' per-expert loop does)
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=n_experts).tolist()
+        tokens = order // k
+        out = self.experts(x[tokens], counts)
+        out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, out)
