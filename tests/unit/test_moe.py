@@ -166,3 +166,47 @@ def test_equals_transformers_deepseek_v3_moe():
                 getattr(moe.shared_experts, ours).weight)
     x = torch.randn(2, 24, DIM)
     torch.testing.assert_close(moe(x), hf(x), atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- load balancing
+
+def test_bias_update_moves_every_expert_towards_the_mean_load():
+    from titan.models.common.moe import update_expert_bias_
+
+    bias = torch.zeros(4)
+    update_expert_bias_(bias, torch.tensor([10.0, 2.0, 6.0, 6.0]), rate=0.001)
+    assert torch.equal(bias, torch.tensor([-0.001, 0.001, 0.0, 0.0]))
+    # counts summed over more microbatches or ranks, or counted twice by a recomputed
+    # forward, scale alike: the same move
+    update_expert_bias_(bias, torch.tensor([20.0, 4.0, 12.0, 12.0]), rate=0.001)
+    assert torch.equal(bias, torch.tensor([-0.002, 0.002, 0.0, 0.0]))
+
+
+def test_balance_losses_are_at_their_minimum_when_balanced():
+    from titan.models.common.moe import load_balancing_loss, sequence_balance_loss
+
+    n, e, k = 8, 4, 2
+    scores = torch.full((n, e), 1 / e)
+    indices = torch.tensor([[0, 1], [2, 3]] * (n // 2))
+    assert load_balancing_loss(scores, indices).item() == pytest.approx(k)
+    assert sequence_balance_loss(scores, indices, seq_len=4).item() == pytest.approx(1.0)
+    skewed = torch.tensor([[0, 1]] * n)
+    peaked = torch.tensor([[0.7, 0.2, 0.05, 0.05]] * n)
+    assert load_balancing_loss(peaked, skewed) > k
+    assert sequence_balance_loss(peaked, skewed, seq_len=4) > 1.0
+
+
+def test_load_balancing_loss_equals_transformers_for_one_layer():
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from titan.models.common.moe import load_balancing_loss
+
+    moe = built(MoEArgs(n_experts=8, top_k=2, hidden_dim=32))
+    x = torch.randn(48, DIM)
+    _, indices, scores = moe.router(x)
+    ours = load_balancing_loss(scores, indices)
+    theirs = load_balancing_loss_func((moe.router.gate(x),), num_experts=8, top_k=2)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    ours.backward()  # the scores carry the gradient to the router
+    assert moe.router.gate.weight.grad.abs().sum() > 0

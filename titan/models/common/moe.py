@@ -187,3 +187,45 @@ class MoE(nn.Module):
         out = self.experts(x[tokens], counts)
         out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+# ---------------------------------------------------------------- load balancing
+
+def tokens_per_expert(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of the step's token choices each expert got (float32, for summing over
+    microbatches and ranks). A recomputed forward (activation checkpointing) counts a layer
+    twice; the bias rule and the imbalance metric depend only on ratios within a layer."""
+    return torch.bincount(indices.reshape(-1), minlength=n_experts).float()
+
+
+@torch.no_grad()
+def update_expert_bias_(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: each expert's bias moves by `rate` towards
+    the mean load, by the sign of (mean load - its load). `counts` must be summed over every
+    microbatch and data-parallel rank, so that every layout moves it alike."""
+    bias.add_(rate * torch.sign(counts.mean() - counts).to(bias.dtype))
+
+
+def load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE's (Switch Transformer's) loss for one layer: n_experts x sum over experts of
+    (the share of token choices it got) x (its mean softmax score); k when perfectly balanced.
+    transformers pools the counts and scores of all layers before multiplying; this is the
+    loss of one layer, the form a pipeline stage can compute on its own."""
+    n_tokens, n_experts = scores.shape
+    share = tokens_per_expert(indices, n_experts) / n_tokens
+    return n_experts * (share * scores.mean(dim=0)).sum()
+
+
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor,
+                          seq_len: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss for one layer, before its coefficient: per
+    sequence, sum over experts of f_i x P_i, with f_i = n_experts / (k x seq_len) x the
+    sequence's tokens choosing expert i, and P_i the mean over the sequence of expert i's
+    score normalized over all experts; averaged over the sequences. 1 when balanced."""
+    n_tokens, n_experts = scores.shape
+    k = indices.shape[1]
+    seqs = n_tokens // seq_len
+    chosen = torch.zeros_like(scores).scatter_(1, indices, 1.0).view(seqs, seq_len, n_experts)
+    f = chosen.sum(dim=1) * (n_experts / (k * seq_len))
+    p = (scores / scores.sum(dim=-1, keepdim=True)).view(seqs, seq_len, n_experts).mean(dim=1)
+    return (f * p).sum(dim=-1).mean()
