@@ -21,9 +21,11 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,16 +63,21 @@ def measured_run(cmd: list[str], env: dict, log: Path, timeout: float) -> dict:
         proc = subprocess.Popen([sys.executable, "-c", _MEASURED, *cmd], env=env, cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-        for line in proc.stdout:
-            out.write(line)
-            if first_step is None and STEP1.search(line):
-                first_step = time.perf_counter() - t0
-            if line.startswith("BENCH_RUSAGE "):
-                usage = json.loads(line.split(" ", 1)[1])
-            if time.perf_counter() - t0 > timeout:
-                os.killpg(proc.pid, 9)
-                raise SystemExit(f"timed out after {timeout}s: {' '.join(cmd)} (log {log})")
-        proc.wait()
+        # a silent hang prints nothing: the timer kills the whole job, which ends the loop
+        killer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+        killer.start()
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                if first_step is None and STEP1.search(line):
+                    first_step = time.perf_counter() - t0
+                if line.startswith("BENCH_RUSAGE "):
+                    usage = json.loads(line.split(" ", 1)[1])
+            proc.wait()
+        finally:
+            killer.cancel()
+    if time.perf_counter() - t0 >= timeout:
+        raise SystemExit(f"timed out after {timeout}s: {' '.join(cmd)} (log {log})")
     wall = time.perf_counter() - t0
     if usage.get("code") != 0:
         raise SystemExit(f"failed (exit {usage.get('code')}): {' '.join(cmd)}; see {log}")
