@@ -31,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from titan.tools.loss_compare import command, read_metrics  # noqa: E402
 
 # run a command, then print its descendants' peak RSS and CPU seconds (this wrapper is their
 # only ancestor that waits for them, so RUSAGE_CHILDREN covers exactly this job)
@@ -163,10 +164,9 @@ def torchtitan_toml(args, dump: Path, assets: Path, par: dict) -> str:
 
 # ---------------------------------------------------------------------------- the two runs
 
-def threads_env(nproc: int, extra: dict | None = None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
-    env.update(extra or {})
-    return env
+def threads(nproc: int) -> dict:
+    """The same threads per rank on both sides (run_train.sh would set this for titan alone)."""
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
 
 
 def profiling_flags(args) -> list[str]:
@@ -178,17 +178,17 @@ def profiling_flags(args) -> list[str]:
 def run_titan(args, layout: str, out: Path) -> dict:
     nproc, par = LAYOUTS[layout]
     dump = out / f"titan-{layout}"
-    cmd = ["./run_train.sh", "--model.flavor", args.flavor, "--job.dump_folder", str(dump),
-           "--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len),
-           "--training.local_batch_size", str(args.batch), "--training.gc_freq", "50",
-           "--training.mixed_precision_param", "float32", "--optimizer.lr", str(args.lr),
-           "--optimizer.implementation", "fused", "--metrics.log_freq", str(args.warmup),
-           "--metrics.enable_tensorboard", "false", *profiling_flags(args),
-           *(x for k, v in par.items() for x in (f"--parallelism.{k}", str(v)))]
-    r = measured_run(cmd, threads_env(nproc, {"NGPU": str(nproc)}), out / f"titan-{layout}.log",
-                     args.timeout)
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    r["tps"] = statistics.fmean(x["tps"] for x in records if "tps" in x and
+    cmd, env = command(nproc, [
+        "--model.flavor", args.flavor, "--training.steps", str(args.steps),
+        "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.batch),
+        "--training.gc_freq", "50", "--training.mixed_precision_param", "float32",
+        "--optimizer.lr", str(args.lr), "--optimizer.implementation", "fused",
+        "--metrics.log_freq", str(args.warmup), "--metrics.enable_tensorboard", "false",
+        *profiling_flags(args),
+        *(x for k, v in par.items() for x in (f"--parallelism.{k}", str(v)))], dump,
+        env=threads(nproc))
+    r = measured_run(cmd, env, out / f"titan-{layout}.log", args.timeout)
+    r["tps"] = statistics.fmean(x["tps"] for x in read_metrics(dump) if "tps" in x and
                                 x["step"] > args.warmup and x["step"] % args.warmup == 0)
     return r
 
@@ -201,8 +201,9 @@ def run_torchtitan(args, layout: str, out: Path, python: Path, assets: Path) -> 
            f"--nproc_per_node={nproc}", "--local-ranks-filter=0",
            str(REPO / "benchmarks" / "torchtitan_cpu_shim.py"), "--job.config_file", str(toml),
            *profiling_flags(args)]
-    env = threads_env(nproc, {"TITAN_BENCH_SHAPE": json.dumps(torchtitan_shape(args.flavor)),
-                              "TITAN_BENCH_CORPUS": str(REPO / "assets/corpus/kjv_train.jsonl")})
+    env = {**os.environ, **threads(nproc),
+           "TITAN_BENCH_SHAPE": json.dumps(torchtitan_shape(args.flavor)),
+           "TITAN_BENCH_CORPUS": str(REPO / "assets/corpus/kjv_train.jsonl")}
     log = out / f"torchtitan-{layout}.log"
     r = measured_run(cmd, env, log, args.timeout)
     windows = [float(t.replace(",", "")) for s, t in TT_LOG.findall(log.read_text())

@@ -45,3 +45,7 @@ def normal(std: float, truncate: bool = True):
 
 def ones(t: torch.Tensor, g: torch.Generator) -> None:
     t.fill_(1.0)
+
+
+def zeros(t: torch.Tensor, g: torch.Generator) -> None:
+    t.zero_()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan.models.common.feed_forward import FeedForward
-from titan.models.common.init import normal
+from titan.models.common.init import normal, zeros
 
 
 @dataclass(frozen=True)
@@ -124,10 +124,6 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[1])
 
 
-def _zeros(t: torch.Tensor, g: torch.Generator) -> None:
-    t.zero_()
-
-
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Where torch's grouped GEMM runs: CUDA in bfloat16 with 16-byte aligned rows; CPU in
     float32, where it equals the per-expert loop bit for bit, forward and backward, and is
@@ -158,7 +154,7 @@ class MoE(nn.Module):
         residual stream."""
         plan = {"router.gate.weight": normal(0.02)}
         if self.router.expert_bias is not None:
-            plan["router.expert_bias"] = _zeros
+            plan["router.expert_bias"] = zeros
         plan.update({f"experts.{k}": v for k, v in self.experts.init_plan(out_init).items()})
         if self.shared_experts is not None:
             plan.update({f"shared_experts.{k}": v
