@@ -185,7 +185,13 @@ def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer | N
                     f"{'; '.join(diff)} (HF vs flavor). Set model.flavor = \"{FROM_HF}\" to "
                     "train the HF model's shape")
             args = args.with_updates(vocab_size=hf.vocab_size)
-    args = args.with_updates(**family_overrides(job, spec, args))
+    overrides = family_overrides(job, spec, args)
+    args = args.with_updates(**overrides)
+    problems = args.problems() if hasattr(args, "problems") else []
+    if problems:
+        given = "".join(f", {spec.name}.{k} = {v!r} (from {source_of(job, f'{spec.name}.{k}')})"
+                        for k, v in overrides.items())
+        raise ConfigError(f"model {spec.name} {m.flavor}{given}: {'; '.join(problems)}")
     if tokenizer is not None and tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer {m.tokenizer_path!r} has {tokenizer.vocab_size} tokens "
                           f"but the HF model's embedding only {args.vocab_size}: use the "

@@ -80,8 +80,11 @@ class Trainer:
         self.faults = FaultInjector.build(job.debug, rank=self.rank, current_step=lambda: self.step)
         if self.faults is not None:
             self.faults.install(self.model_parts)
-        logger.info("model %s %s: %.3fM parameters, layout %s, grad accumulation %d%s",
-                    job.model.name, job.model.flavor, plan.model_args.num_params() / 1e6, dims,
+        args = plan.model_args
+        active = args.num_params(active=True)
+        logger.info("model %s %s: %.3fM parameters%s, layout %s, grad accumulation %d%s",
+                    job.model.name, job.model.flavor, args.num_params() / 1e6,
+                    f" ({active / 1e6:.3f}M active)" if active != args.num_params() else "", dims,
                     plan.grad_accum_steps,
                     f", pipeline stages {self.pp_plan.stage_ids} of {self.pp_plan.num_stages} "
                     f"({self.pp_plan.schedule}, {self.pp_plan.n_microbatches} microbatches)"
@@ -94,6 +97,7 @@ class Trainer:
             scale_precomputer(self.model_parts, job.float8),
             *(make(self.model_parts, job) for make in plan.spec.post_optimizer_hooks)) if h]
         self.aux_losses: dict[str, float] = {}
+        self.hook_metrics: dict = {}  # what the hooks report of the last step (MoE loads)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
 
         self.train_state = TrainState()
@@ -242,7 +246,7 @@ class Trainer:
         self.checkpointer.wait_for_staging()
         self.optimizer.step()
         for hook in self.post_optimizer_hooks:
-            hook()
+            self.hook_metrics.update(hook() or {})
         self.lr_scheduler.step()
         return loss_v, norm_v, False
 
@@ -300,9 +304,10 @@ class Trainer:
                                          gc_sched.step(self.step))
                 if self.metrics.should_log(self.step, t.steps):
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
-                    # the model's auxiliary losses, beside the cross-entropy `loss`
-                    extra.update({f"aux_loss/{k}": v for k, v in reduce_aux_losses(
-                        self.aux_losses, self.plan.dims.pp).items()})
+                    # the model's auxiliary losses, beside the cross-entropy `loss`, and what
+                    # its hooks measured (already the same on every rank)
+                    extra.update(reduce_aux_losses(self.aux_losses, self.plan.dims.pp))
+                    extra.update(self.hook_metrics)
                     mix = self.dataloader.source_tokens(t.seq_len)
                     if mix is not None:  # the realized mix of weighted sources
                         extra["source_tokens"] = mix

@@ -57,7 +57,7 @@ class GeluLlamaArgs:
     def with_updates(self, **kw) -> "GeluLlamaArgs":
         return replace(self, **kw)
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         d, hd = self.dim, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
         per_layer = attn + 2 * d * self.ffn_hidden_dim + 2 * d
@@ -138,7 +138,8 @@ def parallelize_gelu_llama(model, dims, job):
 
 
 class GeluLlamaAdapter(DecoderHFAdapter):
-    family = hf_model_type = NAME
+    family = NAME
+    hf_model_types = (NAME,)
     interleaved_rope = True
     layer_names = {
         "attention.wq.weight": "self_attn.q_proj.weight",

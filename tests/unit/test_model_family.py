@@ -27,7 +27,7 @@ COMMON = ["--model.name", gelu_llama.NAME, "--model.flavor", "tiny",
           "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "5e-3", "--metrics.log_freq", "1",
           "--metrics.no_enable_tensorboard", "--metrics.peak_flops", "1e12",
           "--gelu_llama.aux_loss_coeff", "0.5"]
-AUX = "aux_loss/activation_l2"
+AUX = "activation_l2"
 
 
 @pytest.fixture(scope="module")

@@ -36,10 +36,13 @@ class ModelArgs(Protocol):
     vocab_size: int
     max_seq_len: int  # length of position tables (the RoPE cache): the training seq_len
 
-    def num_params(self, include_embedding: bool = True) -> int: ...
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """All parameters, or (`active`) those one token uses: a mixture of experts counts
+        only the experts a token is routed to."""
+        ...
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token, for MFU."""
+        """Training FLOPs (forward + backward) per token, for MFU: active parameters only."""
         ...
 
     def with_updates(self, **changes: Any) -> ModelArgs: ...
@@ -67,14 +70,15 @@ class Model(Protocol):
         """Logits; with a cache (generation), `tokens` continue the cached ones. Auxiliary
         losses (an MoE's load balancing) ride on an activation through
         `titan.models.common.aux_loss.attach_aux_loss`: backward sees them, metrics log them
-        as aux_loss/<name>, and `loss` stays the cross-entropy."""
+        under their names, and `loss` stays the cross-entropy."""
         ...
 
 
 class StateDictAdapter(Protocol):
     """Maps a family's state dict and config to and from the Hugging Face layout."""
 
-    hf_model_type: str  # config.json's model_type: how an HF folder names its family
+    # config.json's model_type(s) of the family: how an HF folder names it
+    hf_model_types: tuple[str, ...]
 
     def __init__(self, args: ModelArgs) -> None: ...
 
@@ -109,7 +113,12 @@ class PipeliningFn(Protocol):
 
 
 class PostOptimizerHook(Protocol):
-    def __call__(self, parts: list[nn.Module], job: JobConfig) -> Callable[[], None] | None: ...
+    """Makes, from the built model parts and the job, the callable run after every optimizer
+    step taken (None: nothing to do in this run). The callable may return metrics of the
+    step, logged at the next log step: numbers in metrics.jsonl and TensorBoard, lists of
+    numbers as TensorBoard histograms. Every rank runs it: it may use collectives."""
+
+    def __call__(self, parts: list[nn.Module], job: JobConfig) -> Callable[[], dict | None] | None: ...
 
 
 @dataclass(frozen=True)
@@ -182,7 +191,7 @@ def family_of_hf_config(config: dict) -> str | None:
 
     for name, spec in sorted(_REGISTRY.items()):
         adapter = spec.state_dict_adapter
-        if adapter is not None and getattr(adapter, "hf_model_type", None) == config.get("model_type"):
+        if adapter is not None and config.get("model_type") in getattr(adapter, "hf_model_types", ()):
             return name
     return None
 

@@ -3,7 +3,8 @@
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def replicate_modules(modules: list[nn.Module], tp_mesh: DeviceMesh) -> None:
@@ -35,3 +36,40 @@ def shard_grads_like_params(params: list[nn.Parameter]) -> None:
         g = p.grad
         if isinstance(g, DTensor) and g.placements != p.placements:
             p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+class LocalTokens(ParallelStyle):
+    """A module that runs on each tp rank's own tokens with whole weights (an MoE's router and
+    routed experts, whose token sort and grouped GEMM DTensor cannot shard).
+
+    Its parameters become replicated DTensors, so that they step, clip and shard with FSDP
+    like every other parameter; within its forward they are plain local tensors. With
+    `sum_grads` (sequence parallelism: each rank saw other tokens) their gradients are partial
+    sums that the parameter's placement completes over the tp ranks; without it (every rank
+    saw every token) each rank's gradient is already the whole one."""
+
+    def __init__(self, sum_grads: bool):
+        super().__init__()
+        self.grad_placements = (Partial(),) if sum_grads else (Replicate(),)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh)  # every parameter replicated
+        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+        def to_local(mod, args):
+            for sub in mod.modules():
+                for name, p in list(sub._parameters.items()):
+                    if isinstance(p, DTensor):
+                        swapped.append((sub, name, p))
+                        # a plain tensor in the parameter's slot for this forward, the way
+                        # FSDP swaps in its unsharded parameters
+                        sub._parameters[name] = p.to_local(grad_placements=self.grad_placements)
+
+        def restore(mod, args, output):
+            while swapped:
+                sub, name, p = swapped.pop()
+                sub._parameters[name] = p
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore)
+        return module

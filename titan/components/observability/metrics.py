@@ -39,6 +39,10 @@ def memory_gib(device: torch.device) -> dict[str, float]:
     return stats
 
 
+def _short(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def _percent(value: float | None) -> str:
     return "  n/a" if value is None else f"{value:5.2f}%"
 
@@ -130,7 +134,10 @@ class MetricsLogger:
     def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int,
             **extra) -> dict:
         """Emit one record for the window ending at `step`; every rank must call it.
-        `tokens_seen`: training tokens consumed by all ranks so far."""
+        `tokens_seen`: training tokens consumed by all ranks so far. An `extra` value that is
+        a list of numbers (an MoE layer's expert loads) is a TensorBoard histogram only."""
+        histograms = {k: v for k, v in extra.items() if isinstance(v, list)}
+        extra = {k: v for k, v in extra.items() if k not in histograms}
         w = self.window
         elapsed = max(time.perf_counter() - w.start - w.excluded_s, 1e-9)
         tps = w.tokens / elapsed
@@ -151,6 +158,8 @@ class MetricsLogger:
                 for k, v in record.items():
                     if k != "step" and isinstance(v, (int, float)):
                         self.tb.add_scalar(f"train/{k}", v, step)
+                for k, v in histograms.items():
+                    self._add_distribution(f"train/{k}", v, step)
                 self.tb.flush()
         # each rank prints its own line (memory differs per rank); LOG_RANK picks what is shown
         c = self.color
@@ -161,9 +170,24 @@ class MetricsLogger:
             f"{c('tps')}tps: {tps:>10,.0f}  tflops: {tflops:7.2f}  "
             f"{c('mfu')}mfu: {_percent(record['mfu'])}{c('reset')}  "
             f"data: {record['data_pct']:4.1f}%  gc: {w.gc_s:.3f}s"
-            + "".join(f"  {k}: {v}" for k, v in extra.items())
+            + "".join(f"  {k}: {_short(v)}" for k, v in extra.items())
         )
         return record
+
+    def _add_distribution(self, tag: str, values: list[float], step: int) -> None:
+        """Values indexed by position (an expert's share of a layer's tokens): a histogram of
+        the positions weighted by the values, so TensorBoard draws the load over experts."""
+        import numpy as np
+
+        n = len(values)
+        edges = np.arange(n + 1, dtype=np.float64) - 0.5
+        counts = np.asarray(values, dtype=np.float64)
+        positions = np.arange(n, dtype=np.float64)
+        total = counts.sum()
+        self.tb.add_histogram_raw(
+            tag, min=0, max=n - 1, num=total, sum=float((positions * counts).sum()),
+            sum_squares=float((positions ** 2 * counts).sum()), bucket_limits=edges[1:].tolist(),
+            bucket_counts=counts.tolist(), global_step=step)
 
     def _memory(self) -> dict[str, float]:
         mem = memory_gib(self.device)

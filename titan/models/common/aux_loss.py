@@ -69,6 +69,11 @@ def attach_aux_loss(out: torch.Tensor, name: str, value: torch.Tensor) -> torch.
     return _AddGradOf.apply(out, value, collector.weight)
 
 
+def collecting() -> bool:
+    """Whether an aux loss computed now would be attached (to skip computing it otherwise)."""
+    return _active is not None and torch.is_grad_enabled()
+
+
 @contextlib.contextmanager
 def paused():
     """No aux loss is attached within (a pipeline stage's shape inference, which runs the

@@ -6,6 +6,12 @@ rotates interleaved pairs: HF rotates the two halves of each head, so an interle
 family's q/k projection rows are permuted on the way across. A tied model
 (`tie_word_embeddings`) stores its one matrix as embed_tokens only, as HF does; a pipeline
 stage that holds only the output layer's copy of it reads and writes it under that name too.
+
+Routed experts are one stacked (experts, ...) tensor in titan and one tensor per expert in the
+hub layout (`mlp.experts.{e}.gate_proj.weight`, what transformers' save_pretrained writes):
+`expert_names` maps the one to the other. A rank whose stacked tensor is sharded over experts
+(FSDP's Shard(0)) names only the experts it holds, as views of its shard, so an HF load reads
+only those, straight into the parameter.
 """
 
 import re
@@ -19,6 +25,23 @@ TOP_NAMES = {
 }
 _TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT = re.compile(r"^(.+)\.(\d+)\.([^.]+\.weight)$")  # mlp.experts.7.gate_proj.weight
+
+
+def _local_experts(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the stacked experts this rank holds, the index of the first): a DTensor sharded over
+    experts (dim 0) holds a contiguous range of them."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(t, DTensor):
+        return t, 0
+    if not all(type(p) in (Replicate, Shard) and (p.is_replicate() or p.dim == 0)
+               for p in t.placements):
+        raise NotImplementedError(f"experts sharded as {t.placements}: only whole experts "
+                                  "(Shard(0)) or replicas map to per-expert HF tensors")
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), offset[0]
 
 
 def _permute_rows(w: torch.Tensor, n_heads: int, to_halves: bool) -> torch.Tensor:
@@ -47,12 +70,17 @@ class DecoderHFAdapter:
 
     family = "decoder"  # how error messages name the family
     layer_names: dict[str, str] = {}  # titan name within a block -> HF name within a layer
+    # titan's stacked experts within a block -> the HF name of one, with {e} for its index
+    expert_names: dict[str, str] = {}
     interleaved_rope = False  # True: q/k rows are permuted between the two layouts
 
     def __init__(self, args):
         self.args = args
         self._heads = ({"attention.wq.weight": args.n_heads,
                         "attention.wk.weight": args.n_kv_heads} if self.interleaved_rope else {})
+        # titan name -> (stacked tensor, first expert held) of the last to_hf: from_hf hands
+        # back that very tensor when the per-expert views it made were loaded in place
+        self._split: dict[str, tuple[torch.Tensor, int]] = {}
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -68,6 +96,12 @@ class DecoderHFAdapter:
                 out[TOP_NAMES[name]] = t
                 continue
             layer, rest = m.groups()
+            if rest in self.expert_names:
+                local, first = _local_experts(t)
+                self._split[name] = (t, first)
+                pattern = f"model.layers.{layer}.{self.expert_names[rest]}"
+                out.update({pattern.format(e=first + i): w for i, w in enumerate(local)})
+                continue
             if rest not in self.layer_names:
                 raise KeyError(f"no HF name for titan parameter {name!r}")
             if rest in self._heads:
@@ -82,7 +116,8 @@ class DecoderHFAdapter:
             hf_state_dict = {k: v for k, v in hf_state_dict.items() if k != "lm_head.weight"}
         top = {v: k for k, v in TOP_NAMES.items()}
         layer_map = {v: k for k, v in self.layer_names.items()}
-        out = {}
+        expert_map = {v.format(e="{e}"): k for k, v in self.expert_names.items()}
+        out, experts = {}, {}
         for name, t in hf_state_dict.items():
             if "rotary_emb" in name:
                 continue  # HF may store inv_freq; titan recomputes it
@@ -93,15 +128,43 @@ class DecoderHFAdapter:
                 out[top[name]] = t
                 continue
             layer, rest = m.groups()
+            e = _HF_EXPERT.match(rest)
+            if e is not None and f"{e[1]}.{{e}}.{e[3]}" in expert_map:
+                key = f"layers.{layer}.{expert_map[f'{e[1]}.{{e}}.{e[3]}']}"
+                experts.setdefault(key, {})[int(e[2])] = t
+                continue
             if rest not in layer_map:
                 raise KeyError(f"unexpected HF parameter {name!r} for a {self.family} model")
             titan_name = layer_map[rest]
             if titan_name in self._heads:
                 t = _permute_rows(t, self._heads[titan_name], to_halves=False)
             out[f"layers.{layer}.{titan_name}"] = t
+        out.update({name: self._stacked(name, pieces) for name, pieces in experts.items()})
         if tied and "tok_embeddings.weight" in out:
             out["output.weight"] = out["tok_embeddings.weight"]
         return out
+
+    def _stacked(self, name: str, pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+        """One titan tensor from its experts' HF tensors: all of them, or the range this rank
+        holds of the stacked tensor to_hf split (returned as that tensor, in its sharding)."""
+        split, first = self._split.get(name, (None, 0))
+        order = sorted(pieces)
+        if order != list(range(first, first + len(order))):
+            raise KeyError(f"HF experts of {name!r}: indices {order[:8]}... are not a "
+                           f"contiguous range from {first}")
+        if split is not None:
+            local, _ = _local_experts(split)
+            if len(order) == local.shape[0]:
+                if all(pieces[first + i].data_ptr() == local[i].data_ptr()
+                       for i in range(len(order))):
+                    return split  # loaded in place, through the views to_hf made
+                if local is not split:  # a rank's shard of a DTensor, filled from copies
+                    from torch.distributed.tensor import DTensor
+
+                    return DTensor.from_local(torch.stack([pieces[e] for e in order]),
+                                              split.device_mesh, split.placements,
+                                              shape=split.shape, stride=split.stride())
+        return torch.stack([pieces[e] for e in order])
 
 
 def rope_settings(config: dict) -> tuple[float, str, dict, list[str]]:

@@ -9,49 +9,16 @@ not the weights, and a scaling factor (DeepSeek-V3). transformers' implementatio
 reference for the numerics (tests/unit/test_moe.py compares the two).
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan.models.common.aux_loss import attach_aux_loss, collecting
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.init import normal, zeros
+from titan.models.common.moe_args import MoEArgs
 
-
-@dataclass(frozen=True)
-class MoEArgs:
-    n_experts: int = 8
-    top_k: int = 2
-    hidden_dim: int = 128  # each expert's SwiGLU width (HF: moe_intermediate_size)
-    score_func: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
-    norm_topk_prob: bool = True  # renormalize the k chosen weights to sum to 1
-    n_groups: int = 1  # experts are split into groups; a token may use topk_groups of them
-    topk_groups: int = 1
-    route_scale: float = 1.0  # DeepSeek-V3's routed_scaling_factor
-    score_bias: bool = False  # a per-expert bias added to the scores for the choice only
-    n_shared_experts: int = 0  # one SwiGLU of n_shared_experts x hidden_dim on every token
-
-    def problems(self) -> list[str]:
-        """What is wrong with these settings, each naming its fields (empty: nothing)."""
-        out = []
-        if self.score_func not in ("softmax", "sigmoid"):
-            out.append(f"score_func {self.score_func!r} is not 'softmax' or 'sigmoid'")
-        if not 1 <= self.top_k <= self.n_experts:
-            out.append(f"top_k {self.top_k} must be between 1 and n_experts {self.n_experts}")
-        if self.n_groups < 1 or self.n_experts % self.n_groups:
-            out.append(f"n_groups {self.n_groups} must divide n_experts {self.n_experts}")
-        elif self.n_groups > 1:
-            per_group = self.n_experts // self.n_groups
-            if per_group < 2:  # a group's score is the sum of its two best experts
-                out.append(f"n_groups {self.n_groups} leaves fewer than 2 experts per group")
-            if not 1 <= self.topk_groups <= self.n_groups:
-                out.append(f"topk_groups {self.topk_groups} must be between 1 and n_groups "
-                           f"{self.n_groups}")
-            elif self.top_k > self.topk_groups * per_group:
-                out.append(f"top_k {self.top_k} exceeds the {self.topk_groups * per_group} "
-                           "experts of topk_groups groups")
-        return out
+AUX_LOSS_NAME = "moe_aux_loss"  # how metrics.jsonl and TensorBoard name it
 
 
 class Router(nn.Module):
@@ -148,11 +115,15 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
         self.shared_experts = (FeedForward(dim, args.hidden_dim * args.n_shared_experts)
                                if args.n_shared_experts else None)
+        # token choices per expert since the last reset, counted in training steps: what the
+        # bias update and the load metrics read (titan.models.common.moe_balance). Not model
+        # state: a resumed run starts its step at zero anyway
+        self.register_buffer("expert_load", torch.zeros(args.n_experts), persistent=False)
 
     def init_plan(self, out_init) -> dict:
         """Parameter (and bias buffer) name -> how to fill it; `out_init` for what writes the
         residual stream."""
-        plan = {"router.gate.weight": normal(0.02)}
+        plan = {"router.gate.weight": normal(0.02), "expert_load": zeros}
         if self.router.expert_bias is not None:
             plan["router.expert_bias"] = zeros
         plan.update({f"experts.{k}": v for k, v in self.experts.init_plan(out_init).items()})
@@ -162,13 +133,23 @@ class MoE(nn.Module):
         return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (batch, seq, dim), a rank's own tokens (under sequence or context parallelism,
+        its part of each sequence)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, indices, _ = self.router(flat)
-        out = self.routed(flat, weights, indices)
+        weights, indices, scores = self.router(flat)
+        if collecting():  # a training step (not validation, generation or shape inference)
+            self.expert_load.add_(tokens_per_expert(indices, self.args.n_experts))
+        out = self.routed(flat, weights, indices).view(shape)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return out.view(shape)
+            # on the unflattened tokens: tensor parallelism splits them by sequence
+            out = out + self.shared_experts(x)
+        a = self.args
+        if a.aux_loss != "none" and a.aux_loss_coeff and collecting():
+            loss = (load_balancing_loss(scores, indices) if a.aux_loss == "load_balancing"
+                    else sequence_balance_loss(scores, indices, shape[1]))
+            out = attach_aux_loss(out, AUX_LOSS_NAME, a.aux_loss_coeff * loss)
+        return out
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor,
                indices: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from titan.parallelisms.activation_checkpoint import apply_ac
 from titan.parallelisms.compile import compile_blocks, compile_whole
 from titan.parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward
 from titan.parallelisms.parallel_dims import ParallelDims
-from titan.parallelisms.tensor_parallel import replicate_modules
+from titan.models.common.moe import MoE
+from titan.parallelisms.tensor_parallel import LocalTokens, replicate_modules
 
 # between blocks, activations are Shard(1) on the sequence (SP) or Replicate(): a plan of the
 # module names in one block -> its ParallelStyle, given that layout
@@ -39,6 +40,27 @@ def swiglu_ffn_plan(between) -> dict:
         "feed_forward.w2": RowwiseParallel(output_layouts=between),
         "feed_forward.w3": ColwiseParallel(),
     }
+
+
+def moe_plan(between, moe: MoE) -> dict:
+    """Shared experts tensor-parallel like a dense FFN; the router and the routed experts
+    whole on every rank, each over its own tokens (sequence-split with SP), their gradients
+    summed over the ranks. Expert parallelism, not TP, is what splits routed experts."""
+    sequence_parallel = isinstance(between, Shard)
+    plan = {"feed_forward": PrepareModuleInput(input_layouts=(between,),
+                                               desired_input_layouts=(between,),
+                                               use_local_output=True),
+            "feed_forward.router.gate": LocalTokens(sum_grads=sequence_parallel),
+            "feed_forward.experts": LocalTokens(sum_grads=sequence_parallel)}
+    if moe.shared_experts is not None:
+        plan.update({
+            "feed_forward.shared_experts": PrepareModuleInput(
+                input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.shared_experts.w1": ColwiseParallel(),
+            "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=between),
+            "feed_forward.shared_experts.w3": ColwiseParallel(),
+        })
+    return plan
 
 
 def attention_plan(between) -> dict:
@@ -77,7 +99,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        plan = {**attention_plan(between), **ffn_plan(between)}
+        ffn = (moe_plan(between, block.feed_forward) if isinstance(block.feed_forward, MoE)
+               else ffn_plan(between))
+        plan = {**attention_plan(between), **ffn}
         if getattr(block.attention, "q_norm", None) is not None:
             plan.update(qk_norm_plan(between))
         if sequence_parallel:

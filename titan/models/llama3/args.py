@@ -44,7 +44,8 @@ class Llama3Args:
     def with_updates(self, **kw) -> "Llama3Args":
         return replace(self, **kw)
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameters (`active`, those one token uses, is every one: the model is dense)."""
         d, hd = self.dim, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
         ffn = 3 * d * self.ffn_hidden_dim

@@ -24,7 +24,7 @@ _LAYER = {
 
 class Llama3StateDictAdapter(DecoderHFAdapter):
     family = "Llama 3"
-    hf_model_type = "llama"
+    hf_model_types = ("llama",)
     layer_names = _LAYER  # a variant family overrides it
     interleaved_rope = True
 

@@ -1,3 +1,4 @@
+from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from titan.models.qwen3.model import Qwen3
@@ -20,6 +21,7 @@ register_train_spec(TrainSpec(
     parallelize_fn=parallelize_qwen3,
     pipelining_fn=pipeline_decoder,
     state_dict_adapter=Qwen3StateDictAdapter,
+    post_optimizer_hooks=(moe_balance_hook,),
 ))
 
 __all__ = ["QWEN3_FLAVORS", "Qwen3Args", "Qwen3", "Qwen3StateDictAdapter"]

@@ -1,8 +1,11 @@
-"""Qwen3 (dense) hyper-parameters and the published flavors (a ModelArgs of
+"""Qwen3 and Qwen3-MoE hyper-parameters and the published flavors (a ModelArgs of
 titan/models/spec.py). Shapes from the released configs: head_dim 128 in every size, whatever
-dim / n_heads is; the FFN width given outright; tied embeddings up to 4B."""
+dim / n_heads is; the FFN width given outright; tied embeddings up to 4B; the MoE sizes route
+each token to 8 of 128 experts in every layer."""
 
 from dataclasses import dataclass, replace
+
+from titan.models.common.moe_args import MoEArgs
 
 
 @dataclass(frozen=True)
@@ -25,24 +28,65 @@ class Qwen3Args:
     # the context the model was published for (HF max_position_embeddings); None: max_seq_len
     context_len: int | None = None
     tie_word_embeddings: bool = False
+    # Qwen3-MoE: routed experts instead of the FFN in every decoder_sparse_step-th layer that
+    # is not in mlp_only_layers (ffn_hidden_dim is then the width of those dense layers)
+    moe: MoEArgs | None = None
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # balancing (the [qwen3] options of the same names): Qwen3-MoE's load-balancing loss
+    # coefficient (HF router_aux_loss_coef), and DeepSeek-V3's bias update rate (0: off)
+    moe_aux_loss_coeff: float = 0.0
+    moe_bias_update_rate: float = 0.0
 
     def with_updates(self, **kw) -> "Qwen3Args":
         return replace(self, **kw)
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """transformers' rule for Qwen3MoeDecoderLayer."""
+        return (self.moe is not None and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    def moe_args(self) -> MoEArgs:
+        """The MoE layers' settings with this run's balancing."""
+        rate = self.moe_bias_update_rate
+        return replace(self.moe, score_bias=self.moe.score_bias or rate > 0,
+                       bias_update_rate=rate, aux_loss="load_balancing",
+                       aux_loss_coeff=self.moe_aux_loss_coeff)
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, each naming its fields (empty: nothing)."""
+        if self.moe is None:
+            return []
+        out = [f"moe: {p}" for p in self.moe_args().problems()]
+        if self.decoder_sparse_step < 1:
+            out.append(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+        if bad:
+            out.append(f"mlp_only_layers {bad} are not layers of a {self.n_layers}-layer model")
+        return out
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameters; `active`: those one token uses (its top_k routed experts, not all)."""
         d, hd = self.dim, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2 + 2 * hd  # + q/k norms
-        per_layer = attn + 3 * d * self.ffn_hidden_dim + 2 * d
-        total = self.n_layers * per_layer + d + self.vocab_size * d  # final norm + output
+        total = self.n_layers * (attn + 2 * d) + d + self.vocab_size * d  # final norm + output
+        for layer_id in range(self.n_layers):
+            if not self.is_moe_layer(layer_id):
+                total += 3 * d * self.ffn_hidden_dim
+                continue
+            m = self.moe
+            routed = m.top_k if active else m.n_experts
+            total += d * m.n_experts + 3 * d * m.hidden_dim * (routed + m.n_shared_experts)
         # a tied embedding is the output matrix: counted once, and its matmul is in FLOPs
         separate_embedding = include_embedding and not self.tie_word_embeddings
         return total + (self.vocab_size * d if separate_embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6 x matmul params plus attention scores over the full causal square (the PaLM /
-        torchtitan convention), with Qwen3's own head_dim."""
-        return 6 * self.num_params(include_embedding=False) + 12 * self.n_layers * self.n_heads * (
-            self.head_dim * seq_len)
+        """6 x the matmul parameters a token uses (its routed experts only) plus attention
+        scores over the full causal square (the PaLM / torchtitan convention), with Qwen3's
+        own head_dim."""
+        return 6 * self.num_params(include_embedding=False, active=True) + (
+            12 * self.n_layers * self.n_heads * self.head_dim * seq_len)
 
 
 _TIED = dict(tie_word_embeddings=True, context_len=40960)
@@ -58,4 +102,17 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
     "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=12288, **_UNTIED),
     "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden_dim=17408, **_UNTIED),
     "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_hidden_dim=25600, **_UNTIED),
+    # Qwen3-MoE. The debug model keeps a dense first layer (mlp_only_layers) to exercise both
+    # kinds of block; the load-balancing loss is on at Qwen's coefficient, as in the released
+    # configs' router_aux_loss_coef
+    "debugmodel_moe": Qwen3Args(
+        dim=256, n_layers=4, n_heads=16, n_kv_heads=8, head_dim=32, ffn_hidden_dim=768,
+        vocab_size=2048, moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=128),
+        mlp_only_layers=(0,), moe_aux_loss_coeff=0.001),
+    "30B-A3B": Qwen3Args(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_hidden_dim=6144,
+                         moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768),
+                         moe_aux_loss_coeff=0.001, **_UNTIED),
+    "235B-A22B": Qwen3Args(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_hidden_dim=12288,
+                           moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=1536),
+                           moe_aux_loss_coeff=0.001, **_UNTIED),
 }

@@ -1,13 +1,15 @@
-"""Qwen3 (dense) on the common decoder: GQA attention whose heads are RMS-normalized before
-the rotation (q_norm, k_norm), a head width of its own, RoPE in the two-halves layout its
+"""Qwen3 on the common decoder: GQA attention whose heads are RMS-normalized before the
+rotation (q_norm, k_norm), a head width of its own, RoPE in the two-halves layout its
 checkpoints use (optionally YaRN-extended), SwiGLU, and an output tied to the embedding in the
-small sizes."""
+small sizes. Qwen3-MoE puts a softmax-routed mixture of experts in place of the SwiGLU in its
+sparse layers."""
 
 import torch
 
 from titan.models.common.attention import Attention
 from titan.models.common.decoder import Decoder, TransformerBlock
 from titan.models.common.feed_forward import FeedForward
+from titan.models.common.moe import MoE
 from titan.models.common.rope import (inverse_frequencies, rope_table, yarn_mscale,
                                       yarn_scaled)
 from titan.models.qwen3.args import Qwen3Args
@@ -31,6 +33,7 @@ class Qwen3(Decoder):
             layer_id, args.dim, args.norm_eps,
             Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
                       qk_norm_eps=args.norm_eps, interleaved_rope=False),
-            FeedForward(args.dim, args.ffn_hidden_dim))
+            MoE(args.dim, args.moe_args()) if args.is_moe_layer(layer_id)
+            else FeedForward(args.dim, args.ffn_hidden_dim))
 
     rope_table = staticmethod(rope_cache)

@@ -1,7 +1,9 @@
-"""Map titan's Qwen3 state dict and args to and from the HF `Qwen3ForCausalLM` hub layout.
-Both rotate the two halves of each head, so weights cross as they are: renamed, not permuted."""
+"""Map titan's Qwen3 state dict and args to and from the HF hub layout of
+`Qwen3ForCausalLM` and `Qwen3MoeForCausalLM`. Both rotate the two halves of each head, so
+weights cross as they are: renamed, not permuted; the routed experts are split per expert."""
 
 from titan.models.common.hf_adapter import DecoderHFAdapter, rope_settings
+from titan.models.common.moe_args import MoEArgs
 from titan.models.qwen3.args import Qwen3Args
 
 _LAYER = {
@@ -16,13 +18,32 @@ _LAYER = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",
 }
+_EXPERTS = {
+    "feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
+    "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight",
+    "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
+}
+_NO_BIAS = ("Qwen3-MoE in the hub layout has no routing bias: export a run trained with "
+            "qwen3.moe_bias_update_rate = 0, or keep the DCP checkpoint")
 
 
 class Qwen3StateDictAdapter(DecoderHFAdapter):
     family = "Qwen3"
-    hf_model_type = "qwen3"
+    hf_model_types = ("qwen3", "qwen3_moe")
     layer_names = _LAYER
+    expert_names = _EXPERTS
+
+    @classmethod
+    def export_problems(cls, args: Qwen3Args) -> list[str]:
+        """Why these args cannot be written in the hub layout (empty: they can)."""
+        return [_NO_BIAS] if args.moe is not None and args.moe_bias_update_rate else []
+
+    def to_hf(self, state_dict):
+        if any(name.endswith("router.expert_bias") for name in state_dict):
+            raise ValueError(_NO_BIAS)
+        return super().to_hf(state_dict)
 
     @classmethod
     def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> Qwen3Args:
@@ -46,6 +67,17 @@ class Qwen3StateDictAdapter(DecoderHFAdapter):
                 "original_max_position_embeddings": a.rope_original_max_len,
                 "beta_fast": a.rope_beta_fast, "beta_slow": a.rope_beta_slow,
             }
+        if a.moe is not None:
+            m = a.moe
+            cfg.update({
+                "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+                "moe_intermediate_size": m.hidden_dim, "norm_topk_prob": m.norm_topk_prob,
+                "decoder_sparse_step": a.decoder_sparse_step,
+                "mlp_only_layers": list(a.mlp_only_layers),
+                # transformers adds the loss only with output_router_logits, as released
+                "router_aux_loss_coef": a.moe_aux_loss_coeff, "output_router_logits": False,
+            })
         return cfg
 
 
@@ -57,9 +89,10 @@ def qwen3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Q
     c = dict(config)
     problems = []
     model_type, archs = c.get("model_type"), c.get("architectures") or []
-    if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
-        problems.append(f"model_type={model_type!r} / architectures={archs} is not a dense "
-                        "Qwen3 model")
+    moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs
+    if not moe and model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+        problems.append(f"model_type={model_type!r} / architectures={archs} is not a Qwen3 "
+                        "or Qwen3-MoE model")
     if c.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={c['hidden_act']!r} (titan uses SwiGLU with silu)")
     if c.get("attention_bias"):
@@ -84,14 +117,38 @@ def qwen3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Q
                 "rope_beta_slow": float(rope.get("beta_slow") or 1.0)}
     elif rope_type != "default":
         problems.append(f"rope type {rope_type!r} (titan's Qwen3 implements plain RoPE and YaRN)")
+    moe_fields = _moe_fields(c, problems) if moe else {}
     if problems:
         raise ValueError("unsupported HF config for titan's Qwen3: " + "; ".join(problems))
     seq_len = int(max_seq_len or c.get("max_position_embeddings", 4096))
     context = c.get("max_position_embeddings")
-    return Qwen3Args(
+    return Qwen3Args(**moe_fields,
         dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_kv,
         head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
         ffn_hidden_dim=c["intermediate_size"], vocab_size=c["vocab_size"],
         norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
         max_seq_len=seq_len, context_len=None if context == seq_len else context,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), **yarn)
+
+
+def _moe_fields(c: dict, problems: list[str]) -> dict:
+    """Qwen3Args' MoE fields of a Qwen3-MoE config; what titan cannot express goes to
+    `problems` (experts, top-k and layer choice checked like titan's own settings)."""
+    # transformers 5 writes num_local_experts (its attribute_map), 4.x num_experts
+    n_experts = int(c.get("num_experts", c.get("num_local_experts", 0)))
+    if n_experts == 0:
+        return {}  # every layer dense
+    moe = MoEArgs(n_experts=n_experts, top_k=int(c.get("num_experts_per_tok", 1)),
+                  hidden_dim=int(c["moe_intermediate_size"]),
+                  norm_topk_prob=bool(c.get("norm_topk_prob", False)))
+    problems += [f"{p} (num_experts / num_experts_per_tok)" for p in moe.problems()]
+    n_layers = int(c["num_hidden_layers"])
+    only = tuple(int(i) for i in c.get("mlp_only_layers") or ())
+    bad = [i for i in only if not 0 <= i < n_layers]
+    if bad:
+        problems.append(f"mlp_only_layers {bad} are not layers of a {n_layers}-layer model")
+    step = int(c.get("decoder_sparse_step", 1))
+    if step < 1:
+        problems.append(f"decoder_sparse_step {step} must be >= 1")
+    return {"moe": moe, "decoder_sparse_step": step, "mlp_only_layers": only,
+            "moe_aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.0))}

@@ -1,0 +1,56 @@
+"""The settings of an MoE layer (titan.models.common.moe), torch-free so that a family's args
+module stays light (the launcher's config check imports every family's args)."""
+
+from dataclasses import dataclass
+
+AUX_LOSSES = ("none", "load_balancing", "sequence")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    n_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 128  # each expert's SwiGLU width (HF: moe_intermediate_size)
+    score_func: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalize the k chosen weights to sum to 1
+    n_groups: int = 1  # experts are split into groups; a token may use topk_groups of them
+    topk_groups: int = 1
+    route_scale: float = 1.0  # DeepSeek-V3's routed_scaling_factor
+    score_bias: bool = False  # a per-expert bias added to the scores for the choice only
+    n_shared_experts: int = 0  # one SwiGLU of n_shared_experts x hidden_dim on every token
+    # balancing: after each optimizer step, the score bias moves by this rate towards the mean
+    # load (DeepSeek-V3's auxiliary-loss-free rule; 0: off; needs score_bias)
+    bias_update_rate: float = 0.0
+    # an auxiliary loss added to what backward sees: "load_balancing" (Qwen3-MoE's, per
+    # layer) or "sequence" (DeepSeek-V3's sequence-wise loss), times aux_loss_coeff
+    aux_loss: str = "none"
+    aux_loss_coeff: float = 0.0
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, each naming its fields (empty: nothing)."""
+        out = []
+        if self.bias_update_rate < 0:
+            out.append(f"bias_update_rate {self.bias_update_rate} must be >= 0")
+        elif self.bias_update_rate and not self.score_bias:
+            out.append(f"bias_update_rate {self.bias_update_rate} needs score_bias")
+        if self.aux_loss not in AUX_LOSSES:
+            out.append(f"aux_loss {self.aux_loss!r} is not one of {', '.join(AUX_LOSSES)}")
+        if self.aux_loss_coeff < 0:
+            out.append(f"aux_loss_coeff {self.aux_loss_coeff} must be >= 0")
+        if self.score_func not in ("softmax", "sigmoid"):
+            out.append(f"score_func {self.score_func!r} is not 'softmax' or 'sigmoid'")
+        if not 1 <= self.top_k <= self.n_experts:
+            out.append(f"top_k {self.top_k} must be between 1 and n_experts {self.n_experts}")
+        if self.n_groups < 1 or self.n_experts % self.n_groups:
+            out.append(f"n_groups {self.n_groups} must divide n_experts {self.n_experts}")
+        elif self.n_groups > 1:
+            per_group = self.n_experts // self.n_groups
+            if per_group < 2:  # a group's score is the sum of its two best experts
+                out.append(f"n_groups {self.n_groups} leaves fewer than 2 experts per group")
+            if not 1 <= self.topk_groups <= self.n_groups:
+                out.append(f"topk_groups {self.topk_groups} must be between 1 and n_groups "
+                           f"{self.n_groups}")
+            elif self.top_k > self.topk_groups * per_group:
+                out.append(f"top_k {self.top_k} exceeds the {self.topk_groups * per_group} "
+                           "experts of topk_groups groups")
+        return out
