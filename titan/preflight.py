@@ -115,6 +115,7 @@ def plan_run(job: JobConfig, world_size: int | None = None,
         require(job, device == "cuda", "checkpoint.async_mode",
                 "pinned staging memory needs CUDA; use async on CPU")
     check_writable(job)
+    check_moe(job, spec, model_args, dims)
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     check_fault_tolerance(job, dims)
@@ -122,6 +123,27 @@ def plan_run(job: JobConfig, world_size: int | None = None,
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,
                    global_batch // (t.local_batch_size * dp_size), dp_size, pipelines,
                    validation_pipelines)
+
+
+def check_moe(job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDims) -> None:
+    """What an MoE model cannot combine with, named before launch."""
+    moe = getattr(args, "moe", None)
+    if moe is None:
+        return
+    ck = job.checkpoint
+    adapter = spec.state_dict_adapter
+    if ck.last_save_in_hf and adapter is not None and hasattr(adapter, "export_problems"):
+        problems = adapter.export_problems(args)
+        require(job, not problems, "checkpoint.last_save_in_hf", "; ".join(problems))
+    require(job, not (job.compile.enable and dims.tp_enabled), "compile.enable",
+            "an MoE model under tensor parallelism runs eagerly: its router and routed "
+            "experts swap in local weights per forward, which torch.compile does not trace. "
+            "Disable compile or tensor parallelism")
+    rate = getattr(args, "moe_bias_update_rate", 0.0)
+    require(job, not (rate and job.fault_tolerance.enable), "fault_tolerance.enable",
+            f"the routing-bias update ({spec.name}.moe_bias_update_rate = {rate}) sums expert "
+            "loads over this replica group only, so groups would route differently: set the "
+            "rate to 0 under torchft")
 
 
 def load_tokenizer(job: JobConfig) -> Tokenizer | None:

@@ -54,6 +54,16 @@ LAYOUTS.update({
     "pp2_fsdp2_bf16": (4, [*BF16, "--parallelism.pipeline_parallel_degree", "2"]),
     "fsdp2_float8_bf16_full_ac": (2, [*F8, *BF16, *AC["full"]]),
 })
+# Qwen3-MoE: experts sharded by FSDP, router and experts whole on each TP rank; the routing
+# bias (a buffer) is no parameter; bf16 takes the per-expert loop, float32 the grouped GEMM
+MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+LAYOUTS.update({
+    "moe_fsdp2_tp2_selective_ac": (4, [*MOE, "--parallelism.tensor_parallel_degree", "2",
+                                       *AC["selective"]]),
+    "moe_pp2_bias_full_ac": (2, [*MOE, "--parallelism.pipeline_parallel_degree", "2",
+                                 "--qwen3.moe_bias_update_rate", "0.001", *AC["full"]]),
+    "moe_fsdp2_bf16": (2, [*MOE, *BF16]),
+})
 
 
 

@@ -86,9 +86,9 @@ def test_grouped_gemm_equals_the_per_expert_loop_bit_for_bit(monkeypatch):
     if not moe_module._grouped_mm_fits(torch.zeros(1, 8), torch.zeros(1, 8, 8)):
         pytest.skip("this torch has no CPU grouped GEMM")
     experts = built(MoEArgs(n_experts=8, top_k=2, hidden_dim=32)).experts
-    counts = [5, 0, 7, 1, 2, 9, 0, 6]  # empty experts too
-    x = torch.randn(sum(counts), DIM, requires_grad=True)
-    grad = torch.randn(sum(counts), DIM)
+    counts = torch.tensor([5, 0, 7, 1, 2, 9, 0, 6])  # empty experts too
+    x = torch.randn(int(counts.sum()), DIM, requires_grad=True)
+    grad = torch.randn(int(counts.sum()), DIM)
 
     def run():
         out = experts(x, counts)

@@ -137,7 +137,7 @@ def test_layouts_train_like_one_process(layout, one_rank, tmp_path):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (layout, a, b)
 
 
-def _first_step_against_transformers(rank, world_size, port, argv, hf_dir):
+def first_step_against_transformers(rank, world_size, port, argv, hf_dir):
     import transformers
 
     trainer = build_trainer(rank, world_size, port, argv)
@@ -157,7 +157,7 @@ def _first_step_against_transformers(rank, world_size, port, argv, hf_dir):
     (inputs, labels), = seen
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf_model = transformers.Qwen3ForCausalLM.from_pretrained(
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
             hf_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         logits = hf_model(inputs).logits
@@ -180,7 +180,7 @@ def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path)
             "--training.local_batch_size", "8", "--checkpoint.initial_load_path",
             str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
             "--job.dump_folder", str(tmp_path / "dump")]
-    (expected, got), = run_workers(_first_step_against_transformers, 1, tmp_path, free_port(),
+    (expected, got), = run_workers(first_step_against_transformers, 1, tmp_path, free_port(),
                                    argv, str(tmp_path / "hf"), init_pg=False)
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)
 

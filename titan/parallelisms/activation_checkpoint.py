@@ -18,6 +18,11 @@ _SAVE_LIST = {
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # an MoE's routed experts (all three of their products) and its routing: the choice and
+    # the sort by expert, small, and kept so that backward routes as forward did
+    _aten._grouped_mm.default,
+    _aten.topk.default,
+    _aten.sort.stable,
 }
 
 

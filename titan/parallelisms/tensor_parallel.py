@@ -1,6 +1,7 @@
 """Tensor-parallel helpers that know no model: the plans themselves live with each family
 (e.g. titan/models/common/parallelize.py) and go through torch's `parallelize_module`."""
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
@@ -70,6 +71,7 @@ class LocalTokens(ParallelStyle):
                 sub, name, p = swapped.pop()
                 sub._parameters[name] = p
 
-        module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(restore)
+        # outside torch.compile's graphs: they rewrite the module's parameter slots
+        module.register_forward_pre_hook(torch.compiler.disable(to_local))
+        module.register_forward_hook(torch.compiler.disable(restore))
         return module

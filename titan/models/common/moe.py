@@ -12,6 +12,7 @@ reference for the numerics (tests/unit/test_moe.py compares the two).
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from titan.models.common.aux_loss import attach_aux_loss, collecting
 from titan.models.common.feed_forward import FeedForward
@@ -77,27 +78,38 @@ class GroupedExperts(nn.Module):
     def init_plan(self, out_init) -> dict:
         return {"w1": normal(0.02), "w2": out_init, "w3": out_init}
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (tokens, dim), sorted so that expert e's `counts[e]` tokens are contiguous."""
         if _grouped_mm_fits(x, self.w1):
-            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            offsets = counts.cumsum(0).to(torch.int32)  # no host sync
             h = (F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
                  * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets))
             return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
         # the same products one expert at a time, where torch's grouped GEMM cannot run
+        sizes = _sizes(counts, x.shape[0])
         outs = [F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]),
                          self.w2[e])
-                for e, chunk in enumerate(x.split(counts)) if counts[e]]
+                for e, chunk in enumerate(x.split(sizes)) if sizes[e]]
         return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[1])
+
+
+def _sizes(counts: torch.Tensor, rows: int) -> list[int]:
+    if torch.compiler.is_compiling() or not is_fake(counts):
+        return counts.tolist()  # under torch.compile, a graph break
+    # fake tensors (the memory planner's trace) hold no values; whatever the split, the
+    # experts' tensors add up to the same rows x width, so an even one has the same bytes
+    n = counts.numel()
+    return [rows // n + (e < rows % n) for e in range(n)]
 
 
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Where torch's grouped GEMM runs: CUDA in bfloat16 with 16-byte aligned rows; CPU in
     float32, where it equals the per-expert loop bit for bit, forward and backward, and is
-    faster (tests/unit/test_moe.py)."""
+    faster (tests/unit/test_moe.py). Fake tensors (the planner's, and torch.compile's while
+    it traces) take it only in bfloat16, all its shape function accepts."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
-    if x.is_cuda:
+    if x.is_cuda or torch.compiler.is_compiling() or is_fake(x):
         return x.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
     return x.device.type == "cpu" and x.dtype == torch.float32
 
@@ -159,7 +171,7 @@ class MoE(nn.Module):
         # stable: within one expert, tokens keep their order, so each token's k outputs are
         # added in expert order below (what transformers' per-expert loop does)
         order = torch.argsort(flat_experts, stable=True)
-        counts = torch.bincount(flat_experts, minlength=n_experts).tolist()
+        counts = _count(flat_experts, n_experts)
         tokens = order // k
         out = self.experts(x[tokens], counts)
         out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
@@ -172,7 +184,14 @@ def tokens_per_expert(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
     """How many of the step's token choices each expert got (float32, for summing over
     microbatches and ranks). A recomputed forward (activation checkpointing) counts a layer
     twice; the bias rule and the imbalance metric depend only on ratios within a layer."""
-    return torch.bincount(indices.reshape(-1), minlength=n_experts).float()
+    return _count(indices.reshape(-1), n_experts).float()
+
+
+def _count(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    # a scatter, not bincount: its output shape does not depend on the values, so fake
+    # tensors (the planner) and compiled graphs take it
+    return torch.zeros(n_experts, dtype=torch.int64, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts))
 
 
 @torch.no_grad()

@@ -131,7 +131,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, job, *,
         if dims.tp_enabled and dims.device_type == "cpu":
             compile_whole(model, job.compile.backend)
         else:
-            compile_blocks(model.layers, job.compile.backend)
+            moe = any(isinstance(b.feed_forward, MoE) for b in model.layers.values())
+            compile_blocks(model.layers, job.compile.backend, fullgraph=not moe)
     # torchft averages gradients across replica groups in FSDP's all-reduce hook
     if dims.fsdp_enabled or job.fault_tolerance.enable:
         mesh_dims = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)

@@ -1,0 +1,276 @@
+"""Qwen3-MoE, the qwen3 family's mixture-of-experts flavors: published total and active sizes;
+logits and both HF directions (per-expert tensors) against transformers' Qwen3MoeForCausalLM;
+every layout trains like one process with the routing bias moving, and moves it alike; resume
+is bitwise, bias included; the load-balancing loss and the load metrics."""
+
+import shutil
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tests.forked import build_trainer, free_port, run_trainer, run_workers, tiny_run
+from tests.unit.test_hf_sharded import full_state
+from tests.unit.test_qwen3 import first_step_against_transformers
+from titan.components.checkpoint import folders as checkpoint
+from titan.components.checkpoint import hf_io
+from titan.models.qwen3.state_dict_adapter import qwen3_args_from_hf_config
+from titan.models.spec import family_of_hf_config, get_train_spec
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
+
+QWEN3 = get_train_spec("qwen3")
+DEBUG = QWEN3.flavors["debugmodel_moe"].with_updates(max_seq_len=64)
+STEPS = 10
+# the bias update on (a large rate, so that a few steps move the routing), the loss off: what
+# every layout must reproduce exactly
+BIAS = ["--qwen3.moe_bias_update_rate", "0.01", "--qwen3.moe_aux_loss_coeff", "0"]
+COMMON = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", *tiny_run(STEPS)]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+
+# (total, active) parameters in billions as the Qwen3-MoE model cards give them, and how close
+# titan's count must be: the cards round to 0.1B and to 1B (titan: 30.53 / 3.35 and
+# 235.09 / 22.19, the output matrix counted as active, the embedding too)
+PUBLISHED = {"30B-A3B": (30.5, 3.3, 0.1), "235B-A22B": (235.0, 22.0, 0.5)}
+
+
+def built(args, seed=0):
+    model = QWEN3.build_meta(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model.eval()
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED))
+def test_published_total_and_active_sizes(flavor):
+    args = QWEN3.flavors[flavor]
+    total, active, within = PUBLISHED[flavor]
+    assert args.num_params() / 1e9 == pytest.approx(total, abs=within)
+    assert args.num_params(active=True) / 1e9 == pytest.approx(active, abs=within)
+    small = args.with_updates(n_layers=2)
+    assert sum(p.numel() for p in QWEN3.build_meta(small).parameters()) == small.num_params()
+    # MFU counts what a token computes: its 8 experts, not 128
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * 4096
+    assert args.flops_per_token(4096) == 6 * args.num_params(include_embedding=False,
+                                                             active=True) + attention
+
+
+def test_debug_model_has_dense_and_moe_blocks():
+    model = built(DEBUG)
+    kinds = [type(b.feed_forward).__name__ for b in model.layers.values()]
+    assert kinds == ["FeedForward", "MoE", "MoE", "MoE"]  # mlp_only_layers = (0,)
+    assert model.layers["1"].feed_forward.experts.w1.shape == (8, 128, 256)
+    assert DEBUG.num_params(active=True) < DEBUG.num_params()
+
+
+def test_hf_config_round_trip_and_refusals():
+    for name in ("debugmodel_moe", "30B-A3B", "235B-A22B"):
+        args = QWEN3.flavors[name]
+        config = QWEN3.state_dict_adapter(args).hf_config()
+        assert config["model_type"] == "qwen3_moe" and family_of_hf_config(config) == "qwen3"
+        assert QWEN3.matching_flavor(qwen3_args_from_hf_config(config, args.max_seq_len)) == name
+    config = QWEN3.state_dict_adapter(DEBUG).hf_config()
+    with pytest.raises(ValueError, match=r"top_k 9 must be between 1 and n_experts 8 "
+                                         r"\(num_experts / num_experts_per_tok\)"):
+        qwen3_args_from_hf_config({**config, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match=r"mlp_only_layers \[7\] are not layers of a 4-layer"):
+        qwen3_args_from_hf_config({**config, "mlp_only_layers": [7]})
+    # transformers 5 writes the expert count as num_local_experts
+    renamed = {k: v for k, v in config.items() if k != "num_experts"}
+    assert qwen3_args_from_hf_config({**renamed, "num_local_experts": 8}) == \
+        qwen3_args_from_hf_config(config)
+
+
+def test_a_routing_bias_is_not_exported_to_a_layout_without_one():
+    args = DEBUG.with_updates(moe_bias_update_rate=0.01)
+    adapter = QWEN3.state_dict_adapter(args)
+    assert adapter.export_problems(args) and not adapter.export_problems(DEBUG)
+    with pytest.raises(ValueError, match="no routing bias"):
+        adapter.to_hf(built(args).state_dict())
+
+
+def test_logits_and_both_hf_directions_match_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = built(DEBUG, seed=3)
+    out = hf_io.save_hf(model.state_dict(), QWEN3, DEBUG, tmp_path / "hf")
+    names = hf_io.load_hf_state(out)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert "model.layers.1.mlp.gate.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(out), dtype=torch.float32, attn_implementation="eager").eval()
+    assert type(hf_model).__name__ == "Qwen3MoeForCausalLM"
+    x = torch.randint(0, DEBUG.vocab_size, (2, DEBUG.max_seq_len),
+                      generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf_model(x).logits, rtol=0, atol=1e-4)
+    # and back, from what transformers writes (sharded, one tensor per expert)
+    hf_model.save_pretrained(str(tmp_path / "from_hf"), max_shard_size="1MB")
+    assert "model.layers.2.mlp.experts.0.gate_proj.weight" in hf_io.load_hf_state(
+        tmp_path / "from_hf")
+    assert hf_io.args_from_hf(tmp_path / "from_hf", QWEN3, DEBUG.max_seq_len) == DEBUG
+    back = hf_io.load_hf(tmp_path / "from_hf", QWEN3)
+    state = model.state_dict()
+    assert set(back) == set(state)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one")
+    records = run_trainer(tmp, 1, [*COMMON, *BIAS, *CKPT])
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return records, tmp / "dump" / "checkpoint"
+
+
+def _biases(step_dir) -> dict[str, torch.Tensor]:
+    state = checkpoint.load_dcp_model_state(step_dir)
+    return {k: v for k, v in state.items() if k.endswith("expert_bias")}
+
+
+LAYOUTS = {
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2",
+                    "--training.local_batch_size", "2"]),
+    # router and routed experts on each rank's half of every sequence, gradients summed
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    # ... and without sequence parallelism, every rank on every token
+    "tp2_no_sp": (2, ["--parallelism.tensor_parallel_degree", "2",
+                      "--parallelism.no_enable_sequence_parallel"]),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
+                      "--parallelism.tensor_parallel_degree", "2"]),
+    # the routing and grouped GEMM saved, the rest recomputed (counted twice: same ratios)
+    "fsdp2_selective_ac": (2, ["--parallelism.data_parallel_shard_degree", "2",
+                               "--activation_checkpoint.mode", "selective"]),
+    # blocks compiled around the host-side split sizes (fullgraph off)
+    "compile": (1, ["--compile.enable"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
+    """Routing is discrete: a layout agrees with one process exactly when no token's k-th and
+    (k+1)-th expert scores are closer than the layouts' rounding differences. Over these 10
+    steps the closest pair is 9.3e-6 apart; layouts differ by ~1e-8 in the scores (losses by
+    1.2e-7 relative, under 1 and 2 threads), and another CPU moves the gaps by as little."""
+    world, flags = LAYOUTS[layout]
+    records = run_trainer(tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags], deadline_s=150)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for a, b in zip(one_rank[0], records, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (layout, a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (layout, a, b)
+        # the loads of the whole batch, whatever each rank saw of it
+        assert a["expert_load_imbalance"] == b["expert_load_imbalance"], (layout, a, b)
+    want = _biases(one_rank[1] / f"step-{STEPS}")
+    assert len(want) == 3 and all(v.abs().sum() > 0 for v in want.values())
+    got = _biases(tmp_path / "dump" / "checkpoint" / f"step-{STEPS}")
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), layout
+
+
+def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
+    records, saved = one_rank
+    dump = tmp_path / "dump" / "checkpoint"
+    shutil.copytree(saved / "step-5", dump / "step-5")
+    got = run_trainer(tmp_path, 1, [*COMMON, *BIAS, *CKPT])
+    assert [r["step"] for r in got] == list(range(6, STEPS + 1))
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [
+        (r["loss"], r["grad_norm"]) for r in records[5:]]
+    want, back = _biases(saved / f"step-{STEPS}"), _biases(dump / f"step-{STEPS}")
+    assert all(torch.equal(back[k], want[k]) for k in want)
+
+
+def test_load_balancing_loss_is_logged_apart_and_trained(one_rank, tmp_path):
+    """The flavor's own balancing: Qwen's loss at 0.001, no bias. `loss` stays the
+    cross-entropy (step 1 equals the run without it); the aux loss changes the gradients; with
+    the microbatches of one rank on two ranks, FSDP gives the same values."""
+    without = one_rank[0]
+    one = run_trainer(tmp_path / "one", 1, COMMON)
+    assert one[0]["loss"] == without[0]["loss"]
+    assert one[0]["grad_norm"] != without[0]["grad_norm"]
+    # balanced, each of 3 MoE layers' losses is top_k = 2; at init they are close to it
+    assert one[0]["moe_aux_loss"] == pytest.approx(3 * 0.001 * 2, rel=0.05)
+    assert "moe_aux_loss" not in without[0]
+    fsdp = run_trainer(tmp_path / "fsdp", 2, [*COMMON, "--parallelism.data_parallel_shard_degree",
+                                              "2"])
+    for a, b in zip(one, fsdp, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
+        assert abs(a["moe_aux_loss"] - b["moe_aux_loss"]) <= 1e-5 * a["moe_aux_loss"], (a, b)
+
+
+def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(**{
+        k: v for k, v in QWEN3.state_dict_adapter(DEBUG.with_updates(max_seq_len=32)).hf_config()
+        .items() if k not in ("architectures", "model_type", "torch_dtype")})
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen3MoeForCausalLM(config)
+    hf_model.save_pretrained(str(tmp_path / "hf"), max_shard_size="2MB")
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    argv = ["--model.name", "qwen3", "--model.flavor", "from_hf", *tiny_run(1),
+            "--training.local_batch_size", "8", "--checkpoint.initial_load_path",
+            str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
+            "--job.dump_folder", str(tmp_path / "dump")]
+    (expected, got), = run_workers(first_step_against_transformers, 1, tmp_path, free_port(),
+                                   argv, str(tmp_path / "hf"), init_pg=False)
+    assert abs(got - expected) <= 1e-5 * expected, (got, expected)
+
+
+def _hf_round_trip(rank, world_size, port, argv, out_dir):
+    """Export this layout's model, forget it, read it back; (bytes read, whole state)."""
+    from titan.components.checkpoint.train_state import ModelState
+
+    trainer = build_trainer(rank, world_size, port, argv)
+    model = ModelState(trainer.model_parts)
+    trainer.checkpointer.hf.save(model.state_dict(), out_dir, torch.float32)
+    with torch.no_grad():
+        for part in trainer.model_parts:
+            for p in part.parameters():
+                p.zero_()
+    state, nbytes = trainer.checkpointer.hf.load_into(model.state_dict(), out_dir)
+    model.load_state_dict(state)
+    back = full_state(trainer)
+    trainer.close()
+    return nbytes, back if rank == 0 else {}
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_tp2", "pp2"])
+def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
+    """Each rank writes and reads the experts it holds (FSDP: 4 of the 8 of every layer),
+    one tensor per expert; the folder and the reloaded model equal the one-process model."""
+    world, flags = LAYOUTS[layout]
+    argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
+    ranks = run_workers(_hf_round_trip, world, tmp_path, free_port(), argv, tmp_path / "hf",
+                        init_pg=False, deadline_s=120)
+    expected = built(DEBUG.with_updates(max_seq_len=32)).state_dict()
+    assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())
+    from_folder = hf_io.load_hf(tmp_path / "hf", QWEN3)
+    assert all(torch.equal(from_folder[k], v) for k, v in expected.items())
+    if layout == "fsdp2":  # half the experts each, and half of everything else
+        experts = sum(v.numel() * 4 for k, v in expected.items() if ".experts." in k)
+        total = sum(v.numel() * 4 for v in expected.values())
+        assert sum(n for n, _ in ranks) == total
+        assert all(n <= total / 2 + experts * 0.01 for n, _ in ranks), [n for n, _ in ranks]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--qwen3.moe_bias_update_rate", "-1"],
+     r"debugmodel_moe, qwen3\.moe_bias_update_rate = -1\.0 \(from command line "
+     r"'--qwen3\.moe_bias_update_rate -1'\): moe: bias_update_rate -1\.0 must be >= 0"),
+    (["--qwen3.moe_bias_update_rate", "0.001", "--checkpoint.enable",
+      "--checkpoint.last_save_in_hf"], r"checkpoint\.last_save_in_hf = True .*no routing bias"),
+    (["--compile.enable", "--parallelism.tensor_parallel_degree", "2"],
+     r"compile\.enable = True .*under tensor parallelism runs eagerly"),
+])
+def test_what_an_moe_cannot_do_is_refused_before_launch(flags, message, tmp_path):
+    from titan.config import ConfigError, parse_args
+    from titan.preflight import plan_run
+
+    job = parse_args([*COMMON, *flags, "--job.dump_folder", str(tmp_path)])
+    with pytest.raises(ConfigError, match=message):
+        plan_run(job, 2)
