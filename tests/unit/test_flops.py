@@ -118,3 +118,34 @@ def test_metrics_leave_mfu_out_without_a_peak(tmp_path, caplog):
 def test_measure_matmul_flops_small():
     got = measure_matmul_flops(torch.device("cpu"), torch.float32, n=64, iters=2, repeats=2)
     assert 1e6 < got < 1e14
+
+
+def test_lists_are_tensorboard_histograms_only(tmp_path, caplog):
+    """An MoE hook's per-layer expert loads: a histogram over expert positions in
+    TensorBoard, neither in metrics.jsonl nor on the console; numbers go to all three."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from titan.components.observability.metrics import MetricsLogger
+    from titan.config import JobConfig
+
+    cfg = JobConfig().metrics
+    log = MetricsLogger(cfg, dump_folder=str(tmp_path), rank=0, device=torch.device("cpu"),
+                        flops_per_token=1e9, peak_flops=None)
+    log.record_step(tokens=1000, data_s=0.0, gc_s=0.0)
+    loads = [0.5, 0.0, 0.25, 0.25]
+    with caplog.at_level("INFO", logger="titan.components.observability.metrics"):
+        log.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_seen=1000,
+                expert_load_imbalance=2.0, **{"expert_load/layer_1": loads})
+    log.close()
+    line = caplog.records[-1].getMessage()
+    assert "expert_load_imbalance: 2" in line and "layer_1" not in line
+    record, = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["expert_load_imbalance"] == 2.0 and "expert_load/layer_1" not in record
+    event_dir, = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents*")}
+    acc = EventAccumulator(str(event_dir), size_guidance={"histograms": 0})
+    acc.Reload()
+    hist, = acc.Histograms("train/expert_load/layer_1")
+    assert hist.step == 1 and list(hist.histogram_value.bucket) == loads
+    assert [e.value for e in acc.Scalars("train/expert_load_imbalance")] == [2.0]
