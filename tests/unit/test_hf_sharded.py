@@ -138,7 +138,9 @@ def test_fsdp4_loads_its_quarter_of_an_hf_folder(tmp_path):
 # ----------------------------------------------------------------------------- round trips
 
 
-def _round_trip(rank, world_size, port, argv, out_dir, dtype):
+def round_trip(rank, world_size, port, argv, out_dir, dtype):
+    """Export this layout's model, forget it, read it back: (bytes this rank read, the whole
+    state on rank 0)."""
     from titan.components.checkpoint.train_state import ModelState
 
     trainer = build_trainer(rank, world_size, port, argv)
@@ -148,11 +150,11 @@ def _round_trip(rank, world_size, port, argv, out_dir, dtype):
         for part in trainer.model_parts:
             for p in part.parameters():
                 p.zero_()
-    state, _ = trainer.checkpointer.hf.load_into(model.state_dict(), out_dir)
+    state, nbytes = trainer.checkpointer.hf.load_into(model.state_dict(), out_dir)
     model.load_state_dict(state)
     back = full_state(trainer)
     trainer.close()
-    return back if rank == 0 else {}
+    return nbytes, back if rank == 0 else {}
 
 
 LAYOUTS = {
@@ -175,8 +177,8 @@ def test_round_trip_from_sharded_layouts(layout, dtype, flavor, tmp_path):
     args = LLAMA.flavors[flavor].with_updates(vocab_size=2048, max_seq_len=32)
     argv = [*BASE, *flags, "--model.flavor", flavor, "--job.dump_folder", str(tmp_path / "dump")]
     out = tmp_path / "hf"
-    back = run_workers(_round_trip, world, tmp_path, free_port(), argv, out, dtype,
-                       init_pg=False, deadline_s=120)[0]
+    _, back = run_workers(round_trip, world, tmp_path, free_port(), argv, out, dtype,
+                          init_pg=False, deadline_s=120)[0]
 
     expected = {k: v.to(getattr(torch, dtype)) for k, v in seeded_state(args).items()}
     from_folder = hf_io.load_hf(out, LLAMA)  # one process, as HF tooling would read it

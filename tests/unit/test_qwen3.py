@@ -167,13 +167,15 @@ def first_step_against_transformers(rank, world_size, port, argv, hf_dir):
     return expected, read_metrics(trainer.job.job.dump_folder)[0]["loss"]
 
 
-def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path):
+def check_save_pretrained_start(tmp_path, config_cls: str, model_cls: str, args) -> None:
+    """A sharded folder that transformers' `model_cls` wrote from `args`' config starts a
+    from_hf run whose step-1 loss is transformers' cross-entropy on the same batch."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3Config(**{
-        k: v for k, v in QWEN3.state_dict_adapter(DEBUG.with_updates(max_seq_len=32)).hf_config()
+    config = getattr(transformers, config_cls)(**{
+        k: v for k, v in QWEN3.state_dict_adapter(args.with_updates(max_seq_len=32)).hf_config()
         .items() if k not in ("architectures", "model_type", "torch_dtype")})
     torch.manual_seed(0)
-    hf_model = transformers.Qwen3ForCausalLM(config)
+    hf_model = getattr(transformers, model_cls)(config)
     hf_model.save_pretrained(str(tmp_path / "hf"), max_shard_size="2MB")
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
     argv = ["--model.name", "qwen3", "--model.flavor", "from_hf", *tiny_run(1),
@@ -183,6 +185,10 @@ def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path)
     (expected, got), = run_workers(first_step_against_transformers, 1, tmp_path, free_port(),
                                    argv, str(tmp_path / "hf"), init_pg=False)
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)
+
+
+def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path):
+    check_save_pretrained_start(tmp_path, "Qwen3Config", "Qwen3ForCausalLM", DEBUG)
 
 
 def _script(name):

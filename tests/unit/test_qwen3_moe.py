@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from tests.forked import build_trainer, free_port, run_trainer, run_workers, tiny_run
-from tests.unit.test_hf_sharded import full_state
-from tests.unit.test_qwen3 import first_step_against_transformers
+from tests.forked import free_port, run_trainer, run_workers, tiny_run
+from tests.unit.test_hf_sharded import round_trip
+from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
 from titan.models.qwen3.state_dict_adapter import qwen3_args_from_hf_config
@@ -204,39 +204,7 @@ def test_load_balancing_loss_is_logged_apart_and_trained(one_rank, tmp_path):
 
 
 def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(**{
-        k: v for k, v in QWEN3.state_dict_adapter(DEBUG.with_updates(max_seq_len=32)).hf_config()
-        .items() if k not in ("architectures", "model_type", "torch_dtype")})
-    torch.manual_seed(0)
-    hf_model = transformers.Qwen3MoeForCausalLM(config)
-    hf_model.save_pretrained(str(tmp_path / "hf"), max_shard_size="2MB")
-    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
-    argv = ["--model.name", "qwen3", "--model.flavor", "from_hf", *tiny_run(1),
-            "--training.local_batch_size", "8", "--checkpoint.initial_load_path",
-            str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
-            "--job.dump_folder", str(tmp_path / "dump")]
-    (expected, got), = run_workers(first_step_against_transformers, 1, tmp_path, free_port(),
-                                   argv, str(tmp_path / "hf"), init_pg=False)
-    assert abs(got - expected) <= 1e-5 * expected, (got, expected)
-
-
-def _hf_round_trip(rank, world_size, port, argv, out_dir):
-    """Export this layout's model, forget it, read it back; (bytes read, whole state)."""
-    from titan.components.checkpoint.train_state import ModelState
-
-    trainer = build_trainer(rank, world_size, port, argv)
-    model = ModelState(trainer.model_parts)
-    trainer.checkpointer.hf.save(model.state_dict(), out_dir, torch.float32)
-    with torch.no_grad():
-        for part in trainer.model_parts:
-            for p in part.parameters():
-                p.zero_()
-    state, nbytes = trainer.checkpointer.hf.load_into(model.state_dict(), out_dir)
-    model.load_state_dict(state)
-    back = full_state(trainer)
-    trainer.close()
-    return nbytes, back if rank == 0 else {}
+    check_save_pretrained_start(tmp_path, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", DEBUG)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_tp2", "pp2"])
@@ -245,10 +213,10 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
     one tensor per expert; the folder and the reloaded model equal the one-process model."""
     world, flags = LAYOUTS[layout]
     argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
-    ranks = run_workers(_hf_round_trip, world, tmp_path, free_port(), argv, tmp_path / "hf",
-                        init_pg=False, deadline_s=120)
+    ranks = run_workers(round_trip, world, tmp_path, free_port(), argv, tmp_path / "hf",
+                        "float32", init_pg=False, deadline_s=120)
     expected = built(DEBUG.with_updates(max_seq_len=32)).state_dict()
-    assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())
+    assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())  # read back
     from_folder = hf_io.load_hf(tmp_path / "hf", QWEN3)
     assert all(torch.equal(from_folder[k], v) for k, v in expected.items())
     if layout == "fsdp2":  # half the experts each, and half of everything else
