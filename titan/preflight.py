@@ -96,9 +96,9 @@ def plan_run(job: JobConfig, world_size: int | None = None,
     if dims.pp_enabled:
         require(job, spec.pipelining_fn is not None, "parallelism.pipeline_parallel_degree",
                 f"model {m.name} registers no pipeline split function")
-        pipelines = pipeline_plans(job, model_args.n_layers)
+        pipelines = pipeline_plans(job, model_args)
         if job.validation.enable:
-            validation_pipelines = pipeline_plans(job, model_args.n_layers, validation=True)
+            validation_pipelines = pipeline_plans(job, model_args, validation=True)
     check_datasets(job)
     ck = job.checkpoint
     require(job, not ck.create_seed_checkpoint or ck.enable, "checkpoint.create_seed_checkpoint",
@@ -175,11 +175,17 @@ def _hf_args(job: JobConfig, spec: TrainSpec, seq_len: int) -> ModelArgs | None:
         raise ConfigError(f"checkpoint.initial_load_path = {ck.initial_load_path!r}: {e}") from None
 
 
-def _differences(a: ModelArgs, b: ModelArgs) -> list[str]:
-    if is_dataclass(a) and is_dataclass(b):
-        return [f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}" for f in fields(a)
-                if getattr(a, f.name) != getattr(b, f.name)]
-    return [] if a == b else [f"{a} vs {b}"]
+def _differences(a: ModelArgs, b: ModelArgs, prefix: str = "") -> list[str]:
+    """The differing fields, by dotted name down nested settings (an MoE's moe.n_experts)."""
+    if is_dataclass(a) and is_dataclass(b) and type(a) is type(b):
+        out = []
+        for f in fields(a):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            if x != y:
+                out += (_differences(x, y, f"{prefix}{f.name}.") if is_dataclass(x)
+                        and is_dataclass(y) else [f"{prefix}{f.name} {x} vs {y}"])
+        return out
+    return [] if a == b else [f"{prefix.rstrip('.') or 'args'} {a} vs {b}"]
 
 
 def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer | None) -> ModelArgs:
@@ -261,13 +267,16 @@ def device_type(job: JobConfig) -> str:
         else "cpu"
 
 
-def pipeline_plans(job: JobConfig, n_layers: int,
+def pipeline_plans(job: JobConfig, args: ModelArgs,
                    validation: bool = False) -> tuple[PipelinePlan, ...]:
     """Every pipeline rank's stages for training batches, or (`validation`) for validation
-    batches: same stages, as many microbatches as the validation batch holds."""
+    batches: same stages, as many microbatches as the validation batch holds. Stages balance
+    the layers' costs where the family gives them (ModelArgs.layer_costs)."""
     batch = job.validation.local_batch_size if validation else job.training.local_batch_size
+    costs = args.layer_costs() if hasattr(args, "layer_costs") else None
     try:
-        return plan_pipelines(job.parallelism, n_layers=n_layers, local_batch_size=batch)
+        return plan_pipelines(job.parallelism, n_layers=args.n_layers, local_batch_size=batch,
+                              layer_costs=costs)
     except PipelineConfigError as e:
         where = (f"validation.local_batch_size = {batch} (from "
                  f"{source_of(job, 'validation.local_batch_size')})" if validation

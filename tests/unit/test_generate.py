@@ -219,3 +219,24 @@ def test_streamed_text_never_shows_half_a_character(tokenizer):
     pieces = [stream.push(i) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + stream.flush() == text
+
+
+@pytest.mark.parametrize("family,flavor", [("qwen3", "debugmodel_moe"),
+                                           ("deepseek_v3", "debugmodel")])
+def test_moe_families_generate_from_hf_with_the_cache(family, flavor, tmp_path):
+    """Qwen3-MoE and DeepSeek-V3 (MLA: keys and values of two widths in the cache) read from
+    an HF folder: cached decoding gives the argmax of full forwards, left padding changes
+    nothing."""
+    spec = get_train_spec(family)
+    args = spec.flavors[flavor].with_updates(max_seq_len=64)
+    m = spec.build_meta(args)
+    m.to_empty(device="cpu")
+    m.init_weights(5)
+    hf_dir = hf_io.save_hf(m.state_dict(), spec, args, tmp_path / "hf")
+    model, _ = load_model(hf_dir, None, spec, 64, torch.device("cpu"))
+    p, short = prompt(7, 1), prompt(3, 2)
+    new = generate(model, [p], max_new_tokens=16, eos_id=None)[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([p + new]))[0]
+    assert logits[len(p) - 1:-1].argmax(-1).tolist() == new
+    assert generate(model, [short, p], max_new_tokens=16, eos_id=None)[1] == new

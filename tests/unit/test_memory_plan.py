@@ -63,6 +63,10 @@ LAYOUTS.update({
     "moe_pp2_bias_full_ac": (2, [*MOE, "--parallelism.pipeline_parallel_degree", "2",
                                  "--qwen3.moe_bias_update_rate", "0.001", *AC["full"]]),
     "moe_fsdp2_bf16": (2, [*MOE, *BF16]),
+    # DeepSeek-V3: MLA's latents whole on each TP rank, heads split; shared experts split
+    "deepseek_fsdp2_tp2_selective_ac": (4, ["--model.name", "deepseek_v3", "--model.flavor",
+                                            "debugmodel", "--parallelism.tensor_parallel_degree",
+                                            "2", *AC["selective"]]),
 })
 
 

@@ -272,3 +272,28 @@ def test_a_copy_of_dims_has_no_mesh():
     d = dims(world_size=2)
     d._mesh = object()
     assert dataclasses.replace(d)._mesh is None
+
+
+def test_pipeline_stages_balance_unequal_layer_costs():
+    from titan.config import parse_args
+    from titan.models.spec import get_train_spec
+    from titan.parallelisms.pipeline import stage_layer_ranges
+    from titan.preflight import pipeline_plans
+
+    # a costly first layer (a dense one before MoE layers): the first stage takes fewer
+    assert stage_layer_ranges(6, 2, [], [5, 1, 1, 1, 1, 1]) == [range(0, 1), range(1, 6)]
+    assert stage_layer_ranges(7, 3, [], [1] * 6 + [6]) == [range(0, 3), range(3, 6), range(6, 7)]
+    # equal costs keep the even split, earlier stages taking the remainder
+    assert stage_layer_ranges(5, 2, [], [2] * 5) == stage_layer_ranges(5, 2, []) == [
+        range(0, 3), range(3, 5)]
+    # a family's layer_costs reach the plan: DeepSeek-V3 with 2 wide dense layers, 2 MoE
+    args = get_train_spec("deepseek_v3").flavors["debugmodel"].with_updates(
+        n_dense_layers=2, ffn_hidden_dim=8192)
+    job = parse_args(["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree",
+                      "2"])
+    plan, _ = pipeline_plans(job, args)
+    assert plan.layer_ranges == (range(0, 1), range(1, 4))
+    # explicit split points still win
+    job = parse_args(["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree",
+                      "2", "--parallelism.pipeline_parallel_split_points", "layers.2"])
+    assert pipeline_plans(job, args)[0].layer_ranges == (range(0, 2), range(2, 4))

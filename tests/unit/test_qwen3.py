@@ -167,18 +167,23 @@ def first_step_against_transformers(rank, world_size, port, argv, hf_dir):
     return expected, read_metrics(trainer.job.job.dump_folder)[0]["loss"]
 
 
-def check_save_pretrained_start(tmp_path, config_cls: str, model_cls: str, args) -> None:
-    """A sharded folder that transformers' `model_cls` wrote from `args`' config starts a
-    from_hf run whose step-1 loss is transformers' cross-entropy on the same batch."""
+def check_save_pretrained_start(tmp_path, config_cls: str, model_cls: str, args,
+                                family: str = "qwen3", prepare=None) -> None:
+    """A sharded folder that transformers' `model_cls` wrote from `args`' config (after
+    `prepare(hf_model)`, if given) starts a from_hf run of `family` whose step-1 loss is
+    transformers' cross-entropy on the same batch."""
     transformers = pytest.importorskip("transformers")
+    spec = get_train_spec(family)
     config = getattr(transformers, config_cls)(**{
-        k: v for k, v in QWEN3.state_dict_adapter(args.with_updates(max_seq_len=32)).hf_config()
+        k: v for k, v in spec.state_dict_adapter(args.with_updates(max_seq_len=32)).hf_config()
         .items() if k not in ("architectures", "model_type", "torch_dtype")})
     torch.manual_seed(0)
     hf_model = getattr(transformers, model_cls)(config)
+    if prepare is not None:
+        prepare(hf_model)
     hf_model.save_pretrained(str(tmp_path / "hf"), max_shard_size="2MB")
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
-    argv = ["--model.name", "qwen3", "--model.flavor", "from_hf", *tiny_run(1),
+    argv = ["--model.name", family, "--model.flavor", "from_hf", *tiny_run(1),
             "--training.local_batch_size", "8", "--checkpoint.initial_load_path",
             str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
             "--job.dump_folder", str(tmp_path / "dump")]

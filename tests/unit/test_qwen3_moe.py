@@ -125,7 +125,7 @@ def one_rank(tmp_path_factory):
     return records, tmp / "dump" / "checkpoint"
 
 
-def _biases(step_dir) -> dict[str, torch.Tensor]:
+def biases(step_dir) -> dict[str, torch.Tensor]:
     state = checkpoint.load_dcp_model_state(step_dir)
     return {k: v for k, v in state.items() if k.endswith("expert_bias")}
 
@@ -166,9 +166,9 @@ def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (layout, a, b)
         # the loads of the whole batch, whatever each rank saw of it
         assert a["expert_load_imbalance"] == b["expert_load_imbalance"], (layout, a, b)
-    want = _biases(one_rank[1] / f"step-{STEPS}")
+    want = biases(one_rank[1] / f"step-{STEPS}")
     assert len(want) == 3 and all(v.abs().sum() > 0 for v in want.values())
-    got = _biases(tmp_path / "dump" / "checkpoint" / f"step-{STEPS}")
+    got = biases(tmp_path / "dump" / "checkpoint" / f"step-{STEPS}")
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want), layout
 
@@ -181,7 +181,7 @@ def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
     assert [r["step"] for r in got] == list(range(6, STEPS + 1))
     assert [(r["loss"], r["grad_norm"]) for r in got] == [
         (r["loss"], r["grad_norm"]) for r in records[5:]]
-    want, back = _biases(saved / f"step-{STEPS}"), _biases(dump / f"step-{STEPS}")
+    want, back = biases(saved / f"step-{STEPS}"), biases(dump / f"step-{STEPS}")
     assert all(torch.equal(back[k], want[k]) for k in want)
 
 

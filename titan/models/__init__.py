@@ -2,3 +2,4 @@
 
 import titan.models.llama3  # noqa: F401
 import titan.models.qwen3  # noqa: F401
+import titan.models.deepseek_v3  # noqa: F401

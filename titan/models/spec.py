@@ -26,7 +26,11 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class ModelArgs(Protocol):
-    """The hyper-parameters of one flavor. Immutable: `with_updates` returns a copy."""
+    """The hyper-parameters of one flavor. Immutable: `with_updates` returns a copy.
+
+    Optional: `layer_costs() -> list[int]`, each block's parameters one token uses, which a
+    pipeline split balances when blocks differ (dense and MoE blocks); without it, or when all
+    are equal, stages get equal numbers of blocks."""
 
     dim: int
     n_layers: int

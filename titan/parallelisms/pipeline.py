@@ -31,9 +31,11 @@ def is_multi_stage(schedule: str) -> bool:
     return schedule in MULTI_STAGE
 
 
-def stage_layer_ranges(n_layers: int, num_stages: int, split_points: list[int]) -> list[range]:
+def stage_layer_ranges(n_layers: int, num_stages: int, split_points: list[int],
+                       layer_costs: list[int] | None = None) -> list[range]:
     """Contiguous layer ranges per stage: at `split_points` (first layer of each stage after the
-    first) if given, else as even as possible with earlier stages taking the remainder."""
+    first) if given; else, for layers of unequal `layer_costs`, the split whose costliest stage
+    costs least; else as even as possible with earlier stages taking the remainder."""
     if split_points:
         bounds = [0, *split_points, n_layers]
         if len(bounds) - 1 != num_stages or bounds != sorted(set(bounds)):
@@ -44,10 +46,37 @@ def stage_layer_ranges(n_layers: int, num_stages: int, split_points: list[int]) 
         return [range(a, b) for a, b in zip(bounds, bounds[1:])]
     if num_stages > n_layers:
         raise PipelineConfigError(f"{num_stages} pipeline stages exceed the model's {n_layers} layers")
+    if layer_costs is not None and len(set(layer_costs)) > 1:
+        return balanced_layer_ranges(layer_costs, num_stages)
     base, extra = divmod(n_layers, num_stages)
     sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
     starts = [sum(sizes[:s]) for s in range(num_stages)]
     return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def balanced_layer_ranges(costs: list[int], num_stages: int) -> list[range]:
+    """Contiguous, non-empty stages over layers of these costs, minimizing the costliest stage
+    (dynamic programming over split points); among equal splits, earlier stages take more."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: the least possible costliest stage when k stages hold layers [0, i)
+    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst <= best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    bounds, i = [n], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    bounds.reverse()
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 @dataclass(frozen=True)
@@ -59,9 +88,11 @@ class PipelinePlan:
     n_microbatches: int
 
 
-def plan_pipelines(cfg, *, n_layers: int, local_batch_size: int) -> tuple[PipelinePlan, ...]:
-    """The stages of `cfg` (the parallelism section) for a model of `n_layers` layers, as
-    seen by each pipeline rank (index: pp rank), for batches of `local_batch_size` sequences."""
+def plan_pipelines(cfg, *, n_layers: int, local_batch_size: int,
+                   layer_costs: list[int] | None = None) -> tuple[PipelinePlan, ...]:
+    """The stages of `cfg` (the parallelism section) for a model of `n_layers` layers (of
+    `layer_costs`, if they differ), as seen by each pipeline rank (index: pp rank), for
+    batches of `local_batch_size` sequences."""
     pp, schedule = cfg.pipeline_parallel_degree, cfg.pipeline_parallel_schedule
     microbatch_size = cfg.pipeline_parallel_microbatch_size
     layers_per_stage = cfg.pipeline_parallel_layers_per_stage
@@ -109,7 +140,8 @@ def plan_pipelines(cfg, *, n_layers: int, local_batch_size: int) -> tuple[Pipeli
         raise PipelineConfigError(
             f"{schedule} needs at least as many microbatches as stages ({num_stages}), got {n_micro}"
         )
-    ranges = tuple(stage_layer_ranges(n_layers, num_stages, points))
+    ranges = tuple(stage_layer_ranges(n_layers, num_stages, points,
+                                      None if layers_per_stage else layer_costs))
     return tuple(PipelinePlan(schedule, num_stages, _stage_ids(schedule, num_stages, pp, pp_rank),
                               ranges, n_micro) for pp_rank in range(pp))
 

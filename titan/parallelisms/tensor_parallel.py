@@ -75,3 +75,19 @@ class LocalTokens(ParallelStyle):
         module.register_forward_pre_hook(torch.compiler.disable(to_local))
         module.register_forward_hook(torch.compiler.disable(restore))
         return module
+
+
+class SumInputGrads(ParallelStyle):
+    """A module whose first input every tp rank's share of the heads reads (MLA's rotated key,
+    one for all heads): forward unchanged, backward sums that input's gradient over the tp
+    ranks, so that what produced it sees the whole gradient, as without TP."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def summed_in_backward(mod, args):
+            # a replicated DTensor whose local gradient is declared partial: its backward
+            # all-reduces, its forward moves nothing
+            x = DTensor.from_local(args[0], device_mesh, [Replicate()], run_check=False)
+            return (x.to_local(grad_placements=[Partial()]), *args[1:])
+
+        module.register_forward_pre_hook(summed_in_backward)
+        return module

@@ -11,14 +11,14 @@ from titan.models.common.init import normal, ones
 from titan.models.common.rope import apply_rope
 
 
-def flex_attention(q, k, v, block_mask, enable_gqa=False):
+def flex_attention(q, k, v, block_mask, enable_gqa=False, scale=None):
     """FlexAttention, compiled once on first use: uncompiled it materializes every score."""
     global _flex
     if _flex is None:
         from torch.nn.attention.flex_attention import flex_attention as eager
 
         _flex = torch.compile(eager, dynamic=False) if q.is_cuda else eager
-    return _flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    return _flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
 
 
 _flex = None

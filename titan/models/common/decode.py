@@ -32,9 +32,9 @@ class DecodeCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store the new keys/values (batch, seq, heads, head_dim); return all so far."""
-        if layer not in self.kv:
-            shape = (k.shape[0], self.max_len, *k.shape[2:])
-            self.kv[layer] = (k.new_zeros(shape), v.new_zeros(shape))
+        if layer not in self.kv:  # keys and values may differ in width (MLA's do)
+            self.kv[layer] = tuple(t.new_zeros(t.shape[0], self.max_len, *t.shape[2:])
+                                   for t in (k, v))
         ck, cv = self.kv[layer]
         end = self.length + k.shape[1]
         if end > self.max_len:

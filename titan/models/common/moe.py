@@ -22,13 +22,27 @@ from titan.models.common.moe_args import MoEArgs
 AUX_LOSS_NAME = "moe_aux_loss"  # how metrics.jsonl and TensorBoard name it
 
 
+class Gate(nn.Linear):
+    """The router's projection; with `float32`, computed in float32 whatever the activations'
+    dtype (DeepSeek's sigmoid scores are). Parallelisms see a Linear module."""
+
+    def __init__(self, dim: int, n_experts: int, float32: bool):
+        super().__init__(dim, n_experts, bias=False)
+        self.float32 = float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32:
+            return F.linear(x.float(), self.weight.float())
+        return super().forward(x)
+
+
 class Router(nn.Module):
     """Scores (tokens, experts) -> the k chosen experts' weights and indices per token."""
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+        self.gate = Gate(dim, args.n_experts, float32=args.score_func == "sigmoid")
         if args.score_bias:
             # model state (checkpointed, exported as HF's e_score_correction_bias), not trained
             # by the optimizer: a load-balancing rule moves it after each step
@@ -41,8 +55,7 @@ class Router(nn.Module):
         expert's score (tokens, experts) float32, which auxiliary losses use."""
         a = self.args
         if a.score_func == "sigmoid":
-            # DeepSeek scores in float32 whatever the activations' dtype
-            scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+            scores = self.gate(x).sigmoid()
         else:
             scores = self.gate(x).softmax(dim=-1, dtype=torch.float32)
         choice = scores if self.expert_bias is None else scores + self.expert_bias.float()

@@ -28,8 +28,10 @@ from titan.models.common.moe import MoE
 from titan.parallelisms.tensor_parallel import LocalTokens, replicate_modules
 
 # between blocks, activations are Shard(1) on the sequence (SP) or Replicate(): a plan of the
-# module names in one block -> its ParallelStyle, given that layout
+# module names in one block -> its ParallelStyle, given that layout (and, for an attention
+# plan, the block's attention module)
 BlockPlan = Callable[[Shard | Replicate], dict]
+AttentionPlan = Callable[[Shard | Replicate, nn.Module], dict]
 
 
 def swiglu_ffn_plan(between) -> dict:
@@ -63,8 +65,9 @@ def moe_plan(between, moe: MoE) -> dict:
     return plan
 
 
-def attention_plan(between) -> dict:
-    return {
+def attention_plan(between, attention: nn.Module) -> dict:
+    """Grouped-query attention (titan.models.common.attention): heads split over the ranks."""
+    plan = {
         "attention": PrepareModuleInput(input_layouts=(between, None),
                                         desired_input_layouts=(Replicate(), None)),
         "attention.wq": ColwiseParallel(),
@@ -72,17 +75,18 @@ def attention_plan(between) -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=between),
     }
-
-
-def qk_norm_plan(between) -> dict:
-    # each rank normalizes its own heads (dim 2 of (batch, seq, heads, head_dim)); the weight
-    # is replicated and its gradient summed over the heads of every rank
-    return {"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+    if attention.q_norm is not None:
+        # each rank normalizes its own heads (dim 2 of (batch, seq, heads, head_dim)); the
+        # weight is replicated and its gradient summed over the heads of every rank
+        plan.update({
+            "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+    return plan
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
-             loss_parallel: bool, ffn_plan: BlockPlan = swiglu_ffn_plan) -> None:
+             loss_parallel: bool, ffn_plan: BlockPlan = swiglu_ffn_plan,
+             attention_plan: AttentionPlan = attention_plan) -> None:
     """Megatron-style TP: heads and FFN width split, norms (and residuals) sequence-split."""
     between = Shard(1) if sequence_parallel else Replicate()
     top = {}
@@ -101,9 +105,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
     for block in model.layers.values():
         ffn = (moe_plan(between, block.feed_forward) if isinstance(block.feed_forward, MoE)
                else ffn_plan(between))
-        plan = {**attention_plan(between), **ffn}
-        if getattr(block.attention, "q_norm", None) is not None:
-            plan.update(qk_norm_plan(between))
+        plan = {**attention_plan(between, block.attention), **ffn}
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
@@ -120,11 +122,13 @@ def _tied(model: nn.Module) -> bool:
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, job, *,
-                      ffn_plan: BlockPlan = swiglu_ffn_plan) -> nn.Module:
+                        ffn_plan: BlockPlan = swiglu_ffn_plan,
+                        attention_plan: AttentionPlan = attention_plan) -> nn.Module:
     par, training = job.parallelism, job.training
     if dims.tp_enabled:
         apply_tp(model, dims["tp"], sequence_parallel=par.enable_sequence_parallel,
-                 loss_parallel=not par.disable_loss_parallel, ffn_plan=ffn_plan)
+                 loss_parallel=not par.disable_loss_parallel, ffn_plan=ffn_plan,
+                 attention_plan=attention_plan)
     apply_ac(model.layers, job.activation_checkpoint)
     if job.compile.enable:
         # per-block compile + TP breaks in backward on CPU (torch 2.13): compile the whole model

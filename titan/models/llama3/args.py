@@ -44,13 +44,15 @@ class Llama3Args:
     def with_updates(self, **kw) -> "Llama3Args":
         return replace(self, **kw)
 
-    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Parameters (`active`, those one token uses, is every one: the model is dense)."""
+    def layer_costs(self) -> list[int]:
         d, hd = self.dim, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
-        ffn = 3 * d * self.ffn_hidden_dim
-        per_layer = attn + ffn + 2 * d
-        total = self.n_layers * per_layer + d + self.vocab_size * d  # final norm + output
+        return [attn + 3 * d * self.ffn_hidden_dim + 2 * d] * self.n_layers
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameters (`active`, those one token uses, is every one: the model is dense)."""
+        d = self.dim
+        total = sum(self.layer_costs()) + d + self.vocab_size * d  # final norm + output
         # a tied embedding is the output matrix: counted once, and its matmul is in FLOPs
         separate_embedding = include_embedding and not self.tie_word_embeddings
         return total + (self.vocab_size * d if separate_embedding else 0)

@@ -65,18 +65,24 @@ class Qwen3Args:
             out.append(f"mlp_only_layers {bad} are not layers of a {self.n_layers}-layer model")
         return out
 
-    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Parameters; `active`: those one token uses (its top_k routed experts, not all)."""
+    def layer_params(self, layer_id: int, active: bool = False) -> int:
+        """One block's parameters; `active`: those one token uses (top_k routed experts)."""
         d, hd = self.dim, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2 + 2 * hd  # + q/k norms
-        total = self.n_layers * (attn + 2 * d) + d + self.vocab_size * d  # final norm + output
-        for layer_id in range(self.n_layers):
-            if not self.is_moe_layer(layer_id):
-                total += 3 * d * self.ffn_hidden_dim
-                continue
-            m = self.moe
-            routed = m.top_k if active else m.n_experts
-            total += d * m.n_experts + 3 * d * m.hidden_dim * (routed + m.n_shared_experts)
+        if not self.is_moe_layer(layer_id):
+            return attn + 2 * d + 3 * d * self.ffn_hidden_dim
+        m = self.moe
+        routed = m.top_k if active else m.n_experts
+        return attn + 2 * d + d * m.n_experts + 3 * d * m.hidden_dim * (routed + m.n_shared_experts)
+
+    def layer_costs(self) -> list[int]:
+        return [self.layer_params(i, active=True) for i in range(self.n_layers)]
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameters; `active`: those one token uses (its top_k routed experts, not all)."""
+        d = self.dim
+        total = sum(self.layer_params(i, active) for i in range(self.n_layers))
+        total += d + self.vocab_size * d  # final norm + output
         # a tied embedding is the output matrix: counted once, and its matmul is in FLOPs
         separate_embedding = include_embedding and not self.tie_word_embeddings
         return total + (self.vocab_size * d if separate_embedding else 0)

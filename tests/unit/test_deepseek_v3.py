@@ -1,0 +1,277 @@
+"""DeepSeek-V3: published total and active sizes; logits (MLA, YaRN, sigmoid group routing
+with a correction bias, shared experts, dense first layers) and both HF directions against
+transformers' DeepseekV3ForCausalLM; every layout trains like one process with the bias
+moving, and moves it alike; resume is bitwise; the sequence-wise balance loss; generation."""
+
+import shutil
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tests.forked import free_port, run_trainer, run_workers, tiny_run
+from tests.unit.test_hf_sharded import round_trip
+from tests.unit.test_qwen3 import check_save_pretrained_start
+from tests.unit.test_qwen3_moe import biases
+from titan.components.checkpoint import hf_io
+from titan.models.deepseek_v3.state_dict_adapter import deepseek_v3_args_from_hf_config
+from titan.models.spec import family_of_hf_config, get_train_spec
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
+
+DEEPSEEK = get_train_spec("deepseek_v3")
+DEBUG = DEEPSEEK.flavors["debugmodel"].with_updates(max_seq_len=64)
+STEPS = 10
+# the bias update at a rate that moves the routing within a few steps; the loss off: what
+# every layout must reproduce exactly
+BIAS = ["--deepseek_v3.moe_bias_update_rate", "0.01", "--deepseek_v3.moe_aux_loss_coeff", "0"]
+COMMON = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *tiny_run(STEPS)]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+
+# (total, active) parameters in billions as published, and how close titan's count must be:
+# DeepSeek-V3 671B / 37B (without its 14B multi-token-prediction module; titan: 671.03 /
+# 37.55), Moonlight-16B-A3B 16B / 3B, rounded to the billion (titan: 15.96 / 2.91)
+PUBLISHED = {"671B": (671.0, 37.0, 0.6), "16B": (16.0, 3.0, 0.1)}
+
+
+def built(args, seed=0, bias_seed=None):
+    model = DEEPSEEK.build_meta(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    if bias_seed is not None:  # a routing bias that changes the choice of some tokens
+        gen = torch.Generator().manual_seed(bias_seed)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED))
+def test_published_total_and_active_sizes(flavor):
+    args = DEEPSEEK.flavors[flavor]
+    total, active, within = PUBLISHED[flavor]
+    assert args.num_params() / 1e9 == pytest.approx(total, abs=within)
+    assert args.num_params(active=True) / 1e9 == pytest.approx(active, abs=within)
+    small = args.with_updates(n_layers=args.n_dense_layers + 1)
+    assert sum(p.numel() for p in DEEPSEEK.build_meta(small).parameters()) == small.num_params()
+    # MFU counts what a token computes: its routed experts, not all
+    attention = 6 * args.n_layers * args.n_heads * (192 + 128) * 4096
+    assert args.flops_per_token(4096) == 6 * args.num_params(include_embedding=False,
+                                                             active=True) + attention
+
+
+def test_debug_model_has_every_part():
+    model = built(DEBUG)
+    kinds = [type(b.feed_forward).__name__ for b in model.layers.values()]
+    assert kinds == ["FeedForward", "MoE", "MoE", "MoE"]  # n_dense_layers = 1
+    moe = model.layers["1"].feed_forward
+    assert moe.args.score_func == "sigmoid" and moe.args.n_groups == 4
+    assert moe.shared_experts is not None and moe.router.expert_bias is not None
+    assert hasattr(model.layers["0"].attention, "wq_a")  # the query bottleneck
+
+
+def test_hf_config_round_trip_and_refusals():
+    for name, args in DEEPSEEK.flavors.items():
+        config = DEEPSEEK.state_dict_adapter(args).hf_config()
+        assert config["model_type"] == "deepseek_v3" and family_of_hf_config(config) == "deepseek_v3"
+        back = deepseek_v3_args_from_hf_config(config, args.max_seq_len)
+        assert DEEPSEEK.matching_flavor(back) == name, (name, back)
+    config = DEEPSEEK.state_dict_adapter(DEBUG).hf_config()
+    for bad, message in [
+        ({"num_experts_per_tok": 9}, r"top_k 9 must be between 1 and n_experts 8"),
+        ({"n_group": 3}, r"n_groups 3 must divide n_experts 8 \(n_routed_experts"),
+        ({"topk_group": 1, "num_experts_per_tok": 3}, r"top_k 3 exceeds the 2 experts of "
+                                                      r"topk_groups groups"),
+        ({"scoring_func": "softmax"}, r"scoring_func='softmax'"),
+        ({"num_key_value_heads": 2}, r"num_key_value_heads != num_attention_heads"),
+        ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim 15 must be even"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            deepseek_v3_args_from_hf_config({**config, **bad})
+
+
+@pytest.mark.parametrize("variant", ["debugmodel", "no_q_lora_yarn", "halves_rope"])
+def test_logits_and_both_hf_directions_match_transformers(variant, tmp_path):
+    """With a non-zero correction bias: it changes the routing, not the weights."""
+    transformers = pytest.importorskip("transformers")
+    args = {"debugmodel": DEBUG,
+            # 671B's YaRN (mscale and mscale_all_dim) on a short original context
+            "no_q_lora_yarn": DEBUG.with_updates(q_lora_rank=0, rope_scaling_factor=4.0,
+                                                 rope_original_max_len=16, rope_mscale=1.0,
+                                                 rope_mscale_all_dim=0.707),
+            "halves_rope": DEBUG.with_updates(interleaved_rope=False)}[variant]
+    model = built(args, seed=3, bias_seed=5)
+    out = hf_io.save_hf(model.state_dict(), DEEPSEEK, args, tmp_path / "hf")
+    names = hf_io.load_hf_state(out)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert names["model.layers.2.mlp.gate.e_score_correction_bias"].abs().sum() > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(out), dtype=torch.float32, attn_implementation="eager").eval()
+    assert type(hf_model).__name__ == "DeepseekV3ForCausalLM"
+    x = torch.randint(0, args.vocab_size, (2, args.max_seq_len),
+                      generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf_model(x).logits, rtol=0, atol=1e-4)
+    if variant != "debugmodel":
+        return
+    # and back, from what transformers writes (sharded, one tensor per expert)
+    hf_model.save_pretrained(str(tmp_path / "from_hf"), max_shard_size="1MB")
+    assert "model.layers.2.mlp.experts.0.gate_proj.weight" in hf_io.load_hf_state(
+        tmp_path / "from_hf")
+    assert DEEPSEEK.matching_flavor(hf_io.args_from_hf(tmp_path / "from_hf", DEEPSEEK,
+                                                       args.max_seq_len)) == "debugmodel"
+    back = hf_io.load_hf(tmp_path / "from_hf", DEEPSEEK)
+    state = model.state_dict()
+    assert set(back) == set(state)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_generation_with_the_cache_equals_the_full_forward():
+    """Keys (nope + rope wide) and values (v_head_dim wide) cached per layer: token by token
+    gives the logits of one pass over the whole sequence, YaRN included."""
+    from titan.models.common.decode import DecodeCache
+
+    args = DEBUG.with_updates(rope_scaling_factor=4.0, rope_original_max_len=16,
+                              rope_mscale=1.0, rope_mscale_all_dim=1.0)
+    model = built(args, bias_seed=1)
+    x = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(x)
+        cache = DecodeCache(max_len=16, pad=torch.zeros(2, dtype=torch.long))
+        steps = [model(x[:, :5], cache=cache)] + [model(x[:, i:i + 1], cache=cache)
+                                                  for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one")
+    records = run_trainer(tmp, 1, [*COMMON, *BIAS, *CKPT])
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return records, tmp / "dump" / "checkpoint"
+
+
+LAYOUTS = {
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2",
+                    "--training.local_batch_size", "2"]),
+    # MLA's heads split, its latents whole on every rank, the shared key's gradient summed;
+    # routed experts on each rank's half of the sequence, the shared experts split
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "tp2_no_sp": (2, ["--parallelism.tensor_parallel_degree", "2",
+                      "--parallelism.no_enable_sequence_parallel"]),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    # ring attention over values padded to the query/key width
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
+                      "--parallelism.tensor_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
+    """As for Qwen3-MoE (tests/unit/test_qwen3_moe.py): routing is discrete, so a layout
+    agrees with one process while no token's k-th and (k+1)-th choices are closer than the
+    layouts' rounding differences (~1e-8 in the scores)."""
+    world, flags = LAYOUTS[layout]
+    records = run_trainer(tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags], deadline_s=150)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for a, b in zip(one_rank[0], records, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (layout, a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (layout, a, b)
+        assert a["expert_load_imbalance"] == b["expert_load_imbalance"], (layout, a, b)
+    want = biases(one_rank[1] / f"step-{STEPS}")
+    assert len(want) == 3 and all(v.abs().sum() > 0 for v in want.values())
+    got = biases(tmp_path / "dump" / "checkpoint" / f"step-{STEPS}")
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), layout
+
+
+def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
+    records, saved = one_rank
+    dump = tmp_path / "dump" / "checkpoint"
+    shutil.copytree(saved / "step-5", dump / "step-5")
+    got = run_trainer(tmp_path, 1, [*COMMON, *BIAS, *CKPT])
+    assert [r["step"] for r in got] == list(range(6, STEPS + 1))
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [
+        (r["loss"], r["grad_norm"]) for r in records[5:]]
+    want, back = biases(saved / f"step-{STEPS}"), biases(dump / f"step-{STEPS}")
+    assert all(torch.equal(back[k], want[k]) for k in want)
+
+
+def test_sequence_balance_loss_is_logged_apart_and_trained(one_rank, tmp_path):
+    """The flavor's own balancing: the bias update at 0.001 and the sequence-wise loss at
+    0.0001. `loss` stays the cross-entropy (step 1 equals the run without the loss); the loss
+    reaches the gradients (at 0.0001 below float32's resolution of the grad norm, so shown
+    at 0.1)."""
+    one = run_trainer(tmp_path / "default", 1, COMMON)
+    assert one[0]["loss"] == one_rank[0][0]["loss"]
+    # balanced, each of the 3 MoE layers' losses is 1; at init they are close to it
+    assert one[0]["moe_aux_loss"] == pytest.approx(3 * 0.0001, rel=0.1)
+    assert "moe_aux_loss" not in one_rank[0][0]
+    strong = run_trainer(tmp_path / "strong", 1, [*COMMON, "--training.steps", "1",
+                                                  "--deepseek_v3.moe_aux_loss_coeff", "0.1"])
+    assert strong[0]["loss"] == one_rank[0][0]["loss"]
+    assert strong[0]["moe_aux_loss"] == pytest.approx(1000 * one[0]["moe_aux_loss"], rel=1e-5)
+    assert strong[0]["grad_norm"] != one[0]["grad_norm"]
+
+
+def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path):
+    def nonzero_bias(hf_model):
+        gen = torch.Generator().manual_seed(4)
+        for name, b in hf_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand(b.shape, generator=gen) * 0.1)
+
+    check_save_pretrained_start(tmp_path, "DeepseekV3Config", "DeepseekV3ForCausalLM", DEBUG,
+                                family="deepseek_v3", prepare=nonzero_bias)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2_tp2", "pp2"])
+def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
+    """Each rank writes and reads the experts it holds, one tensor per expert, and the
+    correction bias; the folder and the reloaded model equal the one-process model."""
+    world, flags = LAYOUTS[layout]
+    argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
+    ranks = run_workers(round_trip, world, tmp_path, free_port(), argv, tmp_path / "hf",
+                        "float32", init_pg=False, deadline_s=120)
+    expected = built(DEBUG.with_updates(max_seq_len=32)).state_dict()
+    assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())  # read back
+    from_folder = hf_io.load_hf(tmp_path / "hf", DEEPSEEK)
+    assert all(torch.equal(from_folder[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--deepseek_v3.moe_bias_update_rate", "-1"],
+     r"debugmodel, deepseek_v3\.moe_bias_update_rate = -1\.0 \(from command line "
+     r"'--deepseek_v3\.moe_bias_update_rate -1'\): moe: bias_update_rate -1\.0 must be >= 0"),
+    (["--compile.enable", "--parallelism.tensor_parallel_degree", "2"],
+     r"compile\.enable = True .*under tensor parallelism runs eagerly"),
+])
+def test_what_it_cannot_do_is_refused_before_launch(flags, message, tmp_path):
+    from titan.config import ConfigError, parse_args
+    from titan.preflight import plan_run
+
+    job = parse_args([*COMMON, *flags, "--job.dump_folder", str(tmp_path)])
+    with pytest.raises(ConfigError, match=message):
+        plan_run(job, 2)
+
+
+def test_an_hf_folder_of_another_shape_is_named_before_launch(tmp_path):
+    """Experts, groups and MLA ranks of the folder against the flavor, field by field."""
+    from titan.config import ConfigError, parse_args
+    from titan.preflight import plan_run
+
+    other = DEBUG.with_updates(kv_lora_rank=32, moe=DEBUG.moe.__class__(
+        **{**DEBUG.moe.__dict__, "n_experts": 16, "n_groups": 8}))
+    hf_io.save_hf(built(other).state_dict(), DEEPSEEK, other, tmp_path / "hf")
+    job = parse_args([*COMMON, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                      "--checkpoint.initial_load_in_hf", "--job.dump_folder", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"another architecture than model.flavor = "
+                                          r"'debugmodel': kv_lora_rank 32 vs 64; "
+                                          r"moe.n_experts 16 vs 8; moe.n_groups 8 vs 4;"):
+        plan_run(job, 1)

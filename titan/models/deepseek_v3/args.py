@@ -1,0 +1,142 @@
+"""DeepSeek-V3 hyper-parameters and the published flavors (a ModelArgs of
+titan/models/spec.py): multi-head latent attention, YaRN RoPE on the rotary part of each head,
+dense first layers, then sigmoid-routed experts with shared experts. Shapes from the released
+configs (DeepSeek-V3, and Moonlight-16B-A3B, the DeepSeek-V3 architecture at 16B)."""
+
+from dataclasses import dataclass, replace
+
+from titan.models.common.moe_args import MoEArgs
+
+
+@dataclass(frozen=True)
+class DeepSeekV3Args:
+    dim: int = 7168
+    n_layers: int = 61
+    n_heads: int = 128
+    vocab_size: int = 129280
+    norm_eps: float = 1e-6
+    ffn_hidden_dim: int = 18432  # the SwiGLU width of the dense layers
+    n_dense_layers: int = 3  # HF first_k_dense_replace: the first layers have no experts
+    # multi-head latent attention: queries through a rank-q_lora_rank bottleneck (0: a plain
+    # projection), keys and values through one of kv_lora_rank; each head's query and key are
+    # a part without position (qk_nope_head_dim) and a rotated part (qk_rope_head_dim) whose
+    # key is shared by every head
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    moe: MoEArgs | None = MoEArgs(
+        n_experts=256, top_k=8, hidden_dim=2048, score_func="sigmoid", n_groups=8,
+        topk_groups=4, route_scale=2.5, score_bias=True, n_shared_experts=1)
+    rope_theta: float = 10000.0
+    # YaRN (None: plain RoPE); the softmax scale grows by yarn_mscale(factor,
+    # rope_mscale_all_dim)^2 and the rotation by the ratio of the two mscales, as HF does
+    rope_scaling_factor: float | None = None
+    rope_original_max_len: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
+    # the rotary part pairs dimensions (2i, 2i+1), as DeepSeek's checkpoints do (HF
+    # rope_interleave); False: the two halves
+    interleaved_rope: bool = True
+    max_seq_len: int = 4096
+    # the context the model was published for (HF max_position_embeddings); None: max_seq_len
+    context_len: int | None = None
+    tie_word_embeddings: bool = False
+    # balancing (the [deepseek_v3] options of the same names), DeepSeek-V3's published values:
+    # the sequence-wise balance loss coefficient (alpha) and the bias update rate (gamma)
+    moe_aux_loss_coeff: float = 0.0001
+    moe_bias_update_rate: float = 0.001
+
+    def with_updates(self, **kw) -> "DeepSeekV3Args":
+        return replace(self, **kw)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads  # every head has its own key and value, expanded from the latent
+
+    @property
+    def head_dim(self) -> int:
+        """The width of a query or key head (the value's is v_head_dim)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id >= self.n_dense_layers
+
+    def moe_args(self) -> MoEArgs:
+        """The MoE layers' settings with this run's balancing."""
+        return replace(self.moe, bias_update_rate=self.moe_bias_update_rate,
+                       aux_loss="sequence", aux_loss_coeff=self.moe_aux_loss_coeff)
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, each naming its fields (empty: nothing)."""
+        out = [f"moe: {p}" for p in self.moe_args().problems()] if self.moe else []
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            out.append(f"n_dense_layers {self.n_dense_layers} must be between 0 and n_layers "
+                       f"{self.n_layers}")
+        if self.q_lora_rank < 0 or self.kv_lora_rank < 1:
+            out.append(f"q_lora_rank {self.q_lora_rank} must be >= 0 (0: no query bottleneck) "
+                       f"and kv_lora_rank {self.kv_lora_rank} >= 1")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim < 2:
+            out.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even (rotated in pairs)")
+        return out
+
+    def attention_params(self) -> int:
+        d, h, q = self.dim, self.n_heads, self.q_lora_rank
+        query = d * q + q + q * h * self.head_dim if q else d * h * self.head_dim
+        kv = (d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+              + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim))
+        return query + kv + h * self.v_head_dim * d
+
+    def layer_params(self, layer_id: int, active: bool = False) -> int:
+        """One block's parameters; `active`: those one token uses (top_k routed experts)."""
+        d = self.dim
+        if not self.is_moe_layer(layer_id):
+            return self.attention_params() + 2 * d + 3 * d * self.ffn_hidden_dim
+        m = self.moe
+        routed = m.top_k if active else m.n_experts
+        return (self.attention_params() + 2 * d + d * m.n_experts
+                + 3 * d * m.hidden_dim * (routed + m.n_shared_experts))
+
+    def layer_costs(self) -> list[int]:
+        return [self.layer_params(i, active=True) for i in range(self.n_layers)]
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameters; `active`: those one token uses (its top_k routed experts, not all)."""
+        d = self.dim
+        total = sum(self.layer_params(i, active) for i in range(self.n_layers))
+        total += d + self.vocab_size * d  # final norm + output
+        separate_embedding = include_embedding and not self.tie_word_embeddings
+        return total + (self.vocab_size * d if separate_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x the matmul parameters a token uses plus attention over the full causal square
+        (the PaLM / torchtitan convention): scores over query/key heads of head_dim, the
+        weighted sum over values of v_head_dim."""
+        return 6 * self.num_params(include_embedding=False, active=True) + (
+            6 * self.n_layers * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len)
+
+
+DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
+    # CPU-sized, with every part of the big one: a query bottleneck, MLA, one dense layer,
+    # 8 routed experts in 4 groups (2 of them kept per token), top 2, one shared expert
+    "debugmodel": DeepSeekV3Args(
+        dim=256, n_layers=4, n_heads=8, vocab_size=2048, ffn_hidden_dim=768, n_dense_layers=1,
+        q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=128, score_func="sigmoid",
+                                   n_groups=4, topk_groups=2, route_scale=2.5,
+                                   score_bias=True, n_shared_experts=1)),
+    # Moonlight-16B-A3B: DeepSeek-V3's architecture at DeepSeek-V2-Lite's shape (no query
+    # bottleneck, 64 experts, 6 per token, 2 shared), in the deepseek_v3 hub layout
+    "16B": DeepSeekV3Args(
+        dim=2048, n_layers=27, n_heads=16, vocab_size=163840, norm_eps=1e-5,
+        ffn_hidden_dim=11264, n_dense_layers=1, q_lora_rank=0,
+        moe=MoEArgs(n_experts=64, top_k=6, hidden_dim=1408, score_func="sigmoid",
+                    route_scale=2.446, score_bias=True, n_shared_experts=2),
+        rope_theta=50000.0, context_len=8192),
+    "671B": DeepSeekV3Args(
+        rope_scaling_factor=40.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        context_len=163840),
+}
