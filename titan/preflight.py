@@ -128,8 +128,13 @@ def plan_run(job: JobConfig, world_size: int | None = None,
 def check_moe(job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDims) -> None:
     """What an MoE model cannot combine with, named before launch."""
     moe = getattr(args, "moe", None)
+    require(job, moe is not None or not dims.ep_enabled, "parallelism.expert_parallel_degree",
+            f"expert parallelism splits an MoE's routed experts, but {spec.name} "
+            f"{job.model.flavor} has none: set it to 1")
     if moe is None:
         return
+    if dims.ep_enabled:
+        check_expert_parallel(job, moe, dims)
     ck = job.checkpoint
     adapter = spec.state_dict_adapter
     if ck.last_save_in_hf and adapter is not None and hasattr(adapter, "export_problems"):
@@ -144,6 +149,24 @@ def check_moe(job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDi
             f"the routing-bias update ({spec.name}.moe_bias_update_rate = {rate}) sums expert "
             "loads over this replica group only, so groups would route differently: set the "
             "rate to 0 under torchft")
+
+
+def check_expert_parallel(job: JobConfig, moe, dims: ParallelDims) -> None:
+    field = "parallelism.expert_parallel_degree"
+    require(job, moe.n_experts % dims.ep == 0, field,
+            f"the {moe.n_experts} routed experts do not split evenly over {dims.ep} ranks: "
+            "pick a degree that divides them")
+    # what expert parallelism has been tested with so far: FSDP and HSDP
+    others = [name for name, on in (("tensor", dims.tp_enabled), ("pipeline", dims.pp_enabled),
+                                    ("context", dims.cp_enabled)) if on]
+    require(job, not others, field,
+            f"expert parallelism does not combine with {' or '.join(others)} parallelism yet: "
+            "use it with FSDP / HSDP only, or set it to 1")
+    require(job, not job.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
+            "an HF save from an expert-parallel run is not supported yet: save the DCP "
+            "checkpoint and convert it with scripts/convert_to_hf.py")
+    require(job, not job.fault_tolerance.enable, "fault_tolerance.enable",
+            "torchft with expert parallelism is not supported: set expert_parallel_degree 1")
 
 
 def load_tokenizer(job: JobConfig) -> Tokenizer | None:

@@ -169,6 +169,15 @@ LAYOUTS = {
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
                       "--parallelism.tensor_parallel_degree", "2"]),
+    # expert parallelism: routed experts split over ep ranks, tokens sent by all-to-all
+    "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
+    # ... each expert also FSDP-sharded over the 2 ranks holding it (efsdp 2)
+    "ep2_fsdp4": (4, ["--parallelism.expert_parallel_degree", "2",
+                      "--training.local_batch_size", "2"]),
+    "ep4": (4, ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"]),
+    "ep2_hsdp2x2": (4, ["--parallelism.expert_parallel_degree", "2",
+                        "--parallelism.data_parallel_replicate_degree", "2",
+                        "--training.local_batch_size", "2"]),
 }
 
 

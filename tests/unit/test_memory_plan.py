@@ -67,6 +67,9 @@ LAYOUTS.update({
     "deepseek_fsdp2_tp2_selective_ac": (4, ["--model.name", "deepseek_v3", "--model.flavor",
                                             "debugmodel", "--parallelism.tensor_parallel_degree",
                                             "2", *AC["selective"]]),
+    # expert parallelism: each rank holds half the experts (whole), the dense weights sharded
+    "deepseek_ep2": (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
+                         "--parallelism.expert_parallel_degree", "2"]),
 })
 
 

@@ -149,6 +149,8 @@ LAYOUTS = {
                                "--activation_checkpoint.mode", "selective"]),
     # blocks compiled around the host-side split sizes (fullgraph off)
     "compile": (1, ["--compile.enable"]),
+    # experts split over 2 ranks, tokens dispatched by all-to-all (softmax routing)
+    "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
 }
 
 

@@ -169,6 +169,10 @@ class Parallelism:
     context_parallel_load_balance: bool = opt(
         True, "Head-tail sequence sharding so every cp rank gets equal causal-attention work"
     )
+    expert_parallel_degree: int = opt(
+        1, "Expert-parallel degree: an MoE's routed experts split over this many ranks, which "
+        "it borrows from data_parallel_shard_degree x context_parallel_degree (1: off)"
+    )
     pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree (layers split into stages)")
     pipeline_parallel_schedule: str = opt(
         "1F1B", "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble "

@@ -14,9 +14,12 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, units: list[nn.Module],
                final_unit: list[nn.Module], param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard: bool, cpu_offload: bool) -> None:
+               reshard: bool, cpu_offload: bool, expert_units: list[nn.Module] = (),
+               expert_mesh: DeviceMesh | None = None) -> None:
     """Shard each of `units` (embedding, blocks) as its own FSDP unit, `final_unit` (e.g. the
-    last norm and the output layer) as one unit, then the root for what is left.
+    last norm and the output layer) as one unit, then the root for what is left. Each of
+    `expert_units` (expert-parallel routed experts, inside the blocks) is a unit of its own
+    over `expert_mesh`: the data-parallel ranks that hold the same experts.
 
     A 2-D dp_mesh (dp_replicate, dp_shard_cp) gives HSDP.
     """
@@ -25,6 +28,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, units: list[nn.Module],
     if cpu_offload:
         # pinned memory needs CUDA; on CPU-only machines plain host memory is the only option
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda")
+    for unit in expert_units:
+        fully_shard(unit, reshard_after_forward=reshard, **{**kw, "mesh": expert_mesh})
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard, **kw)
     if final_unit:

@@ -36,6 +36,10 @@ MESH_ORDER = tuple(sorted(DIMS, key=lambda d: d.mesh_position))  # outer to inne
 # loss averaging ("dp_cp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+# with expert parallelism, dp_cp's ranks again as the routed experts see them: replicas,
+# the FSDP shards of each expert ("efsdp"), and the ranks holding different experts ("ep");
+# `dims["edp"]` is the experts' FSDP mesh (HSDP when there are replicas)
+EXPERT_DIMS = ("edp_replicate", "efsdp", "ep")
 
 
 @dataclass
@@ -46,6 +50,9 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    # expert parallelism: not a dim of the mesh but a split of dp_shard x cp (the routed
+    # experts' mesh, "ep", with "efsdp" for what is left to shard them over)
+    ep: int = 1
     # not init fields: a copy (dataclasses.replace) is a layout whose mesh is not built yet
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict = field(default_factory=dict, init=False, repr=False)
@@ -57,7 +64,8 @@ class ParallelDims:
         for d in DIMS:
             section, attr = d.config_field.split(".")
             degrees[d.name] = getattr(getattr(job, section), attr)
-        return cls(**degrees, world_size=world_size)
+        return cls(**degrees, world_size=world_size,
+                   ep=job.parallelism.expert_parallel_degree)
 
     def degrees(self) -> dict[str, int]:
         """{dim name: degree}, in DIMS order."""
@@ -68,7 +76,7 @@ class ParallelDims:
         return [(d.name, getattr(self, d.name)) for d in MESH_ORDER]
 
     def __post_init__(self):
-        names = [f.name for f in fields(self) if f.init and f.name != "world_size"]
+        names = [f.name for f in fields(self) if f.init and f.name not in ("world_size", "ep")]
         if names != [d.name for d in DIMS]:
             raise TypeError(f"ParallelDims' degree fields {names} must be the rows of DIMS "
                             f"{[d.name for d in DIMS]}, in order")
@@ -103,6 +111,11 @@ class ParallelDims:
                 + f" = {product}, but the world size is {self.world_size}; make the product "
                 "equal the number of ranks"
             )
+        if self.ep < 1 or (self.dp_shard * self.cp) % self.ep:
+            raise ParallelismError(
+                f"expert_parallel_degree {self.ep} must be >= 1 and divide "
+                f"data_parallel_shard_degree x context_parallel_degree = "
+                f"{self.dp_shard} x {self.cp}: expert parallelism borrows those ranks")
 
     @property
     def dp(self) -> int:
@@ -120,6 +133,15 @@ class ParallelDims:
     @property
     def fsdp_enabled(self) -> bool:
         return self.dp_shard * self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """What is left of dp_shard x cp to shard the routed experts over, beside ep."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def tp_enabled(self) -> bool:
@@ -140,6 +162,12 @@ class ParallelDims:
                                 mesh_dim_names=tuple(name for name, _ in dims))
         # flattened meshes are kept here: slicing them back out of the root is deprecated
         self._flat = {name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}
+        if self.ep_enabled:
+            # the routed experts' mesh: dp_cp's ranks as (replicas, efsdp, ep), ep innermost
+            experts = self._flat["dp_cp"]._unflatten(
+                0, (self.dp_replicate, self.efsdp, self.ep), EXPERT_DIMS)
+            self._flat.update({"ep": experts["ep"], "efsdp": experts["efsdp"],
+                               "edp": experts[EXPERT_DIMS[:2]]})
         self._mesh = mesh
         return mesh
 

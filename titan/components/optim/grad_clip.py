@@ -41,7 +41,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
         total = sq.sqrt().to(total.dtype)
     if max_norm > 0:
         params += [p for p in uncounted if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        # foreach kernels take one device mesh at a time (expert parallelism adds one)
+        by_mesh: dict = {}
+        for p in params:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
 
 

@@ -41,6 +41,18 @@ def _build_one(params, name: str, implementation: str, kw: dict,
     return cls(params, foreach=implementation == "foreach", **kw)
 
 
+def _groups_by_mesh(params: list[nn.Parameter]) -> list[nn.Parameter] | list[dict]:
+    """One param group per device mesh when the parameters span several (expert-parallel
+    experts beside the dense weights): foreach and fused steps take one mesh at a time.
+    Checkpoints hold the state by parameter name, so the grouping does not reach them."""
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    if len(by_mesh) < 2:
+        return params
+    return [{"params": group} for group in by_mesh.values()]
+
+
 class OptimizersContainer:
     """Looks like one optimizer; is a Stateful for DCP."""
 
@@ -50,8 +62,8 @@ class OptimizersContainer:
         self.model_parts = model_parts
         self.ties = tied_names(model_parts)
         self.optimizers = [
-            _build_one([p for p in part.parameters() if p.requires_grad], cfg.name,
-                       cfg.implementation, kw, cfg.state_dtype)
+            _build_one(_groups_by_mesh([p for p in part.parameters() if p.requires_grad]),
+                       cfg.name, cfg.implementation, kw, cfg.state_dtype)
             for part in model_parts
         ]
 

@@ -1,5 +1,5 @@
 """The generic parallelize policy for a `Decoder` (titan.models.common.decoder) part:
-TP -> AC -> compile -> FSDP/DDP, which a family's `parallelize_fn` assembles.
+TP -> EP -> AC -> compile -> FSDP/DDP, which a family's `parallelize_fn` assembles.
 
 Context parallelism is not applied here: it shards each batch (and the model's `cp_buffers`)
 inside the trainer's forward/backward context. The TP plan names the common blocks'
@@ -23,6 +23,7 @@ from titan.dtypes import to_dtype
 from titan.parallelisms.activation_checkpoint import apply_ac
 from titan.parallelisms.compile import compile_blocks, compile_whole
 from titan.parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward
+from titan.parallelisms.expert_parallel import ExpertParallel
 from titan.parallelisms.parallel_dims import ParallelDims
 from titan.models.common.moe import MoE
 from titan.parallelisms.tensor_parallel import LocalTokens, replicate_modules
@@ -129,6 +130,10 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, job, *,
         apply_tp(model, dims["tp"], sequence_parallel=par.enable_sequence_parallel,
                  loss_parallel=not par.disable_loss_parallel, ffn_plan=ffn_plan,
                  attention_plan=attention_plan)
+    experts = [b.feed_forward.experts for b in model.layers.values()
+               if isinstance(b.feed_forward, MoE)] if dims.ep_enabled else []
+    for module in experts:
+        parallelize_module(module, dims["ep"], ExpertParallel())
     apply_ac(model.layers, job.activation_checkpoint)
     if job.compile.enable:
         # per-block compile + TP breaks in backward on CPU (torch 2.13): compile the whole model
@@ -152,6 +157,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, job, *,
             reduce_dtype=to_dtype(training.mixed_precision_reduce),
             reshard=reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled),
             cpu_offload=training.enable_cpu_offload,
+            expert_units=experts,
+            expert_mesh=dims["edp" if dims.dp_replicate > 1 else "efsdp"] if experts else None,
         )
     elif dims.dp_replicate > 1:
         apply_ddp(model, dims["dp_replicate"])

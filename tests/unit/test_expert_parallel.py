@@ -1,0 +1,140 @@
+"""Expert parallelism's dispatch: routed experts sharded over ep ranks, tokens sent to their
+experts' ranks and back, equal to one process holding every expert, forward and backward,
+also when routing sends most tokens to one rank's experts."""
+
+import sys
+
+import pytest
+import torch
+
+from tests.forked import run_workers
+from titan.models.common.moe import MoE, MoEArgs
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
+
+ARGS = MoEArgs(n_experts=8, top_k=2, hidden_dim=16, score_func="sigmoid", n_groups=4,
+               topk_groups=2, route_scale=2.5, score_bias=True, n_shared_experts=1)
+DIM, TOKENS = 32, 24
+
+
+def _moe(seed: int = 0, skew: bool = False) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(DIM, ARGS)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if skew:  # nearly every token picks experts 0 and 1, both on ep rank 0
+        moe.router.expert_bias.copy_(torch.tensor([5.0, 5.0, 0, 0, 0, 0, 0, 0]))
+    return moe
+
+
+def _batch() -> torch.Tensor:
+    return torch.randn(4, TOKENS // 4 * 2, DIM, generator=torch.Generator().manual_seed(1))
+
+
+def _reference(skew: bool):
+    moe = _moe(skew=skew)
+    x = _batch().requires_grad_()
+    moe(x).square().sum().backward()
+    return x.grad, {n: p.grad for n, p in moe.named_parameters()}, moe(x).detach()
+
+
+def _ep_rank(rank, world_size, skew):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from titan.parallelisms.expert_parallel import ExpertParallel
+
+    moe = _moe(skew=skew)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    parallelize_module(moe.experts, mesh, ExpertParallel())
+    x = _batch().chunk(world_size)[rank].clone().requires_grad_()
+    out = moe(x)
+    out.square().sum().backward()
+    grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+             for n, p in moe.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["balanced", "skewed"])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_dispatch_equals_one_process(ep, skew, tmp_path):
+    x_grad, grads, out = _reference(skew)
+    ranks = run_workers(_ep_rank, ep, tmp_path, skew, deadline_s=60)
+    def close(got, want, what):  # float32 sums in another order: 1e-6 of the largest value
+        err = (got - want).abs().max().item()
+        assert err <= 1e-6 * want.abs().max().item(), (what, err)
+
+    close(torch.cat([r[0] for r in ranks]), out, "output")
+    close(torch.cat([r[1] for r in ranks]), x_grad, "input gradient")
+    for name, want in grads.items():
+        if name.startswith("experts."):
+            # each rank holds its experts' whole gradient, divided by ep: data parallelism
+            # averages over the ranks holding the same experts, not over ep
+            got = torch.cat([r[2][name] for r in ranks]) * ep
+        else:  # the rest is replicated: each rank's gradient from its own tokens
+            got = sum(r[2][name] for r in ranks)
+        close(got, want, name)
+
+
+def test_a_checkpoint_resumes_on_another_expert_parallel_degree(tmp_path):
+    """A 1-rank checkpoint resumes on ep 4 (the experts resharded by DCP), and an ep 4
+    checkpoint on ep 2, each within 1e-5 of the uninterrupted 1-rank run."""
+    import shutil
+
+    from tests.forked import run_trainer, tiny_run
+
+    common = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *tiny_run(6),
+              "--deepseek_v3.moe_bias_update_rate", "0.01", "--deepseek_v3.moe_aux_loss_coeff",
+              "0", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    four = ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"]
+    two = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
+    whole = run_trainer(tmp_path / "one", 1, common)
+    saved = tmp_path / "one" / "dump" / "checkpoint"
+    shutil.copytree(saved / "step-2", tmp_path / "ep4" / "dump" / "checkpoint" / "step-2")
+    ep4 = run_trainer(tmp_path / "ep4", 4, [*common, *four], deadline_s=120)
+    shutil.copytree(tmp_path / "ep4" / "dump" / "checkpoint" / "step-4",
+                    tmp_path / "ep2" / "dump" / "checkpoint" / "step-4")
+    ep2 = run_trainer(tmp_path / "ep2", 4, [*common, *two], deadline_s=120)
+    assert [r["step"] for r in ep4] == [3, 4, 5, 6] and [r["step"] for r in ep2] == [5, 6]
+    for got in (ep4, ep2):
+        for b in got:
+            a = whole[b["step"] - 1]
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--parallelism.expert_parallel_degree", "3"],
+     r"expert_parallel_degree 3 must be >= 1 and divide data_parallel_shard_degree x "
+     r"context_parallel_degree = 4 x 1"),
+    (["--parallelism.expert_parallel_degree", "4", "--deepseek_v3.moe_bias_update_rate", "0",
+      "--model.name", "llama3", "--model.flavor", "debugmodel"],
+     r"parallelism\.expert_parallel_degree = 4 .*llama3 debugmodel has none: set it to 1"),
+    (["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+     r"does not combine with tensor parallelism yet"),
+])
+def test_bad_expert_parallel_settings_are_refused_before_launch(flags, message, tmp_path):
+    from titan.config import ConfigError, parse_args
+    from titan.preflight import plan_run
+
+    job = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
+                      "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+                      *flags, "--job.dump_folder", str(tmp_path)])
+    with pytest.raises(ConfigError, match=message):
+        plan_run(job, 4)
+
+
+def test_experts_that_do_not_split_over_ep_are_refused(tmp_path):
+    from titan.config import ConfigError, parse_args
+    from titan.preflight import plan_run
+
+    job = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
+                      "--training.local_batch_size", "1", "--training.global_batch_size", "8",
+                      "--parallelism.expert_parallel_degree", "8", "--job.dump_folder",
+                      str(tmp_path)])
+    plan_run(job, 8)  # 8 experts over 8 ranks
+    job = parse_args(["--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
+                      "--training.local_batch_size", "2", "--training.global_batch_size", "12",
+                      "--parallelism.expert_parallel_degree", "3", "--job.dump_folder",
+                      str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"the 8 routed experts do not split evenly over 3"):
+        plan_run(job, 6)
