@@ -227,3 +227,20 @@ def test_a_save_that_fails_leaves_no_folder_and_keeps_the_last(tmp_path):
     assert [p.name for p in root.iterdir()] == ["step-2"]
     assert folder_problem(root / "step-2", "full") is None
     assert json.loads((root / "step-2" / ".complete").read_text())["step"] == 2
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "deepseek_v3"])
+def test_every_flavor_comes_back_from_its_record(family):
+    """convert_to_hf and generate read a checkpoint's architecture from its marker's record
+    (JSON): nested settings (an MoE's) come back as their dataclass, lists as tuples."""
+    import json
+
+    from titan.components.checkpoint.identity import args_in_record
+    from titan.models.spec import get_train_spec
+
+    spec = get_train_spec(family)
+    for name, args in spec.flavors.items():
+        record = json.loads(json.dumps(
+            {"args": model_identity(spec, name, args.with_updates(n_layers=1)).args}))
+        back = args_in_record(spec, record, args.max_seq_len)
+        assert back == args.with_updates(n_layers=1), name

@@ -160,10 +160,10 @@ LAYOUTS = {
                     "--parallelism.data_parallel_shard_degree", "2",
                     "--training.local_batch_size", "2"]),
     # MLA's heads split, its latents whole on every rank, the shared key's gradient summed;
-    # routed experts on each rank's half of the sequence, the shared experts split
+    # routed experts on each rank's half of the sequence, the shared experts split (without
+    # sequence parallelism too: tests/unit/test_qwen3_moe.py runs that path for the MoE, and
+    # MLA's plan does not depend on it)
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "tp2_no_sp": (2, ["--parallelism.tensor_parallel_degree", "2",
-                      "--parallelism.no_enable_sequence_parallel"]),
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     # ring attention over values padded to the query/key width
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
@@ -174,7 +174,6 @@ LAYOUTS = {
     # ... each expert also FSDP-sharded over the 2 ranks holding it (efsdp 2)
     "ep2_fsdp4": (4, ["--parallelism.expert_parallel_degree", "2",
                       "--training.local_batch_size", "2"]),
-    "ep4": (4, ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"]),
     "ep2_hsdp2x2": (4, ["--parallelism.expert_parallel_degree", "2",
                         "--parallelism.data_parallel_replicate_degree", "2",
                         "--training.local_batch_size", "2"]),
@@ -185,7 +184,8 @@ LAYOUTS = {
 def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
     """As for Qwen3-MoE (tests/unit/test_qwen3_moe.py): routing is discrete, so a layout
     agrees with one process while no token's k-th and (k+1)-th choices are closer than the
-    layouts' rounding differences (~1e-8 in the scores)."""
+    layouts' rounding differences (~1e-8 in the scores). Over these 10 steps the closest
+    experts are 3.9e-6 apart and the closest groups 5.6e-6."""
     world, flags = LAYOUTS[layout]
     records = run_trainer(tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags], deadline_s=150)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -284,3 +284,24 @@ def test_an_hf_folder_of_another_shape_is_named_before_launch(tmp_path):
                                           r"'debugmodel': kv_lora_rank 32 vs 64; "
                                           r"moe.n_experts 16 vs 8; moe.n_groups 8 vs 4;"):
         plan_run(job, 1)
+
+
+def test_convert_to_hf_writes_what_transformers_loads(one_rank, tmp_path):
+    """A trained checkpoint (its routing biases moved) through scripts/convert_to_hf.py: the
+    folder transformers loads gives titan's logits."""
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.test_qwen3 import _script
+    from titan.components.checkpoint import folders as checkpoint
+
+    step = one_rank[1] / f"step-{STEPS}"
+    _script("convert_to_hf").main([str(step), str(tmp_path / "hf"), "--max-seq-len", "32"])
+    model = built(DEBUG.with_updates(max_seq_len=32))
+    model.load_state_dict(checkpoint.load_dcp_model_state(step))
+    assert model.layers["1"].feed_forward.router.expert_bias.abs().sum() > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager").eval()
+    x = torch.randint(0, DEBUG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf_model(x).logits, rtol=0, atol=1e-4)

@@ -128,5 +128,33 @@ def family_in(path: Path) -> str | None:
 def args_in_record(spec, record: dict, max_seq_len: int):
     """The ModelArgs a marker's model record describes (any flavor, from_hf's too)."""
     base = next(iter(spec.flavors.values()))
-    known = {k: v for k, v in record["args"].items() if hasattr(base, k)}
+    known = {k: _from_json(v, _field_type(type(base), k)) for k, v in record["args"].items()
+             if hasattr(base, k)}
     return base.with_updates(**known, max_seq_len=max_seq_len)
+
+
+def _field_type(cls, name: str):
+    import typing
+
+    try:
+        return typing.get_type_hints(cls).get(name)
+    except (NameError, TypeError):
+        return None
+
+
+def _from_json(value, hint):
+    """A field's value as JSON held it, back in its type: nested settings (an MoE's) as their
+    dataclass, lists as the tuples the args hold."""
+    import typing
+
+    if value is None or hint is None:
+        return value
+    import types
+
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    for t in typing.get_args(hint) if union else (hint,):  # `X | None`: try X
+        if is_dataclass(t) and isinstance(value, dict):
+            return t(**{k: _from_json(v, _field_type(t, k)) for k, v in value.items()})
+        if typing.get_origin(t) is tuple and isinstance(value, list):
+            return tuple(value)
+    return value
