@@ -3,7 +3,6 @@ with a correction bias, shared experts, dense first layers) and both HF directio
 transformers' DeepseekV3ForCausalLM; every layout trains like one process with the bias
 moving, and moves it alike; resume is bitwise; the sequence-wise balance loss; generation."""
 
-import shutil
 import sys
 import warnings
 
@@ -11,9 +10,9 @@ import pytest
 import torch
 
 from tests.forked import free_port, run_trainer, run_workers, tiny_run
+from tests.moe_checks import check_layout_like_one_process, check_resume_is_bitwise
 from tests.unit.test_hf_sharded import round_trip
 from tests.unit.test_qwen3 import check_save_pretrained_start
-from tests.unit.test_qwen3_moe import biases
 from titan.components.checkpoint import hf_io
 from titan.models.deepseek_v3.state_dict_adapter import deepseek_v3_args_from_hf_config
 from titan.models.spec import family_of_hf_config, get_train_spec
@@ -187,29 +186,12 @@ def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
     layouts' rounding differences (~1e-8 in the scores). Over these 10 steps the closest
     experts are 3.9e-6 apart and the closest groups 5.6e-6."""
     world, flags = LAYOUTS[layout]
-    records = run_trainer(tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags], deadline_s=150)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for a, b in zip(one_rank[0], records, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (layout, a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (layout, a, b)
-        assert a["expert_load_imbalance"] == b["expert_load_imbalance"], (layout, a, b)
-    want = biases(one_rank[1] / f"step-{STEPS}")
-    assert len(want) == 3 and all(v.abs().sum() > 0 for v in want.values())
-    got = biases(tmp_path / "dump" / "checkpoint" / f"step-{STEPS}")
-    assert set(got) == set(want)
-    assert all(torch.equal(got[k], want[k]) for k in want), layout
+    check_layout_like_one_process(one_rank, tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags],
+                                  STEPS, moe_layers=3, layout=layout)
 
 
 def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
-    records, saved = one_rank
-    dump = tmp_path / "dump" / "checkpoint"
-    shutil.copytree(saved / "step-5", dump / "step-5")
-    got = run_trainer(tmp_path, 1, [*COMMON, *BIAS, *CKPT])
-    assert [r["step"] for r in got] == list(range(6, STEPS + 1))
-    assert [(r["loss"], r["grad_norm"]) for r in got] == [
-        (r["loss"], r["grad_norm"]) for r in records[5:]]
-    want, back = biases(saved / f"step-{STEPS}"), biases(dump / f"step-{STEPS}")
-    assert all(torch.equal(back[k], want[k]) for k in want)
+    check_resume_is_bitwise(one_rank, tmp_path, [*COMMON, *BIAS, *CKPT], STEPS, at=5)
 
 
 def test_sequence_balance_loss_is_logged_apart_and_trained(one_rank, tmp_path):

@@ -3,7 +3,6 @@ logits and both HF directions (per-expert tensors) against transformers' Qwen3Mo
 every layout trains like one process with the routing bias moving, and moves it alike; resume
 is bitwise, bias included; the load-balancing loss and the load metrics."""
 
-import shutil
 import sys
 import warnings
 
@@ -11,9 +10,9 @@ import pytest
 import torch
 
 from tests.forked import free_port, run_trainer, run_workers, tiny_run
+from tests.moe_checks import check_layout_like_one_process, check_resume_is_bitwise
 from tests.unit.test_hf_sharded import round_trip
 from tests.unit.test_qwen3 import check_save_pretrained_start
-from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
 from titan.models.qwen3.state_dict_adapter import qwen3_args_from_hf_config
 from titan.models.spec import family_of_hf_config, get_train_spec
@@ -125,11 +124,6 @@ def one_rank(tmp_path_factory):
     return records, tmp / "dump" / "checkpoint"
 
 
-def biases(step_dir) -> dict[str, torch.Tensor]:
-    state = checkpoint.load_dcp_model_state(step_dir)
-    return {k: v for k, v in state.items() if k.endswith("expert_bias")}
-
-
 LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
@@ -161,30 +155,12 @@ def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
     steps the closest pair is 9.3e-6 apart; layouts differ by ~1e-8 in the scores (losses by
     1.2e-7 relative, under 1 and 2 threads), and another CPU moves the gaps by as little."""
     world, flags = LAYOUTS[layout]
-    records = run_trainer(tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags], deadline_s=150)
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for a, b in zip(one_rank[0], records, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (layout, a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (layout, a, b)
-        # the loads of the whole batch, whatever each rank saw of it
-        assert a["expert_load_imbalance"] == b["expert_load_imbalance"], (layout, a, b)
-    want = biases(one_rank[1] / f"step-{STEPS}")
-    assert len(want) == 3 and all(v.abs().sum() > 0 for v in want.values())
-    got = biases(tmp_path / "dump" / "checkpoint" / f"step-{STEPS}")
-    assert set(got) == set(want)
-    assert all(torch.equal(got[k], want[k]) for k in want), layout
+    check_layout_like_one_process(one_rank, tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags],
+                                  STEPS, moe_layers=3, layout=layout)
 
 
 def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
-    records, saved = one_rank
-    dump = tmp_path / "dump" / "checkpoint"
-    shutil.copytree(saved / "step-5", dump / "step-5")
-    got = run_trainer(tmp_path, 1, [*COMMON, *BIAS, *CKPT])
-    assert [r["step"] for r in got] == list(range(6, STEPS + 1))
-    assert [(r["loss"], r["grad_norm"]) for r in got] == [
-        (r["loss"], r["grad_norm"]) for r in records[5:]]
-    want, back = biases(saved / f"step-{STEPS}"), biases(dump / f"step-{STEPS}")
-    assert all(torch.equal(back[k], want[k]) for k in want)
+    check_resume_is_bitwise(one_rank, tmp_path, [*COMMON, *BIAS, *CKPT], STEPS, at=5)
 
 
 def test_load_balancing_loss_is_logged_apart_and_trained(one_rank, tmp_path):

@@ -23,6 +23,24 @@ TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# what every family's block holds under the same names: the attention output projection, the
+# two norms and the dense SwiGLU (titan name within a block -> HF name within a layer)
+BLOCK_NAMES = {
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+# an MoE block (titan.models.common.moe): the router's projection, and the routed experts as
+# one HF tensor per expert (what transformers' save_pretrained writes)
+ROUTER_NAMES = {"feed_forward.router.gate.weight": "mlp.gate.weight"}
+SWIGLU_EXPERT_NAMES = {
+    "feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
+    "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight",
+    "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
+}
 _TITAN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^(.+)\.(\d+)\.([^.]+\.weight)$")  # mlp.experts.7.gate_proj.weight

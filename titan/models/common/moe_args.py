@@ -26,6 +26,12 @@ class MoEArgs:
     aux_loss: str = "none"
     aux_loss_coeff: float = 0.0
 
+    def layer_params(self, dim: int, active: bool = False) -> int:
+        """The router, routed and shared experts of one layer; `active`: those one token uses
+        (its top_k routed experts)."""
+        routed = self.top_k if active else self.n_experts
+        return dim * self.n_experts + 3 * dim * self.hidden_dim * (routed + self.n_shared_experts)
+
     def problems(self) -> list[str]:
         """What is wrong with these settings, each naming its fields (empty: nothing)."""
         out = []

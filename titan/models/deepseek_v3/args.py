@@ -6,10 +6,11 @@ configs (DeepSeek-V3, and Moonlight-16B-A3B, the DeepSeek-V3 architecture at 16B
 from dataclasses import dataclass, replace
 
 from titan.models.common.moe_args import MoEArgs
+from titan.models.common.param_count import DecoderParamCount
 
 
 @dataclass(frozen=True)
-class DeepSeekV3Args:
+class DeepSeekV3Args(DecoderParamCount):
     dim: int = 7168
     n_layers: int = 61
     n_heads: int = 128
@@ -93,23 +94,9 @@ class DeepSeekV3Args:
     def layer_params(self, layer_id: int, active: bool = False) -> int:
         """One block's parameters; `active`: those one token uses (top_k routed experts)."""
         d = self.dim
-        if not self.is_moe_layer(layer_id):
-            return self.attention_params() + 2 * d + 3 * d * self.ffn_hidden_dim
-        m = self.moe
-        routed = m.top_k if active else m.n_experts
-        return (self.attention_params() + 2 * d + d * m.n_experts
-                + 3 * d * m.hidden_dim * (routed + m.n_shared_experts))
-
-    def layer_costs(self) -> list[int]:
-        return [self.layer_params(i, active=True) for i in range(self.n_layers)]
-
-    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Parameters; `active`: those one token uses (its top_k routed experts, not all)."""
-        d = self.dim
-        total = sum(self.layer_params(i, active) for i in range(self.n_layers))
-        total += d + self.vocab_size * d  # final norm + output
-        separate_embedding = include_embedding and not self.tie_word_embeddings
-        return total + (self.vocab_size * d if separate_embedding else 0)
+        ffn = (self.moe.layer_params(d, active) if self.is_moe_layer(layer_id)
+               else 3 * d * self.ffn_hidden_dim)
+        return self.attention_params() + 2 * d + ffn
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x the matmul parameters a token uses plus attention over the full causal square

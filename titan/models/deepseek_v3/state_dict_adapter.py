@@ -5,7 +5,8 @@ experts are split per expert; the routing bias is HF's e_score_correction_bias."
 
 import re
 
-from titan.models.common.hf_adapter import DecoderHFAdapter, rope_settings
+from titan.models.common.hf_adapter import (BLOCK_NAMES, ROUTER_NAMES, SWIGLU_EXPERT_NAMES,
+                                            DecoderHFAdapter, rope_settings)
 from titan.models.common.moe_args import MoEArgs
 from titan.models.deepseek_v3.args import DeepSeekV3Args
 
@@ -17,22 +18,12 @@ _LAYER = {
     "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.router.gate.weight": "mlp.gate.weight",
+    **BLOCK_NAMES,
+    **ROUTER_NAMES,
     "feed_forward.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-}
-_EXPERTS = {
-    "feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
-    "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight",
-    "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
 }
 _HF_LAYER_ID = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -41,7 +32,7 @@ class DeepSeekV3StateDictAdapter(DecoderHFAdapter):
     family = "DeepSeek-V3"
     hf_model_types = ("deepseek_v3", "kimi_k2")
     layer_names = _LAYER
-    expert_names = _EXPERTS
+    expert_names = SWIGLU_EXPERT_NAMES
 
     @classmethod
     def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> DeepSeekV3Args:

@@ -2,9 +2,11 @@
 
 from dataclasses import dataclass, replace
 
+from titan.models.common.param_count import DecoderParamCount
+
 
 @dataclass(frozen=True)
-class Llama3Args:
+class Llama3Args(DecoderParamCount):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -44,18 +46,11 @@ class Llama3Args:
     def with_updates(self, **kw) -> "Llama3Args":
         return replace(self, **kw)
 
-    def layer_costs(self) -> list[int]:
+    def layer_params(self, layer_id: int, active: bool = False) -> int:
+        """One block's parameters (`active`, those one token uses, is every one: dense)."""
         d, hd = self.dim, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
-        return [attn + 3 * d * self.ffn_hidden_dim + 2 * d] * self.n_layers
-
-    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Parameters (`active`, those one token uses, is every one: the model is dense)."""
-        d = self.dim
-        total = sum(self.layer_costs()) + d + self.vocab_size * d  # final norm + output
-        # a tied embedding is the output matrix: counted once, and its matmul is in FLOPs
-        separate_embedding = include_embedding and not self.tie_word_embeddings
-        return total + (self.vocab_size * d if separate_embedding else 0)
+        return attn + 3 * d * self.ffn_hidden_dim + 2 * d
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params (forward+backward) plus attention scores.

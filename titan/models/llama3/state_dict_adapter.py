@@ -6,19 +6,14 @@ so q/k projection rows are permuted on the way across (titan.models.common.hf_ad
 
 import math
 
-from titan.models.common.hf_adapter import DecoderHFAdapter, rope_settings
+from titan.models.common.hf_adapter import BLOCK_NAMES, DecoderHFAdapter, rope_settings
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    **BLOCK_NAMES,
 }
 
 

@@ -6,10 +6,11 @@ each token to 8 of 128 experts in every layer."""
 from dataclasses import dataclass, replace
 
 from titan.models.common.moe_args import MoEArgs
+from titan.models.common.param_count import DecoderParamCount
 
 
 @dataclass(frozen=True)
-class Qwen3Args:
+class Qwen3Args(DecoderParamCount):
     dim: int = 4096
     n_layers: int = 36
     n_heads: int = 32
@@ -69,23 +70,9 @@ class Qwen3Args:
         """One block's parameters; `active`: those one token uses (top_k routed experts)."""
         d, hd = self.dim, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2 + 2 * hd  # + q/k norms
-        if not self.is_moe_layer(layer_id):
-            return attn + 2 * d + 3 * d * self.ffn_hidden_dim
-        m = self.moe
-        routed = m.top_k if active else m.n_experts
-        return attn + 2 * d + d * m.n_experts + 3 * d * m.hidden_dim * (routed + m.n_shared_experts)
-
-    def layer_costs(self) -> list[int]:
-        return [self.layer_params(i, active=True) for i in range(self.n_layers)]
-
-    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Parameters; `active`: those one token uses (its top_k routed experts, not all)."""
-        d = self.dim
-        total = sum(self.layer_params(i, active) for i in range(self.n_layers))
-        total += d + self.vocab_size * d  # final norm + output
-        # a tied embedding is the output matrix: counted once, and its matmul is in FLOPs
-        separate_embedding = include_embedding and not self.tie_word_embeddings
-        return total + (self.vocab_size * d if separate_embedding else 0)
+        ffn = (self.moe.layer_params(d, active) if self.is_moe_layer(layer_id)
+               else 3 * d * self.ffn_hidden_dim)
+        return attn + 2 * d + ffn
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x the matmul parameters a token uses (its routed experts only) plus attention

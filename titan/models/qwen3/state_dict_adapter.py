@@ -2,7 +2,8 @@
 `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM`. Both rotate the two halves of each head, so
 weights cross as they are: renamed, not permuted; the routed experts are split per expert."""
 
-from titan.models.common.hf_adapter import DecoderHFAdapter, rope_settings
+from titan.models.common.hf_adapter import (BLOCK_NAMES, ROUTER_NAMES, SWIGLU_EXPERT_NAMES,
+                                            DecoderHFAdapter, rope_settings)
 from titan.models.common.moe_args import MoEArgs
 from titan.models.qwen3.args import Qwen3Args
 
@@ -10,20 +11,10 @@ _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.router.gate.weight": "mlp.gate.weight",
-}
-_EXPERTS = {
-    "feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
-    "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight",
-    "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
+    **BLOCK_NAMES,
+    **ROUTER_NAMES,
 }
 _NO_BIAS = ("Qwen3-MoE in the hub layout has no routing bias: export a run trained with "
             "qwen3.moe_bias_update_rate = 0, or keep the DCP checkpoint")
@@ -33,7 +24,7 @@ class Qwen3StateDictAdapter(DecoderHFAdapter):
     family = "Qwen3"
     hf_model_types = ("qwen3", "qwen3_moe")
     layer_names = _LAYER
-    expert_names = _EXPERTS
+    expert_names = SWIGLU_EXPERT_NAMES
 
     @classmethod
     def export_problems(cls, args: Qwen3Args) -> list[str]:

@@ -1,0 +1,45 @@
+"""What the MoE families' tests check alike (tests/unit/test_qwen3_moe.py,
+tests/unit/test_deepseek_v3.py): a layout trains like one process and moves the routing bias
+alike, and a resume is bitwise, the bias included. `one_rank` is (rank 0's metrics records,
+the checkpoint folder) of the family's 1-rank run of `argv`."""
+
+import shutil
+
+import torch
+
+from tests.forked import run_trainer
+from titan.components.checkpoint import folders as checkpoint
+
+
+def biases(step_dir) -> dict[str, torch.Tensor]:
+    state = checkpoint.load_dcp_model_state(step_dir)
+    return {k: v for k, v in state.items() if k.endswith("expert_bias")}
+
+
+def check_layout_like_one_process(one_rank, tmp_path, world: int, argv: list[str],
+                                  steps: int, moe_layers: int, layout: str) -> None:
+    records = run_trainer(tmp_path, world, argv, deadline_s=150)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for a, b in zip(one_rank[0], records, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (layout, a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (layout, a, b)
+        # the loads of the whole batch, whatever each rank saw of it
+        assert a["expert_load_imbalance"] == b["expert_load_imbalance"], (layout, a, b)
+    want = biases(one_rank[1] / f"step-{steps}")
+    assert len(want) == moe_layers and all(v.abs().sum() > 0 for v in want.values())
+    got = biases(tmp_path / "dump" / "checkpoint" / f"step-{steps}")
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), layout
+
+
+def check_resume_is_bitwise(one_rank, tmp_path, argv: list[str], steps: int,
+                            at: int) -> None:
+    records, saved = one_rank
+    dump = tmp_path / "dump" / "checkpoint"
+    shutil.copytree(saved / f"step-{at}", dump / f"step-{at}")
+    got = run_trainer(tmp_path, 1, argv)
+    assert [r["step"] for r in got] == list(range(at + 1, steps + 1))
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [
+        (r["loss"], r["grad_norm"]) for r in records[at:]]
+    want, back = biases(saved / f"step-{steps}"), biases(dump / f"step-{steps}")
+    assert all(torch.equal(back[k], want[k]) for k in want)
