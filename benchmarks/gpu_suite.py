@@ -9,6 +9,8 @@ checks that need a GPU. Rows (each a fresh trainer process, titan and torchtitan
   the 8B shape, datasheet). Both use the bundled tokenizer (vocabulary 2048) and corpus. On
   one GPU titan (dp_shard 1) applies no FSDP and computes bf16 under autocast; torchtitan
   0.2 does the same, 0.3 wraps a one-rank FSDP (see gpu_suite_torchtitan.py);
+- train (MoE, no peer): DeepSeek-V3 at Moonlight-16B-A3B's shape cut to 4 layers (64 routed
+  experts, 6 a token), bf16, selective AC, expert parallelism 1;
 - checkpoint: training blocked by an async (pinned-memory) save vs a sync save (< 10%);
 - tests: the 1-GPU CUDA tests (TITAN_TEST_DEVICE=cuda pytest -m "integration or gpu", a
   selection: see --tests).
@@ -193,7 +195,7 @@ def run_row(row, ctx: dict) -> dict:
     env, args, peaks = ctx["env"], ctx["args"], ctx["peaks"]
     t0 = time.perf_counter()
     if row.kind in ("train", "checkpoint"):
-        margs = model_args(row.shape, ctx["vocab"], row.seq_len)
+        margs = model_args(row.shape, ctx["vocab"], row.seq_len, row.model)
         peak = peaks["datasheet"] or peaks["matmul"]
         code, tail = run(titan_side.command(row, dump, peak, args.device), env,
                          dump / "console.log", args.timeout)

@@ -52,7 +52,7 @@ def compare(results: list[dict]) -> None:
     for r in results:
         if r["kind"] == "train":
             last_train = r
-            r["checks"] = {}
+            r["checks"], r["tps_ratio"], r["mem_ratio"] = {}, None, None
             if r["status"] == "ok" and "8B" in r["shape"] and not r["float8"] \
                     and r["dtype"] == "bfloat16":
                 mfu = r.get("mfu_datasheet_pct")

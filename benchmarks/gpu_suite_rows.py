@@ -21,6 +21,7 @@ class Row:
     #            checkpoint (titan, sync vs async saves) or tests (pytest on the device)
     name: str
     shape: str = ""
+    model: str = "llama3"  # the family (model.name) whose flavor `shape` names
     seq_len: int = 0
     batch: int = 0
     steps: int = 0
@@ -42,12 +43,14 @@ def split_shape(shape: str) -> tuple[str, int | None]:
     return (m[1], int(m[2])) if m else (shape, None)
 
 
-def model_args(shape: str, vocab_size: int, seq_len: int):
-    """titan's Llama3Args for a shape, with the tokenizer's vocabulary, as the trainer builds it."""
-    from titan.models.llama3 import LLAMA3_FLAVORS
+def model_args(shape: str, vocab_size: int, seq_len: int, model: str = "llama3"):
+    """titan's model args for a shape of family `model`, with the tokenizer's vocabulary, as
+    the trainer builds them."""
+    from titan.models.spec import get_train_spec
 
     base, layers = split_shape(shape)
-    args = LLAMA3_FLAVORS[base].with_updates(vocab_size=vocab_size, max_seq_len=seq_len)
+    args = get_train_spec(model).flavors[base].with_updates(vocab_size=vocab_size,
+                                                            max_seq_len=seq_len)
     return args.with_updates(n_layers=layers) if layers else args
 
 
@@ -65,10 +68,13 @@ def plan(device: str, tiny: bool, cut_layers: int, steps: int | None, kinds: set
         # debug-model-sized stand-ins; fp32, as bf16 matmuls on CPUs without bf16 units run
         # 20x slower; compile on one row only (its compilation dominates a tiny run)
         big, small, ckpt_shape = "debugmodel_cut2", "debugmodel", "debugmodel"
+        moe = "debugmodel"
         seq, big_batch, small_batch, n, warm, dtype = 64, 2, 2, steps or 6, 2, "float32"
         compile_rows = {0}
     else:
         big, small, ckpt_shape = f"8B_cut{cut_layers}", "1B", "1B_cut4"
+        # Moonlight-16B-A3B's width, 64 experts (6 a token, 2 shared) on 4 layers (one dense)
+        moe = "16B_cut4"
         seq, big_batch, small_batch, n, warm, dtype = 8192, 1, 2, steps or 20, 8, "bfloat16"
         compile_rows = {0, 1, 2, 3}
     train = [(big, False, "selective"), (big, False, "full"), (big, True, "selective"),
@@ -83,6 +89,12 @@ def plan(device: str, tiny: bool, cut_layers: int, steps: int | None, kinds: set
             rows.append(Row("train", label, **common))
         if "peer" in kinds:
             rows.append(Row("peer", label, **common))
+    if "train" in kinds:
+        # an MoE (DeepSeek-V3, expert parallelism 1: one GPU) for the record; torchtitan's
+        # side is only built for Llama shapes, so it has no peer row
+        rows.append(Row("train", f"DeepSeek-V3 {_label(moe, dtype, False, 'selective', False)}",
+                        shape=moe, model="deepseek_v3", seq_len=seq, batch=big_batch,
+                        steps=n, warmup=warm, dtype=dtype))
     if "checkpoint" in kinds:
         # saves every 2 steps: the first async save allocates (and pins) the staging buffers,
         # the last is always blocking; the ones between are the steady state compared

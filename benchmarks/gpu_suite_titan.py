@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def overrides(row, peak_flops: float, device: str) -> list[str]:
     """Trainer overrides for a train or checkpoint row."""
-    out = ["--model.flavor", row.shape, "--training.device", device,
+    out = ["--model.name", row.model, "--model.flavor", row.shape, "--training.device", device,
            "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.batch),
            "--training.steps", str(row.steps), "--training.mixed_precision_param", row.dtype,
            "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
@@ -60,13 +60,13 @@ def read_checkpoint_times(dump: Path) -> list[dict]:
 def _register_cut_flavors(argv: list[str]) -> None:
     from gpu_suite_rows import split_shape
 
-    from titan.models.llama3 import LLAMA3_FLAVORS
+    from titan.models.spec import get_train_spec
 
-    for i, a in enumerate(argv[:-1]):
-        if a == "--model.flavor":
-            base, layers = split_shape(argv[i + 1])
-            if layers and base in LLAMA3_FLAVORS:
-                LLAMA3_FLAVORS[argv[i + 1]] = LLAMA3_FLAVORS[base].with_updates(n_layers=layers)
+    given = dict(zip(argv[:-1], argv[1:]))
+    flavors = get_train_spec(given.get("--model.name", "llama3")).flavors
+    base, layers = split_shape(given.get("--model.flavor", ""))
+    if layers and base in flavors:
+        flavors[given["--model.flavor"]] = flavors[base].with_updates(n_layers=layers)
 
 
 def _time_checkpoints() -> None:

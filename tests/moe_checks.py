@@ -19,6 +19,12 @@ def biases(step_dir) -> dict[str, torch.Tensor]:
 def check_layout_like_one_process(one_rank, tmp_path, world: int, argv: list[str],
                                   steps: int, moe_layers: int, layout: str) -> None:
     records = run_trainer(tmp_path, world, argv, deadline_s=150)
+    check_run_like_one_process(one_rank, records, tmp_path / "dump", steps, moe_layers, layout)
+
+
+def check_run_like_one_process(one_rank, records: list[dict], dump, steps: int,
+                               moe_layers: int, layout: str) -> None:
+    """`records` (rank 0's) and the biases of the step-`steps` checkpoint under `dump`."""
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for a, b in zip(one_rank[0], records, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (layout, a, b)
@@ -27,7 +33,7 @@ def check_layout_like_one_process(one_rank, tmp_path, world: int, argv: list[str
         assert a["expert_load_imbalance"] == b["expert_load_imbalance"], (layout, a, b)
     want = biases(one_rank[1] / f"step-{steps}")
     assert len(want) == moe_layers and all(v.abs().sum() > 0 for v in want.values())
-    got = biases(tmp_path / "dump" / "checkpoint" / f"step-{steps}")
+    got = biases(dump / "checkpoint" / f"step-{steps}")
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want), layout
 

@@ -156,15 +156,6 @@ def check_expert_parallel(job: JobConfig, moe, dims: ParallelDims) -> None:
     require(job, moe.n_experts % dims.ep == 0, field,
             f"the {moe.n_experts} routed experts do not split evenly over {dims.ep} ranks: "
             "pick a degree that divides them")
-    # what expert parallelism has been tested with so far: FSDP and HSDP
-    others = [name for name, on in (("tensor", dims.tp_enabled), ("pipeline", dims.pp_enabled),
-                                    ("context", dims.cp_enabled)) if on]
-    require(job, not others, field,
-            f"expert parallelism does not combine with {' or '.join(others)} parallelism yet: "
-            "use it with FSDP / HSDP only, or set it to 1")
-    require(job, not job.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
-            "an HF save from an expert-parallel run is not supported yet: save the DCP "
-            "checkpoint and convert it with scripts/convert_to_hf.py")
     require(job, not job.fault_tolerance.enable, "fault_tolerance.enable",
             "torchft with expert parallelism is not supported: set expert_parallel_degree 1")
 

@@ -33,7 +33,10 @@ def test_dry_run_takes_every_path(tmp_path):
     assert meta["datasheet_flops"] is None  # CPUs publish no peak: that MFU column is n/a
     by_kind = {k: [r for r in rows if r["kind"] == k]
                for k in ("train", "peer", "checkpoint", "tests")}
-    assert [len(v) for v in by_kind.values()] == [4, 4, 2, 1]
+    assert [len(v) for v in by_kind.values()] == [5, 4, 2, 1]
+    # the MoE row (no torchtitan peer) learns too
+    (moe,) = [r for r in by_kind["train"] if r["model"] == "deepseek_v3"]
+    assert moe["flops_per_token"] > 0 and moe["loss_last"] < moe["loss_first"], moe
 
     for r in by_kind["train"]:
         assert r["status"] == "ok", r

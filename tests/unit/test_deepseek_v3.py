@@ -3,6 +3,7 @@ with a correction bias, shared experts, dense first layers) and both HF directio
 transformers' DeepseekV3ForCausalLM; every layout trains like one process with the bias
 moving, and moves it alike; resume is bitwise; the sequence-wise balance loss; generation."""
 
+import json
 import sys
 import warnings
 
@@ -10,7 +11,11 @@ import pytest
 import torch
 
 from tests.forked import free_port, run_trainer, run_workers, tiny_run
-from tests.moe_checks import check_layout_like_one_process, check_resume_is_bitwise
+from tests.moe_checks import (
+    check_layout_like_one_process,
+    check_resume_is_bitwise,
+    check_run_like_one_process,
+)
 from tests.unit.test_hf_sharded import round_trip
 from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import hf_io
@@ -168,15 +173,90 @@ LAYOUTS = {
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
                       "--parallelism.tensor_parallel_degree", "2"]),
-    # expert parallelism: routed experts split over ep ranks, tokens sent by all-to-all
+}
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory):
+    """The 1-rank run from a start whose routing sends every token to the first half of the
+    experts (rank 0's under ep 2): correction biases of 2 on them beside sigmoid scores in
+    (0, 1). At the rate of 0.01 a step the biases stay more than 1 ahead for the 10 steps, so
+    one ep rank receives every row and the other none, in every MoE layer."""
+    from titan.components.checkpoint import folders
+
+    tmp = tmp_path_factory.mktemp("skewed")
+    run_trainer(tmp / "seed", 1, [*COMMON, *BIAS, "--checkpoint.enable",
+                                  "--checkpoint.create_seed_checkpoint"])
+    seed = tmp / "seed" / "dump" / "checkpoint" / "step-0"
+    state = folders.load_dcp_model_state(seed)
+    for name, t in state.items():
+        if name.endswith("expert_bias"):
+            t[:t.numel() // 2] = 2.0
+    start = folders.save_dcp_model_state(state, tmp / "start", model=folders.saved_model(seed))
+    argv = [*COMMON, *BIAS, *CKPT, "--checkpoint.initial_load_path", str(start)]
+    records = run_trainer(tmp, 1, argv)
+    # half of the experts get every token: the largest load is at least twice the mean
+    assert all(r["expert_load_imbalance"] >= 2.0 for r in records)
+    return records, tmp / "dump" / "checkpoint", argv
+
+
+# expert parallelism: routed experts split over ep ranks, tokens sent by all-to-all, from the
+# skewed start (one ep rank computes every row; the other sends all and receives none)
+EP_LAYOUTS = {
     "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
-    # ... each expert also FSDP-sharded over the 2 ranks holding it (efsdp 2)
-    "ep2_fsdp4": (4, ["--parallelism.expert_parallel_degree", "2",
-                      "--training.local_batch_size", "2"]),
+    # ep from the context-parallel ranks
+    "ep2_cp2": (2, ["--parallelism.expert_parallel_degree", "2",
+                    "--parallelism.context_parallel_degree", "2"]),
+    # each expert also FSDP-sharded over the 2 ranks holding it (efsdp 2), replicated on the
+    # tp ranks, each tp rank dispatching its half of the sequence
+    "ep2_fsdp4_tp2": (8, ["--parallelism.expert_parallel_degree", "2",
+                          "--parallelism.tensor_parallel_degree", "2",
+                          "--training.local_batch_size", "2"]),
+    # without sequence parallelism, both tp ranks dispatch the same tokens
+    "ep2_tp2_no_sp": (4, ["--parallelism.expert_parallel_degree", "2",
+                          "--parallelism.tensor_parallel_degree", "2",
+                          "--parallelism.no_enable_sequence_parallel"]),
+    "ep2_pp2": (4, ["--parallelism.expert_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_degree", "2"]),
     "ep2_hsdp2x2": (4, ["--parallelism.expert_parallel_degree", "2",
                         "--parallelism.data_parallel_replicate_degree", "2",
                         "--training.local_batch_size", "2"]),
 }
+
+
+@pytest.mark.parametrize("layout", list(EP_LAYOUTS))
+def test_expert_parallel_layouts_train_like_one_process_when_skewed(layout, skewed, tmp_path):
+    world, flags = EP_LAYOUTS[layout]
+    check_layout_like_one_process(skewed[:2], tmp_path, world, [*skewed[2], *flags],
+                                  STEPS, moe_layers=3, layout=layout)
+    if layout == "ep2":
+        # rank 0 received every row of both ranks: the planner's bound for imbalanced routing
+        # is what it held (the balanced plan is below it), and rank 1, which received none,
+        # held less than the balanced plan
+        from tests.unit.test_memory_plan import planned_bytes
+
+        plan = planned_bytes([*skewed[2], *flags], world, tmp_path)
+        measured = json.loads((tmp_path / "dump" / "memory_measured.json").read_text())["ranks"]
+        held = [m["activations_bytes"] for m in measured]
+        assert abs(plan[0]["worst_routing_activations_bytes"] / held[0] - 1) <= 0.02, (plan, held)
+        assert held[1] < plan[1]["activations_bytes"] < held[0]
+
+
+def test_expert_parallel_across_two_torchrun_agents(skewed, tmp_path):
+    """ep 4 on 2 simulated nodes x 2 ranks (run_train.sh, one torchrun agent a node, c10d
+    rendezvous): the all-to-alls cross the agents, and the skewed routing sends every row to
+    the two ranks of node 0."""
+    from tests.integration.harness import Nodes, read_metrics
+
+    flags = ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"]
+    dump, defaults = tmp_path / "dump", tmp_path / "defaults.toml"
+    defaults.write_text("")  # the config defaults, as the forked 1-rank run had them
+    with Nodes(2, 2, [*skewed[2], *flags], dump, tmp_path,
+               env={"CONFIG_FILE": str(defaults)}) as nodes:
+        outs = nodes.wait(timeout=300)
+    assert all(code == 0 for code, _, _ in outs), nodes.rank_tails()
+    check_run_like_one_process(skewed[:2], read_metrics(dump), dump, STEPS, moe_layers=3,
+                               layout="ep4 on 2 nodes")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -222,11 +302,13 @@ def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path)
                                 family="deepseek_v3", prepare=nonzero_bias)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2_tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["fsdp2_tp2", "pp2", "ep2_fsdp4_tp2"])
 def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
     """Each rank writes and reads the experts it holds, one tensor per expert, and the
-    correction bias; the folder and the reloaded model equal the one-process model."""
-    world, flags = LAYOUTS[layout]
+    correction bias; the folder and the reloaded model equal the one-process model. Under
+    ep 2 x efsdp 2 each rank holds a quarter of the experts (FSDP's strided shard of its ep
+    rank's half)."""
+    world, flags = {**LAYOUTS, **EP_LAYOUTS}[layout]
     argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
     ranks = run_workers(round_trip, world, tmp_path, free_port(), argv, tmp_path / "hf",
                         "float32", init_pg=False, deadline_s=120)

@@ -42,17 +42,21 @@ def _ep_rank(rank, world_size, skew):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from titan.parallelisms import expert_parallel
     from titan.parallelisms.expert_parallel import ExpertParallel
 
     moe = _moe(skew=skew)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     parallelize_module(moe.experts, mesh, ExpertParallel())
     x = _batch().chunk(world_size)[rank].clone().requires_grad_()
-    out = moe(x)
-    out.square().sum().backward()
+    with torch.profiler.profile() as prof:
+        out = moe(x)
+        out.square().sum().backward()
     grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
              for n, p in moe.named_parameters()}
-    return out.detach(), x.grad, grads
+    spans = [e.key for e in prof.key_averages()
+             if e.key in (expert_parallel.DISPATCH, expert_parallel.COMBINE)]
+    return out.detach(), x.grad, grads, sorted(spans)
 
 
 @pytest.mark.parametrize("skew", [False, True], ids=["balanced", "skewed"])
@@ -64,6 +68,8 @@ def test_dispatch_equals_one_process(ep, skew, tmp_path):
         err = (got - want).abs().max().item()
         assert err <= 1e-6 * want.abs().max().item(), (what, err)
 
+    # the profiler trace shows each rank's dispatch and combine spans
+    assert all(r[3] == ["expert_parallel.combine", "expert_parallel.dispatch"] for r in ranks)
     close(torch.cat([r[0] for r in ranks]), out, "output")
     close(torch.cat([r[1] for r in ranks]), x_grad, "input gradient")
     for name, want in grads.items():
@@ -77,29 +83,37 @@ def test_dispatch_equals_one_process(ep, skew, tmp_path):
 
 
 def test_a_checkpoint_resumes_on_another_expert_parallel_degree(tmp_path):
-    """A 1-rank checkpoint resumes on ep 4 (the experts resharded by DCP), and an ep 4
-    checkpoint on ep 2, each within 1e-5 of the uninterrupted 1-rank run."""
+    """1 rank -> ep 4 -> ep 2 -> 1 rank, each resuming the checkpoint of the one before (the
+    experts resharded by DCP) within 1e-5 of the uninterrupted 1-rank run; and ep 2 resuming
+    its own checkpoint bit for bit."""
     import shutil
 
     from tests.forked import run_trainer, tiny_run
 
-    common = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *tiny_run(6),
+    common = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *tiny_run(8),
               "--deepseek_v3.moe_bias_update_rate", "0.01", "--deepseek_v3.moe_aux_loss_coeff",
               "0", "--checkpoint.enable", "--checkpoint.interval", "2"]
     four = ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"]
     two = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
+
+    def resume(name, world, flags, source, step):
+        shutil.copytree(tmp_path / source / "dump" / "checkpoint" / f"step-{step}",
+                        tmp_path / name / "dump" / "checkpoint" / f"step-{step}")
+        got = run_trainer(tmp_path / name, world, [*common, *flags], deadline_s=120)
+        assert [r["step"] for r in got] == list(range(step + 1, 9)), name
+        return got
+
     whole = run_trainer(tmp_path / "one", 1, common)
-    saved = tmp_path / "one" / "dump" / "checkpoint"
-    shutil.copytree(saved / "step-2", tmp_path / "ep4" / "dump" / "checkpoint" / "step-2")
-    ep4 = run_trainer(tmp_path / "ep4", 4, [*common, *four], deadline_s=120)
-    shutil.copytree(tmp_path / "ep4" / "dump" / "checkpoint" / "step-4",
-                    tmp_path / "ep2" / "dump" / "checkpoint" / "step-4")
-    ep2 = run_trainer(tmp_path / "ep2", 4, [*common, *two], deadline_s=120)
-    assert [r["step"] for r in ep4] == [3, 4, 5, 6] and [r["step"] for r in ep2] == [5, 6]
-    for got in (ep4, ep2):
+    ep4 = resume("ep4", 4, four, "one", 2)
+    ep2 = resume("ep2", 4, two, "ep4", 4)
+    back = resume("back", 1, [], "ep2", 6)
+    for got in (ep4, ep2, back):
         for b in got:
             a = whole[b["step"] - 1]
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
+    again = resume("ep2_again", 4, two, "ep2", 6)
+    assert [(r["loss"], r["grad_norm"]) for r in again] == [
+        (r["loss"], r["grad_norm"]) for r in ep2[-2:]]
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -109,8 +123,9 @@ def test_a_checkpoint_resumes_on_another_expert_parallel_degree(tmp_path):
     (["--parallelism.expert_parallel_degree", "4", "--deepseek_v3.moe_bias_update_rate", "0",
       "--model.name", "llama3", "--model.flavor", "debugmodel"],
      r"parallelism\.expert_parallel_degree = 4 .*llama3 debugmodel has none: set it to 1"),
-    (["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-     r"does not combine with tensor parallelism yet"),
+    (["--parallelism.expert_parallel_degree", "2", "--fault_tolerance.enable",
+      "--deepseek_v3.moe_bias_update_rate", "0"],
+     r"torchft with expert parallelism is not supported"),
 ])
 def test_bad_expert_parallel_settings_are_refused_before_launch(flags, message, tmp_path):
     from titan.config import ConfigError, parse_args

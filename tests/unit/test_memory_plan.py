@@ -67,9 +67,11 @@ LAYOUTS.update({
     "deepseek_fsdp2_tp2_selective_ac": (4, ["--model.name", "deepseek_v3", "--model.flavor",
                                             "debugmodel", "--parallelism.tensor_parallel_degree",
                                             "2", *AC["selective"]]),
-    # expert parallelism: each rank holds half the experts (whole), the dense weights sharded
-    "deepseek_ep2": (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
-                         "--parallelism.expert_parallel_degree", "2"]),
+    # expert parallelism: each rank holds half the experts (whole, on both tp ranks), the
+    # dense weights sharded (the imbalanced-routing bound: tests/unit/test_deepseek_v3.py)
+    "deepseek_ep2_tp2": (4, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
+                             "--parallelism.expert_parallel_degree", "2",
+                             "--parallelism.tensor_parallel_degree", "2"]),
 })
 
 
@@ -136,7 +138,8 @@ def test_plan_cli_json_and_errors(tmp_path):
     proc = plan("--ngpu", "4", "--device-memory", "1GiB", "--json", *overrides)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 2}
+    assert report["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 2,
+                                "ep": 1}
     assert [r["rank"] for r in report["ranks"]] == [0, 2]  # one row per pipeline rank
     expected = planned_bytes(["--job.config_file", "train_configs/debug_model.toml",
                               *overrides], 4, tmp_path)

@@ -245,7 +245,8 @@ def test_the_dims_table_drives_mesh_layout_record_planner_and_search(monkeypatch
     assert ParallelDims.from_config(job("--parallelism.pipeline_parallel_degree", "2"),
                                     4).degrees() == {**dict.fromkeys(names, 1), "dp_shard": 2,
                                                      "pp": 2}
-    assert layout_search.LAYOUT_FIELDS == {r.name: r.config_field for r in DIMS}
+    assert layout_search.LAYOUT_FIELDS == {**{r.name: r.config_field for r in DIMS},
+                                           "ep": "parallelism.expert_parallel_degree"}
     # the mesh's dims follow the table's mesh positions: moving a row moves the dim
     assert [n for n, _ in d.mesh_dims()] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
     moved = tuple(parallel_dims.Dim(r.name, r.config_field, 9 if r.name == "pp" else
@@ -297,3 +298,27 @@ def test_pipeline_stages_balance_unequal_layer_costs():
     job = parse_args(["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree",
                       "2", "--parallelism.pipeline_parallel_split_points", "layers.2"])
     assert pipeline_plans(job, args)[0].layer_ranges == (range(0, 2), range(2, 4))
+
+
+def test_layout_search_enumerates_expert_parallel_and_prices_its_all_to_all():
+    from titan.planner import layout_search
+    from titan.planner.layout_search import Hardware, step_time
+
+    # ep borrows from dp_shard x cp and divides the routed experts; a dense model gets ep 1
+    found = list(layout_search._layouts(8, 4))
+    assert {c["ep"] for c in found if c["dp_shard"] == 8} == {1, 2, 4}
+    assert {c["ep"] for c in found if c["dp_shard"] == 2 and c["cp"] == 2} == {1, 2, 4}
+    assert {c["ep"] for c in found if c["dp_shard"] * c["cp"] == 1} == {1}
+    assert {c["ep"] for c in layout_search._layouts(8, 1)} == {1}
+
+    def parts(ep):
+        job = parse_args(["--model.name", "deepseek_v3", "--training.local_batch_size", "2",
+                          "--parallelism.expert_parallel_degree", str(ep)])
+        return step_time(job, plan_run(job, 4), Hardware(), 4)[1]
+
+    one, two, four = parts(1), parts(2), parts(4)
+    assert "ep all-to-all" not in one
+    # (ep-1)/ep of the routed rows leave the rank: 1/2, then 3/4
+    assert two["ep all-to-all"] > 0
+    assert four["ep all-to-all"] == pytest.approx(two["ep all-to-all"] * 1.5)
+    assert one["compute"] == two["compute"] == four["compute"]

@@ -15,53 +15,91 @@ the style divides it by ep; FSDP then averages it over the ranks holding the sam
 (efsdp, and HSDP's replicas): over all data-parallel ranks in all, like a dense weight's.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.profiler import record_function
+
+
+# the forward's spans in profiler traces (the backward's all-to-alls show as autograd's
+# all_to_all_single nodes)
+DISPATCH, COMBINE = "expert_parallel.dispatch", "expert_parallel.combine"
 
 
 class ExpertParallel(ParallelStyle):
     """`module` holds stacked expert weights (experts, ...) and is called as
-    module(rows sorted by expert, counts per expert); `device_mesh` is the 1-D ep mesh."""
+    module(rows sorted by expert, counts per expert).
+
+    `device_mesh` is the 1-D ep mesh, or (ep, tp) under tensor parallelism: then each tp rank
+    dispatches its own tokens within its ep group and the experts are whole on the tp ranks,
+    their gradients summed over them with `sum_tp_grads` (sequence parallelism: each tp rank
+    routed other tokens), as `LocalTokens` does for a module that TP leaves whole."""
+
+    def __init__(self, sum_tp_grads: bool = False):
+        super().__init__()
+        self.tp_grad = Partial() if sum_tp_grads else Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        ep = device_mesh.size()
+        ep_mesh = device_mesh if device_mesh.ndim == 1 else device_mesh[device_mesh.mesh_dim_names[0]]
+        ep = ep_mesh.size()
+        placements = [Shard(0)] + [Replicate()] * (device_mesh.ndim - 1)
+        grad_placements = [Shard(0)] + [self.tp_grad] * (device_mesh.ndim - 1)
         for name, p in list(module.named_parameters(recurse=False)):
             if p.shape[0] % ep:
                 raise ValueError(f"{p.shape[0]} experts do not split over {ep} ep ranks")
             module.register_parameter(name, nn.Parameter(
-                distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None),
+                distribute_tensor(p, device_mesh, placements, src_data_rank=None),
                 requires_grad=p.requires_grad))
         routes: list[_Route] = []
         swapped: list[tuple[str, nn.Parameter]] = []
 
         def dispatch(mod, args):
             x, counts = args
-            route = _Route(counts, device_mesh, x.shape[0])
-            routes.append(route)
-            for name, p in list(mod._parameters.items()):
-                if isinstance(p, DTensor):
-                    swapped.append((name, p))
-                    # this rank's experts, their gradient divided by ep on its way back
-                    mod._parameters[name] = _ScaleGrad.apply(p.to_local(), 1.0 / ep)
-            return route.send(x), route.local_counts
+            with record_function(DISPATCH):
+                route = _Route(counts, ep_mesh, x.shape[0])
+                routes.append(route)
+                for name, p in list(mod._parameters.items()):
+                    if isinstance(p, DTensor):
+                        swapped.append((name, p))
+                        # this rank's experts, their gradient divided by ep on its way back
+                        local = p.to_local(grad_placements=grad_placements)
+                        mod._parameters[name] = _ScaleGrad.apply(local, 1.0 / ep)
+                return route.send(x), route.local_counts
 
         def combine(mod, args, out):
-            while swapped:
-                name, p = swapped.pop()
-                mod._parameters[name] = p
-            return routes.pop().receive(out)
+            with record_function(COMBINE):
+                while swapped:
+                    name, p = swapped.pop()
+                    mod._parameters[name] = p
+                return routes.pop().receive(out)
 
         # outside torch.compile's graphs: the splits are host values, and the parameter slots
         # are rewritten
         module.register_forward_pre_hook(torch.compiler.disable(dispatch))
         module.register_forward_hook(torch.compiler.disable(combine))
         return module
+
+
+_worst_case_routing = False
+
+
+@contextlib.contextmanager
+def worst_case_routing():
+    """Within it, a traced (fake) dispatch gives this rank every row its ep group routes: the
+    most an imbalanced routing can send one rank, which the memory planner states as a bound."""
+    global _worst_case_routing
+    _worst_case_routing = True
+    try:
+        yield
+    finally:
+        _worst_case_routing = False
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -85,10 +123,11 @@ class _Route:
         sent = counts.view(ep, n_local)  # rows for (destination rank, its local expert)
         if is_fake(counts):
             # the planner's trace holds no values: every rank sends and receives its rows
-            # evenly, the bytes of a balanced routing
-            received = sent
-            self.send_splits = self.recv_splits = [rows // ep + (r < rows % ep)
-                                                   for r in range(ep)]
+            # evenly, the bytes of a balanced routing; or, for its bound, this rank receives
+            # every row of its ep group
+            self.send_splits = [rows // ep + (r < rows % ep) for r in range(ep)]
+            received = sent * ep if _worst_case_routing else sent
+            self.recv_splits = [rows] * ep if _worst_case_routing else self.send_splits
         else:
             received = torch.empty_like(sent)
             dist.all_to_all_single(received, sent, group=self.group)

@@ -36,10 +36,12 @@ MESH_ORDER = tuple(sorted(DIMS, key=lambda d: d.mesh_position))  # outer to inne
 # loss averaging ("dp_cp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
-# with expert parallelism, dp_cp's ranks again as the routed experts see them: replicas,
-# the FSDP shards of each expert ("efsdp"), and the ranks holding different experts ("ep");
-# `dims["edp"]` is the experts' FSDP mesh (HSDP when there are replicas)
-EXPERT_DIMS = ("edp_replicate", "efsdp", "ep")
+# with expert parallelism, the ranks of one pipeline stage again as the routed experts see
+# them: replicas, the FSDP shards of each expert ("efsdp"), the ranks holding different experts
+# ("ep") and the tensor-parallel ranks ("etp", the tp ranks, over which experts are whole);
+# `dims["edp"]` is the experts' FSDP mesh (HSDP when there are replicas), `dims["ep_etp"]` the
+# mesh their weights are placed on under TP
+EXPERT_DIMS = ("edp_replicate", "efsdp", "ep", "etp")
 
 
 @dataclass
@@ -163,11 +165,14 @@ class ParallelDims:
         # flattened meshes are kept here: slicing them back out of the root is deprecated
         self._flat = {name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}
         if self.ep_enabled:
-            # the routed experts' mesh: dp_cp's ranks as (replicas, efsdp, ep), ep innermost
-            experts = self._flat["dp_cp"]._unflatten(
-                0, (self.dp_replicate, self.efsdp, self.ep), EXPERT_DIMS)
+            # the routed experts' mesh, ep inside dp_cp's ranks and outside tp's: one mesh, so
+            # that FSDP can join efsdp to (ep, etp)
+            stage = mesh[("dp_replicate", "dp_shard", "cp", "tp")]._flatten("dp_cp_tp")
+            experts = stage._unflatten(
+                0, (self.dp_replicate, self.efsdp, self.ep, self.tp), EXPERT_DIMS)
             self._flat.update({"ep": experts["ep"], "efsdp": experts["efsdp"],
-                               "edp": experts[EXPERT_DIMS[:2]]})
+                               "edp": experts[EXPERT_DIMS[:2]],
+                               "ep_etp": experts[EXPERT_DIMS[2:]]})
         self._mesh = mesh
         return mesh
 
@@ -187,6 +192,8 @@ class ParallelDims:
         """A sub-mesh by name: a named dim, a flattened dim, or a tuple of them."""
         if self._mesh is None:
             raise RuntimeError("build_mesh() has not run")
+        if isinstance(dims, tuple) and len(dims) == 1:
+            dims = dims[0]
         if isinstance(dims, str) and dims in self._flat:
             return self._flat[dims]
         return self._mesh[dims]

@@ -14,8 +14,13 @@ Its receive buffers (one per microbatch, for activations and for gradients) are 
 
 Transient buffers are estimated, not traced: FSDP's all-gathered parameters (the largest unit
 and the next one prefetched, plus units kept unsharded: the last, or all of them under
-pipelining) and the reduce-scatter input of the largest unit's gradients, and the logits'
-gradient. Compiled code is traced eagerly: compile tends to save less, so the figure is an
+pipelining) and the reduce-scatter input of the largest unit's gradients, the logits'
+gradient, and expert parallelism's reordering buffers of one MoE layer.
+
+Expert parallelism's dispatch is traced with every rank receiving an even share of the rows
+(balanced routing). Its bound (`worst_routing_bytes` of titan.planner.memory) is a second
+trace in which each rank receives every row of its ep group in every MoE layer: no routing
+can send a rank more. Compiled code is traced eagerly: compile tends to save less, so the figure is an
 upper bound with `compile.enable`.
 """
 
@@ -61,8 +66,8 @@ def trace_activations(job: JobConfig, plan, parts: list[nn.Module],
                                               pp_plan.stage_ids)
     finally:
         fake_log.setLevel(level)
-    return {"activations_bytes": acts,
-            "transient_bytes": fsdp_transient_bytes(parts, job) + logits}, held
+    return {"activations_bytes": acts, "transient_bytes": fsdp_transient_bytes(parts, job)
+            + logits + dispatch_transient_bytes(job, plan, fb)}, held
 
 
 def _forward_held(fb, parts: list[nn.Module], index: int, batch: int, seq_len: int,
@@ -184,6 +189,24 @@ def _flat(actions):
             yield from _flat(subs)
         else:
             yield a
+
+
+def dispatch_transient_bytes(job: JobConfig, plan, fb) -> int:
+    """Expert parallelism's buffers in one MoE layer that backward does not keep: the rows as
+    received before their reordering, and the experts' outputs reordered before they go back.
+    Balanced routing; under `worst_case_routing`, every row of the ep group (ep x as many)."""
+    from titan.parallelisms import expert_parallel
+
+    d, t = plan.dims, job.training
+    if not d.ep_enabled:
+        return 0
+    batch = (t.local_batch_size if fb.pp_plan is None
+             else job.parallelism.pipeline_parallel_microbatch_size)
+    split = d.cp * (d.tp if job.parallelism.enable_sequence_parallel else 1)
+    rows = batch * t.seq_len // split * plan.model_args.moe.top_k
+    if expert_parallel._worst_case_routing:
+        rows *= d.ep
+    return 2 * rows * plan.model_args.dim * _act_dtype(fb).itemsize
 
 
 def fsdp_transient_bytes(parts: list[nn.Module], job: JobConfig) -> int:

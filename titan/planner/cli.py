@@ -40,7 +40,7 @@ def plan(job, run, device_memory: int | None) -> dict:
     worst = max(r["total_bytes"] for r in ranks)
     return {
         "world_size": dims.world_size,
-        "layout": dims.degrees(),
+        "layout": {**dims.degrees(), "ep": dims.ep},
         "model": {"name": job.model.name, "flavor": job.model.flavor,
                   "vocab_size": run.model_args.vocab_size},
         "activation_checkpoint": job.activation_checkpoint.mode,
@@ -68,6 +68,11 @@ def render(report: dict) -> str:
             f"{'?' if v is None else human_bytes(v):>12}" for v in cells))
         if r.get("activations_error"):
             lines.append(f"       activations not traced: {r['activations_error']}")
+    worst = max(report["ranks"], key=lambda r: r.get("worst_routing_bytes") or 0)
+    if worst.get("worst_routing_bytes"):
+        lines.append(f"imbalanced routing: at most {human_bytes(worst['worst_routing_bytes'])} "
+                     f"on rank {worst['rank']} if one rank's experts received every token of "
+                     f"its {lay['ep']} ep ranks in every MoE layer (above: balanced)")
     if report["device_memory_bytes"] is not None:
         lines.append(f"device memory {human_bytes(report['device_memory_bytes'])}: headroom "
                      f"{human_bytes(report['headroom_bytes'])} on the fullest rank")

@@ -1,7 +1,8 @@
 """`python -m titan.planner --suggest`: the layouts of N GPUs that fit, ranked by a step-time model.
 
 Candidates: every choice of the degrees of `parallel_dims.DIMS` (dp_replicate x dp_shard x cp
-x tp x pp today) whose product is N and that the config validation accepts
+x tp x pp today) whose product is N, for an MoE also every expert-parallel degree that divides
+dp_shard x cp, that the config validation accepts
 (the launcher's own `plan_run`), at the configured global batch, each with the cheapest
 activation checkpointing (none, then selective, then full) and the largest local batch
 (then halved, accumulating gradients) whose planned peak (`titan.planner.memory`) leaves
@@ -15,7 +16,10 @@ Step time, per rank, the documented model (for ranking, not a promise):
   across; the mesh's dims innermost first: tp, cp, dp_shard, dp_replicate, pp): TP all-gathers
   and reduce-scatters of activations (4 per layer, forward and backward) and CP's ring of K and
   V are exposed; FSDP's all-gathers and reduce-scatter and HSDP's all-reduce are hidden
-  behind compute up to the compute time; pipeline sends are exposed.
+  behind compute up to the compute time; pipeline sends are exposed. An MoE's routed experts
+  are whole on the tp ranks and split over ep, so their FSDP traffic is over efsdp =
+  dp_shard x cp / ep; expert parallelism's all-to-alls (dispatch and combine, forward and
+  backward: 4 a MoE layer, top_k rows a token, (ep-1)/ep of them leaving the rank) are exposed.
 """
 
 import itertools
@@ -39,7 +43,9 @@ class Hardware:
     gpus_per_node: int = 8
 
 
-LAYOUT_FIELDS = {d.name: d.config_field for d in DIMS}
+EP_FIELD = "parallelism.expert_parallel_degree"
+# a candidate's degrees: the mesh dims and expert parallelism (a split of dp_shard x cp)
+LAYOUT_FIELDS = {**{d.name: d.config_field for d in DIMS}, "ep": EP_FIELD}
 
 
 def settings(layout: dict, ac: str, local_batch: int, global_batch: int) -> dict:
@@ -91,6 +97,19 @@ def factorizations(n: int, k: int):
                 yield (d, *rest)
 
 
+def _layouts(world_size: int, n_experts: int):
+    """The candidate layouts of every factorization of `world_size`, once per
+    expert-parallel degree that divides dp_shard x cp and the routed experts (1 for a dense
+    model)."""
+    names = [d.name for d in DIMS]
+    for degrees in factorizations(world_size, len(DIMS)):
+        mesh = dict(zip(names, degrees))
+        borrowable = mesh["dp_shard"] * mesh["cp"]
+        for ep in range(1, borrowable + 1):
+            if borrowable % ep == 0 and n_experts % ep == 0:
+                yield {**mesh, "ep": ep}
+
+
 def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[float, dict]:
     """(seconds, the parts) of one step under the model in the module docstring."""
     t, d, args = job.training, plan.dims, plan.model_args
@@ -111,15 +130,25 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
         # keys and values: n_kv_heads x head_dim each (head_dim need not be dim / n_heads)
         kv = 2 * local_tokens * args.n_kv_heads * args.head_dim * act
         parts["cp"] = 3 * layers * kv * (d.cp - 1) / bw["cp"]
-    params = args.num_params() / (d.tp * d.pp)
+    moe = getattr(args, "moe", None)
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers)) / d.pp if moe else 0
+    routed = 3 * args.dim * moe.hidden_dim * moe.n_experts * moe_layers if moe else 0
+    # (parameters of this rank's FSDP units, the ranks sharding them): the dense ones split by
+    # tp over dp_shard x cp, the routed experts split by ep over efsdp
+    units = [((args.num_params() / d.pp - routed) / d.tp, d.dp_shard * d.cp),
+             (routed / d.ep, d.efsdp)]
     hidden = 0.0
-    if d.dp_shard * d.cp > 1:  # all-gather twice (bf16), reduce-scatter once (fp32)
-        shard = d.dp_shard * d.cp
-        hidden += params * (2 * 2 + 4) * (shard - 1) / shard / bw["dp_shard"]
-    if d.dp_replicate > 1:
-        shard_bytes = params * 4 / (d.dp_shard * d.cp)
-        hidden += 2 * shard_bytes * (d.dp_replicate - 1) / d.dp_replicate / bw["dp_replicate"]
+    for params, shard in units:
+        if shard > 1:  # all-gather twice (bf16), reduce-scatter once (fp32)
+            hidden += params * (2 * 2 + 4) * (shard - 1) / shard / bw["dp_shard"]
+        if d.dp_replicate > 1:
+            hidden += (2 * params * 4 / shard * (d.dp_replicate - 1) / d.dp_replicate
+                       / bw["dp_replicate"])
     parts["data-parallel (exposed)"] = max(0.0, hidden - compute)
+    if d.ep > 1:  # each tp rank dispatches its share of the tokens (SP)
+        ep_bw = hw.intra_node_bw if d.tp * d.ep <= hw.gpus_per_node else hw.inter_node_bw
+        rows = local_tokens / d.tp * moe.top_k
+        parts["ep all-to-all"] = 4 * moe_layers * rows * args.dim * act * (d.ep - 1) / d.ep / ep_bw
     if d.pp > 1:
         n_mb = plan.global_batch_size // d.dp // job.parallelism.pipeline_parallel_microbatch_size
         per_rank = len(plan.pipeline(0).stage_ids)
@@ -137,8 +166,8 @@ def suggest(job: JobConfig, base: RunPlan, device_memory: int, hw: Hardware,
     world_size, global_batch = base.dims.world_size, base.global_batch_size
     budget = device_memory * (1 - margin)
     found = []
-    for degrees in factorizations(world_size, len(DIMS)):
-        layout = dict(zip(LAYOUT_FIELDS, degrees))
+    moe = getattr(base.model_args, "moe", None)
+    for layout in _layouts(world_size, moe.n_experts if moe else 1):
         dp = ParallelDims(**layout, world_size=world_size).dp
         if global_batch % dp:
             continue

@@ -83,10 +83,23 @@ def _rank_figures(job: JobConfig, plan: RunPlan, rank: int):
         try:
             traced, held = trace_activations(job, plan, parts, pp_plan)
             out.update(traced)
+            if plan.dims.ep_enabled:
+                from titan.parallelisms.expert_parallel import worst_case_routing
+
+                # parts of their own: a traced forward leaves its parts holding what the
+                # tracker of another forward would count
+                _, again, pp_again = meta_parts(job, plan)
+                with worst_case_routing():
+                    worst, _ = trace_activations(job, plan, again, pp_again)
+                out["worst_routing_activations_bytes"] = worst["activations_bytes"]
+                out["worst_routing_bytes"] = (worst["activations_bytes"]
+                                              + worst["transient_bytes"])
         except Exception as e:  # noqa: BLE001  the states are still worth reporting
             out.update(activations_bytes=None, transient_bytes=None,
                        activations_error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
     out["total_bytes"] = _total(out)
+    if "worst_routing_bytes" in out:  # the bound on the total when routing is imbalanced
+        out["worst_routing_bytes"] += out["states_bytes"]
     return out, held
 
 

@@ -48,15 +48,27 @@ _HF_EXPERT = re.compile(r"^(.+)\.(\d+)\.([^.]+\.weight)$")  # mlp.experts.7.gate
 
 def _local_experts(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the stacked experts this rank holds, the index of the first): a DTensor sharded over
-    experts (dim 0) holds a contiguous range of them."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    experts (dim 0) holds a contiguous range of them. So does FSDP's strided shard of the
+    experts an ep rank holds: it splits the range the later Shard(0) dims left."""
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(t, DTensor):
         return t, 0
-    if not all(type(p) in (Replicate, Shard) and (p.is_replicate() or p.dim == 0)
-               for p in t.placements):
-        raise NotImplementedError(f"experts sharded as {t.placements}: only whole experts "
+    mesh, placements = t.device_mesh, t.placements
+
+    def whole_range(i, p) -> bool:
+        if p.is_replicate() or (type(p) is Shard and p.dim == 0):
+            return True
+        later = 1
+        for j in range(i + 1, len(placements)):
+            if placements[j].is_shard(0):
+                later *= mesh.size(j)
+        return isinstance(p, _StridedShard) and p.dim == 0 and p.split_factor == later
+
+    if not all(whole_range(i, p) for i, p in enumerate(placements)):
+        raise NotImplementedError(f"experts sharded as {placements}: only whole experts "
                                   "(Shard(0)) or replicas map to per-expert HF tensors")
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return t.to_local(), offset[0]

@@ -45,16 +45,18 @@ def swiglu_ffn_plan(between) -> dict:
     }
 
 
-def moe_plan(between, moe: MoE) -> dict:
+def moe_plan(between, moe: MoE, *, expert_parallel: bool = False) -> dict:
     """Shared experts tensor-parallel like a dense FFN; the router and the routed experts
     whole on every rank, each over its own tokens (sequence-split with SP), their gradients
-    summed over the ranks. Expert parallelism, not TP, is what splits routed experts."""
+    summed over the ranks. Expert parallelism, not TP, is what splits routed experts: with it
+    on, the routed experts are left to `ExpertParallel` on the (ep, tp) mesh."""
     sequence_parallel = isinstance(between, Shard)
     plan = {"feed_forward": PrepareModuleInput(input_layouts=(between,),
                                                desired_input_layouts=(between,),
                                                use_local_output=True),
-            "feed_forward.router.gate": LocalTokens(sum_grads=sequence_parallel),
-            "feed_forward.experts": LocalTokens(sum_grads=sequence_parallel)}
+            "feed_forward.router.gate": LocalTokens(sum_grads=sequence_parallel)}
+    if not expert_parallel:
+        plan["feed_forward.experts"] = LocalTokens(sum_grads=sequence_parallel)
     if moe.shared_experts is not None:
         plan.update({
             "feed_forward.shared_experts": PrepareModuleInput(
@@ -87,7 +89,8 @@ def attention_plan(between, attention: nn.Module) -> dict:
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
              loss_parallel: bool, ffn_plan: BlockPlan = swiglu_ffn_plan,
-             attention_plan: AttentionPlan = attention_plan) -> None:
+             attention_plan: AttentionPlan = attention_plan,
+             expert_parallel: bool = False) -> None:
     """Megatron-style TP: heads and FFN width split, norms (and residuals) sequence-split."""
     between = Shard(1) if sequence_parallel else Replicate()
     top = {}
@@ -104,7 +107,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        ffn = (moe_plan(between, block.feed_forward) if isinstance(block.feed_forward, MoE)
+        ffn = (moe_plan(between, block.feed_forward, expert_parallel=expert_parallel)
+               if isinstance(block.feed_forward, MoE)
                else ffn_plan(between))
         plan = {**attention_plan(between, block.attention), **ffn}
         if sequence_parallel:
@@ -129,11 +133,12 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, job, *,
     if dims.tp_enabled:
         apply_tp(model, dims["tp"], sequence_parallel=par.enable_sequence_parallel,
                  loss_parallel=not par.disable_loss_parallel, ffn_plan=ffn_plan,
-                 attention_plan=attention_plan)
+                 attention_plan=attention_plan, expert_parallel=dims.ep_enabled)
     experts = [b.feed_forward.experts for b in model.layers.values()
                if isinstance(b.feed_forward, MoE)] if dims.ep_enabled else []
     for module in experts:
-        parallelize_module(module, dims["ep"], ExpertParallel())
+        parallelize_module(module, dims["ep_etp" if dims.tp_enabled else "ep"],
+                           ExpertParallel(sum_tp_grads=par.enable_sequence_parallel))
     apply_ac(model.layers, job.activation_checkpoint)
     if job.compile.enable:
         # per-block compile + TP breaks in backward on CPU (torch 2.13): compile the whole model
