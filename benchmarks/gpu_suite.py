@@ -13,7 +13,9 @@ checks that need a GPU. Rows (each a fresh trainer process, titan and torchtitan
   experts, 6 a token), bf16, selective AC, expert parallelism 1;
 - checkpoint: training blocked by an async (pinned-memory) save vs a sync save (< 10%);
 - tests: the 1-GPU CUDA tests (TITAN_TEST_DEVICE=cuda pytest -m "integration or gpu", a
-  selection: see --tests).
+  selection: see --tests), among them the CUDA-only observability checks: memory snapshots
+  every profile_freq steps and on an out-of-memory error, and the NCCL flight recorder
+  keeping a rank's collectives (tests/unit/test_observability.py).
 It prints a markdown table and writes the figures as JSON (--out). A row that fails is
 reported as such and the suite goes on; the exit code is 1 if any did.
 

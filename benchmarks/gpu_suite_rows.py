@@ -112,6 +112,7 @@ def plan(device: str, tiny: bool, cut_layers: int, steps: int | None, kinds: set
             # bf16 smoke runs. --tests "-m 'integration or gpu' tests" runs them all (long)
             tests = (["tests/unit/test_preflight.py::test_cuda_device_needs_a_gpu"] if tiny else
                      ["-m", "integration or gpu", "tests/unit/test_preflight.py",
+                      "tests/unit/test_observability.py",
                       "tests/integration/test_train_e2e.py::test_debug_model_learns_and_logs"])
         rows.append(Row("tests", f"pytest on {device}: {' '.join(tests)}",
                         pytest_args=tuple(tests)))

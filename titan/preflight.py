@@ -14,6 +14,7 @@ from pathlib import Path
 
 from titan.components.data.dataset import DataError, local_files, parse_mix
 from titan.components.data.tokenizer import Tokenizer, TokenizerError
+from titan.components.observability.checks import check_observability
 from titan.config import ConfigError, JobConfig
 from titan.config.manager import require, source_of
 from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_names
@@ -120,6 +121,7 @@ def plan_run(job: JobConfig, world_size: int | None = None,
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     check_fault_tolerance(job, dims)
     check_converters(job, device)
+    check_observability(job, device)
     return RunPlan(spec, model_args, dims, tokenizer, global_batch,
                    global_batch // (t.local_batch_size * dp_size), dp_size, pipelines,
                    validation_pipelines)

@@ -4,6 +4,7 @@ Read top to bottom: build everything from the config, then loop over steps.
 """
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -32,7 +33,10 @@ from titan.components.checkpoint.hf_io import HFModelIO
 from titan.components.training.loss import reduce_loss
 from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.observability.memory_measure import ActivationTracker, state_bytes, write_measured
+from titan.components.observability.flight_recorder import configure_flight_recorder
+from titan.components.observability.memory_snapshot import MemorySnapshot
 from titan.components.observability.metrics import MetricsLogger
+from titan.components.observability.rank_times import RankTimes, keep_collective_stamps
 from titan.components.optim.optimizer import build_optimizer
 from titan.components.observability.profiling import maybe_profile
 from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
@@ -66,6 +70,8 @@ class Trainer:
         self.job, self.plan = job, plan
         t, dims = job.training, plan.dims
         self.device = pick_device(t.device)
+        configure_flight_recorder(job.comm, job.job.dump_folder, self.device.type)
+        keep_collective_stamps(job.metrics, dims.world_size)
         self.rank, self.world_size = init_distributed(self.device, job.comm.init_timeout_seconds)
         set_determinism(t.seed, t.deterministic)
         dims.build_mesh(self.device.type)
@@ -130,8 +136,12 @@ class Trainer:
             m, dump_folder=job.job.dump_folder, rank=self.rank, device=self.device,
             flops_per_token=plan.model_args.flops_per_token(t.seq_len), peak_flops=peak,
             max_over_ranks=self._max_over_ranks, resume_step=self.step if resumed else None,
+            run_config=dataclasses.asdict(job),
+            rank_times=RankTimes.build(m, rank=self.rank, world_size=self.world_size),
         )
         self.validator = self._validator() if job.validation.enable else None
+        self.memory_snapshot = MemorySnapshot.build(job.profiling, dump_folder=job.job.dump_folder,
+                                                    rank=self.rank)
 
     # ------------------------------------------------------------------ building
 
@@ -277,6 +287,7 @@ class Trainer:
                            first_step=first_step) as prof:
             while self.step < t.steps:
                 self.step += 1
+                started_ns = time.time_ns()
                 t0 = time.perf_counter()
                 microbatches = self.next_microbatches(data_iter)
                 data_s = time.perf_counter() - t0
@@ -285,7 +296,8 @@ class Trainer:
                 lr = self.lr_scheduler.get_last_lr()[0]
                 # the first step is measured: what the memory planner's figures are checked on
                 tracker = self._activation_tracker() if self.step == first_step else None
-                with tracker or contextlib.nullcontext():
+                snapshot = self.memory_snapshot.step(self.step) if self.memory_snapshot else None
+                with tracker or contextlib.nullcontext(), snapshot or contextlib.nullcontext():
                     loss, grad_norm, skipped = self.train_step(microbatches)
                 self.skipped_steps += skipped
                 if self.step == first_step:
@@ -301,7 +313,7 @@ class Trainer:
                 self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
                 # tp/cp/pp ranks share their batch: count each token once per device group
                 self.metrics.record_step(batch_tokens // self.plan.dims.non_dp, data_s,
-                                         gc_sched.step(self.step))
+                                         gc_sched.step(self.step), started_ns)
                 if self.metrics.should_log(self.step, t.steps):
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
                     # the model's auxiliary losses, beside the cross-entropy `loss`, and what
@@ -357,6 +369,8 @@ class Trainer:
             self.ft.shutdown()
         self.checkpointer.close()
         self.metrics.close()
+        if self.memory_snapshot is not None:
+            self.memory_snapshot.close()
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:

@@ -269,6 +269,24 @@ class Metrics:
         "a measured bf16 matmul), and no MFU on CPU, which publishes no peak"
     )
     disable_color_printing: bool = opt(False, "Plain console output without ANSI colors")
+    enable_wandb: bool = opt(
+        False, "Log the same values as TensorBoard to Weights & Biases (pip install "
+        "'titan[wandb]'; WANDB_MODE=offline keeps the run on disk under the dump folder)"
+    )
+    wandb_project: str = opt("titan", "W&B project")
+    wandb_run_name: str | None = opt(None, "W&B run name; None = the dump folder's name")
+    wandb_entity: str | None = opt(None, "W&B entity (team or user); None = the login's default")
+    wandb_tags: list[str] = opt([], "W&B run tags")
+    per_rank: bool = opt(
+        True, "Every log step, gather each rank's own step time (its wall time less its waits "
+        "for other ranks) and data wait; log the slowest rank and the spread"
+    )
+    straggler_threshold: float = opt(
+        0.2, "Warn when a rank's own step time exceeds the median's by more than this fraction"
+    )
+    straggler_log_steps: int = opt(
+        3, "... for this many consecutive log steps (one warning per episode)"
+    )
 
 
 @dataclass
@@ -278,6 +296,14 @@ class Profiling:
     profile_freq: int = opt(10, "Profile one step out of every N")
     profiler_warmup: int = opt(3, "Profiler warmup steps before each traced step")
     profiler_active: int = opt(1, "Steps traced each time")
+    enable_memory_snapshot: bool = opt(
+        False, "Record the CUDA caching allocator's history and dump it every profile_freq "
+        "steps and on an out-of-memory error (CUDA only; view at pytorch.org/memory_viz)"
+    )
+    memory_snapshot_start_step: int = opt(1, "The step from which the memory snapshot records")
+    save_memory_snapshot_folder: str = opt(
+        "memory_snapshot", "Memory snapshot folder inside the dump folder"
+    )
 
 
 @dataclass
@@ -287,6 +313,12 @@ class Comm:
         100, "After the first step: collective timeout, and the limit a step (plus its "
         "checkpoint/validation) may run before the watchdog dumps stacks and exits"
     )
+    trace_buf_size: int = opt(
+        2000, "NCCL flight recorder: the last N collectives of each rank, dumped under "
+        "<dump_folder>/<comm.save_traces_folder> when a collective times out (CUDA/NCCL only; "
+        "0 = off)"
+    )
+    save_traces_folder: str = opt("comm_traces", "Flight recorder folder inside the dump folder")
 
 
 @dataclass
@@ -322,6 +354,9 @@ class Debug:
     sleep_at_step: int = opt(-1, "Test hook: debug.sleep_rank sleeps inside this step (-1 = never)")
     sleep_rank: int = opt(0, "Test hook: the rank that sleeps at debug.sleep_at_step")
     sleep_seconds: float = opt(3600.0, "Test hook: how long that rank sleeps")
+    sleep_every_step: bool = opt(
+        False, "Test hook: sleep in every step from debug.sleep_at_step on (a straggler)"
+    )
     kill_in_checkpoint_step: int = opt(
         -1, "Test hook: debug.kill_rank SIGKILLs itself while saving this step's checkpoint, "
         "on the first launch only (-1 = never)"

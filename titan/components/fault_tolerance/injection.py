@@ -41,9 +41,12 @@ class FaultInjector:
         return None
 
     def _sleep(self, module, args):
-        if self.current_step() == self.cfg.sleep_at_step and not self._slept:
+        step = self.current_step()
+        due = (step >= self.cfg.sleep_at_step if self.cfg.sleep_every_step
+               else step == self.cfg.sleep_at_step and not self._slept)
+        if due:
             self._slept = True
-            logger.warning("debug.sleep_at_step: rank %d sleeps %.0fs", self.rank,
+            logger.warning("debug.sleep_at_step: rank %d sleeps %.3gs", self.rank,
                            self.cfg.sleep_seconds)
             time.sleep(self.cfg.sleep_seconds)
 

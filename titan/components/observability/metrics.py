@@ -1,4 +1,5 @@
-"""Training metrics to the console, TensorBoard and `<dump_folder>/metrics.jsonl`.
+"""Training metrics to the console, TensorBoard, Weights & Biases and
+`<dump_folder>/metrics.jsonl`.
 
 Tools and tests read the JSONL (one object per logged step); the console line is for people.
 """
@@ -80,6 +81,7 @@ class _Window:
     gc_s: float = 0.0
     steps: int = 0
     excluded_s: float = 0.0
+    last_step: tuple | None = None  # (start ns, end ns, data s) of the newest step
 
 
 class MetricsLogger:
@@ -87,12 +89,14 @@ class MetricsLogger:
 
     `peak_flops` None leaves MFU out (null in the JSONL, n/a on the console);
     `max_over_ranks(value)` is a collective giving the largest value over all ranks;
-    `resume_step` keeps the history of a resumed run up to that step.
+    `resume_step` keeps the history of a resumed run up to that step; `run_config` (the
+    merged job config as a dict) is the W&B run's config; `rank_times` (a RankTimes) adds
+    every rank's own step time to each record.
     """
 
     def __init__(self, cfg, *, dump_folder: str, rank: int, device: torch.device,
                  flops_per_token: float, peak_flops: float | None, resume_step: int | None = None,
-                 max_over_ranks=None):
+                 max_over_ranks=None, run_config: dict | None = None, rank_times=None):
         self.log_freq = cfg.log_freq
         self.device = device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -101,8 +105,10 @@ class MetricsLogger:
         self.enabled = rank == 0
         # every rank must call log(): the cross-rank memory maximum is a collective
         self.max_over_ranks = max_over_ranks
+        self.rank_times = rank_times
         self.window = _Window()
         self.tb = None
+        self.wandb = None
         self.jsonl = None
         if not self.enabled:
             return
@@ -120,12 +126,21 @@ class MetricsLogger:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.tb = SummaryWriter(os.path.join(dump_folder, cfg.save_tb_folder, stamp,
                                                  f"rank_{rank}"))
+        if cfg.enable_wandb:
+            from titan.components.observability.wandb_writer import WandbWriter
+
+            self.wandb = WandbWriter(cfg, dump_folder=dump_folder, config=run_config or {},
+                                     resumed=resume_step is not None)
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
 
-    def record_step(self, tokens: int, data_s: float, gc_s: float) -> None:
+    def record_step(self, tokens: int, data_s: float, gc_s: float,
+                    started_ns: int | None = None) -> None:
+        """`started_ns`: the step's start (time.time_ns()); it ends now."""
         w = self.window
+        if started_ns is not None:
+            w.last_step = (started_ns, time.time_ns(), data_s)
         w.tokens += tokens
         w.data_s += data_s
         w.gc_s += gc_s
@@ -142,25 +157,33 @@ class MetricsLogger:
         elapsed = max(time.perf_counter() - w.start - w.excluded_s, 1e-9)
         tps = w.tokens / elapsed
         tflops = tps * self.flops_per_token / 1e12
+        per_rank = (self.rank_times.gather(*w.last_step)
+                    if self.rank_times is not None and w.last_step else {})
         record = {
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
             "tflops": tflops,
             "mfu": None if self.peak_flops is None else 100 * tflops * 1e12 / self.peak_flops,
             **self._memory(),
             "data_pct": 100 * w.data_s / elapsed, "gc_s": w.gc_s,
-            "step_time_s": elapsed / max(w.steps, 1), "tokens_seen": tokens_seen, **extra,
+            "step_time_s": elapsed / max(w.steps, 1), "tokens_seen": tokens_seen, **per_rank,
+            **extra,
         }
         self.window = _Window()
         if self.enabled:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
+            scalars = {f"train/{k}": v for k, v in record.items()
+                       if k != "step" and isinstance(v, (int, float))}
             if self.tb is not None:
-                for k, v in record.items():
-                    if k != "step" and isinstance(v, (int, float)):
-                        self.tb.add_scalar(f"train/{k}", v, step)
+                for k, v in scalars.items():
+                    self.tb.add_scalar(k, v, step)
                 for k, v in histograms.items():
                     self._add_distribution(f"train/{k}", v, step)
                 self.tb.flush()
+            if self.wandb is not None:
+                self.wandb.scalars(scalars, step)
+                for k, v in histograms.items():
+                    self.wandb.distribution(f"train/{k}", v, step)
         # each rank prints its own line (memory differs per rank); LOG_RANK picks what is shown
         c = self.color
         logger.info(
@@ -204,6 +227,8 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.add_scalar("validation/loss", loss, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.scalars({"validation/loss": loss}, step)
         logger.info(f"validation  step: {step:>6}  loss: {loss:8.4f}  batches: {steps}")
 
     def exclude(self, seconds: float) -> None:
@@ -215,3 +240,5 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()

@@ -1,0 +1,49 @@
+"""Weights & Biases beside TensorBoard: the same keys at the same steps, the merged config as
+the run's config, and one run across restarts.
+
+The run id is kept in `<dump_folder>/wandb_run_id`: a job resumed from a checkpoint continues
+that run (W&B's resume="allow"). W&B keeps a run's steps increasing, so the steps a crashed
+run logged after its last checkpoint stay as that run logged them; the resumed run's values
+appear from the next new step (metrics.jsonl holds the resumed run's own).
+"""
+
+import logging
+import uuid
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+RUN_ID_FILE = "wandb_run_id"
+MISSING = "metrics.enable_wandb needs the wandb package: pip install 'titan[wandb]' (or wandb)"
+
+
+class WandbWriter:
+    """`cfg` is the metrics section; `config` the merged job config as a nested dict."""
+
+    def __init__(self, cfg, *, dump_folder: str, config: dict, resumed: bool):
+        import wandb
+
+        folder = Path(dump_folder)
+        id_file = folder / RUN_ID_FILE
+        run_id = (id_file.read_text().strip() if resumed and id_file.exists()
+                  else uuid.uuid4().hex[:12])
+        id_file.write_text(run_id + "\n")
+        self._wandb = wandb
+        self.run = wandb.init(
+            project=cfg.wandb_project, entity=cfg.wandb_entity,
+            name=cfg.wandb_run_name or folder.resolve().name, tags=list(cfg.wandb_tags) or None,
+            config=config, id=run_id, resume="allow", dir=str(folder))
+        logger.info("W&B run %s (%s), id kept in %s", self.run.name, self.run.id, id_file)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def distribution(self, tag: str, values: list[float], step: int) -> None:
+        """Values indexed by position (an expert's share of a layer's tokens), drawn as a
+        histogram over the positions, as TensorBoard's."""
+        edges = [i - 0.5 for i in range(len(values) + 1)]
+        self.run.log({tag: self._wandb.Histogram(np_histogram=(list(values), edges))},
+                     step=step)
+
+    def close(self) -> None:
+        self.run.finish()
