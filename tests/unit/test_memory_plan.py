@@ -79,7 +79,7 @@ LAYOUTS.update({
 def _plan_in_child(rank, world_size, argv, nproc):
     job = parse_args(argv)
     plan = plan_run(job, nproc)
-    return [rank_bytes(job, plan, r) for r in range(nproc)]
+    return [rank_bytes(job, plan, r, worst_routing=True) for r in range(nproc)]
 
 
 def planned_bytes(argv, nproc, tmp_path) -> list[dict]:

@@ -79,9 +79,9 @@ def _pipeline_ranks(rank, world_size, argv, wide_blocks):
     built = []
     figures = memory._rank_figures
 
-    def counted(job_, plan_, rank_):
+    def counted(job_, plan_, rank_, *rest):
         built.append(rank_)
-        return figures(job_, plan_, rank_)
+        return figures(job_, plan_, rank_, *rest)
 
     memory._rank_figures = counted
     planned = [b for _, _, b in memory.pipeline_rank_bytes(j, plan)]

@@ -36,7 +36,7 @@ def plan(job, run, device_memory: int | None) -> dict:
     """The report of the job's RunPlan `run`."""
     dims = run.dims
     ranks = [{"rank": rank, "pp_rank": pp_rank, **b}
-             for rank, pp_rank, b in pipeline_rank_bytes(job, run)]
+             for rank, pp_rank, b in pipeline_rank_bytes(job, run, worst_routing=True)]
     worst = max(r["total_bytes"] for r in ranks)
     return {
         "world_size": dims.world_size,
@@ -68,6 +68,8 @@ def render(report: dict) -> str:
             f"{'?' if v is None else human_bytes(v):>12}" for v in cells))
         if r.get("activations_error"):
             lines.append(f"       activations not traced: {r['activations_error']}")
+        if r.get("worst_routing_error"):
+            lines.append(f"       imbalanced routing not traced: {r['worst_routing_error']}")
     worst = max(report["ranks"], key=lambda r: r.get("worst_routing_bytes") or 0)
     if worst.get("worst_routing_bytes"):
         lines.append(f"imbalanced routing: at most {human_bytes(worst['worst_routing_bytes'])} "

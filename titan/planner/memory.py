@@ -53,18 +53,20 @@ def state_bytes(parts: list, job: JobConfig) -> dict:
             "optimizer_bytes": moments + 4 * len(trainable)}
 
 
-def rank_bytes(job: JobConfig, plan: RunPlan, rank: int) -> dict:
+def rank_bytes(job: JobConfig, plan: RunPlan, rank: int, worst_routing: bool = False) -> dict:
     """States, activations and transient buffers of one rank of the run `plan` (the job's
     plan_run), and their total, from one build of its parts. A forward the fake tensors
-    cannot trace leaves activations and transients None, with the reason."""
-    return _rank_figures(job, plan, rank)[0]
+    cannot trace leaves activations and transients None, with the reason. `worst_routing`:
+    under expert parallelism, also the bound for imbalanced routing (a second build and trace,
+    which the launcher's check and --suggest do not need)."""
+    return _rank_figures(job, plan, rank, worst_routing)[0]
 
 
 def _total(out: dict) -> int:
     return out["states_bytes"] + (out["activations_bytes"] or 0) + (out["transient_bytes"] or 0)
 
 
-def _rank_figures(job: JobConfig, plan: RunPlan, rank: int):
+def _rank_figures(job: JobConfig, plan: RunPlan, rank: int, worst_routing: bool = False):
     """(rank_bytes, what its pipeline stages hold: `activations.PipelineHeld`, or None)."""
     from titan.planner.activations import trace_activations
     from titan.build import meta_parts
@@ -83,27 +85,41 @@ def _rank_figures(job: JobConfig, plan: RunPlan, rank: int):
         try:
             traced, held = trace_activations(job, plan, parts, pp_plan)
             out.update(traced)
-            if plan.dims.ep_enabled:
-                from titan.parallelisms.expert_parallel import worst_case_routing
-
-                # parts of their own: a traced forward leaves its parts holding what the
-                # tracker of another forward would count
-                _, again, pp_again = meta_parts(job, plan)
-                with worst_case_routing():
-                    worst, _ = trace_activations(job, plan, again, pp_again)
-                out["worst_routing_activations_bytes"] = worst["activations_bytes"]
-                out["worst_routing_bytes"] = (worst["activations_bytes"]
-                                              + worst["transient_bytes"])
         except Exception as e:  # noqa: BLE001  the states are still worth reporting
             out.update(activations_bytes=None, transient_bytes=None,
-                       activations_error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+                       activations_error=_first_line(e))
+        if worst_routing and plan.dims.ep_enabled and out["activations_bytes"] is not None:
+            out.update(_worst_routing_bytes(job, plan))
     out["total_bytes"] = _total(out)
     if "worst_routing_bytes" in out:  # the bound on the total when routing is imbalanced
         out["worst_routing_bytes"] += out["states_bytes"]
     return out, held
 
 
-def pipeline_rank_bytes(job: JobConfig, plan: RunPlan) -> list[tuple[int, int, dict]]:
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def _worst_routing_bytes(job: JobConfig, plan: RunPlan) -> dict:
+    """Activations and transients traced with each rank receiving every row of its ep group
+    in every MoE layer; on parts of their own, as a traced forward leaves its parts holding
+    what the tracker of another forward would count."""
+    from titan.build import meta_parts
+    from titan.parallelisms.expert_parallel import worst_case_routing
+    from titan.planner.activations import trace_activations
+
+    _, parts, pp_plan = meta_parts(job, plan)
+    try:
+        with worst_case_routing():
+            worst, _ = trace_activations(job, plan, parts, pp_plan)
+    except Exception as e:  # noqa: BLE001  the balanced figures stand without the bound
+        return {"worst_routing_error": _first_line(e)}
+    return {"worst_routing_activations_bytes": worst["activations_bytes"],
+            "worst_routing_bytes": worst["activations_bytes"] + worst["transient_bytes"]}
+
+
+def pipeline_rank_bytes(job: JobConfig, plan: RunPlan,
+                        worst_routing: bool = False) -> list[tuple[int, int, dict]]:
     """(rank, pp rank, rank_bytes) for the first rank of every pipeline rank: the others of a
     pipeline rank differ only by an uneven FSDP shard's few elements, the first holding the
     most. Pipeline ranks whose stages have the same structure (`stage_structures`) are built
@@ -112,13 +128,13 @@ def pipeline_rank_bytes(job: JobConfig, plan: RunPlan) -> list[tuple[int, int, d
     dims = plan.dims
     per_pp = dims.world_size // dims.pp
     if not dims.pp_enabled:
-        return [(0, 0, rank_bytes(job, plan, 0))]
+        return [(0, 0, rank_bytes(job, plan, 0, worst_routing))]
     done: dict[tuple, tuple] = {}
     out = []
     for pp_rank, key in enumerate(stage_structures(plan)):
         rank = pp_rank * per_pp
         if key not in done:
-            done[key] = _rank_figures(job, plan, rank)
+            done[key] = _rank_figures(job, plan, rank, worst_routing)
             figures = done[key][0]
         else:
             figures, held = dict(done[key][0]), done[key][1]

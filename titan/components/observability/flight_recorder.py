@@ -4,13 +4,18 @@ times out, dumps them to `<dump_folder>/<save_traces_folder>/rank_<R>`; comparin
 dumps (`python -m torch.distributed.flight_recorder.fr_trace <folder>`) names the rank that
 stopped calling which collective.
 
-It is read by ProcessGroupNCCL from the environment when the process group is made, so this
-runs before `init_process_group`. A variable the user exported wins. gloo keeps no such
-record: on CPU the settings are accepted and do nothing.
+It is read by the process groups from the environment when they are made, so this runs
+before `init_process_group`. A variable the user exported wins. gloo records its collectives
+too (titan's per-rank step times read them: rank_times.py) but dumps nothing on a timeout:
+on CPU these settings are accepted and not applied.
 """
 
 import os
 from pathlib import Path
+
+# the recorder's buffer size: torch's current name and the older one (torch 2.11 on the GPU
+# machine reads both)
+BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
 def flight_recorder_env(cfg, dump_folder: str) -> dict[str, str]:
@@ -19,10 +24,8 @@ def flight_recorder_env(cfg, dump_folder: str) -> dict[str, str]:
         return {}
     prefix = str(Path(dump_folder).resolve() / cfg.save_traces_folder / "rank_")
     size = str(cfg.trace_buf_size)
-    # torch's current names and the older TORCH_NCCL_ ones (torch 2.11 on the GPU machine
-    # reads both)
-    return {"TORCH_FR_BUFFER_SIZE": size, "TORCH_NCCL_TRACE_BUFFER_SIZE": size,
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    # the dump file's prefix under its current and its older name, as for the buffer
+    return {**dict.fromkeys(BUFFER_VARS, size), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
 
 

@@ -27,11 +27,12 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from titan.components.observability.flight_recorder import BUFFER_VARS
+
 logger = logging.getLogger(__name__)
 
 SLOTS = 1 << 14
 BUFFER = 2000  # collectives the recorder keeps at least: one step's, with room
-_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
 def keep_collective_stamps(cfg, world_size: int) -> None:
@@ -39,7 +40,7 @@ def keep_collective_stamps(cfg, world_size: int) -> None:
     may set a larger one)."""
     if not (cfg.per_rank and world_size > 1):
         return
-    for key in _ENV:
+    for key in BUFFER_VARS:
         if int(os.environ.get(key) or 0) < BUFFER:
             os.environ[key] = str(BUFFER)
 
@@ -50,7 +51,6 @@ class RankTimes:
     def __init__(self, cfg, *, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.threshold, self.patience = cfg.straggler_threshold, cfg.straggler_log_steps
-        self.seen = -1  # the newest flight-recorder record already counted
         self.streak = [0] * world_size
         hosts = [None] * world_size
         dist.all_gather_object(hosts, socket.gethostname())
@@ -62,18 +62,14 @@ class RankTimes:
             else None
 
     def _stamps(self, start_ns: int, end_ns: int) -> list[tuple[int, int]]:
-        """(slot, issue time in ns) of the collectives issued between start and end and not
-        counted before."""
+        """(slot, issue time in ns) of the collectives issued between start and end."""
         dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(
             includeCollectives=True, includeStackTraces=False, onlyActive=False))
         out = []
         for e in dump.get("entries", []):
-            if e["record_id"] <= self.seen or e["is_p2p"]:
-                continue
-            t = e.get("time_discovered_started_ns") or e["time_created_ns"]
-            if start_ns <= e["time_created_ns"] <= end_ns:
+            if not e["is_p2p"] and start_ns <= e["time_created_ns"] <= end_ns:
+                t = e.get("time_discovered_started_ns") or e["time_created_ns"]
                 out.append(((e["pg_id"] * 1_000_003 + e["collective_seq_id"]) % SLOTS, t))
-        self.seen = max([self.seen, *(e["record_id"] for e in dump.get("entries", []))])
         return out
 
     def gather(self, start_ns: int, end_ns: int, data_s: float) -> dict:
