@@ -10,6 +10,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from titan.paths import REPO_ROOT
 
 TRAIN_KEYS = {"tps", "steps_timed", "mfu_datasheet_pct", "mfu_matmul_pct", "peak_memory_gib",
@@ -20,6 +22,7 @@ def finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+@pytest.mark.needs("torchao")  # the float8 row
 def test_dry_run_takes_every_path(tmp_path):
     out = tmp_path / "suite.json"
     proc = subprocess.run(

@@ -10,7 +10,7 @@ import pytest
 
 from tests.integration.harness import COMMON, RTOL, STEPS, command, kill_workers, read_metrics
 
-torchft = pytest.importorskip("torchft", reason="optional: pip install -e '.[torchft]'")
+pytestmark = pytest.mark.needs("torchft")
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from titan.config import ConfigError, parse_args
 from titan.models.spec import get_train_spec
 from titan.preflight import plan_run
 
-pytest.importorskip("torchao.float8", reason="float8 needs pip install -e '.[float8]'")
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
+pytestmark = [pytest.mark.needs("torchao"),
+              pytest.mark.skipif(sys.platform != "linux", reason="needs fork")]
 
 LLAMA = get_train_spec("llama3")
 F8 = ["--model.converters", "float8", "--float8.emulate"]

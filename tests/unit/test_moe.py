@@ -129,8 +129,9 @@ def _hf_experts_from(moe: MoE, hf_experts) -> None:
         hf_experts.down_proj.copy_(e.w2)
 
 
+@pytest.mark.needs("transformers")
 def test_equals_transformers_qwen3_moe_block():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     cfg = transformers.Qwen3MoeConfig(hidden_size=DIM, num_experts=8, num_experts_per_tok=2,
@@ -144,8 +145,9 @@ def test_equals_transformers_qwen3_moe_block():
     torch.testing.assert_close(moe(x), hf(x), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.needs("transformers")
 def test_equals_transformers_deepseek_v3_moe():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     cfg = transformers.DeepseekV3Config(hidden_size=DIM, n_routed_experts=16,
@@ -196,8 +198,8 @@ def test_balance_losses_are_at_their_minimum_when_balanced():
     assert sequence_balance_loss(peaked, skewed, seq_len=4) > 1.0
 
 
+@pytest.mark.needs("transformers")
 def test_load_balancing_loss_equals_transformers_for_one_layer():
-    pytest.importorskip("transformers")
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from titan.models.common.moe import load_balancing_loss

@@ -79,9 +79,10 @@ def test_hf_config_round_trip_and_refusals():
         qwen3_args_from_hf_config({**config, "rope_scaling": {"rope_type": "dynamic", "factor": 2}})
 
 
+@pytest.mark.needs("transformers")
 @pytest.mark.parametrize("yarn", [False, True], ids=["plain", "yarn"])
 def test_logits_and_both_hf_directions_match_transformers(yarn, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     args = DEBUG.with_updates(rope_scaling_factor=4.0, rope_original_max_len=16,
                               rope_theta=10000.0) if yarn else DEBUG
     model = built(args, seed=3)
@@ -172,7 +173,7 @@ def check_save_pretrained_start(tmp_path, config_cls: str, model_cls: str, args,
     """A sharded folder that transformers' `model_cls` wrote from `args`' config (after
     `prepare(hf_model)`, if given) starts a from_hf run of `family` whose step-1 loss is
     transformers' cross-entropy on the same batch."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     spec = get_train_spec(family)
     config = getattr(transformers, config_cls)(**{
         k: v for k, v in spec.state_dict_adapter(args.with_updates(max_seq_len=32)).hf_config()
@@ -192,6 +193,7 @@ def check_save_pretrained_start(tmp_path, config_cls: str, model_cls: str, args,
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)
 
 
+@pytest.mark.needs("transformers")
 def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path):
     check_save_pretrained_start(tmp_path, "Qwen3Config", "Qwen3ForCausalLM", DEBUG)
 
