@@ -57,6 +57,13 @@ def main() -> None:
     ap.add_argument("--seq_len", type=int, default=256, help="the debug config's seq_len")
     ap.add_argument("--batch", type=int, default=8, help="the debug config's local batch")
     args = ap.parse_args()
+    problem = (f"--steps {args.steps}: the first 10 steps are not timed; pass --steps 20 or more"
+               if args.steps <= 10 else  # the first 10 are start-up
+               "--workers must be >= 0 and --batches, --seq_len, --batch >= 1"
+               if min(args.workers + 1, args.batches, args.seq_len, args.batch) < 1 else None)
+    if problem:
+        print(f"data_loader.py: {problem}", file=sys.stderr)
+        sys.exit(2)
     with tempfile.TemporaryDirectory() as tmp:
         shards = Path(tmp) / "kjv_shards"
         subprocess.run([sys.executable, str(REPO_ROOT / "scripts/pretokenize.py"), "kjv",

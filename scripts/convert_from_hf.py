@@ -19,7 +19,8 @@ the model (a 70B model in fp32 is 280 GB):
 
     torchrun --standalone --nproc_per_node 8 scripts/convert_from_hf.py HF_DIR OUT
 
-Training can also start from the HF folder directly (checkpoint.initial_load_in_hf).
+Training can also start from the HF folder directly (checkpoint.initial_load_in_hf). Bad
+input ends with one line on stderr and exit code 2.
 Weights are stored as --dtype (default float32, titan's master-weight dtype). Tied embeddings (Llama 3.2 1B/3B) are untied: the
 output layer starts as a copy of the embedding, with a warning. Unsupported configs
 (biases, non-llama3 RoPE scaling, head_dim != hidden/heads, ...) are refused.
@@ -31,6 +32,12 @@ import sys
 import time
 
 import torch
+
+
+def fail(why) -> None:
+    """Bad input (a folder, a config, a flag): one line, exit 2, as every titan tool."""
+    print(f"convert_from_hf: error: {why}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def main(argv=None) -> None:
@@ -69,9 +76,9 @@ def main(argv=None) -> None:
                            f"{', '.join(registered_names())} (--model-name)")
         spec = get_train_spec(name)
     except checkpoint.CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
+        fail(e)
     except KeyError as e:
-        raise SystemExit(f"error: {e.args[0]}") from None
+        fail(e.args[0])
     try:
         model_args = hf_io.args_from_hf(args.hf_dir, spec)
         shapes = spec.state_shapes(model_args)
@@ -88,8 +95,8 @@ def main(argv=None) -> None:
                                 model_args).record()
         out = checkpoint.save_dcp_model_state(state, args.output, overwrite=args.overwrite,
                                               model=record)
-    except checkpoint.CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
+    except (checkpoint.CheckpointError, OSError, ValueError) as e:
+        fail(e)
 
     flavor = spec.matching_flavor(model_args)
     n = model_args.num_params()

@@ -72,12 +72,15 @@ def main(argv=None) -> None:
     from titan.models.spec import get_train_spec
 
     t0 = time.time()
-    ckpt = Path(args.checkpoint)
-    if not (ckpt / checkpoint.COMPLETE_MARKER).is_file():
-        latest = checkpoint.latest_complete_step(ckpt)
-        if latest is not None:
-            print(f"using the newest completed checkpoint {latest}")
-            ckpt = latest
+    given = Path(args.checkpoint)
+    try:
+        ckpt = checkpoint.intact_folder(given, "checkpoint", "converting",
+                                        lambda m: print(f"convert_to_hf: warning: {m}",
+                                                        file=sys.stderr, flush=True))
+    except checkpoint.CheckpointError as e:
+        fail(e)
+    if ckpt != given:
+        print(f"using the newest intact checkpoint {ckpt}")
     record = checkpoint.saved_model(ckpt) if (ckpt / checkpoint.COMPLETE_MARKER).is_file() else None
     name = args.model_name or (record or {}).get("family") or "llama3"
     try:

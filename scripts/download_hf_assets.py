@@ -7,6 +7,7 @@ Gated repos need `huggingface-cli login` (or HF_TOKEN) first.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -21,11 +22,29 @@ def main() -> None:
     args = ap.parse_args()
 
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
 
     patterns = TOKENIZER_FILES + (["*.safetensors", "*.safetensors.index.json"] if args.weights else [])
     dest = Path(args.out) / args.repo.split("/")[-1]
-    snapshot_download(args.repo, allow_patterns=patterns, local_dir=dest)
+    try:
+        snapshot_download(args.repo, allow_patterns=patterns, local_dir=dest)
+    except GatedRepoError:
+        fail(f"{args.repo} is gated: accept its license on huggingface.co, then "
+             "`huggingface-cli login` (or set HF_TOKEN) and run this again")
+    except RepositoryNotFoundError:
+        fail(f"{args.repo}: no such repo on the hub (or it is private: log in first); check "
+             "the id, e.g. meta-llama/Llama-3.1-8B")
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        fail(f"could not download {args.repo} ({first[:200]}): check the network (HF_HUB_OFFLINE "
+             "unset, a proxy if needed), or copy the files into " + str(dest))
     print(f"downloaded {args.repo} to {dest}")
+
+
+def fail(why: str) -> None:
+    print(f"download_hf_assets: {why}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ def check_run_like_one_process(one_rank, records: list[dict], dump, steps: int,
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (layout, a, b)
         # the loads of the whole batch, whatever each rank saw of it
         assert a["expert_load_imbalance"] == b["expert_load_imbalance"], (layout, a, b)
+        # the balancing loss of the same token groups, whatever ranks split them
+        assert ("moe_aux_loss" in a) == ("moe_aux_loss" in b), (layout, a, b)
+        if "moe_aux_loss" in a:
+            assert abs(a["moe_aux_loss"] - b["moe_aux_loss"]) <= 1e-5 * a["moe_aux_loss"], (
+                layout, a, b)
     want = biases(one_rank[1] / f"step-{steps}")
     assert len(want) == moe_layers and all(v.abs().sum() > 0 for v in want.values())
     got = biases(dump / "checkpoint" / f"step-{steps}")

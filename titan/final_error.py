@@ -23,6 +23,7 @@ from pathlib import Path
 
 ENV = "TITAN_ERROR_FILE"
 PROCESS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
 
 
 def record(kind: str, error: BaseException | str, exit_code: int) -> None:
@@ -56,11 +57,16 @@ def one_line(entry: dict, max_restarts: int) -> str:
     return f"titan: {entry['kind']} on rank {entry['rank']}: {entry['message']}{why}"
 
 
-def run_torchrun(argv: list[str]) -> None:
+def run_torchrun(argv: list[str], stopped=None) -> None:
     """torch.distributed.run's main with `argv`, stopping at a final error: then one line on
-    stderr and the worker's exit code. Other failures end as torchrun's own do."""
+    stderr and the worker's exit code. Ctrl-C or SIGTERM: torchrun stops the workers, then
+    one line (with `stopped()`: where the next run starts) and 128 + the signal. Other
+    failures end as torchrun's own do."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+    from titan.interrupts import describe
 
     args = torchrun.parse_args(argv)
     folder = tempfile.mkdtemp(prefix="titan-launch-")
@@ -72,6 +78,10 @@ def run_torchrun(argv: list[str]) -> None:
         try:
             with _agents_stopping_at(path):
                 torchrun.run(args)
+        except SignalException as e:
+            where = f"; {stopped()}" if stopped is not None else ""
+            print(f"titan: stopped by {describe(e.sigval)}{where}", file=sys.stderr, flush=True)
+            sys.exit(128 + int(e.sigval))
         except ChildFailedError:
             entry = read(path)
             if entry is None:
@@ -103,14 +113,18 @@ def _agents_stopping_at(path: str):
 
     def quiet(record: logging.LogRecord) -> bool:
         # its "failed (exitcode: 2) local_rank: 0 ..." and "Sending process ... SIGTERM"
-        # lines say less than the one line the launcher prints
-        return not os.path.exists(path)
+        # lines say less than the one line the launcher prints; so do "Received 2 death
+        # signal" and the closing signals sent to the workers on Ctrl-C or SIGTERM
+        stopping = any(s in str(record.msg) for s in ("death signal", "closing signal"))
+        return not (stopping or os.path.exists(path))
 
-    log = logging.getLogger(PROCESS_LOGGER)
+    logs = [logging.getLogger(name) for name in (PROCESS_LOGGER, AGENT_LOGGER)]
     launcher_api.LocalElasticAgent = Agent
-    log.addFilter(quiet)
+    for log in logs:
+        log.addFilter(quiet)
     try:
         yield
     finally:
         launcher_api.LocalElasticAgent = original
-        log.removeFilter(quiet)
+        for log in logs:
+            log.removeFilter(quiet)

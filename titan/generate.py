@@ -76,7 +76,7 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: in
     out: list[list[int]] = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     logits = model(tokens, cache=cache)[:, -1]
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         nxt = sample(logits, sampling, generator)
         for b, t in enumerate(nxt.tolist()):
             if not done[b]:
@@ -85,8 +85,8 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: in
             on_step(nxt)
         if eos_id is not None:
             done |= nxt == eos_id
-        if bool(done.all()):
-            break
+        if bool(done.all()) or i == max_new_tokens - 1:
+            break  # no forward whose logits nobody samples (under TP, a collective unwaited)
         logits = model(nxt[:, None], cache=cache)[:, -1]
     return out
 
@@ -99,13 +99,18 @@ def _is_hf(path: Path) -> bool:
 
 
 def checkpoint_folder(path: Path) -> Path:
-    """A step folder or HF folder as given; for a checkpoint root, its newest complete step
-    (which may be a final HF save)."""
+    """A step folder or HF folder as given, its files checked against their checksums; for a
+    checkpoint root, its newest intact step (which may be a final HF save), with a warning for
+    each newer one that is damaged. Raises CheckpointError when none is usable."""
     from titan.components.checkpoint import folders as checkpoint
 
-    if _is_hf(path) or (path / checkpoint.COMPLETE_MARKER).is_file():
+    if _is_hf(path):
         return path
-    return checkpoint.latest_complete_step(path) or path
+
+    def warn(message: str) -> None:
+        print(f"titan.generate: warning: {message}", file=sys.stderr, flush=True)
+
+    return checkpoint.intact_folder(path, "--checkpoint", "generating from", warn)
 
 
 class GenerateError(ValueError):
@@ -363,4 +368,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # piped into head & co, the text ends as GNU tools' does when the reader goes: quietly
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()

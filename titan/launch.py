@@ -55,6 +55,25 @@ def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
     return plan
 
 
+def node_counts(text: str, parse) -> tuple[int, int]:
+    """NNODES as (min, max) node counts; `parse`: torchrun's parse_min_max_nnodes."""
+    try:
+        low, high = parse(text)
+    except (RuntimeError, ValueError):
+        low = high = 0
+    if not 1 <= low <= high:
+        raise ConfigError(f"NNODES={text!r}: a node count >= 1 (e.g. NNODES=4), or MIN:MAX with "
+                          "1 <= MIN <= MAX for an elastic job (e.g. NNODES=2:4)")
+    return low, high
+
+
+def check_node_rank(rank: int, max_nodes: int) -> None:
+    """NODE_RANK (-1: unset, the rendezvous assigns one) must name a node of the job."""
+    if rank != -1 and not 0 <= rank < max_nodes:
+        raise ConfigError(f"NODE_RANK={rank}: a job of {max_nodes} node(s) has node ranks 0 to "
+                          f"{max_nodes - 1}; unset NODE_RANK to let the rendezvous assign one")
+
+
 def ranks_per_node(text: str) -> int:
     """NGPU as a rank count (torchrun's "auto"/"gpu" would pick a count the checks never saw)."""
     if not text.strip().isdigit() or int(text) < 1:
@@ -104,10 +123,8 @@ def main() -> None:
         from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 
         ta = get_args_parser().parse_args([*torchrun_args, "-m", "titan.train"])
-        try:
-            min_nodes, max_nodes = parse_min_max_nnodes(ta.nnodes)
-        except (RuntimeError, ValueError):
-            raise ConfigError(f"NNODES={ta.nnodes!r}: a node count or MIN:MAX") from None
+        min_nodes, max_nodes = node_counts(ta.nnodes, parse_min_max_nnodes)
+        check_node_rank(ta.node_rank, max_nodes)
         nproc = ranks_per_node(ta.nproc_per_node)
         check_log_ranks(ta.local_ranks_filter, nproc)
         plan = validate_world_sizes(job, min_nodes, max_nodes, nproc)
@@ -136,8 +153,14 @@ def main() -> None:
     if os.environ.get("DRY_RUN", "0") not in ("", "0"):
         print_out("torchrun " + shlex.join(command))
         sys.exit(0)
-    run_torchrun(command)
+    from titan import interrupts
+
+    run_torchrun(command, stopped=lambda: interrupts.status(job.checkpoint, job.job.dump_folder))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C while the config is checked, before torchrun starts
+        print("titan: stopped by Ctrl-C (SIGINT) before training started", file=sys.stderr)
+        sys.exit(130)

@@ -1,5 +1,14 @@
+"""The console format of every titan process, and the library chatter kept out of it."""
+
 import logging
 import os
+
+
+def _not_library_info(record: logging.LogRecord) -> bool:
+    """Drop what libraries log below WARNING on the root logger (DCP's saving process:
+    'Received async checkpoint request ...'): titan's own lines say what a user needs."""
+    return record.levelno >= logging.WARNING or record.name != "root" or \
+        f"{os.sep}torch{os.sep}" not in record.pathname
 
 
 def init_logging() -> None:
@@ -10,3 +19,12 @@ def init_logging() -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+    logging.getLogger().addFilter(_not_library_info)
+
+
+def quiet_checkpoint_process() -> None:
+    """In DCP's saving process (spawned from titan.train, which it imports first): its INFO
+    lines, in a format of their own, and the warning every staged DTensor's mesh gives as it
+    is unpickled before the process's groups exist (harmless: it never compiles)."""
+    logging.getLogger().addFilter(_not_library_info)
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)

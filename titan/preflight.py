@@ -40,6 +40,9 @@ class RunPlan:
     # pipelining, and validation's without validation
     pipelines: tuple[PipelinePlan, ...] = ()
     validation_pipelines: tuple[PipelinePlan, ...] = ()
+    # sequences per validation batch over all dp ranks, and per forward on one rank
+    validation_global_batch: int = 0
+    validation_local_batch: int = 0
 
     def pipeline(self, pp_rank: int, validation: bool = False) -> PipelinePlan | None:
         """Pipeline rank `pp_rank`'s stages; None without pipelining."""
@@ -49,7 +52,8 @@ class RunPlan:
     def layout(self) -> dict:
         """The parallel layout, as checkpoints record it."""
         return {"world_size": self.dims.world_size, **self.dims.degrees(),
-                "grad_accum_steps": self.grad_accum_steps}
+                "grad_accum_steps": self.grad_accum_steps,
+                "global_batch_size": self.global_batch_size}
 
 
 def plan_run(job: JobConfig, world_size: int | None = None,
@@ -94,12 +98,14 @@ def plan_run(job: JobConfig, world_size: int | None = None,
         except RuntimeError as e:
             raise ConfigError(f"parallelism.context_parallel_degree = {dims.cp}: {e}") from None
     pipelines = validation_pipelines = ()
+    val_global, val_local = (validation_batches(job, dp_size) if job.validation.enable
+                             else (0, 0))
     if dims.pp_enabled:
         require(job, spec.pipelining_fn is not None, "parallelism.pipeline_parallel_degree",
                 f"model {m.name} registers no pipeline split function")
         pipelines = pipeline_plans(job, model_args)
         if job.validation.enable:
-            validation_pipelines = pipeline_plans(job, model_args, validation=True)
+            validation_pipelines = pipeline_plans(job, model_args, validation_batch=val_local)
     check_datasets(job)
     ck = job.checkpoint
     require(job, not ck.create_seed_checkpoint or ck.enable, "checkpoint.create_seed_checkpoint",
@@ -116,18 +122,19 @@ def plan_run(job: JobConfig, world_size: int | None = None,
         require(job, device == "cuda", "checkpoint.async_mode",
                 "pinned staging memory needs CUDA; use async on CPU")
     check_writable(job)
-    check_moe(job, spec, model_args, dims)
+    grad_accum = global_batch // (t.local_batch_size * dp_size)
+    check_moe(job, spec, model_args, dims, grad_accum)
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     check_fault_tolerance(job, dims)
     check_converters(job, device)
     check_observability(job, device)
-    return RunPlan(spec, model_args, dims, tokenizer, global_batch,
-                   global_batch // (t.local_batch_size * dp_size), dp_size, pipelines,
-                   validation_pipelines)
+    return RunPlan(spec, model_args, dims, tokenizer, global_batch, grad_accum, dp_size,
+                   pipelines, validation_pipelines, val_global, val_local)
 
 
-def check_moe(job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDims) -> None:
+def check_moe(job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDims,
+              grad_accum: int) -> None:
     """What an MoE model cannot combine with, named before launch."""
     moe = getattr(args, "moe", None)
     require(job, moe is not None or not dims.ep_enabled, "parallelism.expert_parallel_degree",
@@ -146,11 +153,30 @@ def check_moe(job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDi
             "an MoE model under tensor parallelism runs eagerly: its router and routed "
             "experts swap in local weights per forward, which torch.compile does not trace. "
             "Disable compile or tensor parallelism")
+    # the settings the MoE layers run with (the flavor's, with this run's balancing)
+    moe = args.moe_args() if hasattr(args, "moe_args") else moe
+    if moe.aux_loss != "none" and moe.aux_loss_coeff and moe.aux_loss_scope == "global_batch":
+        check_global_batch_scope(job, spec.name, dims, grad_accum)
     rate = getattr(args, "moe_bias_update_rate", 0.0)
     require(job, not (rate and job.fault_tolerance.enable), "fault_tolerance.enable",
             f"the routing-bias update ({spec.name}.moe_bias_update_rate = {rate}) sums expert "
             "loads over this replica group only, so groups would route differently: set the "
             "rate to 0 under torchft")
+
+
+def check_global_batch_scope(job: JobConfig, family: str, dims: ParallelDims,
+                             grad_accum: int) -> None:
+    """A balancing loss over the whole global batch needs every expert's count of the batch
+    before any backward: each rank's step must be one forward."""
+    key = f"{family}.moe_aux_loss_scope"
+    why = "one loss term over the whole global batch needs each rank's step in one forward, but "
+    require(job, grad_accum == 1, key, why + f"gradient accumulation splits it into "
+            f"{grad_accum} (training.global_batch_size / (local_batch_size x dp)): set "
+            f"training.local_batch_size = global_batch_size / dp, or {key} = 'sequence'")
+    require(job, not dims.pp_enabled, key, why + "pipeline parallelism splits it into "
+            f"microbatches: use {key} = 'sequence' with pipeline parallelism")
+    require(job, not job.fault_tolerance.enable, key, why + "torchft's replica groups hold "
+            f"parts of it outside the job's process group: use {key} = 'sequence' under torchft")
 
 
 def check_expert_parallel(job: JobConfig, moe, dims: ParallelDims) -> None:
@@ -283,12 +309,30 @@ def device_type(job: JobConfig) -> str:
         else "cpu"
 
 
+def validation_batches(job: JobConfig, dp: int) -> tuple[int, int]:
+    """(sequences per validation batch over all dp ranks, per forward on one rank)."""
+    v = job.validation
+    if v.global_batch_size == -1:
+        local = 8 if v.local_batch_size == -1 else v.local_batch_size
+        return local * dp, local
+    require(job, v.global_batch_size % dp == 0, "validation.global_batch_size",
+            f"must split evenly over the {dp} data-parallel ranks: pick a multiple of {dp}")
+    share = v.global_batch_size // dp
+    local = share if v.local_batch_size == -1 else v.local_batch_size
+    require(job, share % local == 0, "validation.local_batch_size",
+            f"must divide each rank's share of a validation batch, global_batch_size / dp = "
+            f"{v.global_batch_size} / {dp} = {share}")
+    return v.global_batch_size, local
+
+
 def pipeline_plans(job: JobConfig, args: ModelArgs,
-                   validation: bool = False) -> tuple[PipelinePlan, ...]:
-    """Every pipeline rank's stages for training batches, or (`validation`) for validation
-    batches: same stages, as many microbatches as the validation batch holds. Stages balance
-    the layers' costs where the family gives them (ModelArgs.layer_costs)."""
-    batch = job.validation.local_batch_size if validation else job.training.local_batch_size
+                   validation_batch: int = 0) -> tuple[PipelinePlan, ...]:
+    """Every pipeline rank's stages for training batches, or (`validation_batch`: the
+    sequences of a validation forward) for validation batches: same stages, as many
+    microbatches as that forward holds. Stages balance the layers' costs where the family
+    gives them (ModelArgs.layer_costs)."""
+    validation = validation_batch > 0
+    batch = validation_batch if validation else job.training.local_batch_size
     costs = args.layer_costs() if hasattr(args, "layer_costs") else None
     try:
         return plan_pipelines(job.parallelism, n_layers=args.n_layers, local_batch_size=batch,
@@ -313,7 +357,8 @@ def check_datasets(job: JobConfig) -> None:
         try:
             files = local_files(cfg.dataset, cfg.dataset_path, key=f"{section}.dataset_path")
         except DataError as e:
-            raise ConfigError(f"{section}.dataset: {e}") from None
+            raise ConfigError(str(e) if str(e).startswith(section) else
+                              f"{section}.dataset: {e}") from None
         streamed = files is None or cfg.dataset_streaming
         if section == "training" and streamed and cfg.dataloader_num_workers:
             raise ConfigError(

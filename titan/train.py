@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from titan import final_error
+from titan import final_error, interrupts
 from titan.components.checkpoint.folders import CheckpointError
 from titan.components.checkpoint.identity import model_identity
-from titan.components.checkpoint.checkpointer import Checkpointer
+from titan.components.checkpoint.checkpointer import (Checkpointer, SaveInterrupted,
+                                                      stop_save_process)
 from titan.components.checkpoint.disk_space import save_bytes
 from titan.components.data.dataloader import DataShard, build_dataloader
 from titan.components.data.dataset import DataError
@@ -42,7 +43,8 @@ from titan.components.observability.profiling import maybe_profile
 from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
 from titan.components.training.validate import Validator
 from titan.components.fault_tolerance.watchdog import StepWatchdog
-from titan.config import ConfigError, JobConfig, parse_args, to_toml
+from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
+from titan.console import print_out
 from titan.distributed import (
     clean_exit,
     init_distributed,
@@ -52,9 +54,10 @@ from titan.distributed import (
 )
 from titan.dtypes import to_dtype
 from titan.build import meta_parts
-from titan.logging_setup import init_logging
+from titan.logging_setup import init_logging, quiet_checkpoint_process
 from titan.microbatch import ForwardBackward
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
+from titan.parallelisms.token_split import token_split
 from titan.parallelisms.tied_weights import TiedCopies
 from titan.preflight import RunPlan, plan_run
 
@@ -83,6 +86,11 @@ class Trainer:
                                            global_batch_size=plan.global_batch_size)
         self.model_parts, self.pp_plan, self.tied_copies = self._build_model()
         self.fwd_bwd = ForwardBackward(job, plan, self.model_parts, self.pp_plan, self.device)
+        # what the model's group losses (MoE balancing) need to know of the layout
+        self.token_split = token_split(
+            dims, sequence_parallel=job.parallelism.enable_sequence_parallel,
+            global_batch_size=plan.global_batch_size, seq_len=t.seq_len,
+            data_parallel_size=plan.data_parallel_size)
         self.faults = FaultInjector.build(job.debug, rank=self.rank, current_step=lambda: self.step)
         if self.faults is not None:
             self.faults.install(self.model_parts)
@@ -97,8 +105,8 @@ class Trainer:
                     if self.pp_plan else "")
 
         self.optimizer = build_optimizer(self.model_parts, job.optimizer)
-        # run after every optimizer step that is taken, in order: float8 scales of the new
-        # weights, then the family's (an MoE's router-bias update, say)
+        # run after every step, in order, told whether the optimizer stepped: float8 scales
+        # of the new weights, then the family's (an MoE's router-bias update, say)
         self.post_optimizer_hooks = [h for h in (
             scale_precomputer(self.model_parts, job.float8),
             *(make(self.model_parts, job) for make in plan.spec.post_optimizer_hooks)) if h]
@@ -119,7 +127,7 @@ class Trainer:
                     "train_state": self.train_state},
             hf=HFModelIO(plan.spec, plan.model_args, plan.tokenizer)
             if plan.spec.state_dict_adapter else None,
-            on_files_written=self.faults.on_checkpoint_files_written if self.faults else None,
+            on_save_phase=self.faults.on_checkpoint_phase if self.faults else None,
         )
         resumed = self.checkpointer.load()
         self.step = self.train_state.step
@@ -185,7 +193,9 @@ class Trainer:
     def _validator(self) -> Validator:
         t = self.job.training
         return Validator(
-            self.job.validation, tokenizer=self.plan.tokenizer, seq_len=t.seq_len,
+            self.job.validation, global_batch_size=self.plan.validation_global_batch,
+            local_batch_size=self.plan.validation_local_batch,
+            tokenizer=self.plan.tokenizer, seq_len=t.seq_len,
             text_field=t.dataset_text_field, seed=t.seed, shard=self.shard,
             model_parts=self.model_parts, loss_sum=self.fwd_bwd.eval_loss_sum,
             sum_groups=[self._pp_group(), self._dp_cp_group()], device=self.device,
@@ -220,7 +230,8 @@ class Trainer:
             self.checkpointer.wait_for_staging()  # a heal may overwrite the parameters
             self.ft.start_step()  # the quorum forms while forward/backward run
         loss = torch.zeros((), device=self.device)
-        with AuxLossCollector(1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)) as aux:
+        weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
+        with AuxLossCollector(weight, self.token_split) as aux:
             for inputs, labels in microbatches:
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 loss += self.fwd_bwd.step(inputs, labels)
@@ -239,8 +250,7 @@ class Trainer:
         if self.ft is not None and not self.ft.should_commit():
             logger.warning("step %d: torchft quorum did not commit; optimizer step skipped",
                            self.step)
-            self.lr_scheduler.step()
-            return loss_v, norm_v, True
+            return self._skip(loss_v, norm_v)
         if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             if self.job.training.on_nonfinite == "stop":
                 raise NonFiniteLossError(
@@ -250,15 +260,22 @@ class Trainer:
             logger.warning("step %d: non-finite loss %s / grad norm %s, optimizer step skipped",
                            self.step, loss_v, norm_v)
             self.optimizer.zero_grad(set_to_none=True)
-            self.lr_scheduler.step()
-            return loss_v, norm_v, True
+            return self._skip(loss_v, norm_v)
         # an async checkpoint's copy of the parameters overlaps forward/backward, not this
         self.checkpointer.wait_for_staging()
         self.optimizer.step()
         for hook in self.post_optimizer_hooks:
-            self.hook_metrics.update(hook() or {})
+            self.hook_metrics.update(hook(True) or {})
         self.lr_scheduler.step()
         return loss_v, norm_v, False
+
+    def _skip(self, loss_v: float, norm_v: float) -> tuple[float, float, bool]:
+        """A step whose optimizer update is skipped: the hooks drop what its forward gathered
+        (its routing counts do not move the next step's bias)."""
+        for hook in self.post_optimizer_hooks:
+            hook(False)
+        self.lr_scheduler.step()
+        return loss_v, norm_v, True
 
     def next_microbatches(self, data_iter):
         return [next(data_iter) for _ in range(self.plan.grad_accum_steps)]
@@ -318,7 +335,7 @@ class Trainer:
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
                     # the model's auxiliary losses, beside the cross-entropy `loss`, and what
                     # its hooks measured (already the same on every rank)
-                    extra.update(reduce_aux_losses(self.aux_losses, self.plan.dims.pp))
+                    extra.update(reduce_aux_losses(self.aux_losses))
                     extra.update(self.hook_metrics)
                     mix = self.dataloader.source_tokens(t.seq_len)
                     if mix is not None:  # the realized mix of weighted sources
@@ -387,16 +404,22 @@ def run(job: JobConfig, plan: RunPlan) -> None:
     trainer = Trainer(job, plan)
     try:
         trainer.train()
-    except Exception as e:
+    except BaseException as e:
+        if isinstance(e, interrupts.Interrupted) or interrupts.received():
+            # stopping: nothing waits for peers (an async save, a closing barrier) that are
+            # stopping too; a save in flight stays incomplete, which a resume skips
+            stop_save_process(kill=True)
+            e.step = trainer.step
+            raise
         if is_collective_failure(e):
             logger.error(
                 "rank %d: a collective failed during step %d (timed out, or a peer closed the "
                 "connection): another rank is stuck or has died. Look for its watchdog report "
                 "(%s/watchdog/rank*_stacks.txt) or its error above; comm.train_timeout_seconds "
                 "sets the limit.", trainer.rank, trainer.step, job.job.dump_folder)
-        raise
-    finally:
         trainer.close()
+        raise
+    trainer.close()
 
 
 # errors a restart would meet again: (kind, exit code), handed to the launcher
@@ -406,9 +429,15 @@ FINAL_ERRORS = {ConfigError: ("config error", 2), DataError: ("data error", 2),
 
 
 def main(argv: list[str] | None = None) -> None:
+    interrupts.install()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print_out(help_text())
+        sys.exit(0)
     init_logging()
     try:
-        job = parse_args(argv)
+        # run_train.sh names a config; without one, this entry trains what run_train.sh would
+        job = parse_args(with_config_file(argv))
         plan = plan_run(job)
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
@@ -423,11 +452,27 @@ def main(argv: list[str] | None = None) -> None:
         logger.error("%s", e)
         kind, code = next(v for cls, v in FINAL_ERRORS.items() if isinstance(e, cls))
         final_error.record(kind, e, code)
-    except Exception:
-        logger.exception("training failed")
-        code = 1
+    except (Exception, interrupts.Interrupted) as e:
+        signum = interrupts.received()
+        if signum is None and isinstance(e, SaveInterrupted):
+            # a peer died mid-save: a rank failure torchrun restarts, said in one line
+            logger.error("%s; a restart (MAX_RESTARTS) resumes from it", e)
+            code = 1
+        elif signum is None and is_collective_failure(e):
+            code = 1  # run() said which step and where to look; the stack adds nothing
+        elif signum is None:
+            logger.exception("training failed")
+            code = 1
+        else:  # a collective a stopping peer left is part of the stop
+            step = getattr(e, "step", 0)
+            logger.warning("stopped by %s %s; %s", interrupts.describe(signum),
+                           f"during step {step}" if step else "before the first step",
+                           interrupts.status(job.checkpoint, job.job.dump_folder))
+            code = 128 + signum
     clean_exit(code)
 
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":  # DCP's saving process, spawned from here, imports it first
+    quiet_checkpoint_process()

@@ -110,9 +110,9 @@ class GeluLlama(Decoder):
 
 
 def count_optimizer_steps(parts, job):
-    def hook():
+    def hook(taken):
         for part in parts:
-            part.optimizer_steps += 1
+            part.optimizer_steps += taken
     return hook
 
 

@@ -315,3 +315,49 @@ def test_stream_in_global_order_resumes_on_another_dp_degree(tmp_path):
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for s in a:
         assert abs(a[s] - b[s]) <= RTOL * a[s], (s, a[s], b[s])
+
+
+def test_resume_onto_a_larger_global_batch_trains_the_next_sequences(tmp_path):
+    """A 1-rank checkpoint at step 6 (global batch 8: sequences 0-47 trained), resumed on 2
+    ranks with training.global_batch_size unset (global batch 16): step 7 trains sequences
+    48-63, proven by its loss, which equals the cross-entropy of the step-6 weights on those
+    sequences (and not on 96-111, where counting batches of the new size would land)."""
+    import torch
+    import torch.nn.functional as F
+
+    from titan.components.checkpoint import folders
+    from titan.components.data.dataloader import DataShard, build_dataloader
+    from titan.components.data.tokenizer import Tokenizer
+    from titan.config import parse_args
+    from titan.models.spec import get_train_spec
+
+    dump = tmp_path / "run"
+    run = [*COMMON, *CK, "--training.local_batch_size", "8"]
+    launch(1, [*run, "--training.steps", "6", "--checkpoint.interval", "6"], dump, timeout=300)
+    proc = launch(2, [*run, "--training.steps", "7"], dump, timeout=300)
+    assert "the data continues at sequence 48 of the global stream" in proc.stderr
+    assert re.search(r"layout change: step-6 .*global_batch_size 8 -> 16.*the first sequence "
+                     r"not yet trained", proc.stderr), proc.stderr[-3000:]
+    step7 = next(r for r in read_metrics(dump) if r["step"] == 7)["loss"]
+
+    job = parse_args(["--job.config_file", "train_configs/debug_model.toml", *run])
+    tokenizer = Tokenizer(job.model.tokenizer_path)
+    stream = iter(build_dataloader(job.training, tokenizer=tokenizer, shard=DataShard(0, 1),
+                                   global_batch_size=8))
+    batches = [next(stream) for _ in range(14)]  # sequences 0-111, in batches of 8
+    spec = get_train_spec("llama3")
+    model = spec.build_meta(spec.flavors["debugmodel"].with_updates(
+        vocab_size=tokenizer.vocab_size, max_seq_len=64))
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    model.load_state_dict(folders.load_dcp_model_state(dump / "checkpoint" / "step-6"),
+                          strict=False)
+
+    def loss_on(first_batch: int) -> float:
+        x = torch.cat([batches[first_batch][0], batches[first_batch + 1][0]])
+        y = torch.cat([batches[first_batch][1], batches[first_batch + 1][1]])
+        with torch.no_grad():
+            return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+
+    assert abs(step7 - loss_on(6)) <= 1e-5 * step7, (step7, loss_on(6))
+    assert abs(step7 - loss_on(12)) > 1e-3 * step7

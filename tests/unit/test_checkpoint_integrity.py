@@ -197,6 +197,30 @@ def test_a_write_failure_is_told_in_a_few_words():
     assert _write_failure(RuntimeError("boom\nmore")) == "RuntimeError: boom"
 
 
+def test_only_what_a_restart_would_meet_again_is_a_checkpoint_error():
+    """A full disk or a folder it may not write stops the job (exit 2); a peer that died
+    mid-save (gloo: 'Connection closed by peer') or an I/O error is a rank failure, which
+    torchrun restarts."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from titan.components.checkpoint.checkpointer import _deterministic
+
+    def wrapped(err):
+        try:
+            raise err
+        except Exception as e:  # noqa: BLE001
+            return CheckpointException("write", {1: _wrap_exception(e)})
+
+    for err in (OSError(errno.ENOSPC, "No space left on device"),
+                PermissionError(errno.EACCES, "Permission denied"),
+                OSError(errno.EROFS, "Read-only file system")):
+        assert _deterministic(err) and _deterministic(wrapped(err)), err
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:28833. This is typically caused by a remote worker crashing")
+    for err in (peer, OSError(errno.EIO, "I/O error"), TimeoutError("timed out")):
+        assert not _deterministic(err) and not _deterministic(wrapped(err)), err
+
+
 def _failing_save(rank, world_size, root):
     from titan.components.checkpoint import checkpointer
     from titan.components.checkpoint.train_state import TrainState

@@ -307,6 +307,12 @@ def test_invalid_toml_syntax(tmp_path):
     assert_config_error(["--job.config_file", path], path, "not valid TOML")
 
 
+def test_a_config_file_naming_another_is_refused(tmp_path):
+    path = write(tmp_path, '[job]\nconfig_file = "train_configs/llama3_8b.toml"\n')
+    assert_config_error(["--job.config_file", path], f"job.config_file (from config file {path})",
+                        "a config file cannot name another", "--job.config_file on the command")
+
+
 def test_toml_top_level_value(tmp_path):
     path = write(tmp_path, "steps = 5\n")
     assert_config_error(["--job.config_file", path], "'steps'", f"config file {path}", "[section]")
@@ -422,3 +428,21 @@ def test_to_toml_round_trip_control_characters(tmp_path):
     assert tomllib.loads(text)["job"]["description"] == cfg.job.description
     path = write(tmp_path, text, "dump.toml")
     assert parse_args(["--job.config_file", path]).job.description == cfg.job.description
+
+
+def test_plain_python_entry_takes_help_and_run_train_sh_default_config(monkeypatch):
+    """`python -m titan.train` prints --help like run_train.sh, and without --job.config_file
+    starts from the file run_train.sh uses (CONFIG_FILE's, else the debug config), not the
+    built-in defaults (seq 2048, lr 8e-4)."""
+    from titan.config import with_config_file
+
+    proc = subprocess.run([sys.executable, "-m", "titan.train", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "--training.steps" in proc.stdout and "--job.config_file" in proc.stdout
+    monkeypatch.delenv("CONFIG_FILE", raising=False)
+    job = parse_args(with_config_file(["--training.steps", "3"]))
+    assert job.job.config_file == "train_configs/debug_model.toml" and job.training.seq_len == 256
+    monkeypatch.setenv("CONFIG_FILE", "train_configs/qwen3_debug.toml")
+    assert with_config_file([])[:2] == ["--job.config_file", "train_configs/qwen3_debug.toml"]
+    assert with_config_file(["--job.config_file=x.toml"]) == ["--job.config_file=x.toml"]

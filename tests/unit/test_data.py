@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import time
 
 import pytest
@@ -129,6 +130,37 @@ def test_resume_matches_uninterrupted(tokenizer, dp, rank):
     resumed = loader(tokenizer, local, global_, rank, dp)
     resumed.load_state_dict(state)
     assert_batches_equal(take(resumed, 4), reference[3:7])
+
+
+def sequences(batches) -> list[list[int]]:
+    return [row.tolist() for x, _ in batches for row in x]
+
+
+@pytest.mark.parametrize("before,after,dp", [(8, 16, 2), (16, 8, 1), (8, 12, 3)])
+def test_resume_onto_another_global_batch_continues_at_the_first_untrained_sequence(
+        tokenizer, before, after, dp, caplog):
+    """Saved after 3 global batches of `before`, resumed with global batches of `after` on
+    dp ranks: the sequences trained next are the stream's from 3 x `before` on, none skipped
+    or repeated, and the log says so."""
+    stream = sequences(take(loader(tokenizer, 48, 48), 4))  # the first 192 sequences
+    first = loader(tokenizer, before, before)
+    take(first, 3)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["stream_position"] == 3 * before and state["global_batch_size"] == before
+    ranks = [loader(tokenizer, after // dp, after, rank, dp) for rank in range(dp)]
+    with caplog.at_level(logging.INFO, logger="titan.components.data.dataloader"):
+        for r in ranks:
+            r.load_state_dict(state)
+    assert (f"the data continues at sequence {3 * before} of the global stream, the first not "
+            f"yet trained: the global batch changed from {before} to {after}") in caplog.text
+    iters = [iter(r) for r in ranks]
+    resumed = [row for _ in range(3) for it in iters for row in sequences([next(it)])]
+    assert resumed == stream[3 * before:3 * before + 3 * after]
+    # ... and a resume of the resumed run continues where that one stopped
+    again = loader(tokenizer, after, after)
+    again.load_state_dict(json.loads(json.dumps(ranks[0].state_dict())))
+    start = 3 * before + 3 * after
+    assert sequences(take(again, 1)) == stream[start:start + after]
 
 
 def test_resume_with_state_through_torch_save(tokenizer, tmp_path):
@@ -352,8 +384,26 @@ def test_folder_of_files(tokenizer, tmp_path):
 def test_mixed_formats_rejected(tokenizer, tmp_path):
     write_jsonl(tmp_path / "a.jsonl", DOCS)
     (tmp_path / "b.txt").write_text(DOCS[0])
-    with pytest.raises(DataError, match="must all be one of"):
+    with pytest.raises(DataError, match=r"mixes file formats \(\.jsonl, \.txt: e\.g\. a\.jsonl, "
+                                        r"b\.txt\); keep one format per dataset"):
         token_stream(tokenizer, tmp_path)
+
+
+def test_a_bad_line_deep_in_a_jsonl_file_is_named_by_its_line(tokenizer, tmp_path):
+    lines = [json.dumps({"text": f"{DOCS[i % 5]} {i}"}) for i in range(3000)]
+    lines[2500] = lines[2500][:-3]  # cut short
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl, line 2501: not a JSON record \(.*column "
+                                        r"\d+\); fix or remove that line"):
+        token_stream(tokenizer, tmp_path / "d.jsonl")
+
+
+@pytest.mark.parametrize("name", ["/no/such/valid.jsonl", "./missing", "data/x.parquet"])
+def test_a_dataset_named_by_a_missing_path_is_not_looked_up_on_the_hub(name):
+    with pytest.raises(DataError, match=rf"validation\.dataset '{re.escape(name)}' does not "
+                                        r"exist \(a local path, by its form"):
+        local_files(name, None, key="validation.dataset_path")
+    assert local_files("allenai/c4", None) is None  # a hub name
 
 
 def test_empty_folder(tokenizer, tmp_path):

@@ -119,6 +119,20 @@ def test_mixing_shares_resume_and_dp_invariance(tokenizer, corpus, tmp_path):
     resumed = mixed()
     resumed.load_state_dict(state)
     assert_batches_equal(take(resumed, 5), batches[12:17])
+    # onto global batches of 12: the mix continues where the stream stopped
+    wider = build_text_dataloader(dataset="x", dataset_path=None, tokenizer=tokenizer,
+                                  seq_len=SEQ, local_batch_size=12, global_batch_size=12,
+                                  shard=DataShard(0, 1), seed=1, mix=mix)
+    wider.load_state_dict(state)
+    rows = [row for x, _ in take(wider, 4) for row in x]
+    assert all(torch.equal(a, b) for a, b in zip(rows, [r for x, _ in batches[12:18] for r in x],
+                                                  strict=True))
+    assert wider.source_tokens(SEQ) == one_counts_after(batches_taken=18, one=mixed())
+
+
+def one_counts_after(batches_taken: int, one) -> dict[str, int]:
+    take(one, batches_taken)
+    return one.source_tokens(SEQ)
 
 
 def test_mix_order_replays_without_saved_counts():
@@ -174,7 +188,7 @@ def test_damaged_shard_folder_is_refused(tokenizer, corpus, tmp_path):
 @pytest.mark.parametrize("content,match", [
     (b"", r"empty.jsonl holds no records"),
     (b'{"text": "fine"}\n{"body": "no text"}\n', r"bad.jsonl: record 1 has no text in field 'text'"),
-    (b'{"text": "caf\xe9"}\n', r"bad.jsonl is (not UTF-8|unreadable)"),
+    (b'{"text": "caf\xe9"}\n', r"bad.jsonl, line 1: not a JSON record \(not UTF-8 text\)"),
 ])
 def test_bad_data_names_file_and_record(tokenizer, tmp_path, content, match):
     name = "empty.jsonl" if not content else "bad.jsonl"

@@ -2,6 +2,8 @@
 sampling options, tensor-parallel generation equals one rank, and the CLI on DCP and HF
 checkpoints."""
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +128,53 @@ def test_cli_on_dcp_and_hf_checkpoints(model, tmp_path):
     assert batch.stdout.startswith("[0] And God said") and "\n[1] Let" in batch.stdout
     bad = run("--checkpoint", str(tmp_path / "nowhere"), "--prompt", "x")
     assert bad.returncode != 0 and "no such folder" in bad.stderr
+
+
+def flip_bytes(step: Path, n: int = 4096) -> None:
+    """Corrupt n bytes in the middle of the step's data file, its size unchanged."""
+    (data,) = step.glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    mid = len(raw) // 2
+    raw[mid:mid + n] = bytes(b ^ 0xFF for b in raw[mid:mid + n])
+    data.write_bytes(bytes(raw))
+
+
+def test_damaged_steps_are_skipped_or_refused_and_output_is_pipe_safe(model, tmp_path, capsys):
+    """Checksums as the trainer checks them: a root's damaged newest step is skipped with a
+    warning, a damaged step given by name or a root with no intact step is one line, exit 2;
+    and the text piped into a reader that goes away ends quietly (SIGPIPE, no traceback)."""
+    from titan.generate import checkpoint_folder
+
+    root = tmp_path / "checkpoint"
+    for step in (3, 5):
+        checkpoint.save_dcp_model_state(model.state_dict(), root / f"step-{step}")
+    flip_bytes(root / "step-5")
+    assert checkpoint_folder(root) == root / "step-3"
+    warning = capsys.readouterr().err
+    assert warning.startswith("titan.generate: warning: step-5 is unusable (") and \
+        warning.rstrip().endswith("generating from step-3 instead") and warning.count("\n") == 1
+    with pytest.raises(checkpoint.CheckpointError, match=r"step-5 is damaged: .*pass another "
+                       "step folder, or the checkpoint root to use its newest intact step"):
+        checkpoint_folder(root / "step-5")
+
+    read, write = os.pipe()
+    os.close(read)  # the reader (head) has gone before the first line
+    try:
+        piped = subprocess.run([sys.executable, "-m", "titan.generate", "--checkpoint",
+                                str(root), "--prompt", "In the beginning"], cwd=REPO,
+                               stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert piped.returncode == -signal.SIGPIPE, piped.stderr
+    assert "Traceback" not in piped.stderr and "step-5 is unusable" in piped.stderr
+
+    flip_bytes(root / "step-3")
+    bad = subprocess.run([sys.executable, "-m", "titan.generate", "--checkpoint", str(root),
+                          "--prompt", "x"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith(f"titan.generate: --checkpoint {root} holds no intact step "
+                                 "folder (step-5: ")
+    assert bad.stderr.rstrip().endswith("pass an intact step folder or an HF folder")
 
 
 @pytest.mark.parametrize("argv,why", [

@@ -310,8 +310,18 @@ def test_convert_scripts_refuse_bad_input(tmp_path, capsys):
         capsys, to_hf, [str(tmp_path / "step-1"), str(tmp_path / "o"), "--flavor", "debugmodel"])
     assert "unknown flavor" in _exit_2(capsys, to_hf, [str(tmp_path), str(tmp_path / "o"),
                                                        "--flavor", "9B"])
-    with pytest.raises(SystemExit, match="no config.json"):
-        _load_script("convert_from_hf").main([str(tmp_path), str(tmp_path / "o")])
+    from_hf = _load_script("convert_from_hf").main
+    assert "no config.json" in _exit_2(capsys, from_hf, [str(tmp_path), str(tmp_path / "o")])
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')
+    assert "config.json is not valid JSON (line 1: " in _exit_2(
+        capsys, from_hf, [str(tmp_path), str(tmp_path / "o")])
+    # a step folder whose data file was cut short (a full disk, a copy interrupted)
+    step = checkpoint.save_dcp_model_state({"w": torch.ones(4096)}, tmp_path / "ck" / "step-2")
+    (data,) = step.glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:1000])
+    for given in (step, tmp_path / "ck"):
+        err = _exit_2(capsys, to_hf, [str(given), str(tmp_path / "o"), "--flavor", "debugmodel"])
+        assert "step-2" in err and ("is damaged" in err or "holds no intact step" in err), err
 
 
 # ----------------------------------------------------------------------------- HF numerics
@@ -406,8 +416,9 @@ def test_logits_match_hf_reference(args, tokens):
     assert (hf_reference_logits(unpermuted, cfg, tokens) - ref).abs().max() > 1e-3
 
 
+@pytest.mark.needs("transformers")
 def test_transformers_loads_export(model, tokens, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     out = hf_io.save_hf(model.state_dict(), LLAMA, ARGS, tmp_path / "hf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -37,6 +37,11 @@ def test_log_ranks_must_be_local_ranks():
     ({"NGPU": "0"}, "NGPU='0': the ranks per node must be a whole number >= 1"),
     ({"NGPU": "abc"}, "NGPU='abc': the ranks per node must be a whole number >= 1"),
     ({"NGPU": "2", "LOG_RANK": "5"}, "LOG_RANK=5: this node has no local rank 5"),
+    ({"NNODES": "4:2", "RDZV_ENDPOINT": "localhost:29500"},
+     "NNODES='4:2': a node count >= 1 (e.g. NNODES=4), or MIN:MAX with 1 <= MIN <= MAX"),
+    ({"NNODES": "0:2", "RDZV_ENDPOINT": "localhost:29500"}, "NNODES='0:2': a node count >= 1"),
+    ({"NNODES": "2", "NODE_RANK": "5", "RDZV_ENDPOINT": "localhost:29500"},
+     "NODE_RANK=5: a job of 2 node(s) has node ranks 0 to 1; unset NODE_RANK"),
 ])
 def test_run_train_sh_refuses_bad_env_in_one_line(env, why, tmp_path):
     proc = subprocess.run(["bash", "run_train.sh", "--job.dump_folder", str(tmp_path / "d")],

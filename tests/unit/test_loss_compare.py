@@ -39,3 +39,21 @@ def test_a_config_error_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("loss_compare: config error: unknown config key 'training.stepz'")
     assert err.count("\n") == 1
+
+
+def test_keys_name_what_the_runs_log(capsys, tmp_path):
+    """val_loss comes from validation.jsonl (on the steps that validated); asked for without
+    validation, or a key no run logs, it is one line, exit 2, not a KeyError."""
+    from titan.tools.loss_compare import compare_key
+
+    assert main(["--baseline", "1:", "--candidate", "1:", "--keys", "loss,val_loss",
+                 "--out", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("loss_compare: --keys val_loss: the baseline run does not validate; add "
+                   "--validation.enable to --common\n")
+    base = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "val_loss": 1.7}]
+    other = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "val_loss": 1.7}]
+    assert compare_key(base, other, "val_loss") == [(2, 1.7, 1.7, 0.0)]
+    with pytest.raises(ValueError, match=r"--keys gradnorm: step 1 logged no 'gradnorm'; the "
+                                         r"runs log loss"):
+        compare_key(base, other, "gradnorm")

@@ -13,6 +13,23 @@ def f(step, total=100, warmup=10, decay_ratio=None, decay_type="linear", min_lr=
     return lr_factor(step, total, warmup, decay_ratio, decay_type, min_lr)
 
 
+def test_a_warmup_longer_than_the_run_is_cut_and_said(caplog):
+    import logging
+
+    from titan.components.optim.lr_scheduler import build_lr_scheduler
+    from titan.config import parse_args
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level(logging.WARNING, logger="titan.components.optim.lr_scheduler"):
+        sched = build_lr_scheduler(opt, parse_args(["--lr_scheduler.warmup_steps", "8"])
+                                   .lr_scheduler, total_steps=4)
+    assert "lr_scheduler.warmup_steps 8 exceeds training.steps 4: the warmup is cut to 4" \
+        in caplog.text
+    for _ in range(3):
+        sched.step()
+    assert sched.get_last_lr() == [pytest.approx(1.0)]  # the peak at the last of the 4 steps
+
+
 def test_warmup_linear_from_near_zero():
     assert f(1) == pytest.approx(0.1)
     assert f(5) == pytest.approx(0.5)

@@ -56,17 +56,20 @@ def wandb_history(run_dir) -> tuple[dict[int, dict], dict]:
     return history, config
 
 
+@pytest.mark.needs("wandb")
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 def test_wandb_offline_run_holds_the_logged_values_and_resume_continues_it(tmp_path,
-                                                                           monkeypatch):
-    pytest.importorskip("wandb")
+                                                                           monkeypatch, capfd):
     from tests.forked import run_trainer, tiny_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
     argv = [*DEBUG, *tiny_run(4), "--metrics.enable_wandb", "--metrics.wandb_tags", "ci,cpu",
             "--checkpoint.enable", "--checkpoint.interval", "2"]
     first = run_trainer(tmp_path, 1, [*argv, "--training.exit_at_step", "2"])
+    # W&B's own output (banner, sync hints, summary tables) is off: titan's run line says it
+    out = capfd.readouterr()
+    assert "wandb:" not in out.out + out.err, out.out + out.err
     second = run_trainer(tmp_path, 1, argv)  # resumes the step-2 checkpoint
     # metrics.jsonl: the whole history, the resumed run's steps appended to the first's
     assert [r["step"] for r in first] == [1, 2] and [r["step"] for r in second] == [1, 2, 3, 4]
@@ -108,8 +111,8 @@ def fake_run(folder, losses, validation=()):
             json.dumps({"step": s, "val_loss": v, "val_batches": 2}) + "\n" for s, v in validation))
 
 
+@pytest.mark.needs("matplotlib")
 def test_plot_draws_each_run_on_every_panel(tmp_path):
-    pytest.importorskip("matplotlib")
     from matplotlib.image import imread
 
     from titan.tools import plot
@@ -135,8 +138,8 @@ def test_plot_draws_each_run_on_every_panel(tmp_path):
     assert "no mfu logged" in panels["MFU %"].texts[0].get_text()
 
 
+@pytest.mark.needs("matplotlib")
 def test_plot_cli_names_a_folder_without_metrics(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     from titan.tools import plot
 
     assert plot.main([str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
@@ -144,6 +147,24 @@ def test_plot_cli_names_a_folder_without_metrics(tmp_path, capsys):
     fake_run(tmp_path / "run", [2.0, 1.0])
     assert plot.main([str(tmp_path / "run"), "-o", str(tmp_path / "x.png")]) == 0
     assert (tmp_path / "x.png").stat().st_size > 0
+    capsys.readouterr()
+
+    def one_line_error(*argv) -> str:
+        assert plot.main([*argv]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.count("\n") == 1, out.err
+        return out.err
+    # a run killed mid-write leaves its last line cut short: the lines before it are drawn
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 3, "lo')
+    assert plot.main([str(tmp_path / "run"), "-o", str(tmp_path / "y.png")]) == 0
+    assert "1 run drawn" in capsys.readouterr().out
+    assert "cannot write " in one_line_error(str(tmp_path / "run"), "-o",
+                                            str(metrics / "x.png"))
+    metrics.write_text('{"step": 1, "lo\n{"step": 2}\n')  # damaged mid-file
+    assert "metrics.jsonl, line 1: not a JSON record" in one_line_error(str(tmp_path / "run"))
+    metrics.write_text("")  # started, nothing logged yet
+    assert "holds no logged step yet" in one_line_error(str(tmp_path / "run"))
 
 
 # ------------------------------------------------------------------ CUDA-only parts on CPU

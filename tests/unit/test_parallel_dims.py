@@ -233,11 +233,13 @@ def test_the_dims_table_drives_mesh_layout_record_planner_and_search(monkeypatch
     names = [d.name for d in DIMS]
     d = dims(dp_replicate=2, tp=2, pp=2, world_size=16)
     assert list(d.degrees()) == names
-    # the checkpoint's layout record: world size, the table's dims, grad accumulation
+    # the checkpoint's layout record: world size, the table's dims, grad accumulation, the
+    # global batch
     plan = plan_run(job("--parallelism.tensor_parallel_degree", "2"), world_size=4)
-    assert list(plan.layout()) == ["world_size", *names, "grad_accum_steps"]
+    assert list(plan.layout()) == ["world_size", *names, "grad_accum_steps", "global_batch_size"]
     assert plan.layout() == {"world_size": 4, "dp_replicate": 1, "dp_shard": 2, "cp": 1,
-                             "tp": 2, "pp": 1, "grad_accum_steps": 1}  # as checkpoints hold
+                             "tp": 2, "pp": 1, "grad_accum_steps": 1,
+                             "global_batch_size": plan.global_batch_size}  # as checkpoints hold
     # each dim's degree is read from its config field
     for row in DIMS:
         section, attr = row.config_field.split(".")

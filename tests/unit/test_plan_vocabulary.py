@@ -24,7 +24,7 @@ def job(*argv, plan_only=False):
 
 def test_a_missing_tokenizer_fails_a_run_but_the_planner_sizes_the_flavor(tmp_path):
     missing = ["--model.flavor", "1B", "--model.tokenizer_path", str(tmp_path / "none")]
-    with pytest.raises(ConfigError, match="tokenizer file .* not found"):
+    with pytest.raises(ConfigError, match="tokenizer .* does not exist"):
         plan_run(job(*missing), world_size=1)
     planned = job(*missing, plan_only=True)
     run = plan_run(planned, world_size=1)

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 QWEN3 = get_train_spec("qwen3")
 DEBUG = QWEN3.flavors["debugmodel_moe"].with_updates(max_seq_len=64)
 STEPS = 10
-# the bias update on (a large rate, so that a few steps move the routing), the loss off: what
-# every layout must reproduce exactly
-BIAS = ["--qwen3.moe_bias_update_rate", "0.01", "--qwen3.moe_aux_loss_coeff", "0"]
+# the flavor's load-balancing loss (0.001, per sequence) and the bias update on (a large rate,
+# so that a few steps move the routing): what every layout must reproduce exactly
+BIAS = ["--qwen3.moe_bias_update_rate", "0.01"]
 COMMON = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", *tiny_run(STEPS)]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
@@ -89,8 +89,9 @@ def test_a_routing_bias_is_not_exported_to_a_layout_without_one():
         adapter.to_hf(built(args).state_dict())
 
 
+@pytest.mark.needs("transformers")
 def test_logits_and_both_hf_directions_match_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     model = built(DEBUG, seed=3)
     out = hf_io.save_hf(model.state_dict(), QWEN3, DEBUG, tmp_path / "hf")
     names = hf_io.load_hf_state(out)
@@ -152,7 +153,7 @@ LAYOUTS = {
 def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
     """Routing is discrete: a layout agrees with one process exactly when no token's k-th and
     (k+1)-th expert scores are closer than the layouts' rounding differences. Over these 10
-    steps the closest pair is 9.3e-6 apart; layouts differ by ~1e-8 in the scores (losses by
+    steps (the balancing loss and the bias update on) the closest pair is 3.2e-6 apart; layouts differ by ~1e-8 in the scores (losses by
     1.2e-7 relative, under 1 and 2 threads), and another CPU moves the gaps by as little."""
     world, flags = LAYOUTS[layout]
     check_layout_like_one_process(one_rank, tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags],
@@ -164,23 +165,50 @@ def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
 
 
 def test_load_balancing_loss_is_logged_apart_and_trained(one_rank, tmp_path):
-    """The flavor's own balancing: Qwen's loss at 0.001, no bias. `loss` stays the
-    cross-entropy (step 1 equals the run without it); the aux loss changes the gradients; with
-    the microbatches of one rank on two ranks, FSDP gives the same values."""
-    without = one_rank[0]
-    one = run_trainer(tmp_path / "one", 1, COMMON)
-    assert one[0]["loss"] == without[0]["loss"]
-    assert one[0]["grad_norm"] != without[0]["grad_norm"]
+    """The flavor's own balancing loss at 0.001. `loss` stays the cross-entropy (step 1 equals
+    the run without it); the aux loss changes the gradients."""
+    first = one_rank[0][0]
     # balanced, each of 3 MoE layers' losses is top_k = 2; at init they are close to it
-    assert one[0]["moe_aux_loss"] == pytest.approx(3 * 0.001 * 2, rel=0.05)
-    assert "moe_aux_loss" not in without[0]
-    fsdp = run_trainer(tmp_path / "fsdp", 2, [*COMMON, "--parallelism.data_parallel_shard_degree",
-                                              "2"])
-    for a, b in zip(one, fsdp, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
+    assert first["moe_aux_loss"] == pytest.approx(3 * 0.001 * 2, rel=0.05)
+    off = run_trainer(tmp_path, 1, [*COMMON, *BIAS, "--training.steps", "1",
+                                    "--qwen3.moe_aux_loss_coeff", "0"])
+    assert off[0]["loss"] == first["loss"] and "moe_aux_loss" not in off[0]
+    assert off[0]["grad_norm"] != first["grad_norm"]
+
+
+# the loss over the whole global batch: one forward per rank (local batch = global / dp)
+GLOBAL = [*COMMON, "--qwen3.moe_aux_loss_scope", "global_batch", "--training.steps", "5"]
+GLOBAL_LAYOUTS = {
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "fsdp2_tp2_ep2": (4, ["--parallelism.data_parallel_shard_degree", "2",
+                          "--parallelism.tensor_parallel_degree", "2",
+                          "--parallelism.expert_parallel_degree", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def one_forward(tmp_path_factory):
+    return run_trainer(tmp_path_factory.mktemp("global"), 1,
+                       [*GLOBAL, "--training.local_batch_size", "8"])
+
+
+@pytest.mark.parametrize("layout", list(GLOBAL_LAYOUTS))
+def test_the_global_batch_scope_is_one_loss_on_every_layout(layout, one_forward, tmp_path):
+    """Every expert's count over all ranks' tokens, summed in forward: the loss of the whole
+    batch (with its gradient) equals one process's, for data-, context-, tensor- and
+    expert-parallel ranks."""
+    world, flags = GLOBAL_LAYOUTS[layout]
+    dp = 2 if "fsdp2" in layout else 1
+    got = run_trainer(tmp_path, world, [*GLOBAL, *flags,
+                                        "--training.local_batch_size", str(8 // dp)])
+    assert one_forward[0]["moe_aux_loss"] == pytest.approx(3 * 0.001 * 2, rel=0.05)
+    for a, b in zip(one_forward, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (layout, a, b)
         assert abs(a["moe_aux_loss"] - b["moe_aux_loss"]) <= 1e-5 * a["moe_aux_loss"], (a, b)
 
 
+@pytest.mark.needs("transformers")
 def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path):
     check_save_pretrained_start(tmp_path, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", DEBUG)
 
@@ -212,11 +240,57 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
       "--checkpoint.last_save_in_hf"], r"checkpoint\.last_save_in_hf = True .*no routing bias"),
     (["--compile.enable", "--parallelism.tensor_parallel_degree", "2"],
      r"compile\.enable = True .*under tensor parallelism runs eagerly"),
+    (["--qwen3.moe_aux_loss_scope", "global_batch", "--training.local_batch_size", "2"],
+     r"qwen3\.moe_aux_loss_scope = 'global_batch' .*: one loss term over the whole global batch "
+     r"needs each rank's step in one forward, but gradient accumulation splits it into 2 .*set "
+     r"training\.local_batch_size = global_batch_size / dp, or qwen3\.moe_aux_loss_scope = "
+     r"'sequence'"),
+    (["--qwen3.moe_aux_loss_scope", "global_batch", "--parallelism.pipeline_parallel_degree",
+      "2", "--training.local_batch_size", "8"],
+     r"pipeline parallelism splits it into microbatches: use qwen3\.moe_aux_loss_scope = "
+     r"'sequence' with pipeline parallelism"),
+    (["--qwen3.moe_aux_loss_scope", "per_token"],
+     r"qwen3\.moe_aux_loss_scope = 'per_token' .*choose one of sequence, global_batch"),
 ])
 def test_what_an_moe_cannot_do_is_refused_before_launch(flags, message, tmp_path):
     from titan.config import ConfigError, parse_args
     from titan.preflight import plan_run
 
-    job = parse_args([*COMMON, *flags, "--job.dump_folder", str(tmp_path)])
     with pytest.raises(ConfigError, match=message):
-        plan_run(job, 2)
+        plan_run(parse_args([*COMMON, *flags, "--job.dump_folder", str(tmp_path)]), 2)
+
+
+def test_a_skipped_step_moves_no_bias():
+    """The routing counts of a step whose update is skipped (a non-finite loss) are dropped:
+    the next step's bias update sees only its own counts."""
+    from titan.config import parse_args
+    from titan.models.common.aux_loss import AuxLossCollector
+    from titan.models.common.moe_balance import moe_balance_hook
+
+    args = DEBUG.with_updates(max_seq_len=32, moe_bias_update_rate=0.01)
+    model = built(args).train()
+    hook = moe_balance_hook([model], parse_args([]))
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        with AuxLossCollector(1.0):
+            model(tokens)
+
+    def state():
+        return {k: v.clone() for k, v in model.state_dict().items() if "expert_bias" in k}
+
+    forward()
+    before = state()
+    assert hook(False) == {}  # skipped: nothing moves, the counts are gone
+    assert all(torch.equal(before[k], v) for k, v in state().items())
+    assert all(m.expert_load.sum() == 0 for m in model.modules() if hasattr(m, "expert_load"))
+    forward()
+    metrics = hook(True)
+    fresh = built(args).train()
+    fresh_hook = moe_balance_hook([fresh], parse_args([]))
+    with AuxLossCollector(1.0):
+        fresh(tokens)
+    # one step's counts, as if the skipped step had never run
+    assert metrics["expert_load_imbalance"] == fresh_hook(True)["expert_load_imbalance"]
+    assert all(torch.equal(v, w) for v, w in zip(state().values(),
+               (v for k, v in fresh.state_dict().items() if "expert_bias" in k)))

@@ -77,11 +77,19 @@ def test_missing_file(tmp_path):
     with pytest.raises(TokenizerError) as e:
         Tokenizer(str(missing))
     msg = str(e.value)
-    assert str(missing) in msg and "not found" in msg and "model.tokenizer_path" in msg
+    assert str(missing) in msg and "does not exist" in msg and "model.tokenizer_path" in msg
+    # a model folder the configs name under assets/hf/: fetched from the hub
+    with pytest.raises(TokenizerError, match=r"tokenizer 'assets/hf/Qwen3-8B' does not exist; "
+                       r"fetch the model's tokenizer with `python scripts/download_hf_assets\.py "
+                       r"--repo Qwen/Qwen3-8B`"):
+        Tokenizer("assets/hf/Qwen3-8B")
 
 
 def test_folder_without_tokenizer(tmp_path):
-    with pytest.raises(TokenizerError, match="not found"):
+    with pytest.raises(TokenizerError, match=r"holds no tokenizer\.json \(it is empty\)"):
+        Tokenizer(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(TokenizerError, match=r"holds no tokenizer\.json \(it holds config\.json\)"):
         Tokenizer(str(tmp_path))
 
 
@@ -93,3 +101,32 @@ def test_tokenizer_config_names_specials(tmp_path):
         {"bos_token": {"content": "<|pad|>"}, "eos_token": "<|begin_of_text|>"}))
     tok = Tokenizer(str(tmp_path))
     assert (tok.bos_id, tok.eos_id) == (2, 0)
+
+
+def test_a_long_document_is_encoded_in_pieces_to_the_same_tokens(tokenizer, monkeypatch):
+    """The tokenizer's memory grows with the text it is handed (9 GiB for a 50 MB line): a
+    document longer than PIECE_CHARS goes in pieces cut before a space between words, which
+    byte-level BPE encodes to the whole text's tokens."""
+    from titan.components.data import tokenizer as tok_mod
+
+    text = (REPO_ROOT / "assets" / "corpus" / "kjv_valid.jsonl").read_text()[:60000]
+    whole = tokenizer.encode(text)
+    handed, real = [], tokenizer._tok
+
+    class Spy:
+        def encode(self, t, **kw):
+            handed.append(len(t))
+            return real.encode(t, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(tok_mod, "PIECE_CHARS", 4000)
+    monkeypatch.setattr(tokenizer, "_tok", Spy())
+    split = tokenizer.encode(text)
+    assert len(handed) >= 14 and max(handed) <= 2 * 4000
+    assert list(split) == whole
+    assert [list(x) for x in tokenizer.encode_batch(["a b", text, "c"])] == [
+        tokenizer.encode("a b"), whole, tokenizer.encode("c")]
+    # without a space for a piece's length, the cut falls mid-word, still bounded
+    assert [len(p) for p in tok_mod.pieces("x" * 10, 4)] == [4, 4, 2]

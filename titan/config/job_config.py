@@ -328,9 +328,15 @@ class Validation:
     dataset_path: str | None = opt(None, "Local path that overrides where the dataset is read from")
     dataset_streaming: bool = opt(False, "Stream local files (as training.dataset_streaming)")
     freq: int = opt(500, "Validate every N steps (and after the last step)")
-    steps: int = opt(-1, "Batches per validation; -1 = one full pass over the dataset")
+    steps: int = opt(-1, "Validation batches per validation; -1 = one full pass over the dataset")
+    global_batch_size: int = opt(
+        -1, "Sequences per validation batch over all data-parallel ranks, each taking an equal "
+        "share: the same sequences, so the same val_loss, on every layout; -1: "
+        "local_batch_size x dp (then val_loss depends on dp)"
+    )
     local_batch_size: int = opt(
-        8, "Sequences per validation batch on each data-parallel rank (independent of training's)"
+        -1, "Sequences per forward on each data-parallel rank (a rank's share of a validation "
+        "batch may take several); -1: its whole share (8 when global_batch_size is -1 too)"
     )
 
 
@@ -360,6 +366,10 @@ class Debug:
     kill_in_checkpoint_step: int = opt(
         -1, "Test hook: debug.kill_rank SIGKILLs itself while saving this step's checkpoint, "
         "on the first launch only (-1 = never)"
+    )
+    kill_in_checkpoint_phase: Literal["written", "writing"] = opt(
+        "written", "Test hook: when it dies: its files written, before the save is marked "
+        "complete; or as it starts writing them (a synchronous save), peers mid-save"
     )
     kill_rank: int = opt(0, "Test hook: the rank killed by debug.kill_in_checkpoint_step")
 

@@ -166,6 +166,11 @@ def _apply_toml(cfg: JobConfig, path: str, sources: dict[str, str]) -> None:
                 f"'{section}' (from {source}) must be a [section] table, not a top-level value"
             )
         for key, value in table.items():
+            if (section, key) == ("job", "config_file"):
+                raise ConfigError(
+                    f"job.config_file (from {source}): a config file cannot name another (it "
+                    "would be ignored); pass the file with --job.config_file on the command "
+                    "line (CONFIG_FILE=... for run_train.sh)")
             obj, name, tp = _lookup(cfg, f"{section}.{key}", source)
             setattr(obj, name, _coerce(value, tp, f"{section}.{key}", source))
             sources[f"{section}.{key}"] = source
@@ -212,6 +217,18 @@ def _parse_cli(cfg: JobConfig, argv: list[str]) -> list[tuple[str, Any, str]]:
         out.append((body, value, source))
         i += 1
     return out
+
+
+# what run_train.sh trains without CONFIG_FILE: every entry point starts from the same file
+DEFAULT_CONFIG_FILE = "train_configs/debug_model.toml"
+
+
+def with_config_file(argv: list[str]) -> list[str]:
+    """`argv` led by --job.config_file when it names none: CONFIG_FILE's, else the debug
+    config, as run_train.sh does."""
+    if any(a == "--job.config_file" or a.startswith("--job.config_file=") for a in argv):
+        return list(argv)
+    return ["--job.config_file", os.environ.get("CONFIG_FILE", DEFAULT_CONFIG_FILE), *argv]
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
@@ -305,8 +322,13 @@ def validate(cfg: JobConfig) -> None:
         (c.init_timeout_seconds >= 1, "comm.init_timeout_seconds", "must be >= 1"),
         (c.train_timeout_seconds >= 1, "comm.train_timeout_seconds", "must be >= 1"),
         (v.freq >= 1, "validation.freq", "must be >= 1"),
+        (cfg.memory.device_memory_gib >= 0, "memory.device_memory_gib",
+         "must be > 0 (a device's memory in GiB), or 0 for the visible GPU's own"),
         (v.steps == -1 or v.steps >= 1, "validation.steps", "must be -1 (full pass) or >= 1"),
-        (v.local_batch_size >= 1, "validation.local_batch_size", "must be >= 1"),
+        (v.local_batch_size >= 1 or v.local_batch_size == -1, "validation.local_batch_size",
+         "must be >= 1, or -1 (each rank's whole share of a validation batch)"),
+        (v.global_batch_size >= 1 or v.global_batch_size == -1, "validation.global_batch_size",
+         "must be >= 1, or -1 (local_batch_size x dp)"),
         (t.exit_at_step == -1 or t.exit_at_step >= 1, "training.exit_at_step",
          "must be -1 (never) or >= 1"),
         (cfg.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1"),

@@ -73,7 +73,8 @@ class Model(Protocol):
     def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
         """Logits; with a cache (generation), `tokens` continue the cached ones. Auxiliary
         losses (an MoE's load balancing) ride on an activation through
-        `titan.models.common.aux_loss.attach_aux_loss`: backward sees them, metrics log them
+        `titan.models.common.aux_loss` (attach_aux_loss, attach_group_loss): backward sees
+        them, metrics log them
         under their names, and `loss` stays the cross-entropy."""
         ...
 
@@ -117,12 +118,15 @@ class PipeliningFn(Protocol):
 
 
 class PostOptimizerHook(Protocol):
-    """Makes, from the built model parts and the job, the callable run after every optimizer
-    step taken (None: nothing to do in this run). The callable may return metrics of the
-    step, logged at the next log step: numbers in metrics.jsonl and TensorBoard, lists of
-    numbers as TensorBoard histograms. Every rank runs it: it may use collectives."""
+    """Makes, from the built model parts and the job, the callable run after every step
+    (None: nothing to do in this run), called with whether the optimizer stepped: a skipped
+    step (non-finite loss, torchft's quorum not committed) must leave no trace of what its
+    forward gathered. After a taken step the callable may return metrics of the step, logged
+    at the next log step: numbers in metrics.jsonl and TensorBoard, lists of numbers as
+    TensorBoard histograms. Every rank runs it: it may use collectives."""
 
-    def __call__(self, parts: list[nn.Module], job: JobConfig) -> Callable[[], dict | None] | None: ...
+    def __call__(self, parts: list[nn.Module],
+                 job: JobConfig) -> Callable[[bool], dict | None] | None: ...
 
 
 @dataclass(frozen=True)
@@ -133,8 +137,8 @@ class TrainSpec:
     parallelize_fn: ParallelizeFn
     pipelining_fn: PipeliningFn | None = None
     state_dict_adapter: type[StateDictAdapter] | None = None
-    # each makes, from the built model parts and the job, a callable run after every optimizer
-    # step taken (or None: nothing to do in this run), e.g. an MoE's router-bias update
+    # each makes, from the built model parts and the job, a callable run after every step
+    # (or None: nothing to do in this run), e.g. an MoE's router-bias update
     post_optimizer_hooks: tuple[PostOptimizerHook, ...] = ()
 
     def build_meta(self, args: ModelArgs) -> nn.Module:

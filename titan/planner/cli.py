@@ -13,13 +13,16 @@ them too); and transient buffers (FSDP's gathered units, the logits' gradient), 
 
 import argparse
 import json
-import os
 import re
 import sys
 
-from titan.config import ConfigError, parse_args
+from titan.config import ConfigError, parse_args, with_config_file
 from titan.planner.layout_search import Hardware, suggest
 from titan.planner.memory import device_memory_bytes, human_bytes, pipeline_rank_bytes
+
+# the largest world the planner builds meshes for (8 MiB a mesh of int64 ranks); no run is
+# larger, and a mesh of 10^9 ranks alone would take 8 GB
+MAX_RANKS = 2 ** 20
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -104,13 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inter-node-gbps", type=float, default=hw.inter_node_bw / 1e9,
                     help="--suggest: GB/s per GPU across nodes")
     args, rest = ap.parse_known_args(argv)
-    if not any(a.startswith("--job.config_file") for a in rest):
-        rest = ["--job.config_file",
-                os.environ.get("CONFIG_FILE", "train_configs/debug_model.toml"), *rest]
+    rest = with_config_file(rest)
     try:
         for flag, value in (("--ngpu", args.ngpu), ("--nnodes", args.nnodes)):
             if value < 1:
                 raise ConfigError(f"{flag} {value}: must be >= 1 ({flag} 1 plans one process)")
+        if args.ngpu * args.nnodes > MAX_RANKS:
+            raise ConfigError(f"--ngpu {args.ngpu} x --nnodes {args.nnodes} = "
+                              f"{args.ngpu * args.nnodes} ranks: the planner plans up to "
+                              f"{MAX_RANKS} ranks; pass the sizes of a real cluster")
+        if args.device_memory is not None and args.device_memory <= 0:
+            raise ConfigError(f"--device-memory {args.device_memory} bytes: must be > 0 "
+                              "(e.g. 80GiB)")
         job = parse_args(rest)
         job.plan_only = True
         from titan.preflight import plan_run, vocabulary_note

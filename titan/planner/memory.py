@@ -27,14 +27,37 @@ def fake_world(world_size: int, rank: int):
 
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    chunk_with_empty = _fsdp_param._chunk_with_empty
+    _fsdp_param._chunk_with_empty = _Chunks  # a world of any size plans in bounded time
     try:
         yield
     finally:
+        _fsdp_param._chunk_with_empty = chunk_with_empty
         dist.destroy_process_group()
         # DTensor caches sharding decisions by (equal) meshes: the next world's meshes would
         # get this world's, whose groups are gone
         _clear_sharding_prop_cache()
+
+
+class _Chunks:
+    """FSDP's `_chunk_with_empty(tensor, n, dim)`: torch.chunk's chunks padded with empty ones
+    to n, the empty ones made when asked for. FSDP asks for two (its rank's and the first);
+    the eager list of n would cost time and memory in proportion to the world size."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int):
+        self.real, self.n = torch.chunk(tensor, num_chunks, dim=dim), num_chunks
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = i + self.n if i < 0 else i
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.real[i] if i < len(self.real) else self.real[0].new_empty(0)
 
 
 def state_bytes(parts: list, job: JobConfig) -> dict:

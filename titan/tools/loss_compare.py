@@ -43,16 +43,33 @@ class Run:
 
 
 def read_metrics(dump_folder: str | Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The records of a metrics file; a last line cut short (a run killed mid-write) is left
+    out. Raises ValueError naming the line for any other that is not JSON."""
     path = Path(dump_folder) / name
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines()
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(lines) and not text.endswith("\n"):
+                break  # the write the run was killed in
+            raise ValueError(f"{path}, line {n}: not a JSON record ({e.msg}); the file is "
+                             "damaged: remove the line or the file") from None
+    return records
 
 
 def command(nproc: int, overrides: list[str], dump_folder: str | Path, env: dict | None = None,
             config_file: str | None = None) -> tuple[list[str], dict]:
     """The run_train.sh command line and environment for one run."""
-    full_env = {**os.environ, "NGPU": str(nproc), "LOG_RANK": "0", **(env or {})}
+    # run_train.sh starts `$PYTHON`: this interpreter, also when its venv is not activated
+    full_env = {"PYTHON": sys.executable, **os.environ, "NGPU": str(nproc), "LOG_RANK": "0",
+                **(env or {})}
     if config_file:
         full_env["CONFIG_FILE"] = config_file
     cmd = [str(REPO_ROOT / "run_train.sh"), *overrides, "--job.dump_folder", str(dump_folder)]
@@ -130,21 +147,40 @@ def launch(nproc: int, overrides: list[str], dump_folder: str | Path, timeout: f
 
 
 def train(run: Run, common: list[str], dump_folder: str | Path, timeout: float = 600) -> list[dict]:
+    """The run's metrics records, with `val_loss` from validation.jsonl on the steps that
+    validated."""
     launch(run.nproc, [*common, *run.overrides], dump_folder, timeout, run.env)
     records = read_metrics(dump_folder)
     if not records:
         raise RunFailed(f"{run.label()} wrote no metrics to {dump_folder}/metrics.jsonl")
-    return records
+    val = {r["step"]: r["val_loss"] for r in read_metrics(dump_folder, "validation.jsonl")}
+    return [{**r, "val_loss": val[r["step"]]} if r["step"] in val else r for r in records]
+
+
+def run_job(run: Run, common: list[str]):
+    """The JobConfig `run` trains (run_train.sh's config file: the run's CONFIG_FILE)."""
+    from titan.config import parse_args
+    from titan.config.manager import DEFAULT_CONFIG_FILE
+
+    config = {**os.environ, **(run.env or {})}.get("CONFIG_FILE", DEFAULT_CONFIG_FILE)
+    return parse_args(["--job.config_file", config, *common, *run.overrides])
+
+
+def check_keys(keys: list[str], runs: dict[str, Run], common: list[str]) -> None:
+    """ValueError for a key no run can log: val_loss without validation."""
+    if "val_loss" not in keys:
+        return
+    for name, run in runs.items():
+        if not run_job(run, common).validation.enable:
+            raise ValueError(f"--keys val_loss: the {name} run does not validate; add "
+                             "--validation.enable to --common")
 
 
 def global_batch(run: Run, common: list[str]) -> int:
     """The sequences per optimizer step of `run`, as the launcher will resolve them."""
-    from titan.config import parse_args
     from titan.preflight import plan_run
 
-    config = {**os.environ, **(run.env or {})}.get("CONFIG_FILE", "train_configs/debug_model.toml")
-    job = parse_args(["--job.config_file", config, *common, *run.overrides])
-    return plan_run(job, world_size=run.nproc).global_batch_size
+    return plan_run(run_job(run, common), world_size=run.nproc).global_batch_size
 
 
 def check_same_global_batch(runs: dict[str, Run], common: list[str]) -> None:
@@ -167,9 +203,21 @@ def compare(base: list[dict], other: list[dict], key: str = "loss") -> list[tupl
         o = other_by_step.get(r["step"])
         if o is None:
             raise ValueError(f"step {r['step']} is missing from the compared run")
+        if key not in r or key not in o:
+            known = sorted(k for k, v in r.items() if isinstance(v, (int, float)) and k != "step")
+            raise ValueError(f"--keys {key}: step {r['step']} logged no {key!r}; the runs log "
+                             f"{', '.join(known)}")
         a, b = r[key], o[key]
         rows.append((r["step"], a, b, abs(a - b) / max(abs(a), 1e-12)))
     return rows
+
+
+def compare_key(base: list[dict], other: list[dict], key: str) -> list[tuple]:
+    """compare() over the steps of `base` that logged `key` (val_loss: those that validated)."""
+    logged = [r for r in base if key in r] if key == "val_loss" else base
+    if not logged:
+        raise ValueError(f"--keys {key}: the baseline logged no {key}")
+    return compare(logged, other, key)
 
 
 def format_table(rows: list[tuple], key: str, base_label: str, other_label: str) -> str:
@@ -203,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                                  Run.parse(c) for i, c in enumerate(args.candidate)}}
     from titan.config import ConfigError
 
+    keys = args.keys.split(",")
     try:  # before any training: a mistake costs a second, not two runs
         check_same_global_batch(runs, common)
+        check_keys(keys, runs, common)
     except ConfigError as e:
         print(f"loss_compare: config error: {e}", file=sys.stderr)
         return 2
@@ -216,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     for i, spec in enumerate(args.candidate):
         cand = Run.parse(spec)
         records = train(cand, common, Path(args.out) / f"candidate{i}", args.timeout)
-        for key in args.keys.split(","):
-            rows = compare(base_records, records, key)
+        for key in keys:
+            try:
+                rows = compare_key(base_records, records, key)
+            except ValueError as e:
+                print(f"loss_compare: {e}", file=sys.stderr)
+                return 2
             print(format_table(rows, key, base.label(), cand.label()))
             worst = max(worst, max(d for *_, d in rows))
     verdict = "PASS" if worst <= args.rtol else "FAIL"

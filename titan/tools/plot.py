@@ -29,6 +29,9 @@ def find_runs(paths: list[str]) -> dict[str, Path]:
             raise ValueError(f"{p}: no metrics.jsonl in it or in its subfolders; give a "
                              "run's dump folder (job.dump_folder)")
         for d in found:
+            if not read_metrics(d):
+                raise ValueError(f"{d / 'metrics.jsonl'} holds no logged step yet; plot it once "
+                                 "the run has logged one, or leave it out")
             label = d.name if d.name not in runs else str(d)
             runs[label] = d
     return runs
@@ -86,7 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"plot: {e}", file=sys.stderr)
         return 2
-    plot_runs(runs, args.out)
+    try:
+        plot_runs(runs, args.out)
+    except ValueError as e:  # a damaged metrics file
+        print(f"plot: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"plot: cannot write {args.out}: {e.strerror or e}; pass -o a path in a "
+              "writable folder", file=sys.stderr)
+        return 2
     print(f"plot: {len(runs)} run{'s' if len(runs) > 1 else ''} drawn to {args.out}")
     return 0
 

@@ -12,6 +12,7 @@ import math
 import os
 import queue
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -82,34 +83,87 @@ def _shm_fits(state: dict) -> bool:
     return bool(fits)
 
 
-def _stop_save_process() -> None:
-    """Ask DCP's saving process to exit now: left to interpreter shutdown, it sees its pipe
-    close and dies printing an EOFError traceback after every async run."""
+@contextlib.contextmanager
+def _children_ignore_ctrl_c(starting: bool):
+    """Within, processes started (DCP's saving process, on the first async save: `starting`)
+    ignore SIGINT: Ctrl-C reaches the terminal's whole process group, and the trainer, not
+    its helper, decides how to stop (the helper is killed then; its save stays incomplete)."""
+    if not starting or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited across exec
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _save_process():
     from torch.distributed.checkpoint import _async_process_executor as executor
 
-    proc = getattr(executor, "_CHECKPOINT_PROCESS", None)
-    if proc is not None:
-        executor._CHECKPOINT_PROCESS = None
-        proc.__del__()  # sends TERMINATE and joins; a later call is a no-op
+    return getattr(executor, "_CHECKPOINT_PROCESS", None)
 
 
-def _write_failure(e: BaseException) -> str:
-    """The reason a save failed, in a few words: the OSError beneath DCP's wrapping."""
+def stop_save_process(kill: bool = False) -> None:
+    """Ask DCP's saving process to exit now: left to interpreter shutdown, it sees its pipe
+    close and dies printing an EOFError traceback after every async run. `kill`: at once,
+    a save in flight left incomplete (a run being stopped)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    proc = _save_process()
+    if proc is None:
+        return
+    executor._CHECKPOINT_PROCESS = None
+    if kill:
+        child = getattr(proc, "_save_process", None)
+        if child is not None and child.is_alive():
+            child.kill()
+        return
+    proc.__del__()  # sends TERMINATE and joins; a later call is a no-op
+
+
+# what a restart would meet again: the disk, its permissions
+_DETERMINISTIC_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+class SaveInterrupted(RuntimeError):
+    """A save that a rank's failure broke (a peer died or lost its connection mid-save): a
+    rank failure, which torchrun restarts (MAX_RESTARTS), not a checkpoint error."""
+
+
+def _chain(e: BaseException):
+    """`e` and every exception beneath it: causes, contexts, DCP's per-rank failures."""
     seen, todo = set(), [e]
     while todo:
         err = todo.pop()
-        if id(err) in seen:
+        if id(err) in seen or not isinstance(err, BaseException):
             continue
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return "the disk is full (no space left on device)"
-        if isinstance(err, OSError) and err.errno == errno.EIO:
-            return "an I/O error on the disk (EIO)"
+        yield err
         for failure in (getattr(err, "failures", None) or {}).values():
             # DCP's per-rank failures are (exception, stack) pairs
             todo.append(failure[0] if isinstance(failure, tuple) else failure)
         todo += [x for x in (err.__cause__, err.__context__) if x is not None]
-        todo = [x for x in todo if isinstance(x, BaseException)]
+
+
+def _deterministic(e: BaseException) -> bool:
+    """Whether a failed save would fail again after a restart (the disk is full, a folder is
+    not writable), rather than because a rank or its connection failed."""
+    text = str(e)
+    return any(isinstance(err, OSError) and err.errno in _DETERMINISTIC_ERRNOS
+               for err in _chain(e)) or "No space left on device" in text \
+        or "unexpected pos" in text
+
+
+def _write_failure(e: BaseException) -> str:
+    """The reason a save failed, in a few words: the OSError beneath DCP's wrapping."""
+    for err in _chain(e):
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "the disk is full (no space left on device)"
+        if isinstance(err, OSError) and err.errno == errno.EIO:
+            return "an I/O error on the disk (EIO)"
+        if isinstance(err, OSError) and err.errno in _DETERMINISTIC_ERRNOS:
+            return f"{err.strerror or type(err).__name__} ({err.filename or 'the folder'})"
     text = str(e)
     if "No space left on device" in text or "unexpected pos" in text:
         return "the disk is full (no space left on device)"
@@ -123,14 +177,16 @@ class Checkpointer:
     `layout` describes the parallel layout, recorded with each save and compared on resume.
     `identity` (a `checkpoint_identity.ModelIdentity`) is the model: recorded with each save,
     and a checkpoint of another model is refused before anything is loaded. `save_bytes`
-    estimates a full save before there is one to measure (0: no space check). `hf` (an `hf_io.HFModelIO`) reads and writes HF folders through the model's adapter, for
-    `initial_load_in_hf` and `last_save_in_hf`. `on_files_written(step)` runs after a save's
-    files are written and before it is marked complete (the fault injector's hook).
+    estimates a full save before there is one to measure (0: no space check). `hf` (an
+    `hf_io.HFModelIO`) reads and writes HF folders through the model's adapter, for
+    `initial_load_in_hf` and `last_save_in_hf`. `on_save_phase(phase, step)` (the fault
+    injector's hook) runs as a synchronous save starts writing this rank's files ("writing")
+    and once a save's files are written, before it is marked complete ("written").
     """
 
     def __init__(self, cfg, *, dump_folder: str, states: dict, rank: int,
                  layout: dict | None = None, identity=None, save_bytes: int = 0, hf=None,
-                 on_files_written: Callable[[int], None] | None = None):
+                 on_save_phase: Callable[[str, int], None] | None = None):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.states = states
@@ -139,7 +195,7 @@ class Checkpointer:
         self.identity = identity
         self.save_bytes = save_bytes
         self.hf = hf
-        self.on_files_written = on_files_written
+        self.on_save_phase = on_save_phase
         self._pending = None  # (upload future, path, step) of an async save in flight
         self._staging = None  # (staging future, step) while its copy may still be running
         self._async_stager = None
@@ -198,12 +254,17 @@ class Checkpointer:
         self._dcp_load({k: self.states[k] for k in keys if k in present}, path)
         logger.info("resumed from %s at step %d", path, self.states["train_state"].step)
         saved = saved_layout(path)
-        if saved is not None and self.layout is not None and saved != self.layout:
-            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in self.layout.items()
-                                if saved.get(k) != v)
+        # keys a layout record holds since they were added (an older one lacks the batch size)
+        changed = {k: (saved[k], v) for k, v in (self.layout or {}).items()
+                   if saved is not None and k in saved and saved[k] != v}
+        if changed:
+            batch = changed.get("global_batch_size")
+            data = (f"the data continues at the first sequence not yet trained, in global "
+                    f"batches of {batch[1]} sequences instead of {batch[0]}" if batch else
+                    "the data continues at the same global batch")
             logger.warning("layout change: %s was saved on another parallel layout (%s); its "
-                           "states were resharded and the data continues at the same global "
-                           "batch", path.name, changed)
+                           "states were resharded and %s", path.name,
+                           ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), data)
         return True
 
     def _dcp_load(self, state: dict, path: Path) -> None:
@@ -289,7 +350,7 @@ class Checkpointer:
             with self._writing(path, step):
                 self.hf.save(state["model"].state_dict(), path, state["model"].export_dtype,
                              self.cfg.hf_max_shard_size)
-            self._files_written(step)
+            self._phase("written", step)
             self._mark_complete(path, step, model_only, fmt="hf")
             blocked = time.perf_counter() - t0
             logger.info("checkpoint step %d saved as an HF folder %s in %.2fs", step, path, blocked)
@@ -309,16 +370,18 @@ class Checkpointer:
                 torch.cuda.current_stream().synchronize()
             # state_dict() runs here (FSDP's must stay on this thread); the copy into shared
             # memory runs on the stager's thread while the next forward/backward does
-            response = dcp.async_save(state, checkpoint_id=str(path), async_stager=self._stager(),
-                                      storage_writer=ChecksummingWriter(str(path)),
-                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            with _children_ignore_ctrl_c(starting=_save_process() is None):
+                response = dcp.async_save(
+                    state, checkpoint_id=str(path), async_stager=self._stager(),
+                    storage_writer=ChecksummingWriter(str(path)),
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
             self._pending = (response.upload_completion, path, step)
             self._staging = (response.staging_completion, step)
         else:
+            writer = ChecksummingWriter(str(path), on_write=lambda: self._phase("writing", step))
             with self._writing(path, step):
-                dcp.save(state, checkpoint_id=str(path),
-                         storage_writer=ChecksummingWriter(str(path)))
-            self._files_written(step)
+                dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
+            self._phase("written", step)
             self._mark_complete(path, step, model_only)
         blocked = time.perf_counter() - t0
         logger.info("checkpoint step %d %s (%s, training blocked %.2fs)", step,
@@ -354,8 +417,10 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _writing(self, path: Path, step: int):
-        """A save that fails part-way (a full disk, an I/O error) leaves no folder behind and
-        one line that says why; the newest complete checkpoint stays as it was."""
+        """A save that fails part-way leaves no folder behind; the newest complete checkpoint
+        stays as it was. A full disk or a folder it may not write is one line that says why
+        (a checkpoint error: a restart would fail alike); anything else (a rank that died
+        mid-save, an I/O error) is a rank failure, which torchrun restarts to resume."""
         try:
             yield
         except Exception as e:  # noqa: BLE001  DCP wraps each rank's OSError its own way
@@ -363,6 +428,12 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
             kept = next((p.name for _, p in reversed(step_folders(self.root))
                          if p != path and (p / COMPLETE_MARKER).is_file()), None)
+            if not _deterministic(e):
+                raise SaveInterrupted(
+                    f"checkpoint step {step} was not written: {_write_failure(e)}; the partial "
+                    "folder was removed, "
+                    + (f"{kept} is the newest complete checkpoint" if kept else
+                       "there is no earlier checkpoint")) from e
             raise CheckpointError(
                 f"checkpoint step {step} could not be written to {path}: {_write_failure(e)}. "
                 "The partial folder was removed; "
@@ -400,9 +471,9 @@ class Checkpointer:
         logger.info("checkpoint step %d staged; training waited %.2fs for the copy", step, waited)
         return waited
 
-    def _files_written(self, step: int) -> None:
-        if self.on_files_written is not None:
-            self.on_files_written(step)
+    def _phase(self, phase: str, step: int) -> None:
+        if self.on_save_phase is not None:
+            self.on_save_phase(phase, step)
 
     def wait(self) -> None:
         """Finish an async save in flight and mark it complete."""
@@ -413,7 +484,7 @@ class Checkpointer:
         self._pending = None
         with self._writing(path, step):
             future.result()
-        self._files_written(step)
+        self._phase("written", step)
         self._mark_complete(path, step, model_only=False)
 
     def _mark_complete(self, path: Path, step: int, model_only: bool, fmt: str = "dcp") -> None:
@@ -448,7 +519,7 @@ class Checkpointer:
         if self._async_stager is not None:
             self._async_stager.close()
             self._async_stager = None
-            _stop_save_process()
+            stop_save_process()
         if self._purger is not None:
             self._purge_queue.put(None)
             self._purger.join()

@@ -174,17 +174,13 @@ def resume_candidate(root: Path, load_step: int, problem=folder_problem,
                 + (f" (the folder holds {', '.join(have[-5:])})" if have else "")
                 + "; set checkpoint.load_step to one of them, or -1 for the newest usable one")
         return path
-    steps = step_folders(root) if root.is_dir() else []
-    skipped = []
-    for _, path in reversed(steps):
-        why = problem(path)
-        if why is None:
-            for name, reason in skipped:
-                if warn:
-                    warn(f"checkpoint {name} is unusable ({reason}); resuming from {path.name} "
-                         "instead")
-            return path
-        skipped.append((path.name, why))
+    path, skipped = _newest_usable(root, problem)
+    if path is not None:
+        for name, reason in skipped:
+            if warn:
+                warn(f"checkpoint {name} is unusable ({reason}); resuming from {path.name} "
+                     "instead")
+        return path
     completed = [(n, r) for n, r in skipped if not r.startswith(("incomplete", HF_EXPORT))]
     if completed:
         details = "; ".join(f"{n}: {r}" for n, r in skipped)
@@ -195,6 +191,49 @@ def resume_candidate(root: Path, load_step: int, problem=folder_problem,
         if warn:
             warn(f"ignoring checkpoint {name}: {reason}")
     return None
+
+
+def _newest_usable(root: Path, problem) -> tuple[Path | None, list[tuple[str, str]]]:
+    """The newest step folder under `root` that `problem` finds nothing wrong with (None:
+    none), and (name, why) of each newer one it skipped."""
+    skipped = []
+    for _, path in reversed(step_folders(root) if root.is_dir() else []):
+        why = problem(path)
+        if why is None:
+            return path, skipped
+        skipped.append((path.name, why))
+    return None, skipped
+
+
+def intact_folder(path: Path, flag: str, using: str, warn) -> Path:
+    """For the tools that read one checkpoint (generate, convert_to_hf): a step folder as
+    given, its files checked against their checksums; for a checkpoint root, its newest intact
+    step (a final HF save too), with `warn(message)` for each newer one that is damaged. A
+    folder that is neither, or a root without a completed step, is returned as it is, for the
+    caller to say what it lacks. Raises CheckpointError, naming `flag`, when the folder given
+    or every step is damaged."""
+    def problem(folder: Path) -> str | None:
+        why = folder_problem(folder, "full")
+        return None if why == HF_EXPORT else why
+
+    if (path / COMPLETE_MARKER).is_file():
+        why = problem(path)
+        if why:
+            raise CheckpointError(f"{flag} {path} is damaged: {why}; pass another step folder, "
+                                  "or the checkpoint root to use its newest intact step")
+        return path
+    folder, skipped = _newest_usable(path, problem)
+    if folder is not None:
+        for name, reason in skipped:
+            warn(f"{name} is unusable ({reason}); {using} {folder.name} instead")
+        return folder
+    if all(why.startswith("incomplete") for _, why in skipped):
+        return path  # no completed save at all: for the caller to say what it lacks
+    raise CheckpointError(
+        f"{flag} {path} holds no intact step folder ("
+        + "; ".join(f"{name}: {why}" for name, why in skipped[:3])
+        + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        + "): pass an intact step folder or an HF folder")
 
 
 def saved_keys(path: Path) -> set[str]:

@@ -81,7 +81,16 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     file = Path(hf_dir) / HF_CONFIG
     if not file.is_file():
         raise CheckpointError(f"no {HF_CONFIG} in {str(hf_dir)!r}")
-    return json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" (line {e.lineno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise CheckpointError(f"{file} is not valid JSON{where}; fix it or download the model's "
+                              "config.json again") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(config).__name__}, not the object of "
+                              "an HF config; download the model's config.json again")
+    return config
 
 
 def args_from_hf_config(spec: TrainSpec, config: dict,

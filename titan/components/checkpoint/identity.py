@@ -9,10 +9,16 @@ also covers saves older than the record), before a byte of state is read.
 The one mismatch that loads is a tied weight stored under both names (saves from before
 `tied_state`, and `convert_from_hf`'s): its two tensors are equal, an untied model's are not,
 which is how the two are told apart.
+
+What is compared is the architecture: what determines the parameters and the function they
+compute. Training settings that a family keeps in its args (an MoE's balancing rates and
+coefficients: `training_knobs` of the args class) are recorded too, but a run may change
+them; the load logs what changed.
 """
 
 import json
-from dataclasses import asdict, dataclass, is_dataclass
+import logging
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +30,8 @@ from titan.components.checkpoint.folders import (
     saved_model,
 )
 from titan.components.checkpoint.tied_state import saved_form
+
+logger = logging.getLogger(__name__)
 
 RESUME_FIX = ("Resume with the model it was saved from (model.name / model.flavor), or start a "
               "new run in another job.dump_folder or checkpoint.folder")
@@ -37,9 +45,10 @@ _RUN_SETTINGS = ("max_seq_len",)
 class ModelIdentity:
     family: str
     flavor: str
-    args: dict  # the architecture, as JSON holds it
+    args: dict  # the architecture and the training knobs, as JSON holds them
     shapes: dict[str, tuple[int, ...]]  # every saved tensor of the whole model
     ties: tuple[tuple[str, str], ...]  # (owner, copy) of tied weights
+    knobs: dict = None  # the training knobs of `args`, as `knob_paths` finds them
 
     def record(self) -> dict:
         return {"family": self.family, "flavor": self.flavor, "args": self.args}
@@ -61,11 +70,18 @@ class ModelIdentity:
         if saved.get("family") != self.family:
             return f"it holds a {theirs} model and this run builds {self.describe()}"
         args = saved.get("args") or {}
-        diffs = [f"{k} {args.get(k)} (checkpoint) vs {v} (this run)"
-                 for k, v in self.args.items() if args.get(k) != v]
+        knobs = self.knobs or {}
+        theirs_arch, ours_arch = _without(args, knobs), _without(self.args, knobs)
+        diffs = [f"{k} {theirs_arch.get(k)} (checkpoint) vs {v} (this run)"
+                 for k, v in ours_arch.items() if theirs_arch.get(k) != v]
         if diffs:
             return (f"it was saved from {theirs} and this run builds {self.describe()}: "
                     + ", ".join(diffs))
+        changed = [f"{name} {_at(args, path)} -> {value}" for name, (path, value) in
+                   knobs.items() if _at(args, path) is not None and _at(args, path) != value]
+        if changed:
+            logger.info("training settings changed since the checkpoint was saved (allowed: "
+                        "they are no part of the architecture): %s", ", ".join(changed))
         return None
 
     def _tensor_problem(self, path: Path) -> str | None:
@@ -105,13 +121,47 @@ def _equal_tensors(path: Path, a: str, b: str) -> bool:
 
 def model_identity(spec, flavor: str, args) -> ModelIdentity:
     """The identity of the model `spec` builds from `args` (flavor as configured)."""
-    fields = asdict(args) if is_dataclass(args) else dict(vars(args))
-    fields = {k: v for k, v in fields.items() if k not in _RUN_SETTINGS}
+    record = asdict(args) if is_dataclass(args) else dict(vars(args))
+    record = json.loads(json.dumps({k: v for k, v in record.items() if k not in _RUN_SETTINGS}))
     meta = spec.build_meta(args)
     ties = tuple(tuple(pair) for pair in meta.tied_parameters())
     shapes = saved_form({n: tuple(t.shape) for n, t in meta.state_dict().items()}, list(ties))
-    return ModelIdentity(family=spec.name, flavor=flavor,
-                         args=json.loads(json.dumps(fields)), shapes=shapes, ties=ties)
+    knobs = {".".join(path): (path, _at(record, path)) for path in knob_paths(args)}
+    return ModelIdentity(family=spec.name, flavor=flavor, args=record, shapes=shapes,
+                         ties=ties, knobs=knobs)
+
+
+def knob_paths(args, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The record paths of the training knobs of `args`: the fields its class lists in
+    `training_knobs`, also inside nested settings (an MoE's)."""
+    if not is_dataclass(args):
+        return []
+    knobs = set(getattr(type(args), "training_knobs", ()))
+    out = []
+    for f in fields(args):
+        if f.name in knobs:
+            out.append((*prefix, f.name))
+        else:
+            out.extend(knob_paths(getattr(args, f.name), (*prefix, f.name)))
+    return out
+
+
+def _at(record: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(record, dict):
+            return None
+        record = record.get(key)
+    return record
+
+
+def _without(record: dict, knobs: dict) -> dict:
+    """`record` less the knobs' paths."""
+    out = json.loads(json.dumps(record))
+    for path, _ in knobs.values():
+        parent = _at(out, path[:-1]) if len(path) > 1 else out
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+    return out
 
 
 def family_in(path: Path) -> str | None:
@@ -120,7 +170,9 @@ def family_in(path: Path) -> str | None:
     from titan.models.spec import family_of_hf_config
 
     if (path / "config.json").is_file():
-        return family_of_hf_config(json.loads((path / "config.json").read_text()))
+        from titan.components.checkpoint.hf_io import read_hf_config
+
+        return family_of_hf_config(read_hf_config(path))
     record = saved_model(path)
     return record.get("family") if record else None
 

@@ -75,11 +75,14 @@ class _ChecksummingFileSystem(FileSystem):
 class ChecksummingWriter(FileSystemWriter):
     """DCP's file writer, leaving `<prefix>.checksums.json` beside the files it wrote."""
 
-    def __init__(self, path, **kwargs):
+    def __init__(self, path, on_write=None, **kwargs):
         super().__init__(path, **kwargs)
         self.fs = _ChecksummingFileSystem()
+        self.on_write = on_write  # called as this rank starts writing its files
 
     def write_data(self, plan, planner):
+        if self.on_write is not None:
+            self.on_write()
         self.fs.sums.clear()
         future = super().write_data(plan, planner)  # done when it returns: files are closed
         _write_sidecar(Path(self.path) / f"{plan.storage_data.prefix}{SIDECAR_SUFFIX}",

@@ -1,8 +1,10 @@
 """The order in which packed windows are trained on: one global stream, sliced per dp rank.
 
-Position g of the global stream belongs to global batch g // G (G = global batch size); dp rank
-r takes the r-th contiguous slice of every global batch, as Megatron's pretraining sampler
-does, so every optimizer step sees the same sequences whatever the dp degree.
+The run's global batch b holds stream positions origin + b x G .. origin + (b + 1) x G - 1
+(G = global batch size; origin: 0, or where a resumed checkpoint's run stopped, which may have
+had another G); dp rank r takes the r-th contiguous slice of every global batch, as Megatron's
+pretraining sampler does, so every optimizer step sees the same sequences whatever the dp
+degree, and a run resumed onto another global batch size neither skips nor repeats one.
 
 With several sources, the source of each position is chosen as Megatron's blending does: the
 one furthest behind its weight (largest w_s * (g + 1) - count_s, lowest index on ties), which
@@ -72,6 +74,7 @@ class GlobalOrder(Sampler):
         if not infinite and len(sizes) != 1:
             raise ValueError("a finite pass is over one source")
         self.start = 0
+        self.origin = 0  # stream position of global batch 0 (the resumed run's stop)
         self._counts = {0: np.zeros(len(sizes), dtype=np.int64)}  # global batch -> counts
         self._perms: dict[int, tuple[int, WindowPermutation]] = {}  # source -> its epoch's
 
@@ -80,7 +83,14 @@ class GlobalOrder(Sampler):
     def stream_position(self, j: int) -> int:
         """Position in the global stream of this rank's j-th sample."""
         step, within = divmod(j, self.per_rank)
-        return step * self.global_batch_size + self.dp_rank * self.per_rank + within
+        return self.origin + step * self.global_batch_size + self.dp_rank * self.per_rank + within
+
+    def start_at(self, position: int, counts: list[int] | None) -> None:
+        """Global batch 0 starts at stream `position`, where the sources had given `counts`
+        samples (None: one source, all `position` of them)."""
+        self.origin = position
+        self._counts = {0: np.asarray(counts if counts is not None else [position],
+                                      dtype=np.int64)}
 
     def _sources_of_batch(self, b: int) -> np.ndarray:
         """The source of every position of global batch b, from the counts at its start."""
@@ -89,7 +99,7 @@ class GlobalOrder(Sampler):
         if len(self.sizes) == 1:
             out[:] = 0
             return out
-        g0 = b * self.global_batch_size
+        g0 = self.origin + b * self.global_batch_size
         for i in range(self.global_batch_size):
             s = int(np.argmax(self.weights * (g0 + i + 1) - counts))
             out[i] = s
@@ -108,10 +118,6 @@ class GlobalOrder(Sampler):
             for k in [k for k in self._counts if 0 < k < b - 8]:
                 del self._counts[k]  # keep the cache small on long runs
         return self._counts[b]
-
-    def set_counts(self, b: int, counts: list[int]) -> None:
-        """A checkpoint's counts at global batch b: resuming needs no replay of the mix."""
-        self._counts[b] = np.asarray(counts, dtype=np.int64)
 
     def _window(self, s: int, k: int) -> int:
         n = self.sizes[s]
@@ -134,8 +140,8 @@ class GlobalOrder(Sampler):
         j, end = self.start, self.end()
         batch, sources, ranks = -1, None, None
         while end is None or j < end:
-            g = self.stream_position(j)
-            b, i = divmod(g, self.global_batch_size)
+            b, within = divmod(j, self.per_rank)
+            i = self.dp_rank * self.per_rank + within
             if b != batch:
                 batch, sources = b, self._sources_of_batch(b)
                 # k of every position: the count before the batch plus earlier ones in it

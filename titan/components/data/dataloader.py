@@ -7,6 +7,7 @@ fetched ahead are fetched again after a resume, and a checkpoint resumes on any 
 any worker count. Streamed sources are read in the main process.
 """
 
+import logging
 import warnings
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from titan.components.data.dataset import DataError, DataShard, local_files, par
 from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens
 from titan.components.data.streaming import StreamingPackedDataset
 from titan.components.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DataShard", "build_dataloader", "build_text_dataloader"]
 
@@ -45,7 +48,8 @@ class IndexedLoader:
                  workers: Workers):
         self.windows, self.order = windows, order
         self.local_batch_size, self.workers = local_batch_size, workers
-        self.taken = 0  # samples this rank's trainer has taken
+        self.taken = 0  # samples this rank's trainer has taken since first_batch
+        self.first_batch = 0  # the global batches taken before (by the run resumed here)
         self._generation = 0  # bumped by every jump: a running iterator restarts there
 
     def __iter__(self):
@@ -62,8 +66,13 @@ class IndexedLoader:
                 return  # a finite pass ended
 
     def state_dict(self) -> dict:
+        """`global_batches`: the steps' batches taken, counted from the first run's start;
+        `stream_position`: where the next one starts in the global stream (its counts per
+        source: `source_counts`), whatever the global batch size was on the way."""
         batches, offset = divmod(self.taken, self.order.per_rank)
-        return {"global_batches": batches, "offset": offset,
+        return {"global_batches": self.first_batch + batches, "offset": offset,
+                "stream_position": self.order.origin + batches * self.order.global_batch_size,
+                "global_batch_size": self.order.global_batch_size,
                 "source_counts": self.order.counts_at(batches).tolist()}
 
     def source_tokens(self, seq_len: int) -> dict[str, int] | None:
@@ -75,17 +84,35 @@ class IndexedLoader:
         return {name: int(c) * seq_len for name, c in zip(self.order.names, counts)}
 
     def load_state_dict(self, state: dict) -> None:
-        batches = int(state["global_batches"])
-        if "source_counts" in state:
-            self.order.set_counts(batches, state["source_counts"])
-        self._jump(batches * self.order.per_rank + int(state["offset"]))
+        batches, offset = int(state["global_batches"]), int(state["offset"])
+        size = self.order.global_batch_size
+        if "source_counts" not in state:  # an early checkpoint: replayed, at the same size
+            self.first_batch = 0
+            self._jump(batches * self.order.per_rank + offset)
+            return
+        saved_size = int(state.get("global_batch_size", size))  # absent: not recorded, same
+        position = int(state.get("stream_position", batches * size))
+        if saved_size != size:
+            if offset:
+                raise DataError(
+                    f"the checkpoint stopped {offset} samples into a global batch of {saved_size}"
+                    f" sequences, which a global batch of {size} cannot continue: resume with "
+                    f"training.global_batch_size = {saved_size}")
+            logger.info("the data continues at sequence %d of the global stream, the first "
+                        "not yet trained: the global batch changed from %d to %d sequences, "
+                        "none is skipped or repeated", position, saved_size, size)
+        self.first_batch = batches
+        self.order.start_at(position, state.get("source_counts"))
+        self._jump(offset)
 
     def rewind(self) -> None:
+        self.first_batch = 0
+        self.order.start_at(0, [0] * len(self.order.sizes))
         self._jump(0)
 
     def seek_global_batch(self, batches: int) -> None:
         """Continue at the start of global batch `batches` (a torchft heal jumps steps)."""
-        self._jump(batches * self.order.per_rank)
+        self._jump((batches - self.first_batch) * self.order.per_rank)
 
     def _jump(self, taken: int) -> None:
         self.taken = taken
@@ -125,15 +152,16 @@ def build_text_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: 
                           shard: DataShard, seed: int, text_field: str = "text",
                           shuffle: bool = True, infinite: bool = True, streaming: bool = False,
                           stream_order: str = "rank", workers: Workers = Workers(),
-                          mix: list[tuple[str, float]] | None = None):
+                          mix: list[tuple[str, float]] | None = None, section: str = "training"):
     """A restored loader yields exactly the batch an uninterrupted one would have yielded.
-    `mix`: (source, weight) pairs read instead of dataset/dataset_path."""
+    `mix`: (source, weight) pairs read instead of dataset/dataset_path. `section`: the config
+    section whose dataset this is, for the errors that name its keys."""
     if global_batch_size % shard.dp_world_size:
         raise DataError(f"global batch {global_batch_size} is not divisible by the dp degree "
                         f"{shard.dp_world_size}")
     sources = mix or [(dataset, 1.0)]
     files = [local_files(name, dataset_path if not mix else None,
-                         key="training.dataset_mix" if mix else "training.dataset_path")
+                         key="training.dataset_mix" if mix else f"{section}.dataset_path")
              for name, _ in sources]
     if not mix and (files[0] is None or streaming):
         if files[0] is not None and len(files[0]) == 1 and files[0][0].is_dir():
@@ -141,7 +169,8 @@ def build_text_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: 
                             "dataset_streaming")
         ds = StreamingPackedDataset(dataset, files[0], tokenizer, seq_len, shard, text_field,
                                     infinite, order=stream_order,
-                                    global_batch_size=global_batch_size)
+                                    global_batch_size=global_batch_size,
+                                    key=f"{section}.dataset")
         return StreamLoader(ds, local_batch_size)
     for (name, _), f in zip(sources, files):
         if f is None:

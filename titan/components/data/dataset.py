@@ -38,7 +38,9 @@ class DataShard:
 def local_files(name: str, path: str | None,
                 key: str = "training.dataset_path") -> list[Path] | None:
     """Files of a local dataset ([the folder] for a token-shard folder), or None when `name`
-    must be a hub dataset. `key`: the config key that set `path`, for the error message."""
+    must be a hub dataset. `key`: the config key that set `path` (its section's `dataset`
+    key set `name`), for the error message."""
+    name_key = key.removesuffix("_path")
     candidate = path or BUNDLED.get(name) or name
     p = resolve(candidate)
     if is_shard_folder(p):
@@ -51,15 +53,26 @@ def local_files(name: str, path: str | None,
             raise DataError(f"dataset folder {p} holds no {'/'.join(_FORMATS)} files")
     elif path is not None:
         raise DataError(f"dataset path '{path}' does not exist; fix {key}")
+    elif _looks_local(name):
+        raise DataError(f"{name_key} '{name}' does not exist (a local path, by its form; a "
+                        "hub dataset is named like allenai/c4); fix the path")
     else:
         return None
-    kinds = {_FORMATS.get(f.suffix) for f in files}
-    if None in kinds or len(kinds) > 1:
+    suffixes = sorted({f.suffix for f in files})
+    if len(suffixes) > 1:
         raise DataError(
-            f"dataset files {[str(f) for f in files][:3]} must all be one of "
-            f"{', '.join(_FORMATS)}"
-        )
+            f"dataset folder {p} mixes file formats ({', '.join(suffixes)}: e.g. "
+            + ", ".join(next(f.name for f in files if f.suffix == s) for s in suffixes)
+            + "); keep one format per dataset, or name the parts in training.dataset_mix")
+    if files[0].suffix not in _FORMATS:
+        raise DataError(f"{files[0]} is a {files[0].suffix or 'suffix-less'} file; datasets are "
+                        f"{', '.join(_FORMATS)} files")
     return files
+
+
+def _looks_local(name: str) -> bool:
+    """A name that can only be a path: absolute, relative to here or home, or a data file."""
+    return (name.startswith(("/", "./", "../", "~")) or Path(name).suffix in _FORMATS)
 
 
 def parse_mix(entries: list[str], key: str = "training.dataset_mix") -> list[tuple[str, float]]:
@@ -128,6 +141,10 @@ def iter_texts(files: list[Path], text_field: str, batch_size: int = 1024):
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001  datasets/pyarrow raise many types for bad files
+            bad = _bad_jsonl_line(f) if f.suffix == ".jsonl" else None
+            if bad is not None:
+                raise DataError(f"{f}, line {bad[0]}: not a JSON record ({bad[1]}); fix or "
+                                "remove that line") from None
             what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"unreadable as {fmt}"
             raise DataError(f"{f} is {what} after record {n}: {type(e).__name__}: {e}; fix or "
                             "remove the file") from None
@@ -135,7 +152,27 @@ def iter_texts(files: list[Path], text_field: str, batch_size: int = 1024):
             raise DataError(f"{f} holds no records; remove the empty file or fill it")
 
 
-def open_hub(name: str):
+def _bad_jsonl_line(f: Path) -> tuple[int, str] | None:
+    """(line number, why) of the first line of a JSON-lines file that is no JSON object: the
+    reader's own error counts rows within a block, not lines of the file."""
+    import json
+
+    with open(f, "rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except UnicodeDecodeError:
+                return number, "not UTF-8 text"
+            except json.JSONDecodeError as e:
+                return number, f"{e.msg}, column {e.colno}"
+            if not isinstance(record, dict):
+                return number, f"a JSON {type(record).__name__}, not an object"
+    return None
+
+
+def open_hub(name: str, key: str = "training.dataset"):
     from datasets import load_dataset
 
     repo, _, subset = name.partition(":")  # "allenai/c4:en" names a subset
@@ -147,9 +184,9 @@ def open_hub(name: str):
         # the libraries read the switches once, at import: ask them, not os.environ
         offline = hf_config.HF_HUB_OFFLINE
         raise DataError(
-            f"training.dataset '{name}' is neither a bundled name ({', '.join(BUNDLED)}) nor "
+            f"{key} '{name}' is neither a bundled name ({', '.join(BUNDLED)}) nor "
             f"a local path, and loading it from the HF hub failed"
-            f"{' (HF offline mode is set)' if offline else ''}: {type(e).__name__}: {e}. "
-            "Without network access, point training.dataset_path at local "
+            f"{' (HF offline mode is set)' if offline else ''}: {type(e).__name__}: "
+            f"{str(e).rstrip('.')}. Without network access, point {key}_path at local "
             "jsonl/json/parquet/txt files."
         ) from None

@@ -7,6 +7,7 @@ once into the same shard format in a cache and read memory-mapped from then on.
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,17 @@ def _cache_key(files: list[Path], tokenizer: Tokenizer, text_field: str) -> str:
     return h.hexdigest()[:20]
 
 
+def _with_progress(docs, tokens, every_s: float = 15.0):
+    """`docs`, logging the tokens written every `every_s` seconds of a slow read."""
+    start = last = time.monotonic()
+    for ids in docs:
+        yield ids
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            logger.info("tokenizing: %d tokens so far (%.0fs)", tokens(), now - start)
+
+
 def cached_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> TokenShards:
     """Tokenize local files once into a shard folder under TITAN_CACHE_DIR (default
     ~/.cache/titan), keyed by the files' paths, sizes and modification times and the
@@ -101,9 +113,13 @@ def cached_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> T
         logger.info("token cache not writable (%s); tokenizing into a temporary folder", e)
         folder = Path(tempfile.mkdtemp(prefix="titan-tokens-")) / "shards"
         writer = ShardWriter(folder, tokenizer, sources=[str(f) for f in files])
+    size = sum(f.stat().st_size for f in files)
+    logger.info("tokenizing %s (%.1f MB) into the token cache %s, once: later runs map it",
+                files[0].name if len(files) == 1 else f"{len(files)} files", size / 1e6, folder)
     try:
-        writer.add(ids for batch in encode_documents(tokenizer, iter_texts(files, text_field))
-                   for ids in batch)
+        docs = (ids for batch in encode_documents(tokenizer, iter_texts(files, text_field))
+                for ids in batch)
+        writer.add(_with_progress(docs, lambda: writer.tokens))
         return TokenShards(writer.close(), tokenizer)
     except BaseException:
         writer.abort()

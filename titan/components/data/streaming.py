@@ -26,11 +26,11 @@ class StreamingPackedDataset(IterableDataset):
 
     def __init__(self, name: str, files: list[Path] | None, tokenizer: Tokenizer, seq_len: int,
                  shard: DataShard, text_field: str, infinite: bool = True, order: str = "rank",
-                 global_batch_size: int | None = None):
+                 global_batch_size: int | None = None, key: str = "training.dataset"):
         from datasets.distributed import split_dataset_by_node
 
         if files is None:
-            ds, field = open_hub(name), text_field
+            ds, field = open_hub(name, key), text_field
         else:
             ds, fmt = open_local(files)
             field = text_column(ds, fmt, text_field, files[0])

@@ -1,7 +1,10 @@
 """HF `tokenizers` tokenizer.json loader with explicit BOS/EOS handling."""
 
 import json
+import re
 from pathlib import Path
+
+import numpy as np
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.processors import TemplateProcessing
@@ -13,8 +16,48 @@ _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<|endoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>")
 
 
+# a document longer than this is encoded in pieces: the tokenizer's working memory grows
+# with the text it is given (~180 bytes a character: 9 GiB for a 50 MB line), a piece's not
+PIECE_CHARS = 1 << 20
+# where a piece may end: before a single space between two words. Byte-level BPE
+# pre-tokenizers (GPT-2's, Llama 3's, Qwen's, DeepSeek's) start a word's pre-token at the
+# space before it, so the pieces encode to the whole text's tokens
+_CUT = re.compile(r"(?<=\S) (?=\S)")
+
+
+def pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of about `size` characters, each cut before a space between
+    two words (a text without one for `size` characters is cut there, mid-word)."""
+    out, start = [], 0
+    while len(text) - start > size:
+        cut = _CUT.search(text, start + size)
+        end = cut.start() if cut is not None and cut.start() < start + 2 * size else start + size
+        out.append(text[start:end])
+        start = end
+    out.append(text[start:])
+    return out
+
+
 class TokenizerError(ValueError):
     pass
+
+
+# the hub organizations of the model folders the bundled configs name under assets/hf/
+_HUB_ORGS = {"Llama": "meta-llama", "Qwen": "Qwen", "DeepSeek": "deepseek-ai",
+             "Moonlight": "moonshotai"}
+
+
+def _fetch_hint(path: Path) -> str:
+    """How to get the tokenizer `path` names: a model folder under assets/hf/ is fetched
+    from the hub; anything else is the user's file to point at."""
+    if len(path.parts) >= 3 and path.parts[-3:-1] == ("assets", "hf") or (
+            len(path.parts) >= 2 and path.parts[-2] == "hf"):
+        model = path.name
+        org = next((o for prefix, o in _HUB_ORGS.items() if model.startswith(prefix)), "ORG")
+        return (f"fetch the model's tokenizer with `python scripts/download_hf_assets.py --repo "
+                f"{org}/{model}` (gated models need `huggingface-cli login` first)")
+    return ("set model.tokenizer_path to a tokenizer.json, or a folder holding one (titan "
+            "bundles assets/tokenizer/tokenizer.json for the debug models)")
 
 
 class Tokenizer:
@@ -23,12 +66,16 @@ class Tokenizer:
     def __init__(self, path: str):
         file = resolve(path)
         if file.is_dir():
+            held = sorted(p.name for p in file.iterdir())
             file = file / "tokenizer.json"
+            if not file.is_file():
+                raise TokenizerError(
+                    f"the folder '{path}' holds no tokenizer.json"
+                    + (f" (it holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''})"
+                       if held else " (it is empty)")
+                    + f"; {_fetch_hint(Path(path))}")
         if not file.is_file():
-            raise TokenizerError(
-                f"tokenizer file '{path}' not found; set model.tokenizer_path to a tokenizer.json "
-                "(or a folder holding one), e.g. assets/tokenizer/tokenizer.json"
-            )
+            raise TokenizerError(f"tokenizer '{path}' does not exist; {_fetch_hint(Path(path))}")
         self.path = file
         try:
             self._tok = HFTokenizer.from_file(str(file))
@@ -56,14 +103,25 @@ class Tokenizer:
                 return idx
         raise TokenizerError(f"{self.path} defines none of {names} for its {key}")
 
-    def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+    def encode(self, text: str, bos: bool = True, eos: bool = True):
+        """BOS + the text's ids + EOS: a list, or for a text longer than PIECE_CHARS an int32
+        array encoded piece by piece."""
+        return self.encode_batch([text], bos, eos)[0]
 
-    def encode_batch(self, texts: list[str], bos: bool = True, eos: bool = True) -> list[list[int]]:
-        encs = self._tok.encode_batch(texts, add_special_tokens=False)
+    def encode_batch(self, texts: list[str], bos: bool = True, eos: bool = True) -> list:
         head, tail = ([self.bos_id] if bos else []), ([self.eos_id] if eos else [])
-        return [head + e.ids + tail for e in encs]
+        short = [t for t in texts if len(t) <= PIECE_CHARS]
+        encs = iter(self._tok.encode_batch(short, add_special_tokens=False) if short else [])
+        return [head + next(encs).ids + tail if len(t) <= PIECE_CHARS
+                else self._encode_long(t, head, tail) for t in texts]
+
+    def _encode_long(self, text: str, head: list[int], tail: list[int]) -> np.ndarray:
+        parts = [np.asarray(head, dtype=np.int32)]
+        for piece in pieces(text, PIECE_CHARS):
+            parts.append(np.asarray(self._tok.encode(piece, add_special_tokens=False).ids,
+                                    dtype=np.int32))
+        parts.append(np.asarray(tail, dtype=np.int32))
+        return np.concatenate(parts)
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)

@@ -50,10 +50,13 @@ class FaultInjector:
                            self.cfg.sleep_seconds)
             time.sleep(self.cfg.sleep_seconds)
 
-    def on_checkpoint_files_written(self, step: int) -> None:
-        """Die after a save's files are written, before it is marked complete (first launch
-        only, so a restarted job gets past it)."""
+    def on_checkpoint_phase(self, phase: str, step: int) -> None:
+        """Die as a save starts writing this rank's files, or once they are written before the
+        save is marked complete (debug.kill_in_checkpoint_phase; first launch only, so a
+        restarted job gets past it)."""
         if (step == self.cfg.kill_in_checkpoint_step and self.rank == self.cfg.kill_rank
+                and phase == self.cfg.kill_in_checkpoint_phase
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-            logger.warning("debug.kill_in_checkpoint_step: rank %d kills itself now", self.rank)
+            logger.warning("debug.kill_in_checkpoint_step: rank %d kills itself now (%s)",
+                           self.rank, phase)
             os.kill(os.getpid(), signal.SIGKILL)

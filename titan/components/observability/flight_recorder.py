@@ -13,9 +13,10 @@ on CPU these settings are accepted and not applied.
 import os
 from pathlib import Path
 
-# the recorder's buffer size: torch's current name and the older one (torch 2.11 on the GPU
-# machine reads both)
-BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+# the recorder's buffer size: torch's current name, which its flight recorder reads first, and
+# the older one, which NCCL's process group still reads to dump on a timeout (torch warns that
+# it is deprecated: set only for the opt-in CUDA recorder)
+BUFFER_VAR, NCCL_BUFFER_VAR = "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"
 
 
 def flight_recorder_env(cfg, dump_folder: str) -> dict[str, str]:
@@ -25,7 +26,7 @@ def flight_recorder_env(cfg, dump_folder: str) -> dict[str, str]:
     prefix = str(Path(dump_folder).resolve() / cfg.save_traces_folder / "rank_")
     size = str(cfg.trace_buf_size)
     # the dump file's prefix under its current and its older name, as for the buffer
-    return {**dict.fromkeys(BUFFER_VARS, size), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    return {BUFFER_VAR: size, NCCL_BUFFER_VAR: size, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
             "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
 
 

@@ -27,7 +27,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from titan.components.observability.flight_recorder import BUFFER_VARS
+from titan.components.observability.flight_recorder import BUFFER_VAR
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,9 @@ def keep_collective_stamps(cfg, world_size: int) -> None:
     may set a larger one)."""
     if not (cfg.per_rank and world_size > 1):
         return
-    for key in BUFFER_VARS:
-        if int(os.environ.get(key) or 0) < BUFFER:
-            os.environ[key] = str(BUFFER)
+    # the current name only: the older one makes torch warn that it is deprecated
+    if int(os.environ.get(BUFFER_VAR) or 0) < BUFFER:
+        os.environ[BUFFER_VAR] = str(BUFFER)
 
 
 class RankTimes:

@@ -29,11 +29,17 @@ class WandbWriter:
                   else uuid.uuid4().hex[:12])
         id_file.write_text(run_id + "\n")
         self._wandb = wandb
+        # silent: W&B's own banner and closing summary (~40 lines) say nothing the run line
+        # below and metrics.jsonl do not
         self.run = wandb.init(
             project=cfg.wandb_project, entity=cfg.wandb_entity,
             name=cfg.wandb_run_name or folder.resolve().name, tags=list(cfg.wandb_tags) or None,
-            config=config, id=run_id, resume="allow", dir=str(folder))
-        logger.info("W&B run %s (%s), id kept in %s", self.run.name, self.run.id, id_file)
+            config=config, id=run_id, resume="allow", dir=str(folder),
+            settings=wandb.Settings(silent=True))
+        where = (f"offline, in {folder / 'wandb'} (wandb sync to upload)" if self.run.offline
+                 else self.run.url)
+        logger.info("W&B run %s (%s): %s; id kept in %s", self.run.name, self.run.id, where,
+                    id_file)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)

@@ -1,9 +1,12 @@
 """Warmup, optional stable phase (WSD), then linear/sqrt/cosine decay to a min-lr factor."""
 
+import logging
 import math
 from functools import partial
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float | None,
@@ -67,5 +70,10 @@ class LRSchedulersContainer:
 
 def build_lr_scheduler(optimizer, cfg, total_steps: int) -> LRSchedulersContainer:
     """The schedule of `cfg` (the lr_scheduler section) over `total_steps` optimizer steps."""
+    if cfg.warmup_steps > total_steps:
+        logger.warning("lr_scheduler.warmup_steps %d exceeds training.steps %d: the warmup is "
+                       "cut to %d steps, the lr reaching optimizer.lr at the last step; set "
+                       "lr_scheduler.warmup_steps <= training.steps to keep this schedule in "
+                       "a longer run", cfg.warmup_steps, total_steps, total_steps)
     return LRSchedulersContainer(optimizer, total_steps, cfg.warmup_steps, cfg.decay_ratio,
                                  cfg.decay_type, cfg.min_lr_factor)

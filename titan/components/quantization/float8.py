@@ -54,7 +54,9 @@ def scale_precomputer(parts: list[nn.Module], cfg):
         return None
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    def precompute() -> None:
+    def precompute(taken: bool) -> None:
+        if not taken:
+            return  # the weights did not change
         for part in parts:
             precompute_float8_dynamic_scale_for_fsdp(part)
 

@@ -1,9 +1,11 @@
 """Held-out loss during training, with its own data, batch size and normalization.
 
 The validation loss is the mean cross-entropy per token over the whole validation pass (or
-its first `validation.steps` batches): every rank sums its token losses and counts its
-tokens, and both are summed over all ranks at the end. So it does not depend on the
-training batch, the dp degree, or how the pass splits into batches.
+its first `validation.steps` batches of `validation.global_batch_size` sequences): every rank
+sums its token losses and counts its tokens, and both are summed over all ranks at the end.
+The sequences validated are those of whole global batches, dp rank r taking the r-th slice of
+each (in forwards of `validation.local_batch_size`), so with the global batch size set the
+loss does not depend on the training batch, the layout, or the forwards' size.
 
 Streamed datasets have no global index: each dp rank reads its own shard, and the shards
 end at different batches. The ranks agree after every batch whether all of them still have
@@ -30,20 +32,25 @@ LossSum = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
 
 
 class Validator:
-    def __init__(self, cfg, *, tokenizer: Tokenizer, seq_len: int, text_field: str, seed: int,
+    def __init__(self, cfg, *, global_batch_size: int, local_batch_size: int,
+                 tokenizer: Tokenizer, seq_len: int, text_field: str, seed: int,
                  shard: DataShard, model_parts: list[nn.Module], loss_sum: LossSum,
                  sum_groups: list[dist.ProcessGroup | None], device: torch.device, metrics):
-        """`cfg`: the validation section. `sum_groups`: the process groups over which the
-        loss sums and token counts add up (pipeline stages, dp x cp ranks)."""
+        """`cfg`: the validation section; the batch sizes as the run plan resolved them.
+        `sum_groups`: the process groups over which the loss sums and token counts add up
+        (pipeline stages, dp x cp ranks)."""
         self.cfg = cfg
         self.model_parts, self.loss_sum = model_parts, loss_sum
         self.sum_groups, self.device, self.metrics = sum_groups, device, metrics
+        self.local_batch_size = local_batch_size
+        # a rank's forwards per validation batch
+        self.forwards = global_batch_size // (local_batch_size * shard.dp_world_size)
         self.loader = build_text_dataloader(
             dataset=cfg.dataset, dataset_path=cfg.dataset_path, tokenizer=tokenizer,
-            seq_len=seq_len, local_batch_size=cfg.local_batch_size,
-            global_batch_size=cfg.local_batch_size * shard.dp_world_size, shard=shard,
+            seq_len=seq_len, local_batch_size=local_batch_size,
+            global_batch_size=global_batch_size, shard=shard,
             seed=seed, text_field=text_field, shuffle=False, infinite=False,
-            streaming=cfg.dataset_streaming)
+            streaming=cfg.dataset_streaming, section="validation")
         self.streamed = not self.loader.global_index
 
     def due(self, step: int, last_step: int) -> bool:
@@ -59,7 +66,7 @@ class Validator:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
         batches = 0
         batch_iter = iter(self.loader)
-        while self.cfg.steps == -1 or batches < self.cfg.steps:
+        while self.cfg.steps == -1 or batches < self.cfg.steps * self.forwards:
             batch = next(batch_iter, None)
             if not self._every_rank_has(batch is not None):
                 break
@@ -73,8 +80,8 @@ class Validator:
         if batches == 0:
             raise DataError(
                 f"validation dataset {self.cfg.dataset!r} has fewer sequences than one "
-                f"validation batch per rank ({self.cfg.local_batch_size}); lower "
-                "validation.local_batch_size"
+                f"validation batch ({self.local_batch_size * self.forwards} per rank); lower "
+                "validation.global_batch_size"
             )
         sum_over(totals, self.sum_groups)
         loss = (totals[0] / totals[1]).item()

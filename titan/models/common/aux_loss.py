@@ -2,26 +2,65 @@
 backward differentiates without changing its outputs, so `loss` stays the cross-entropy that
 compares with other frameworks.
 
-A model calls `attach_aux_loss(hidden, name, value)` in forward and carries on with what it
-returns: the same values, whose backward also sends a gradient into `value`. Riding on an
+A model calls `attach_aux_loss` or `attach_group_loss` in forward and carries on with what it
+returns: the same values, whose backward also sends a gradient into the loss. Riding on an
 activation, the extra gradient reaches the stage that made it under pipeline parallelism too.
-The trainer opens an `AuxLossCollector` around a step's forward/backward: it sets the weight of
-one microbatch (so the step minimizes cross-entropy + the mean of each aux loss over the
-microbatches) and keeps the values for logging. Outside one (validation, generation, the
-memory planner), nothing is attached.
+The trainer opens an `AuxLossCollector` around a step's forward/backward and keeps the values
+for logging. Outside one (validation, generation, the memory planner), nothing is attached.
+
+Two kinds, so that no layout changes what is trained:
+- `attach_aux_loss`: a mean over the microbatch's tokens; the step minimizes the mean over its
+  microbatches (each weighted alike: they hold equal token counts).
+- `attach_group_loss`: a loss defined on groups of tokens that a layout may split (a sequence,
+  the global batch), such as a balancing loss built from routing counts. The model asks the
+  collector's `TokenSplit` for the sums it needs over the ranks that hold the group's other
+  tokens, computes this rank's share of each group's loss, and the step minimizes the mean over
+  the step's groups: the same objective and gradient on every layout.
 """
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 _active: "AuxLossCollector | None" = None
 
 
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """How a layout splits the step's tokens, as a group loss needs to know it. The defaults
+    are one process: nothing split, nothing averaged. Built for a run by
+    titan.parallelisms.token_split."""
+
+    sequences: int = 0  # sequences in the step (the global batch); 0: this forward's
+    seq_len: int = 0  # tokens in each; 0: this forward's
+    # sums (no gradient) of a tensor over the ranks holding the other tokens of this rank's
+    # sequences in this forward (context parallelism, sequence-parallel TP)...
+    sum_over_sequence: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
+    # ... and over the ranks holding the rest of the global batch in this forward (those and
+    # the data-parallel ranks); only valid when each rank's step is one forward
+    sum_over_batch: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
+    # ranks whose gradients are averaged (data parallel x context parallel), so a rank's
+    # share counts this many times over
+    grad_scale: int = 1
+    # ranks that compute the same share (tensor-parallel ranks without sequence parallelism)
+    replicas: int = 1
+    # ranks of a pipeline stage: a mean over microbatches is logged as their average
+    stage_ranks: int = 1
+
+
 class AuxLossCollector:
-    def __init__(self, microbatch_weight: float):
+    def __init__(self, microbatch_weight: float, split: TokenSplit = TokenSplit()):
         self.weight = microbatch_weight
-        self.values: dict[str, torch.Tensor] = {}  # the step's weighted sums, detached
+        self.split = split
+        # the step's values, detached, each rank's share of the run's: summed over all ranks
+        # by reduce_aux_losses
+        self.values: dict[str, torch.Tensor] = {}
 
     def __enter__(self) -> "AuxLossCollector":
         global _active
@@ -32,8 +71,10 @@ class AuxLossCollector:
         global _active
         _active = self._outer
 
-    def add(self, name: str, value: torch.Tensor) -> None:
-        v = value.detach().float() * self.weight
+    def add(self, name: str, value: torch.Tensor, share: float) -> None:
+        if _recomputing():  # activation checkpointing runs the forward again in backward
+            return
+        v = value.detach().float() * share
         self.values[name] = self.values[name] + v if name in self.values else v
 
     def floats(self) -> dict[str, float]:
@@ -44,6 +85,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _recomputing() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 class _AddGradOf(torch.autograd.Function):
@@ -61,12 +106,32 @@ class _AddGradOf(torch.autograd.Function):
 
 def attach_aux_loss(out: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
     """`out` unchanged; within a collected training step, backward also differentiates
-    `value` (a scalar), weighted like one microbatch's share of the step."""
+    `value` (a scalar: a mean over this microbatch's tokens), weighted like one microbatch's
+    share of the step."""
     collector = _active
     if collector is None or not torch.is_grad_enabled():
         return out
-    collector.add(name, value)
+    collector.add(name, value, collector.weight / collector.split.stage_ranks)
     return _AddGradOf.apply(out, value, collector.weight)
+
+
+def attach_group_loss(out: torch.Tensor, name: str, value: torch.Tensor,
+                      groups: int) -> torch.Tensor:
+    """`out` unchanged; within a collected training step, the step's objective gains the mean
+    over its `groups` token groups of a per-group loss. `value` (a scalar) is this rank's
+    share of the sum over the groups it holds tokens of: the ranks' shares of a group add up to
+    its loss (computed with `token_split()`'s sums)."""
+    collector = _active
+    if collector is None or not torch.is_grad_enabled():
+        return out
+    split = collector.split
+    collector.add(name, value, 1 / (groups * split.replicas))
+    return _AddGradOf.apply(out, value, split.grad_scale / groups)
+
+
+def token_split() -> TokenSplit:
+    """The running step's token split (one process's outside a step)."""
+    return _active.split if _active is not None else TokenSplit()
 
 
 def collecting() -> bool:
@@ -86,9 +151,9 @@ def paused():
         _active = outer
 
 
-def reduce_aux_losses(values: dict[str, float], pp_degree: int) -> dict[str, float]:
-    """Every rank's step values -> the run's: summed over pipeline stages (each holds its own
-    layers' losses), averaged over the other ranks. Collective (all ranks call it)."""
+def reduce_aux_losses(values: dict[str, float]) -> dict[str, float]:
+    """Every rank's share of the step's values -> the run's: their sum over all ranks
+    (pipeline stages each add their own layers'). Collective (all ranks call it)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -99,5 +164,4 @@ def reduce_aux_losses(values: dict[str, float], pp_degree: int) -> dict[str, flo
     for rank_values in every:
         for name, v in rank_values.items():
             total[name] = total.get(name, 0.0) + v
-    share = dist.get_world_size() // pp_degree
-    return {name: v / share for name, v in sorted(total.items())}
+    return dict(sorted(total.items()))

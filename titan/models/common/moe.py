@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from titan.models.common.aux_loss import attach_aux_loss, collecting
+from titan.models.common.aux_loss import TokenSplit, attach_group_loss, collecting, token_split
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.init import normal, zeros
 from titan.models.common.moe_args import MoEArgs
@@ -171,9 +171,9 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         a = self.args
         if a.aux_loss != "none" and a.aux_loss_coeff and collecting():
-            loss = (load_balancing_loss(scores, indices) if a.aux_loss == "load_balancing"
-                    else sequence_balance_loss(scores, indices, shape[1]))
-            out = attach_aux_loss(out, AUX_LOSS_NAME, a.aux_loss_coeff * loss)
+            share, groups = balance_loss_share(scores, indices, shape[0], a.aux_loss,
+                                               a.aux_loss_scope, token_split())
+            out = attach_group_loss(out, AUX_LOSS_NAME, a.aux_loss_coeff * share, groups)
         return out
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor,
@@ -215,26 +215,54 @@ def update_expert_bias_(bias: torch.Tensor, counts: torch.Tensor, rate: float) -
     bias.add_(rate * torch.sign(counts.mean() - counts).to(bias.dtype))
 
 
-def load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE's (Switch Transformer's) loss for one layer: n_experts x sum over experts of
-    (the share of token choices it got) x (its mean softmax score); k when perfectly balanced.
-    transformers pools the counts and scores of all layers before multiplying; this is the
-    loss of one layer, the form a pipeline stage can compute on its own."""
+def balance_loss_share(scores: torch.Tensor, indices: torch.Tensor, batch: int, kind: str,
+                       scope: str, split: TokenSplit) -> tuple[torch.Tensor, int]:
+    """One layer's balancing loss, before its coefficient, as this rank's share: (the sum over
+    the token groups this rank holds of its part of each group's loss, the number of groups
+    in the step). `scores`, `indices`: this rank's (tokens, experts) and (tokens, k), its
+    `batch` sequences' tokens in order; a group is a sequence or the global batch (`scope`).
+
+    Per group of N tokens, with c_e its token choices of expert e and Q_e the sum of its
+    tokens' scores for e, the loss is w x sum_e c_e Q_e, with w = n_experts / N^2 for
+    "load_balancing" (Switch Transformer's n_experts x sum_e f_e P_e, f_e the share of choices,
+    P_e the mean score; k when balanced) and w = n_experts / (k N^2) with each token's scores
+    normalized to sum to 1 for "deepseek" (DeepSeek-V3's sequence-wise loss; 1 when balanced).
+    The counts carry no gradient: summed over the ranks holding the group's other tokens, they
+    make this rank's w x sum_e c_e Q_e(its tokens) its exact share, value and gradient."""
     n_tokens, n_experts = scores.shape
-    share = tokens_per_expert(indices, n_experts) / n_tokens
-    return n_experts * (share * scores.mean(dim=0)).sum()
+    k = indices.shape[1]
+    seq_len, sequences = split.seq_len or n_tokens // batch, split.sequences or batch
+    q = scores if kind == "load_balancing" else scores / scores.sum(dim=-1, keepdim=True)
+    chosen = torch.zeros_like(scores).scatter_(1, indices, 1.0)
+    counts = chosen.view(batch, -1, n_experts).sum(dim=1)
+    q_sums = q.view(batch, -1, n_experts).sum(dim=1)
+    if scope == "global_batch":
+        counts = split.sum_over_batch(counts.sum(dim=0, keepdim=True))
+        q_sums = q_sums.sum(dim=0, keepdim=True)
+        n, groups = sequences * seq_len, 1
+    else:
+        counts = split.sum_over_sequence(counts)
+        n, groups = seq_len, sequences
+    w = n_experts / (n * n) / (k if kind == "deepseek" else 1)
+    return w * (counts.detach() * q_sums).sum(), groups
+
+
+def load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE's (Switch Transformer's) loss of one layer over all these tokens as one
+    group: n_experts x sum over experts of (the share of token choices it got) x (its mean
+    softmax score); k when perfectly balanced. transformers pools the counts and scores of all
+    layers before multiplying; titan's is per layer, the form a pipeline stage can compute."""
+    return balance_loss_share(scores, indices, 1, "load_balancing", "global_batch",
+                              TokenSplit())[0]
 
 
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor,
                           seq_len: int) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss for one layer, before its coefficient: per
-    sequence, sum over experts of f_i x P_i, with f_i = n_experts / (k x seq_len) x the
-    sequence's tokens choosing expert i, and P_i the mean over the sequence of expert i's
-    score normalized over all experts; averaged over the sequences. 1 when balanced."""
-    n_tokens, n_experts = scores.shape
-    k = indices.shape[1]
-    seqs = n_tokens // seq_len
-    chosen = torch.zeros_like(scores).scatter_(1, indices, 1.0).view(seqs, seq_len, n_experts)
-    f = chosen.sum(dim=1) * (n_experts / (k * seq_len))
-    p = (scores / scores.sum(dim=-1, keepdim=True)).view(seqs, seq_len, n_experts).mean(dim=1)
-    return (f * p).sum(dim=-1).mean()
+    """DeepSeek-V3's sequence-wise balance loss of one layer, averaged over these tokens'
+    sequences of `seq_len`: per sequence, sum over experts of f_i x P_i, with
+    f_i = n_experts / (k x seq_len) x the sequence's tokens choosing expert i, and P_i the mean
+    over the sequence of expert i's score normalized over all experts. 1 when balanced."""
+    seqs = scores.shape[0] // seq_len
+    share, groups = balance_loss_share(scores, indices, seqs, "deepseek", "sequence",
+                                       TokenSplit())
+    return share / groups

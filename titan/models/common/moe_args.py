@@ -2,8 +2,12 @@
 module stays light (the launcher's config check imports every family's args)."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-AUX_LOSSES = ("none", "load_balancing", "sequence")
+AUX_LOSSES = ("none", "load_balancing", "deepseek")
+# the token groups a balancing loss is computed over (titan.models.common.moe); each is kept
+# whole whatever the layout: a sequence always, the global batch when a step is one forward
+AUX_LOSS_SCOPES = ("sequence", "global_batch")
 
 
 @dataclass(frozen=True)
@@ -21,10 +25,17 @@ class MoEArgs:
     # balancing: after each optimizer step, the score bias moves by this rate towards the mean
     # load (DeepSeek-V3's auxiliary-loss-free rule; 0: off; needs score_bias)
     bias_update_rate: float = 0.0
-    # an auxiliary loss added to what backward sees: "load_balancing" (Qwen3-MoE's, per
-    # layer) or "sequence" (DeepSeek-V3's sequence-wise loss), times aux_loss_coeff
+    # an auxiliary loss added to what backward sees, per layer, times aux_loss_coeff:
+    # "load_balancing" (Switch Transformer's, Qwen3-MoE's) or "deepseek" (DeepSeek-V3's: the
+    # counts over top_k, each token's scores normalized to sum to 1)
     aux_loss: str = "none"
     aux_loss_coeff: float = 0.0
+    # the tokens whose routing counts and scores one loss term is computed from: each
+    # "sequence" (averaged over the global batch), or the whole "global_batch"
+    aux_loss_scope: str = "sequence"
+    # what a run may change without changing the model (titan.components.checkpoint.identity)
+    training_knobs: ClassVar[tuple[str, ...]] = ("bias_update_rate", "aux_loss",
+                                                 "aux_loss_coeff", "aux_loss_scope")
 
     def layer_params(self, dim: int, active: bool = False) -> int:
         """The router, routed and shared experts of one layer; `active`: those one token uses
@@ -43,6 +54,9 @@ class MoEArgs:
             out.append(f"aux_loss {self.aux_loss!r} is not one of {', '.join(AUX_LOSSES)}")
         if self.aux_loss_coeff < 0:
             out.append(f"aux_loss_coeff {self.aux_loss_coeff} must be >= 0")
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            out.append(f"aux_loss_scope {self.aux_loss_scope!r} is not one of "
+                       f"{', '.join(AUX_LOSS_SCOPES)}")
         if self.score_func not in ("softmax", "sigmoid"):
             out.append(f"score_func {self.score_func!r} is not 'softmax' or 'sigmoid'")
         if not 1 <= self.top_k <= self.n_experts:

@@ -30,7 +30,7 @@ def _moe_layers(parts: list[nn.Module]) -> dict[int, MoE]:
     return out
 
 
-def moe_balance_hook(parts: list[nn.Module], job) -> Callable[[], dict] | None:
+def moe_balance_hook(parts: list[nn.Module], job) -> Callable[[bool], dict] | None:
     """The hook of a model with MoE layers (None for a dense one). Each call returns the step's
     metrics: `expert_load_imbalance` (the largest over layers of max / mean tokens per expert)
     and `expert_load/layer_<i>` (each expert's share of the layer's tokens, for TensorBoard)."""
@@ -41,7 +41,11 @@ def moe_balance_hook(parts: list[nn.Module], job) -> Callable[[], dict] | None:
     local = _moe_layers(parts)
     moe_rows = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
 
-    def after_step() -> dict:
+    def after_step(taken: bool) -> dict:
+        if not taken:  # a skipped step's routing moves nothing
+            for moe in local.values():
+                moe.expert_load.zero_()
+            return {}
         some = next(iter(local.values()), None)
         device = some.expert_load.device if some is not None else _device(parts)
         counts = torch.zeros(table_shape, device=device)

@@ -4,6 +4,7 @@ dense first layers, then sigmoid-routed experts with shared experts. Shapes from
 configs (DeepSeek-V3, and Moonlight-16B-A3B, the DeepSeek-V3 architecture at 16B)."""
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from titan.models.common.moe_args import MoEArgs
 from titan.models.common.param_count import DecoderParamCount
@@ -50,6 +51,10 @@ class DeepSeekV3Args(DecoderParamCount):
     # the sequence-wise balance loss coefficient (alpha) and the bias update rate (gamma)
     moe_aux_loss_coeff: float = 0.0001
     moe_bias_update_rate: float = 0.001
+    moe_aux_loss_scope: str = "sequence"  # the sequence-wise loss (MoEArgs.aux_loss_scope)
+    # what a run may change without changing the model (titan.components.checkpoint.identity)
+    training_knobs: ClassVar[tuple[str, ...]] = ("moe_aux_loss_coeff", "moe_bias_update_rate",
+                                                 "moe_aux_loss_scope")
 
     def with_updates(self, **kw) -> "DeepSeekV3Args":
         return replace(self, **kw)
@@ -69,7 +74,8 @@ class DeepSeekV3Args(DecoderParamCount):
     def moe_args(self) -> MoEArgs:
         """The MoE layers' settings with this run's balancing."""
         return replace(self.moe, bias_update_rate=self.moe_bias_update_rate,
-                       aux_loss="sequence", aux_loss_coeff=self.moe_aux_loss_coeff)
+                       aux_loss="deepseek", aux_loss_coeff=self.moe_aux_loss_coeff,
+                       aux_loss_scope=self.moe_aux_loss_scope)
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, each naming its fields (empty: nothing)."""

@@ -4,6 +4,7 @@ dim / n_heads is; the FFN width given outright; tied embeddings up to 4B; the Mo
 each token to 8 of 128 experts in every layer."""
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from titan.models.common.moe_args import MoEArgs
 from titan.models.common.param_count import DecoderParamCount
@@ -38,6 +39,10 @@ class Qwen3Args(DecoderParamCount):
     # coefficient (HF router_aux_loss_coef), and DeepSeek-V3's bias update rate (0: off)
     moe_aux_loss_coeff: float = 0.0
     moe_bias_update_rate: float = 0.0
+    moe_aux_loss_scope: str = "sequence"  # the tokens of one loss term (MoEArgs.aux_loss_scope)
+    # what a run may change without changing the model (titan.components.checkpoint.identity)
+    training_knobs: ClassVar[tuple[str, ...]] = ("moe_aux_loss_coeff", "moe_bias_update_rate",
+                                                 "moe_aux_loss_scope")
 
     def with_updates(self, **kw) -> "Qwen3Args":
         return replace(self, **kw)
@@ -52,7 +57,8 @@ class Qwen3Args(DecoderParamCount):
         rate = self.moe_bias_update_rate
         return replace(self.moe, score_bias=self.moe.score_bias or rate > 0,
                        bias_update_rate=rate, aux_loss="load_balancing",
-                       aux_loss_coeff=self.moe_aux_loss_coeff)
+                       aux_loss_coeff=self.moe_aux_loss_coeff,
+                       aux_loss_scope=self.moe_aux_loss_scope)
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, each naming its fields (empty: nothing)."""

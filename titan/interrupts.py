@@ -1,0 +1,63 @@
+"""Ctrl-C (SIGINT) and SIGTERM: stop at once, say so in a line, exit 128 + the signal.
+
+Checkpoints need no care: a save is marked complete only once every file is written, so one
+cut short is an incomplete folder that a resume skips, and the newest complete one is what
+the next run loads (titan.components.checkpoint.folders). `status` says which that is.
+"""
+
+import signal
+from pathlib import Path
+
+STOPPING = (signal.SIGINT, signal.SIGTERM)
+_received: int | None = None
+
+
+class Interrupted(BaseException):
+    """Raised in the main thread by the first SIGINT/SIGTERM: a BaseException, so no
+    `except Exception` on the way out swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def install() -> None:
+    for signum in STOPPING:
+        signal.signal(signum, _stop)
+
+
+def _stop(signum, frame) -> None:
+    global _received
+    if _received is None:  # later signals while stopping change nothing
+        _received = signum
+        raise Interrupted(signum)
+
+
+def received() -> int | None:
+    """The stopping signal this process got, if any (a collective that fails because a
+    stopping peer left is part of the stop, not an error of its own)."""
+    return _received
+
+
+def describe(signum: int) -> str:
+    return "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def status(checkpoint_cfg, dump_folder: str) -> str:
+    """Where the next run starts, for the line that reports a stop."""
+    from titan.components.checkpoint.folders import (COMPLETE_MARKER, folder_problem,
+                                                     step_folders)
+
+    if not checkpoint_cfg.enable:
+        return "checkpointing is off (checkpoint.enable): the next run starts from step 0"
+    root = Path(dump_folder) / checkpoint_cfg.folder
+    done = [p for _, p in (step_folders(root) if root.is_dir() else [])
+            if (p / COMPLETE_MARKER).is_file() and folder_problem(p, "off") is None]
+    if not done:
+        return f"no checkpoint was completed in {root}: the next run starts from step 0"
+    return (f"checkpoints in {root} are intact, the newest complete one is {done[-1].name} "
+            "(a save cut short stays incomplete and is skipped): the next run resumes from it")
