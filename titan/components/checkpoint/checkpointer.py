@@ -146,13 +146,16 @@ def _chain(e: BaseException):
         todo += [x for x in (err.__cause__, err.__context__) if x is not None]
 
 
+def _says_disk_full(e: BaseException) -> bool:
+    """A full disk that DCP reports only in its message."""
+    return "No space left on device" in str(e) or "unexpected pos" in str(e)
+
+
 def _deterministic(e: BaseException) -> bool:
     """Whether a failed save would fail again after a restart (the disk is full, a folder is
     not writable), rather than because a rank or its connection failed."""
-    text = str(e)
     return any(isinstance(err, OSError) and err.errno in _DETERMINISTIC_ERRNOS
-               for err in _chain(e)) or "No space left on device" in text \
-        or "unexpected pos" in text
+               for err in _chain(e)) or _says_disk_full(e)
 
 
 def _write_failure(e: BaseException) -> str:
@@ -165,7 +168,7 @@ def _write_failure(e: BaseException) -> str:
         if isinstance(err, OSError) and err.errno in _DETERMINISTIC_ERRNOS:
             return f"{err.strerror or type(err).__name__} ({err.filename or 'the folder'})"
     text = str(e)
-    if "No space left on device" in text or "unexpected pos" in text:
+    if _says_disk_full(e):
         return "the disk is full (no space left on device)"
     return f"{type(e).__name__}: {text.strip().splitlines()[0][:300] if text.strip() else ''}"
 

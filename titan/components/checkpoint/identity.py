@@ -18,7 +18,7 @@ them; the load logs what changed.
 
 import json
 import logging
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +48,8 @@ class ModelIdentity:
     args: dict  # the architecture and the training knobs, as JSON holds them
     shapes: dict[str, tuple[int, ...]]  # every saved tensor of the whole model
     ties: tuple[tuple[str, str], ...]  # (owner, copy) of tied weights
-    knobs: dict = None  # the training knobs of `args`, as `knob_paths` finds them
+    # the training knobs of `args`: dotted name -> (record path, value)
+    knobs: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         return {"family": self.family, "flavor": self.flavor, "args": self.args}
@@ -70,7 +71,7 @@ class ModelIdentity:
         if saved.get("family") != self.family:
             return f"it holds a {theirs} model and this run builds {self.describe()}"
         args = saved.get("args") or {}
-        knobs = self.knobs or {}
+        knobs = self.knobs
         theirs_arch, ours_arch = _without(args, knobs), _without(self.args, knobs)
         diffs = [f"{k} {theirs_arch.get(k)} (checkpoint) vs {v} (this run)"
                  for k, v in ours_arch.items() if theirs_arch.get(k) != v]

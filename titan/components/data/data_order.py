@@ -80,11 +80,6 @@ class GlobalOrder(Sampler):
 
     # ---------------------------------------------------------------- the global stream
 
-    def stream_position(self, j: int) -> int:
-        """Position in the global stream of this rank's j-th sample."""
-        step, within = divmod(j, self.per_rank)
-        return self.origin + step * self.global_batch_size + self.dp_rank * self.per_rank + within
-
     def start_at(self, position: int, counts: list[int] | None) -> None:
         """Global batch 0 starts at stream `position`, where the sources had given `counts`
         samples (None: one source, all `position` of them)."""

@@ -8,6 +8,9 @@ AUX_LOSSES = ("none", "load_balancing", "deepseek")
 # the token groups a balancing loss is computed over (titan.models.common.moe); each is kept
 # whole whatever the layout: a sequence always, the global batch when a step is one forward
 AUX_LOSS_SCOPES = ("sequence", "global_batch")
+# a family's args fields that set its MoE layers' balancing: training settings, not the
+# architecture (their `training_knobs`, titan.components.checkpoint.identity)
+BALANCING_KNOBS = ("moe_aux_loss_coeff", "moe_bias_update_rate", "moe_aux_loss_scope")
 
 
 @dataclass(frozen=True)

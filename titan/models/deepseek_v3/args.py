@@ -6,7 +6,7 @@ configs (DeepSeek-V3, and Moonlight-16B-A3B, the DeepSeek-V3 architecture at 16B
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from titan.models.common.moe_args import MoEArgs
+from titan.models.common.moe_args import BALANCING_KNOBS, MoEArgs
 from titan.models.common.param_count import DecoderParamCount
 
 
@@ -53,8 +53,7 @@ class DeepSeekV3Args(DecoderParamCount):
     moe_bias_update_rate: float = 0.001
     moe_aux_loss_scope: str = "sequence"  # the sequence-wise loss (MoEArgs.aux_loss_scope)
     # what a run may change without changing the model (titan.components.checkpoint.identity)
-    training_knobs: ClassVar[tuple[str, ...]] = ("moe_aux_loss_coeff", "moe_bias_update_rate",
-                                                 "moe_aux_loss_scope")
+    training_knobs: ClassVar[tuple[str, ...]] = BALANCING_KNOBS
 
     def with_updates(self, **kw) -> "DeepSeekV3Args":
         return replace(self, **kw)

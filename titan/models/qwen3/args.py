@@ -6,7 +6,7 @@ each token to 8 of 128 experts in every layer."""
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from titan.models.common.moe_args import MoEArgs
+from titan.models.common.moe_args import BALANCING_KNOBS, MoEArgs
 from titan.models.common.param_count import DecoderParamCount
 
 
@@ -41,8 +41,7 @@ class Qwen3Args(DecoderParamCount):
     moe_bias_update_rate: float = 0.0
     moe_aux_loss_scope: str = "sequence"  # the tokens of one loss term (MoEArgs.aux_loss_scope)
     # what a run may change without changing the model (titan.components.checkpoint.identity)
-    training_knobs: ClassVar[tuple[str, ...]] = ("moe_aux_loss_coeff", "moe_bias_update_rate",
-                                                 "moe_aux_loss_scope")
+    training_knobs: ClassVar[tuple[str, ...]] = BALANCING_KNOBS
 
     def with_updates(self, **kw) -> "Qwen3Args":
         return replace(self, **kw)
