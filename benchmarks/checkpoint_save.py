@@ -127,7 +127,7 @@ def main() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)  # stateless
     else:
         opt = states["optimizer"] = build_optimizer(
-            [model], Optimizer(lr=1e-6, weight_decay=0.0, implementation="foreach"))
+            [model], Optimizer(lr=1e-6, weight_decay=0.0, implementation="foreach"), {})
     loop = Loop(model, opt, args.batch, args.seq_len, margs.vocab_size, device)
 
     loop.step()  # warm-up; materializes optimizer state

@@ -10,7 +10,7 @@ once here and once there.
 
 from pathlib import Path
 
-from titan.components.checkpoint.disk_space import save_bytes, space_problem
+from titan.components.checkpoint.disk_space import model_save_bytes, space_problem
 from titan.config import ConfigError, JobConfig
 from titan.paths import resolve
 
@@ -23,8 +23,9 @@ def check_checkpoints(job: JobConfig, plan) -> None:
     if resuming or (ck.initial_load_path and not ck.initial_load_in_hf):
         _check_loaded_folder(job, plan, root, resuming)
     if ck.enable:
-        why = space_problem(root, save_bytes(plan.model_args.num_params(),
-                                             job.optimizer.state_dtype))
+        need = model_save_bytes(plan.spec.build_meta(plan.model_args), job.optimizer,
+                                job.extensions)
+        why = space_problem(root, need)
         if why:
             raise ConfigError(why)
 

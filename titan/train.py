@@ -21,7 +21,7 @@ from titan.components.checkpoint.folders import CheckpointError
 from titan.components.checkpoint.identity import model_identity
 from titan.components.checkpoint.checkpointer import (Checkpointer, SaveInterrupted,
                                                       stop_save_process)
-from titan.components.checkpoint.disk_space import save_bytes
+from titan.components.checkpoint.disk_space import model_save_bytes
 from titan.components.data.dataloader import DataShard, build_dataloader
 from titan.components.data.dataset import DataError
 from titan.components.fault_tolerance.injection import FaultInjector
@@ -104,7 +104,7 @@ class Trainer:
                     f"({self.pp_plan.schedule}, {self.pp_plan.n_microbatches} microbatches)"
                     if self.pp_plan else "")
 
-        self.optimizer = build_optimizer(self.model_parts, job.optimizer)
+        self.optimizer = build_optimizer(self.model_parts, job.optimizer, job.extensions)
         # run after every step, in order, told whether the optimizer stepped: float8 scales
         # of the new weights, then the family's (an MoE's router-bias update, say)
         self.post_optimizer_hooks = [h for h in (
@@ -119,7 +119,8 @@ class Trainer:
             job.checkpoint, dump_folder=job.job.dump_folder, rank=self.rank,
             layout=plan.layout(),
             identity=model_identity(plan.spec, job.model.flavor, plan.model_args),
-            save_bytes=save_bytes(plan.model_args.num_params(), job.optimizer.state_dtype),
+            save_bytes=model_save_bytes(plan.spec.build_meta(plan.model_args), job.optimizer,
+                                        job.extensions),
             states={"model": ModelState(self.model_parts), "optimizer": self.optimizer,
                     "lr_scheduler": self.lr_scheduler,
                     "dataloader": DataState(self.dataloader, self.shard.dp_rank,

@@ -176,8 +176,13 @@ def test_launcher_refuses_a_disk_that_cannot_hold_a_save(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         launcher_check("--checkpoint.enable", "--job.dump_folder", str(tmp_path))
     # the debug model: 6.6M parameters, float32 weights and two AdamW moments
-    need = disk_space.save_bytes(LLAMA.flavors["debugmodel"].with_updates(
-        vocab_size=2048).num_params(), "float32")
+    job = parse_args([])
+    args = LLAMA.flavors["debugmodel"].with_updates(vocab_size=2048)
+    need = disk_space.model_save_bytes(LLAMA.build_meta(args), job.optimizer, job.extensions)
+    # float32 weights, two float32 moments and a step count per tensor
+    n, tensors = args.num_params(), len(list(LLAMA.build_meta(args).parameters()))
+    assert need == int((12 * n + 4 * tensors) * disk_space.OVERHEAD_FACTOR) + (
+        disk_space.OVERHEAD_BYTES)
     assert f"needs {need / 2**30:.2f} GiB" in str(e.value) and "0.00 GiB free" in str(e.value)
     launcher_check("--job.dump_folder", str(tmp_path))  # no checkpoints: no space needed
 

@@ -9,6 +9,7 @@ import pytest
 
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml
 from titan.config.manager import _coerce, source_of
+from titan.config.job_config import ParamGroup
 
 
 def write(tmp_path, text, name="job.toml"):
@@ -402,6 +403,8 @@ def _non_default_config():
     cfg.training.mixed_precision_param = "float32"
     cfg.optimizer.lr = 1.5e-4
     cfg.optimizer.eps = 1e-12
+    cfg.optimizer.param_groups = [ParamGroup("norm|tok_embeddings", weight_decay=0.0),
+                                  ParamGroup("experts", lr=1e-4)]
     cfg.lr_scheduler.decay_ratio = 0.2
     cfg.lr_scheduler.decay_type = "sqrt"
     cfg.metrics.peak_flops = 989e12

@@ -61,8 +61,8 @@ def test_state_bytes_halve():
     containers = {}
     for dtype in ("float32", "bfloat16"):
         m = model()
-        cfg = parse_args(["--optimizer.state_dtype", dtype]).optimizer
-        containers[dtype] = build_optimizer([m], cfg)
+        job = parse_args(["--optimizer.state_dtype", dtype])
+        containers[dtype] = build_optimizer([m], job.optimizer, job.extensions)
         train(m, containers[dtype], 1)
     full, half = moment_bytes(containers["float32"]), moment_bytes(containers["bfloat16"])
     assert full == 2 * ARGS.num_params() * 4  # two moments per parameter

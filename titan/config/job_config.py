@@ -7,6 +7,7 @@ must not import torch: the launcher validates configs before any heavy import.
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from titan.config import extensions
 from titan.config.family_options import family_sections
 
 
@@ -23,6 +24,11 @@ class Job:
     dump_folder: str = opt("./outputs", "Folder for logs, metrics.jsonl, TensorBoard and traces")
     description: str = opt("", "Free-text description of the run, logged at start")
     print_config: bool = opt(False, "Print the merged config (defaults < TOML < CLI) at start")
+    custom_import: list[str] = opt(
+        [], "Plugins imported before the config is read, by the launcher and every worker: "
+        "dotted modules on PYTHONPATH or .py paths; they register families, optimizers, "
+        "metrics writers and config sections"
+    )
 
 
 @dataclass
@@ -119,8 +125,17 @@ class Training:
 
 
 @dataclass
+class ParamGroup:
+    params: str = opt("", "Regex searched in each parameter's name; the first group matching "
+                          "a parameter takes it")
+    lr: float | None = opt(None, "Peak learning rate of the group; None = optimizer.lr")
+    weight_decay: float | None = opt(None, "Weight decay of the group; None = "
+                                           "optimizer.weight_decay")
+
+
+@dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = opt("AdamW", "Optimizer")
+    name: str = opt("AdamW", "Optimizer, a name in the optimizer registry (AdamW, Adam, ...)")
     lr: float = opt(8e-4, "Peak learning rate")
     beta1: float = opt(0.9, "Adam beta1")
     beta2: float = opt(0.95, "Adam beta2")
@@ -131,6 +146,11 @@ class Optimizer:
     )
     state_dtype: Literal["float32", "bfloat16"] = opt(
         "float32", "Dtype of Adam's moment estimates between steps (the update runs in float32)"
+    )
+    param_groups: list[ParamGroup] = opt(
+        [], "Parameters trained with their own lr or weight decay, by name: "
+        "[[optimizer.param_groups]] tables (params = regex, lr, weight_decay); on the command "
+        "line in TOML's inline form, '[{params = \"norm\", weight_decay = 0.0}]'"
     )
 
 
@@ -395,6 +415,8 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     # the sections model families own ([qwen3], ...): titan.config.family_options
     families: dict[str, Any] = field(default_factory=family_sections, repr=False)
+    # the sections registered by optimizers, writers and plugins: titan.config.extensions
+    extensions: dict[str, Any] = field(default_factory=extensions.sections, repr=False)
     # not a section: where each value set by a file or the command line came from
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     # not a section: set by python -m titan.planner, which needs the tokenizer only for its
@@ -403,7 +425,8 @@ class JobConfig:
 
     def __getattr__(self, name: str):
         # job.<family> reaches a family's section; only called when no attribute has the name
-        families = self.__dict__.get("families") or {}
-        if name in families:
-            return families[name]
+        for added in ("families", "extensions"):
+            sections = self.__dict__.get(added) or {}
+            if name in sections:
+                return sections[name]
         raise AttributeError(f"{type(self).__name__} has no section {name!r}")

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import difflib
 import os
+import re
 import sys
 import types
 import typing
@@ -18,6 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from titan.config import extensions
 from titan.config.job_config import JobConfig
 from titan.paths import resolve
 
@@ -29,7 +31,7 @@ class ConfigError(ValueError):
 def _sections(cfg: JobConfig) -> dict[str, Any]:
     own = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
            if dataclasses.is_dataclass(getattr(cfg, f.name))}
-    return {**own, **cfg.families}
+    return {**own, **cfg.families, **cfg.extensions}
 
 
 def _field_types(section_obj) -> dict[str, Any]:
@@ -63,6 +65,9 @@ def _type_name(tp) -> str:
     inner, nullable = _unwrap_optional(tp)
     if get_origin(inner) is Literal:
         name = "|".join(str(a) for a in get_args(inner))
+    elif get_origin(inner) is list and dataclasses.is_dataclass(get_args(inner)[0]):
+        keys = ", ".join(f.name for f in dataclasses.fields(get_args(inner)[0]))
+        name = f"list of tables {{{keys}}}"
     elif get_origin(inner) is list:
         name = f"list[{get_args(inner)[0].__name__}] (comma-separated)"
     else:
@@ -90,6 +95,8 @@ def _coerce(value, tp, key: str, source: str):
             hint = did_you_mean(str(value), [str(c) for c in choices])
             bad(f"; choose one of {', '.join(map(str, choices))}{hint}")
         return value
+    if get_origin(inner) is list and dataclasses.is_dataclass(get_args(inner)[0]):
+        return _coerce_tables(value, get_args(inner)[0], key, source, bad)
     if get_origin(inner) is list:
         elem = get_args(inner)[0]
         items = value.split(",") if isinstance(value, str) else value
@@ -121,6 +128,31 @@ def _coerce(value, tp, key: str, source: str):
             return value
         bad()
     raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _coerce_tables(value, cls, key: str, source: str, bad) -> list:
+    """A list of tables (TOML's [[section.key]] or inline form; the inline form on the command
+    line) as a list of `cls`, each table's keys checked against its fields."""
+    if isinstance(value, str):
+        try:
+            value = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as e:
+            bad(f" (write it as TOML's inline array of tables, "
+                f"'[{{key = value, ...}}, ...]': {e})")
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        bad()
+    types_ = typing.get_type_hints(cls)
+    out = []
+    for i, table in enumerate(value):
+        unknown = sorted(set(table) - set(types_))
+        if unknown:
+            bad(f": table {i} has unknown key '{unknown[0]}'"
+                f"{did_you_mean(unknown[0], list(types_))} (keys: {', '.join(types_)})")
+        out.append(cls(**{k: _coerce(v, types_[k], f"{key}[{i}].{k}", source)
+                          for k, v in table.items()}))
+    return out
 
 
 def _lookup(cfg: JobConfig, dotted: str, source: str):
@@ -234,6 +266,7 @@ def with_config_file(argv: list[str]) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """defaults < TOML (--job.config_file) < CLI, then cross-field validation."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    import_plugins(argv)
     cfg = JobConfig()
     sources: dict[str, str] = {}
     overrides = _parse_cli(cfg, argv)
@@ -245,6 +278,31 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     cfg.sources = sources
     validate(cfg)
     return cfg
+
+
+def import_plugins(argv: list[str]) -> None:
+    """Import the plugins named by --job.custom_import on the command line or in the config
+    file it names, before anything is parsed: they may add the sections the rest sets."""
+    names = extensions.plugins_in(argv)
+    path = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--job.config_file="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--job.config_file" and i + 1 < len(argv):
+            path = argv[i + 1]
+    if path and os.path.isfile(resolve(path)):
+        try:
+            with open(resolve(path), "rb") as f:
+                listed = tomllib.load(f).get("job", {}).get("custom_import", [])
+        except tomllib.TOMLDecodeError:
+            listed = []  # reported, with its line, when the file is read for its values
+        names = [n for n in (listed if isinstance(listed, list) else [listed])
+                 if isinstance(n, str)] + names
+    for name in names:
+        try:
+            extensions.import_plugin(name)
+        except extensions.PluginImportError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _set(cfg: JobConfig, dotted: str, value, source: str, sources: dict[str, str]) -> None:
@@ -303,10 +361,13 @@ def validate(cfg: JobConfig) -> None:
          "runs causal SDPA); set parallelism.context_parallel_degree = 1 or attn_mask_type = "
          "\"causal\""),
         (o.lr >= 0, "optimizer.lr", "must be >= 0"),
-        (0 <= o.beta1 < 1, "optimizer.beta1", "must lie in [0, 1)"),
-        (0 <= o.beta2 < 1, "optimizer.beta2", "must lie in [0, 1)"),
-        (o.eps > 0, "optimizer.eps", "must be > 0"),
         (o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
+        (all(g.params and (g.lr is None or g.lr >= 0) and (g.weight_decay is None
+                                                            or g.weight_decay >= 0)
+             for g in o.param_groups), "optimizer.param_groups",
+         "each group needs params (a regex of parameter names) and lr, weight_decay >= 0"),
+        (_regexes_compile([g.params for g in o.param_groups]), "optimizer.param_groups",
+         "a params regex does not compile (Python re syntax)"),
         (s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0"),
         (s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio",
          "must be None or in [0, 1]"),
@@ -347,6 +408,17 @@ def validate(cfg: JobConfig) -> None:
     ]
     for ok, key, why in checks:
         require(cfg, ok, key, why)
+    for check in extensions.checks():
+        check(cfg)
+
+
+def _regexes_compile(patterns: list[str]) -> bool:
+    try:
+        for p in patterns:
+            re.compile(p)
+    except re.error:
+        return False
+    return True
 
 
 def _valid_selective_ac(option: str) -> bool:
@@ -413,6 +485,11 @@ def _toml_value(v) -> str:
         return '"' + "".join(_toml_char(c) for c in v) + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if dataclasses.is_dataclass(v):
+        # TOML has no null: an unset key of a table is left out
+        return "{" + ", ".join(f"{f.name} = {_toml_value(getattr(v, f.name))}"
+                               for f in dataclasses.fields(v)
+                               if getattr(v, f.name) is not None) + "}"
     return repr(v)
 
 

@@ -15,8 +15,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from titan.components.optim.registry import optimizer_spec
+from titan.components.optim.registry import state_bytes as optimizer_state_bytes
 from titan.config import JobConfig
-from titan.dtypes import to_dtype
 from titan.preflight import RunPlan
 
 
@@ -66,14 +67,14 @@ def state_bytes(parts: list, job: JobConfig) -> dict:
     # run with no device memory to check against (CPU) never needs
     from titan.components.observability.memory_measure import tensor_bytes
 
-    params = list({id(p): p for part in parts for p in part.parameters()}.values())
-    trainable = [p for p in params if p.requires_grad]
-    state_size = to_dtype(job.optimizer.state_dtype).itemsize
-    # Adam: two moments per element in the state dtype, a float32 step count per tensor
-    moments = sum(2 * tensor_bytes(p) // p.element_size() * state_size for p in trainable)
-    return {"params_bytes": sum(tensor_bytes(p) for p in params),
-            "grads_bytes": sum(tensor_bytes(p) for p in trainable),
-            "optimizer_bytes": moments + 4 * len(trainable)}
+    named = list({id(p): (n, p) for part in parts for n, p in part.named_parameters()}.values())
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    spec = optimizer_spec(job.optimizer.name)
+    return {"params_bytes": sum(tensor_bytes(p) for _, p in named),
+            "grads_bytes": sum(tensor_bytes(p) for _, p in trainable),
+            "optimizer_bytes": sum(
+                optimizer_state_bytes(spec, n, p.shape, tensor_bytes(p) // p.element_size(),
+                                      job.optimizer, job.extensions) for n, p in trainable)}
 
 
 def rank_bytes(job: JobConfig, plan: RunPlan, rank: int, worst_routing: bool = False) -> dict:

@@ -3,16 +3,28 @@ the checkpointer before each save, so a full disk stops a save before it writes 
 (and, on the next start, before torchrun starts workers that would fail the same way)."""
 
 import shutil
+from math import prod
 from pathlib import Path
+
+from titan.components.optim.registry import save_state_bytes
 
 # DCP's per-tensor framing and the small states (data position, RNG) on top of the tensors
 OVERHEAD_FACTOR, OVERHEAD_BYTES = 1.02, 1 << 20
 
 
-def save_bytes(n_params: int, optimizer_state_dtype: str) -> int:
-    """The size of one training save: float32 weights, and AdamW's two moments."""
-    moment = 2 if optimizer_state_dtype == "bfloat16" else 4
-    return int(n_params * (4 + 2 * moment) * OVERHEAD_FACTOR) + OVERHEAD_BYTES
+def save_bytes(named_shapes: list[tuple[str, tuple[int, ...]]], optimizer_cfg,
+               sections: dict) -> int:
+    """The size of one training save of the parameters (name, shape): float32 weights, and the
+    optimizer's state as its registry entry counts it."""
+    weights = 4 * sum(prod(shape) for _, shape in named_shapes)
+    state = save_state_bytes(named_shapes, optimizer_cfg, sections)
+    return int((weights + state) * OVERHEAD_FACTOR) + OVERHEAD_BYTES
+
+
+def model_save_bytes(model, optimizer_cfg, sections: dict) -> int:
+    """save_bytes of a (meta) model's parameters."""
+    return save_bytes([(n, tuple(p.shape)) for n, p in model.named_parameters()],
+                      optimizer_cfg, sections)
 
 
 def free_bytes(folder: Path) -> int:

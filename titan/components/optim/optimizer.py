@@ -1,12 +1,12 @@
-"""AdamW/Adam, one optimizer per model part (pipeline stage), stepped as one.
+"""The optimizer of optimizer.name (titan.components.optim.registry), one per model part
+(pipeline stage), stepped as one.
 
 One optimizer per part keeps optimizer state addressable by each part's own parameter names,
 which is what lets a checkpoint written under one pipeline split load under another.
 """
 
-import logging
+import re
 
-import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -14,58 +14,48 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan.components.optim.low_precision_adam import LowPrecisionStateAdam
 from titan.components.checkpoint.tied_state import saved_form, saved_key, tied_names
-from titan.dtypes import to_dtype
-
-logger = logging.getLogger(__name__)
+from titan.components.optim.registry import clean_name, optimizer_spec, options_of
 
 # tensors only (exp_avg, exp_avg_sq, step): hyper-parameters come from the config on resume
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _build_one(params, name: str, implementation: str, kw: dict,
-               state_dtype: str = "float32") -> torch.optim.Optimizer:
-    if state_dtype != "float32":
-        return LowPrecisionStateAdam(params, decoupled_weight_decay=name == "AdamW",
-                                     state_dtype=to_dtype(state_dtype),
-                                     implementation=implementation, **kw)
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[name]
-    if implementation == "fused":
-        try:
-            return cls(params, fused=True, **kw)
-        except (RuntimeError, ValueError) as e:
-            # fused needs floating params on a supported device; foreach is the next best
-            logger.warning("fused %s unavailable (%s); using foreach", name, e)
-            implementation = "foreach"
-    return cls(params, foreach=implementation == "foreach", **kw)
-
-
-def _groups_by_mesh(params: list[nn.Parameter]) -> list[nn.Parameter] | list[dict]:
-    """One param group per device mesh when the parameters span several (expert-parallel
-    experts beside the dense weights): foreach and fused steps take one mesh at a time.
-    Checkpoints hold the state by parameter name, so the grouping does not reach them."""
-    by_mesh: dict = {}
-    for p in params:
-        by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
-    if len(by_mesh) < 2:
-        return params
-    return [{"params": group} for group in by_mesh.values()]
+def param_groups(part: nn.Module, cfg) -> list[dict]:
+    """The trainable parameters of `part` in groups: those of each optimizer.param_groups entry
+    (the first whose regex a name matches), then the rest, with the lr and weight decay each
+    trains with; each split further by device mesh when the parameters span several (expert-
+    parallel experts beside the dense weights): foreach and fused steps take one mesh at a
+    time. Checkpoints hold the state by parameter name, so the grouping does not reach them."""
+    rules = [(re.compile(g.params), g) for g in cfg.param_groups]
+    by_key: dict = {}
+    for name, p in part.named_parameters():
+        if not p.requires_grad:
+            continue
+        name = clean_name(name)
+        rule = next((i for i, (pattern, _) in enumerate(rules) if pattern.search(name)),
+                    len(rules))
+        group = by_key.setdefault((rule, getattr(p, "device_mesh", None)),
+                                  {"params": [], "param_names": []})
+        group["params"].append(p)
+        group["param_names"].append(name)
+    for (rule, _), group in by_key.items():
+        settings = rules[rule][1] if rule < len(rules) else None
+        group["lr"] = cfg.lr if settings is None or settings.lr is None else settings.lr
+        group["weight_decay"] = (cfg.weight_decay if settings is None
+                                 or settings.weight_decay is None else settings.weight_decay)
+    return [by_key[k] for k in sorted(by_key, key=lambda k: k[0])]
 
 
 class OptimizersContainer:
     """Looks like one optimizer; is a Stateful for DCP."""
 
-    def __init__(self, model_parts: list[nn.Module], cfg):
-        kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                  weight_decay=cfg.weight_decay)
+    def __init__(self, model_parts: list[nn.Module], cfg, sections: dict):
+        spec = optimizer_spec(cfg.name)
+        build, options = spec.builder(), options_of(spec, sections)
         self.model_parts = model_parts
         self.ties = tied_names(model_parts)
-        self.optimizers = [
-            _build_one(_groups_by_mesh([p for p in part.parameters() if p.requires_grad]),
-                       cfg.name, cfg.implementation, kw, cfg.state_dtype)
-            for part in model_parts
-        ]
+        self.optimizers = [build(param_groups(part, cfg), cfg, options) for part in model_parts]
 
     @property
     def param_groups(self) -> list[dict]:
@@ -103,6 +93,7 @@ class OptimizersContainer:
             set_optimizer_state_dict(part, opt, sd, options=_OPTIONS)
 
 
-def build_optimizer(model_parts: list[nn.Module], cfg) -> OptimizersContainer:
-    """One optimizer per part, from `cfg` (the optimizer section)."""
-    return OptimizersContainer(model_parts, cfg)
+def build_optimizer(model_parts: list[nn.Module], cfg, sections: dict) -> OptimizersContainer:
+    """One optimizer per part, from `cfg` (the optimizer section) and, for an optimizer with a
+    section of its own, that section among `sections` (the job's added ones)."""
+    return OptimizersContainer(model_parts, cfg, sections)

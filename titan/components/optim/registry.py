@@ -1,0 +1,103 @@
+"""The optimizer registry: what the optimizer builder, the memory planner and the checkpoint
+disk check know of an optimizer, each asking the same entry. Torch-free (configs are checked
+before torch is imported): an entry names its builder by module path, loaded when a run builds
+its optimizer.
+
+An optimizer is added by a module that calls `register_optimizer` (titan's own are imported
+by titan/components/optim/builtin.py; a plugin's by --job.custom_import).
+"""
+
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from math import prod
+
+from titan.config import extensions
+
+# a wrapper's name in a parameter's path (activation checkpointing, torch.compile), which
+# names seen by optimizers and param_groups regexes leave out, as checkpoints do
+_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+
+
+def clean_name(name: str) -> str:
+    return _WRAPPERS.sub("", name).lstrip(".")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str  # optimizer.name
+    # "module:function"; function(param_groups, cfg, options) -> torch.optim.Optimizer, where
+    # each group holds params, param_names, lr and weight_decay, cfg is the [optimizer]
+    # section and options the entry's own section (None without one)
+    build: str
+    # state_bytes(name, shape, elements, cfg, options): bytes of one parameter's optimizer
+    # state when a rank holds `elements` of its `shape`
+    state_bytes: Callable[..., int]
+    # check(job_config) raises ConfigError for settings this optimizer cannot take
+    check: Callable | None = None
+    section: str | None = None  # name of its own config section, if any
+    options: type | None = None  # that section's dataclass
+
+    def builder(self) -> Callable:
+        module, _, function = self.build.partition(":")
+        return getattr(importlib.import_module(module), function)
+
+
+_OPTIMIZERS: dict[str, OptimizerSpec] = {}
+
+
+def register_optimizer(spec: OptimizerSpec) -> None:
+    if spec.name in _OPTIMIZERS:
+        raise ValueError(f"an optimizer named {spec.name!r} is already registered")
+    if (spec.section is None) != (spec.options is None):
+        raise ValueError(f"optimizer {spec.name!r}: section and options come together")
+    _OPTIMIZERS[spec.name] = spec
+    if spec.section:
+        extensions.register_section(spec.section, spec.options)
+
+
+def unregister_optimizer(name: str) -> None:
+    spec = _OPTIMIZERS.pop(name, None)
+    if spec and spec.section:
+        extensions.unregister_section(spec.section)
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    return _OPTIMIZERS[name]
+
+
+def optimizer_names() -> list[str]:
+    return list(_OPTIMIZERS)
+
+
+def options_of(spec: OptimizerSpec, sections: dict):
+    """The entry's own section among a job's added sections (None without one)."""
+    return sections[spec.section] if spec.section else None
+
+
+def state_bytes(spec: OptimizerSpec, name: str, shape: tuple[int, ...], elements: int,
+                cfg, sections: dict) -> int:
+    return spec.state_bytes(clean_name(name), tuple(shape), elements, cfg,
+                            options_of(spec, sections))
+
+
+def save_state_bytes(named_shapes, cfg, sections: dict) -> int:
+    """Bytes of the optimizer state of whole (unsharded) parameters, as a checkpoint holds."""
+    spec = optimizer_spec(cfg.name)
+    return sum(state_bytes(spec, n, s, prod(s), cfg, sections) for n, s in named_shapes)
+
+
+def _check(job) -> None:
+    from titan.config.manager import did_you_mean, require
+
+    name = job.optimizer.name
+    require(job, name in _OPTIMIZERS, "optimizer.name",
+            f"no such optimizer; registered: {', '.join(_OPTIMIZERS)}"
+            f"{did_you_mean(name, list(_OPTIMIZERS))}")
+    spec = _OPTIMIZERS[name]
+    if spec.check:
+        spec.check(job)
+
+
+extensions.register_check(_check)

@@ -1,0 +1,102 @@
+"""What is added to titan without editing it: config sections, config checks, and the modules
+that register them (titan's own optimizers and metrics writers, and plugins).
+
+A module registers here when imported; titan's own are named in BUILTIN and imported on first
+use, a plugin's by `--job.custom_import` (imported by the launcher and by every worker before
+the config is parsed, so its sections appear in `--help` and are checked like titan's own).
+Everything here is torch-free: a config is checked before torch is imported.
+"""
+
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+# titan's own registrations, loaded like plugins are (optimizers, metrics writers)
+BUILTIN = ("titan.components.optim.builtin",)
+
+_SECTIONS: dict[str, type] = {}
+_CHECKS: list[Callable] = []
+_loaded = False
+
+
+def register_section(name: str, options_cls: type) -> None:
+    """`[name]` in TOML and `--name.key` on the command line, from a dataclass whose fields
+    are made with `titan.config.job_config.opt` (their docs are --help's lines)."""
+    if not dataclasses.is_dataclass(options_cls):
+        raise TypeError(f"section {name!r} must be a dataclass, got {options_cls!r}")
+    _SECTIONS[name] = options_cls
+
+
+def unregister_section(name: str) -> None:
+    _SECTIONS.pop(name, None)
+
+
+def register_check(check: Callable) -> None:
+    """`check(cfg)` runs after titan's own config checks; it raises ConfigError (through
+    titan.config.manager.require, which names the key and where its value came from)."""
+    if check not in _CHECKS:
+        _CHECKS.append(check)
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            importlib.import_module(module)
+
+
+def sections() -> dict[str, object]:
+    """A fresh instance of every registered section, by name."""
+    _load_builtin()
+    return {name: cls() for name, cls in _SECTIONS.items()}
+
+
+def checks() -> list[Callable]:
+    _load_builtin()
+    return list(_CHECKS)
+
+
+class PluginImportError(ImportError):
+    """A --job.custom_import that names no importable module; the message says which."""
+
+
+def import_plugin(name: str):
+    """Import a plugin: a dotted module on sys.path, or a path to a .py file."""
+    if name.endswith(".py") or "/" in name:
+        path = Path(name).resolve()
+        if not path.is_file():
+            raise PluginImportError(
+                f"job.custom_import {name!r}: no such file; pass a .py file or a dotted module "
+                "on PYTHONPATH")
+        module_name = f"titan_plugin_{path.stem}"
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and name.startswith(e.name):
+            raise PluginImportError(
+                f"job.custom_import {name!r}: no module {e.name!r} on sys.path; add its folder "
+                "to PYTHONPATH or pass the path of its .py file") from None
+        raise
+
+
+def plugins_in(argv: list[str]) -> list[str]:
+    """The --job.custom_import values of a command line (before it is parsed: the plugins
+    they name may add the sections the rest of it sets)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--job.custom_import="):
+            out += arg.split("=", 1)[1].split(",")
+        elif arg == "--job.custom_import" and i + 1 < len(argv):
+            out += argv[i + 1].split(",")
+    return [p.strip() for p in out if p.strip()]
