@@ -54,6 +54,12 @@ LAYOUTS.update({
     "pp2_fsdp2_bf16": (4, [*BF16, "--parallelism.pipeline_parallel_degree", "2"]),
     "fsdp2_float8_bf16_full_ac": (2, [*F8, *BF16, *AC["full"]]),
 })
+# Muon: a momentum buffer per matrix, AdamW's states for the rest (titan.components.optim)
+MUON = ["--optimizer.name", "Muon"]
+LAYOUTS.update({
+    "muon_fsdp2_tp2": (4, [*MUON, "--parallelism.tensor_parallel_degree", "2"]),
+    "muon_pp2_tied": (2, [*MUON, *LAYOUTS["pp2_1f1b_tied"][1]]),
+})
 # Qwen3-MoE: experts sharded by FSDP, router and experts whole on each TP rank; the routing
 # bias (a buffer) is no parameter; bf16 takes the per-expert loop, float32 the grouped GEMM
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
