@@ -147,6 +147,7 @@ class Trainer:
             max_over_ranks=self._max_over_ranks, resume_step=self.step if resumed else None,
             run_config=dataclasses.asdict(job),
             rank_times=RankTimes.build(m, rank=self.rank, world_size=self.world_size),
+            sections=job.extensions,
         )
         self.validator = self._validator() if job.validation.enable else None
         self.memory_snapshot = MemorySnapshot.build(job.profiling, dump_folder=job.job.dump_folder,

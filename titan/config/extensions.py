@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # titan's own registrations, loaded like plugins are (optimizers, metrics writers)
-BUILTIN = ("titan.components.optim.builtin",)
+BUILTIN = ("titan.components.optim.builtin", "titan.components.observability.writers")
 
 _SECTIONS: dict[str, type] = {}
 _CHECKS: list[Callable] = []

@@ -1,18 +1,11 @@
 """What the observability settings need, checked before launch."""
 
-from titan.config import ConfigError, JobConfig
+from titan.config import JobConfig
 from titan.config.manager import require
 
 
 def check_observability(job: JobConfig, device: str) -> None:
     """`device`: "cuda" or "cpu", the run's device type."""
-    if job.metrics.enable_wandb:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            from titan.components.observability.wandb_writer import MISSING
-
-            raise ConfigError(MISSING) from None
     p = job.profiling
     require(job, not p.enable_memory_snapshot or device == "cuda",
             "profiling.enable_memory_snapshot",

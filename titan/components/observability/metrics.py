@@ -1,10 +1,8 @@
-"""Training metrics to the console, TensorBoard, Weights & Biases and
-`<dump_folder>/metrics.jsonl`.
-
-Tools and tests read the JSONL (one object per logged step); the console line is for people.
+"""Training metrics: a line on the console for people, and each logged step's figures to the
+run's metrics writers (metrics.jsonl, which tools and tests read, TensorBoard, W&B, any
+registered one: titan.components.observability.writers).
 """
 
-import json
 import logging
 import os
 import resource
@@ -13,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from titan.components.observability.writers import WriterContext, build_writers
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +60,6 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def _truncate_history(path: str, keep_until: int | None) -> None:
-    if keep_until is None or not os.path.exists(path):
-        if os.path.exists(path):
-            os.remove(path)
-        return
-    with open(path) as f:
-        kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= keep_until]
-    with open(path, "w") as f:
-        f.writelines(kept)
-
-
 @dataclass
 class _Window:
     """What happened since the last logged step."""
@@ -91,12 +80,14 @@ class MetricsLogger:
     `max_over_ranks(value)` is a collective giving the largest value over all ranks;
     `resume_step` keeps the history of a resumed run up to that step; `run_config` (the
     merged job config as a dict) is the W&B run's config; `rank_times` (a RankTimes) adds
-    every rank's own step time to each record.
+    every rank's own step time to each record; `sections` are the job's added config
+    sections, where a registered writer finds its own.
     """
 
     def __init__(self, cfg, *, dump_folder: str, rank: int, device: torch.device,
                  flops_per_token: float, peak_flops: float | None, resume_step: int | None = None,
-                 max_over_ranks=None, run_config: dict | None = None, rank_times=None):
+                 max_over_ranks=None, run_config: dict | None = None, rank_times=None,
+                 sections: dict | None = None):
         self.log_freq = cfg.log_freq
         self.device = device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -107,30 +98,12 @@ class MetricsLogger:
         self.max_over_ranks = max_over_ranks
         self.rank_times = rank_times
         self.window = _Window()
-        self.tb = None
-        self.wandb = None
-        self.jsonl = None
+        self.writers = []
         if not self.enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
-        # a fresh run starts the history anew; a resumed run continues it from its checkpoint,
-        # dropping what a crashed run logged after that step
-        path = os.path.join(dump_folder, "metrics.jsonl")
-        self.val_jsonl_path = os.path.join(dump_folder, "validation.jsonl")
-        for p in (path, self.val_jsonl_path):
-            _truncate_history(p, resume_step)
-        self.jsonl = open(path, "a")
-        if cfg.enable_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            self.tb = SummaryWriter(os.path.join(dump_folder, cfg.save_tb_folder, stamp,
-                                                 f"rank_{rank}"))
-        if cfg.enable_wandb:
-            from titan.components.observability.wandb_writer import WandbWriter
-
-            self.wandb = WandbWriter(cfg, dump_folder=dump_folder, config=run_config or {},
-                                     resumed=resume_step is not None)
+        self.writers = build_writers(cfg, sections or {}, WriterContext(
+            dump_folder=dump_folder, resume_step=resume_step, run_config=run_config or {}))
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
@@ -169,21 +142,11 @@ class MetricsLogger:
             **extra,
         }
         self.window = _Window()
-        if self.enabled:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
-            scalars = {f"train/{k}": v for k, v in record.items()
-                       if k != "step" and isinstance(v, (int, float))}
-            if self.tb is not None:
-                for k, v in scalars.items():
-                    self.tb.add_scalar(k, v, step)
-                for k, v in histograms.items():
-                    self._add_distribution(f"train/{k}", v, step)
-                self.tb.flush()
-            if self.wandb is not None:
-                self.wandb.scalars(scalars, step)
-                for k, v in histograms.items():
-                    self.wandb.distribution(f"train/{k}", v, step)
+        scalars = {f"train/{k}": v for k, v in record.items() if k != "step"}
+        for writer in self.writers:
+            writer.scalars(step, scalars)
+            for k, v in histograms.items():
+                writer.distribution(step, f"train/{k}", v)
         # each rank prints its own line (memory differs per rank); LOG_RANK picks what is shown
         c = self.color
         logger.info(
@@ -197,21 +160,6 @@ class MetricsLogger:
         )
         return record
 
-    def _add_distribution(self, tag: str, values: list[float], step: int) -> None:
-        """Values indexed by position (an expert's share of a layer's tokens): a histogram of
-        the positions weighted by the values, so TensorBoard draws the load over experts."""
-        import numpy as np
-
-        n = len(values)
-        edges = np.arange(n + 1, dtype=np.float64) - 0.5
-        counts = np.asarray(values, dtype=np.float64)
-        positions = np.arange(n, dtype=np.float64)
-        total = counts.sum()
-        self.tb.add_histogram_raw(
-            tag, min=0, max=n - 1, num=total, sum=float((positions * counts).sum()),
-            sum_squares=float((positions ** 2 * counts).sum()), bucket_limits=edges[1:].tolist(),
-            bucket_counts=counts.tolist(), global_step=step)
-
     def _memory(self) -> dict[str, float]:
         mem = memory_gib(self.device)
         if self.max_over_ranks is not None:
@@ -221,14 +169,8 @@ class MetricsLogger:
     def log_validation(self, step: int, loss: float, steps: int) -> None:
         if not self.enabled:
             return
-        record = {"step": step, "val_loss": loss, "val_batches": steps}
-        with open(self.val_jsonl_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            self.tb.add_scalar("validation/loss", loss, step)
-            self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.scalars({"validation/loss": loss}, step)
+        for writer in self.writers:
+            writer.scalars(step, {"validation/loss": loss, "validation/batches": steps})
         logger.info(f"validation  step: {step:>6}  loss: {loss:8.4f}  batches: {steps}")
 
     def exclude(self, seconds: float) -> None:
@@ -236,9 +178,6 @@ class MetricsLogger:
         self.window.excluded_s += seconds
 
     def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.close()
+        for writer in self.writers:
+            writer.close()
+        self.writers = []

@@ -18,13 +18,15 @@ MISSING = "metrics.enable_wandb needs the wandb package: pip install 'titan[wand
 
 
 class WandbWriter:
-    """`cfg` is the metrics section; `config` the merged job config as a nested dict."""
+    """A metrics writer (titan.components.observability.writers); `cfg` is the metrics
+    section, and the run's config the context's merged job config."""
 
-    def __init__(self, cfg, *, dump_folder: str, config: dict, resumed: bool):
+    def __init__(self, cfg, options, context):
         import wandb
 
-        folder = Path(dump_folder)
+        folder = Path(context.dump_folder)
         id_file = folder / RUN_ID_FILE
+        resumed = context.resume_step is not None
         run_id = (id_file.read_text().strip() if resumed and id_file.exists()
                   else uuid.uuid4().hex[:12])
         id_file.write_text(run_id + "\n")
@@ -34,17 +36,18 @@ class WandbWriter:
         self.run = wandb.init(
             project=cfg.wandb_project, entity=cfg.wandb_entity,
             name=cfg.wandb_run_name or folder.resolve().name, tags=list(cfg.wandb_tags) or None,
-            config=config, id=run_id, resume="allow", dir=str(folder),
+            config=context.run_config, id=run_id, resume="allow", dir=str(folder),
             settings=wandb.Settings(silent=True))
         where = (f"offline, in {folder / 'wandb'} (wandb sync to upload)" if self.run.offline
                  else self.run.url)
         logger.info("W&B run %s (%s): %s; id kept in %s", self.run.name, self.run.id, where,
                     id_file)
 
-    def scalars(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
+    def scalars(self, step: int, values: dict) -> None:
+        self.run.log({k: v for k, v in values.items() if isinstance(v, (int, float))},
+                     step=step)
 
-    def distribution(self, tag: str, values: list[float], step: int) -> None:
+    def distribution(self, step: int, tag: str, values: list[float]) -> None:
         """Values indexed by position (an expert's share of a layer's tokens), drawn as a
         histogram over the positions, as TensorBoard's."""
         edges = [i - 0.5 for i in range(len(values) + 1)]
