@@ -115,10 +115,10 @@ def main() -> None:
     argv = sys.argv[1:]
     sep = argv.index("--") if "--" in argv else len(argv)
     torchrun_args, trainer_args = argv[:sep], argv[sep + 1:]
-    if "--help" in trainer_args or "-h" in trainer_args:
-        print_out(help_text())
-        sys.exit(0)
     try:
+        if "--help" in trainer_args or "-h" in trainer_args:
+            print_out(help_text(trainer_args))
+            sys.exit(0)
         job = parse_args(trainer_args)
         from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 

@@ -433,11 +433,11 @@ FINAL_ERRORS = {ConfigError: ("config error", 2), DataError: ("data error", 2),
 def main(argv: list[str] | None = None) -> None:
     interrupts.install()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print_out(help_text())
-        sys.exit(0)
     init_logging()
     try:
+        if "--help" in argv or "-h" in argv:
+            print_out(help_text(with_config_file(argv)))
+            sys.exit(0)
         # run_train.sh names a config; without one, this entry trains what run_train.sh would
         job = parse_args(with_config_file(argv))
         plan = plan_run(job)

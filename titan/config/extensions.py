@@ -41,6 +41,11 @@ def register_check(check: Callable) -> None:
         _CHECKS.append(check)
 
 
+def unregister_check(check: Callable) -> None:
+    if check in _CHECKS:
+        _CHECKS.remove(check)
+
+
 def _load_builtin() -> None:
     global _loaded
     if not _loaded:

@@ -429,7 +429,9 @@ def _valid_selective_ac(option: str) -> bool:
 TEST_HOOK_SECTIONS = ("debug",)
 
 
-def help_text() -> str:
+def help_text(argv: list[str] = ()) -> str:
+    """--help's text, with the sections of the plugins `argv` imports."""
+    import_plugins(list(argv))
     cfg = JobConfig()
     lines = [
         "usage: ./run_train.sh [--section.key VALUE | --section.key=VALUE | --section.flag |"
