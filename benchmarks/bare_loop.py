@@ -31,18 +31,26 @@ def main() -> None:
     args = ap.parse_args()
 
     tok = Tokenizer("assets/tokenizer/tokenizer.json")
-    margs = LLAMA3_FLAVORS[args.flavor].with_updates(vocab_size=tok.vocab_size,
-                                                     max_seq_len=args.seq_len)
-    loader = build_text_dataloader(dataset="kjv", dataset_path=None, tokenizer=tok,
-                                   seq_len=args.seq_len, local_batch_size=args.batch,
-                                   global_batch_size=args.batch, shard=DataShard(),
-                                   seed=args.seed)
+    margs = LLAMA3_FLAVORS[args.flavor].with_updates(
+        vocab_size=tok.vocab_size, max_seq_len=args.seq_len
+    )
+    loader = build_text_dataloader(
+        dataset="kjv",
+        dataset_path=None,
+        tokenizer=tok,
+        seq_len=args.seq_len,
+        local_batch_size=args.batch,
+        global_batch_size=args.batch,
+        shard=DataShard(),
+        seed=args.seed,
+    )
     with torch.device("meta"):
         model = Transformer(margs)
     model.to_empty(device="cpu")
     model.init_weights(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )
     it = iter(loader)
     t0 = None
     for step in range(1, args.steps + 1):

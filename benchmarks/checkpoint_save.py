@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import titan.components.checkpoint.integrity as checkpoint_integrity  # noqa: E402
 import titan.components.checkpoint.checkpointer as checkpointer  # noqa: E402
+import titan.components.checkpoint.integrity as checkpoint_integrity  # noqa: E402
 from titan.components.checkpoint.checkpointer import Checkpointer, local_state_bytes  # noqa: E402
-from titan.components.optim.optimizer import build_optimizer  # noqa: E402
 from titan.components.checkpoint.train_state import ModelState, TrainState  # noqa: E402
+from titan.components.optim.optimizer import build_optimizer  # noqa: E402
 from titan.config.job_config import Optimizer  # noqa: E402
 from titan.distributed import init_distributed, pick_device  # noqa: E402
 from titan.logging_setup import init_logging  # noqa: E402
@@ -59,8 +59,15 @@ class TimedCrc:
 
 
 def checkpoint_cfg(mode: str) -> SimpleNamespace:
-    return SimpleNamespace(enable=True, folder="checkpoint", interval=1, keep_latest_k=1,
-                           async_mode=mode, last_save_model_only=False, export_dtype="float32")
+    return SimpleNamespace(
+        enable=True,
+        folder="checkpoint",
+        interval=1,
+        keep_latest_k=1,
+        async_mode=mode,
+        last_save_model_only=False,
+        export_dtype="float32",
+    )
 
 
 class Loop:
@@ -100,15 +107,22 @@ def timed_save(loop: Loop, ck: Checkpointer, step: int, base: float) -> tuple[fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--flavor", default="1B")
-    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"],
-                    help="sgd keeps no state (model-only checkpoint); adamw adds 2x the model")
+    ap.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=["sgd", "adamw"],
+        help="sgd keeps no state (model-only checkpoint); adamw adds 2x the model",
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--saves", type=int, default=2, help="timed saves per mode")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
-    ap.add_argument("--sync-only", action="store_true",
-                    help="only the two sync modes: the checksums' cost, e.g. with --dir "
-                    "/dev/shm, where no disk's write-back varies the figures")
+    ap.add_argument(
+        "--sync-only",
+        action="store_true",
+        help="only the two sync modes: the checksums' cost, e.g. with --dir "
+        "/dev/shm, where no disk's write-back varies the figures",
+    )
     args = ap.parse_args()
 
     init_logging()  # the checkpointer logs what each save blocked and waited
@@ -127,7 +141,8 @@ def main() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)  # stateless
     else:
         opt = states["optimizer"] = build_optimizer(
-            [model], Optimizer(lr=1e-6, weight_decay=0.0, implementation="foreach"), {})
+            [model], Optimizer(lr=1e-6, weight_decay=0.0, implementation="foreach"), {}
+        )
     loop = Loop(model, opt, args.batch, args.seq_len, margs.vocab_size, device)
 
     loop.step()  # warm-up; materializes optimizer state
@@ -141,10 +156,13 @@ def main() -> None:
         modes = [("sync, no checksums", "disabled"), ("sync", "disabled"), ("async", "async")]
         for name, mode in modes[:2] if args.sync_only else modes:
             checkpointer.ChecksummingWriter = (
-                torch.distributed.checkpoint.FileSystemWriter if "no checksums" in name
-                else checksumming)
-            ck = Checkpointer(checkpoint_cfg(mode), dump_folder=os.path.join(tmp, mode),
-                              states=states, rank=0)
+                torch.distributed.checkpoint.FileSystemWriter
+                if "no checksums" in name
+                else checksumming
+            )
+            ck = Checkpointer(
+                checkpoint_cfg(mode), dump_folder=os.path.join(tmp, mode), states=states, rank=0
+            )
             if mode == "async":
                 loop.step()
                 rows.append(("async, first save", *timed_save(loop, ck, 0, base)))
@@ -160,19 +178,22 @@ def main() -> None:
         checkpointer.ChecksummingWriter = checksumming
 
     what = "model + AdamW" if args.optimizer == "adamw" else "model"
-    print(f"\n{args.flavor} ({margs.num_params() / 1e9:.2f}B params), {gib:.1f} GiB of state "
-          f"({what}), device {device}, torch {torch.__version__}, "
-          f"step {base:.2f}s (batch {args.batch} x seq {args.seq_len})")
+    print(
+        f"\n{args.flavor} ({margs.num_params() / 1e9:.2f}B params), {gib:.1f} GiB of state "
+        f"({what}), device {device}, torch {torch.__version__}, "
+        f"step {base:.2f}s (batch {args.batch} x seq {args.seq_len})"
+    )
     print(f"{'mode':<20} {'blocked s':>10} {'slowdown s':>11} {'save done s':>12}")
     for mode, b, slow, done in rows:
         print(f"{mode:<20} {b:>10.2f} {slow:>11.2f} {done:>12.2f}")
     plain_b, sync_b, async_b = rows[0][1], rows[1][1], rows[-1][1]
-    print(f"checksums add {sync_b - plain_b:+.2f}s to a sync save "
-          f"({100 * (sync_b - plain_b) / plain_b:+.1f}%), of which CRC-32 itself {crc_s:.2f}s "
-          f"({100 * crc_s / sync_b:.1f}% of the sync save)")
+    print(
+        f"checksums add {sync_b - plain_b:+.2f}s to a sync save "
+        f"({100 * (sync_b - plain_b) / plain_b:+.1f}%), of which CRC-32 itself {crc_s:.2f}s "
+        f"({100 * crc_s / sync_b:.1f}% of the sync save)"
+    )
     if not args.sync_only:
-        print(f"async blocks training {100 * async_b / sync_b:.1f}% of a sync save "
-              "(target < 10%)")
+        print(f"async blocks training {100 * async_b / sync_b:.1f}% of a sync save (target < 10%)")
     torch.distributed.destroy_process_group()
 
 

@@ -27,9 +27,16 @@ from titan.tools.loss_compare import launch, read_metrics  # noqa: E402
 def loader_tps(shards: Path, args) -> float:
     tok = Tokenizer(str(REPO_ROOT / "assets/tokenizer/tokenizer.json"))
     dl = build_text_dataloader(
-        dataset="kjv", dataset_path=str(shards), tokenizer=tok, seq_len=args.seq_len,
-        local_batch_size=args.batch, global_batch_size=args.batch, shard=DataShard(),
-        seed=0, workers=Workers(args.workers, 2))
+        dataset="kjv",
+        dataset_path=str(shards),
+        tokenizer=tok,
+        seq_len=args.seq_len,
+        local_batch_size=args.batch,
+        global_batch_size=args.batch,
+        shard=DataShard(),
+        seed=0,
+        workers=Workers(args.workers, 2),
+    )
     it = iter(dl)
     for _ in range(10):  # worker start-up
         next(it)
@@ -40,39 +47,64 @@ def loader_tps(shards: Path, args) -> float:
 
 
 def trainer_tps(shards: Path, dump: Path, args) -> float:
-    launch(1, ["--training.dataset_path", str(shards), "--training.steps", str(args.steps),
-               "--training.seq_len", str(args.seq_len),
-               "--training.local_batch_size", str(args.batch),
-               "--training.dataloader_num_workers", str(args.workers),
-               "--metrics.log_freq", "10", "--metrics.no_enable_tensorboard"], dump, timeout=1800)
+    launch(
+        1,
+        [
+            "--training.dataset_path",
+            str(shards),
+            "--training.steps",
+            str(args.steps),
+            "--training.seq_len",
+            str(args.seq_len),
+            "--training.local_batch_size",
+            str(args.batch),
+            "--training.dataloader_num_workers",
+            str(args.workers),
+            "--metrics.log_freq",
+            "10",
+            "--metrics.no_enable_tensorboard",
+        ],
+        dump,
+        timeout=1800,
+    )
     return statistics.fmean(r["tps"] for r in read_metrics(dump) if r["step"] > 10)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workers", type=int, default=2, help="loader worker processes")
     ap.add_argument("--batches", type=int, default=400, help="batches the loader alone reads")
     ap.add_argument("--steps", type=int, default=30, help="trainer steps (first 10 excluded)")
     ap.add_argument("--seq_len", type=int, default=256, help="the debug config's seq_len")
     ap.add_argument("--batch", type=int, default=8, help="the debug config's local batch")
     args = ap.parse_args()
-    problem = (f"--steps {args.steps}: the first 10 steps are not timed; pass --steps 20 or more"
-               if args.steps <= 10 else  # the first 10 are start-up
-               "--workers must be >= 0 and --batches, --seq_len, --batch >= 1"
-               if min(args.workers + 1, args.batches, args.seq_len, args.batch) < 1 else None)
+    problem = (
+        f"--steps {args.steps}: the first 10 steps are not timed; pass --steps 20 or more"
+        if args.steps <= 10
+        # the first 10 are start-up
+        else "--workers must be >= 0 and --batches, --seq_len, --batch >= 1"
+        if min(args.workers + 1, args.batches, args.seq_len, args.batch) < 1
+        else None
+    )
     if problem:
         print(f"data_loader.py: {problem}", file=sys.stderr)
         sys.exit(2)
     with tempfile.TemporaryDirectory() as tmp:
         shards = Path(tmp) / "kjv_shards"
-        subprocess.run([sys.executable, str(REPO_ROOT / "scripts/pretokenize.py"), "kjv",
-                        str(shards)], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, str(REPO_ROOT / "scripts/pretokenize.py"), "kjv", str(shards)],
+            check=True,
+            capture_output=True,
+        )
         loader = loader_tps(shards, args)
         trainer = trainer_tps(shards, Path(tmp) / "run", args)
-    print(f"| what | tokens/s |\n|---|---:|\n| loader alone, {args.workers} workers | "
-          f"{loader:,.0f} |\n| trainer, debug model, 1 rank | {trainer:,.0f} |\n"
-          f"| headroom (loader / trainer) | {loader / trainer:,.0f}x |")
+    print(
+        f"| what | tokens/s |\n|---|---:|\n| loader alone, {args.workers} workers | "
+        f"{loader:,.0f} |\n| trainer, debug model, 1 rank | {trainer:,.0f} |\n"
+        f"| headroom (loader / trainer) | {loader / trainer:,.0f}x |"
+    )
 
 
 if __name__ == "__main__":

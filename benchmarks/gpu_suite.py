@@ -80,33 +80,70 @@ print(json.dumps({"device_name": name, "torch": torch.__version__,
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                    help="where the rows run (default cuda; cpu only with --tiny)")
-    ap.add_argument("--tiny", action="store_true",
-                    help="the dry run: debug-sized stand-ins for every row, a few fp32 steps")
-    ap.add_argument("--out", default=None,
-                    help="JSON file for the figures "
-                         "(default outputs/gpu_suite/<device>[_tiny].json)")
-    ap.add_argument("--rows", default=",".join(KINDS),
-                    help=f"comma-separated row kinds to run, of {','.join(KINDS)} (default all)")
-    ap.add_argument("--cut-layers", type=int, default=8,
-                    help="layers of the 8B shape: 8 keep model, AdamW state and seq_len-8192 "
-                         "activations within an 80 GB H100 in every row (default 8)")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="training steps per train/peer row (default 20; tiny 6)")
-    ap.add_argument("--peer-attention", choices=["flex", "sdpa"], default="flex",
-                    help="torchtitan 0.3's attention on the GPU: flex (what it ships for its "
-                         "language models) or causal SDPA (titan's kernels); CPU: always sdpa")
-    ap.add_argument("--peer-args", default="",
-                    help="extra torchtitan CLI overrides for every peer row, e.g. "
-                         "'--training.disable_cuda_graphs'")
-    ap.add_argument("--tests", default=None,
-                    help="pytest arguments of the tests row (default: the gpu-marked tests and "
-                         "the debug model's learning run; tiny: one preflight test)")
-    ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds one row may take before it is killed (default 300; tiny 180)")
-    ap.add_argument("--keep", action="store_true",
-                    help="keep the rows' dump folders (logs, metrics, checkpoints)")
+    ap.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="where the rows run (default cuda; cpu only with --tiny)",
+    )
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the dry run: debug-sized stand-ins for every row, a few fp32 steps",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON file for the figures (default outputs/gpu_suite/<device>[_tiny].json)",
+    )
+    ap.add_argument(
+        "--rows",
+        default=",".join(KINDS),
+        help=f"comma-separated row kinds to run, of {','.join(KINDS)} (default all)",
+    )
+    ap.add_argument(
+        "--cut-layers",
+        type=int,
+        default=8,
+        help="layers of the 8B shape: 8 keep model, AdamW state and seq_len-8192 "
+        "activations within an 80 GB H100 in every row (default 8)",
+    )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps per train/peer row (default 20; tiny 6)",
+    )
+    ap.add_argument(
+        "--peer-attention",
+        choices=["flex", "sdpa"],
+        default="flex",
+        help="torchtitan 0.3's attention on the GPU: flex (what it ships for its "
+        "language models) or causal SDPA (titan's kernels); CPU: always sdpa",
+    )
+    ap.add_argument(
+        "--peer-args",
+        default="",
+        help="extra torchtitan CLI overrides for every peer row, e.g. "
+        "'--training.disable_cuda_graphs'",
+    )
+    ap.add_argument(
+        "--tests",
+        default=None,
+        help="pytest arguments of the tests row (default: the gpu-marked tests and "
+        "the debug model's learning run; tiny: one preflight test)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds one row may take before it is killed (default 300; tiny 180)",
+    )
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the rows' dump folders (logs, metrics, checkpoints)",
+    )
     args = ap.parse_args(argv)
     kinds = set(args.rows.split(","))
     if not kinds <= set(KINDS):
@@ -115,15 +152,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--device cpu runs only the dry run: add --tiny")
     args.kinds = kinds
     args.timeout = args.timeout or (180 if args.tiny else 300)
-    args.out = Path(args.out or REPO_ROOT / "outputs" / "gpu_suite"
-                    / f"{args.device}{'_tiny' if args.tiny else ''}.json")
+    args.out = Path(
+        args.out
+        or REPO_ROOT / "outputs" / "gpu_suite" / f"{args.device}{'_tiny' if args.tiny else ''}.json"
+    )
     return args
 
 
 def child_env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     # no network on the GPU machine; the bundled corpus and tokenizer are local
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))  # one rank: every core
@@ -156,8 +194,9 @@ def run(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[int, str]
     to `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -183,8 +222,9 @@ def peer_inputs(work: Path) -> tuple[Path, Path]:
     data.mkdir(exist_ok=True)
     src = REPO_ROOT / "assets" / "tokenizer" / "tokenizer.json"
     (tok / "tokenizer.json").write_bytes(src.read_bytes())
-    (tok / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    (tok / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
+    )
     corpus = REPO_ROOT / "assets" / "corpus" / "kjv_train.jsonl"
     text = "\n\n".join(json.loads(x)["text"] for x in corpus.read_text().splitlines() if x)
     (data / "train.jsonl").write_text(json.dumps({"text": text}) + "\n")
@@ -199,13 +239,20 @@ def run_row(row, ctx: dict) -> dict:
     if row.kind in ("train", "checkpoint"):
         margs = model_args(row.shape, ctx["vocab"], row.seq_len, row.model)
         peak = peaks["datasheet"] or peaks["matmul"]
-        code, tail = run(titan_side.command(row, dump, peak, args.device), env,
-                         dump / "console.log", args.timeout)
+        code, tail = run(
+            titan_side.command(row, dump, peak, args.device),
+            env,
+            dump / "console.log",
+            args.timeout,
+        )
         if code != 0:
             res["status"], res["log_tail"] = failure(code, tail, args.timeout), tail
         elif row.kind == "train":
-            res.update(report.training_figures(read_metrics(dump), row.warmup,
-                                               margs.flops_per_token(row.seq_len), peaks))
+            res.update(
+                report.training_figures(
+                    read_metrics(dump), row.warmup, margs.flops_per_token(row.seq_len), peaks
+                )
+            )
         else:
             res.update(report.checkpoint_figures(titan_side.read_checkpoint_times(dump)))
             if row.checkpoint_mode != "disabled" and not res["ran_async"]:
@@ -216,20 +263,28 @@ def run_row(row, ctx: dict) -> dict:
             res["status"] = ctx["peer_status"]
         else:
             margs = model_args(row.shape, ctx["vocab"], row.seq_len)
-            spec = peer_side.peer_spec(row, margs, args.device, *ctx["peer_inputs"], dump,
-                                       args.peer_attention)
+            spec = peer_side.peer_spec(
+                row, margs, args.device, *ctx["peer_inputs"], dump, args.peer_attention
+            )
             cmd, extra_env = peer_side.command(spec, shlex.split(args.peer_args))
             code, tail = run(cmd, {**env, **extra_env}, dump / "console.log", args.timeout)
             if code != 0:
                 res["status"], res["log_tail"] = failure(code, tail, args.timeout), tail
             else:
-                res.update(report.training_figures(peer_side.read_metrics(dump), row.warmup,
-                                                   margs.flops_per_token(row.seq_len), peaks))
+                res.update(
+                    report.training_figures(
+                        peer_side.read_metrics(dump),
+                        row.warmup,
+                        margs.flops_per_token(row.seq_len),
+                        peaks,
+                    )
+                )
             res["torchtitan"] = ctx["peer_version"]
     else:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *row.pytest_args]
-        code, tail = run(cmd, {**env, "TITAN_TEST_DEVICE": args.device}, dump / "console.log",
-                         args.timeout)
+        code, tail = run(
+            cmd, {**env, "TITAN_TEST_DEVICE": args.device}, dump / "console.log", args.timeout
+        )
         counts = re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|deselected)", tail)
         res["counts"] = {k: int(n) for n, k in counts}
         res["summary"] = ", ".join(f"{n} {k}" for n, k in counts) or "no summary"
@@ -242,59 +297,100 @@ def run_row(row, ctx: dict) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     env = child_env()
-    rows = plan(args.device, args.tiny, args.cut_layers, args.steps, args.kinds,
-                shlex.split(args.tests) if args.tests is not None else None)
+    rows = plan(
+        args.device,
+        args.tiny,
+        args.cut_layers,
+        args.steps,
+        args.kinds,
+        shlex.split(args.tests) if args.tests is not None else None,
+    )
     started = time.perf_counter()
     # the orchestrator holds no CUDA context: the peak is measured in a process of its own
     n, dtype = (8192, "bfloat16") if args.device == "cuda" else (512, "float32")
-    p = subprocess.run([sys.executable, "-c", PEAK_CODE, args.device, str(n), dtype], env=env,
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", PEAK_CODE, args.device, str(n), dtype],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or ["?"])[-1]
-        print(f"gpu_suite: cannot use device {args.device}: {last}"
-              + ("; without a GPU run the dry run, --device cpu --tiny"
-                 if args.device == "cuda" else ""), file=sys.stderr)
+        print(
+            f"gpu_suite: cannot use device {args.device}: {last}"
+            + (
+                "; without a GPU run the dry run, --device cpu --tiny"
+                if args.device == "cuda"
+                else ""
+            ),
+            file=sys.stderr,
+        )
         return 2
     info = json.loads(p.stdout.strip().splitlines()[-1])
     needed = {k: v for k, v in info["missing"].items() if k != "torchao"}
     if needed:  # no titan row could run: say so before spending device time
-        print(f"gpu_suite: titan's data stack does not import: {needed}; run "
-              "scripts/gpu_wheels.sh here and carry .whl (see --help)", file=sys.stderr)
+        print(
+            f"gpu_suite: titan's data stack does not import: {needed}; run "
+            "scripts/gpu_wheels.sh here and carry .whl (see --help)",
+            file=sys.stderr,
+        )
         return 2
     if "torchao" in info["missing"]:
         print(f"gpu_suite: float8 rows will fail: {info['missing']['torchao']}", flush=True)
     from titan.components.data.tokenizer import Tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="gpu_suite-"))
-    ctx = {"args": args, "env": env, "work": work, "done": [],
-           "vocab": Tokenizer(str(REPO_ROOT / "assets/tokenizer/tokenizer.json")).vocab_size,
-           "peaks": {"datasheet": info["datasheet_flops"], "matmul": info["matmul_flops"]},
-           "peer_version": None, "peer_status": ""}
+    ctx = {
+        "args": args,
+        "env": env,
+        "work": work,
+        "done": [],
+        "vocab": Tokenizer(str(REPO_ROOT / "assets/tokenizer/tokenizer.json")).vocab_size,
+        "peaks": {"datasheet": info["datasheet_flops"], "matmul": info["matmul_flops"]},
+        "peer_version": None,
+        "peer_status": "",
+    }
     if "peer" in args.kinds:
         ctx["peer_version"], ctx["peer_status"] = peer_side.probe(env)
         if not ctx["peer_status"]:
             ctx["peer_inputs"] = peer_inputs(work)
-    print(f"gpu_suite: {info['device_name']}, torch {info['torch']}, torchtitan "
-          f"{ctx['peer_version'] or ctx['peer_status']}; {dtype} {n}^3 matmul "
-          f"{_flops(info['matmul_flops'])}, datasheet {_flops(info['datasheet_flops'])}; "
-          f"{len(rows)} rows", flush=True)
+    print(
+        f"gpu_suite: {info['device_name']}, torch {info['torch']}, torchtitan "
+        f"{ctx['peer_version'] or ctx['peer_status']}; {dtype} {n}^3 matmul "
+        f"{_flops(info['matmul_flops'])}, datasheet {_flops(info['datasheet_flops'])}; "
+        f"{len(rows)} rows",
+        flush=True,
+    )
     for row in rows:
         try:
             res = run_row(row, ctx)
         except Exception as e:  # noqa: BLE001  one row's surprise must not lose the others
             res = {**row.as_dict(), "status": f"failed: {type(e).__name__}: {e}", "wall_s": 0.0}
         ctx["done"].append(res)
-        print(f"  {row.kind:<10} {row.name:<40} {res['status'][:70]:<20} {res['wall_s']:6.1f} s",
-              flush=True)
+        print(
+            f"  {row.kind:<10} {row.name:<40} {res['status'][:70]:<20} {res['wall_s']:6.1f} s",
+            flush=True,
+        )
     results = ctx["done"]
     report.compare(results)
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), **info,
-            "tiny": args.tiny, "device": args.device, "torchtitan": ctx["peer_version"],
-            "torchtitan_status": ctx["peer_status"] or "ok", "vocab_size": ctx["vocab"],
-            "wall_s": time.perf_counter() - started, "work_dir": str(work) if args.keep else None}
-    print(f"\n{info['device_name']}, torch {info['torch']}, {meta['date']}, "
-          f"{meta['wall_s']:.0f} s\n\n{report.table(results)}")
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        **info,
+        "tiny": args.tiny,
+        "device": args.device,
+        "torchtitan": ctx["peer_version"],
+        "torchtitan_status": ctx["peer_status"] or "ok",
+        "vocab_size": ctx["vocab"],
+        "wall_s": time.perf_counter() - started,
+        "work_dir": str(work) if args.keep else None,
+    }
+    print(
+        f"\n{info['device_name']}, torch {info['torch']}, {meta['date']}, "
+        f"{meta['wall_s']:.0f} s\n\n{report.table(results)}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
     print(f"\nwritten: {args.out}")

@@ -49,8 +49,9 @@ def model_args(shape: str, vocab_size: int, seq_len: int, model: str = "llama3")
     from titan.models.spec import get_train_spec
 
     base, layers = split_shape(shape)
-    args = get_train_spec(model).flavors[base].with_updates(vocab_size=vocab_size,
-                                                            max_seq_len=seq_len)
+    args = (
+        get_train_spec(model).flavors[base].with_updates(vocab_size=vocab_size, max_seq_len=seq_len)
+    )
     return args.with_updates(n_layers=layers) if layers else args
 
 
@@ -60,8 +61,14 @@ def _label(shape, dtype, float8, ac, compile_):
     return f"{shape} {prec} {ac_name}{' compile' if compile_ else ''}"
 
 
-def plan(device: str, tiny: bool, cut_layers: int, steps: int | None, kinds: set[str],
-         tests: list[str] | None) -> list[Row]:
+def plan(
+    device: str,
+    tiny: bool,
+    cut_layers: int,
+    steps: int | None,
+    kinds: set[str],
+    tests: list[str] | None,
+) -> list[Row]:
     """The rows in run order: each titan training row directly followed by its torchtitan
     peer, so drift of the machine hits both alike."""
     if tiny:
@@ -77,13 +84,26 @@ def plan(device: str, tiny: bool, cut_layers: int, steps: int | None, kinds: set
         moe = "16B_cut4"
         seq, big_batch, small_batch, n, warm, dtype = 8192, 1, 2, steps or 20, 8, "bfloat16"
         compile_rows = {0, 1, 2, 3}
-    train = [(big, False, "selective"), (big, False, "full"), (big, True, "selective"),
-             (small, False, "selective")]
+    train = [
+        (big, False, "selective"),
+        (big, False, "full"),
+        (big, True, "selective"),
+        (small, False, "selective"),
+    ]
     rows = []
     for i, (shape, f8, ac) in enumerate(train):
         c = i in compile_rows
-        common = dict(shape=shape, seq_len=seq, batch=big_batch if shape == big else small_batch,
-                      steps=n, warmup=warm, dtype=dtype, float8=f8, ac=ac, compile=c)
+        common = dict(
+            shape=shape,
+            seq_len=seq,
+            batch=big_batch if shape == big else small_batch,
+            steps=n,
+            warmup=warm,
+            dtype=dtype,
+            float8=f8,
+            ac=ac,
+            compile=c,
+        )
         label = _label(shape, dtype, f8, ac, c)
         if "train" in kinds:
             rows.append(Row("train", label, **common))
@@ -92,28 +112,55 @@ def plan(device: str, tiny: bool, cut_layers: int, steps: int | None, kinds: set
     if "train" in kinds:
         # an MoE (DeepSeek-V3, expert parallelism 1: one GPU) for the record; torchtitan's
         # side is only built for Llama shapes, so it has no peer row
-        rows.append(Row("train", f"DeepSeek-V3 {_label(moe, dtype, False, 'selective', False)}",
-                        shape=moe, model="deepseek_v3", seq_len=seq, batch=big_batch,
-                        steps=n, warmup=warm, dtype=dtype))
+        rows.append(
+            Row(
+                "train",
+                f"DeepSeek-V3 {_label(moe, dtype, False, 'selective', False)}",
+                shape=moe,
+                model="deepseek_v3",
+                seq_len=seq,
+                batch=big_batch,
+                steps=n,
+                warmup=warm,
+                dtype=dtype,
+            )
+        )
     if "checkpoint" in kinds:
         # saves every 2 steps: the first async save allocates (and pins) the staging buffers,
         # the last is always blocking; the ones between are the steady state compared
         async_mode = "async" if device == "cpu" else "async_with_pinned_mem"
         for mode in ("disabled", async_mode):
             what = "sync" if mode == "disabled" else mode
-            rows.append(Row("checkpoint", f"{ckpt_shape} save {what}",
-                            shape=ckpt_shape, seq_len=seq if tiny else 2048, batch=1,
-                            steps=5 if tiny else 7,
-                            dtype=dtype, ac="none", checkpoint_mode=mode))
+            rows.append(
+                Row(
+                    "checkpoint",
+                    f"{ckpt_shape} save {what}",
+                    shape=ckpt_shape,
+                    seq_len=seq if tiny else 2048,
+                    batch=1,
+                    steps=5 if tiny else 7,
+                    dtype=dtype,
+                    ac="none",
+                    checkpoint_mode=mode,
+                )
+            )
     if "tests" in kinds:
         if tests is None:
             # on the GPU: the gpu-marked tests and the debug model's learning run on CUDA;
             # no context-parallel test (one GPU has no peer rank); the train rows are the
             # bf16 smoke runs. --tests "-m 'integration or gpu' tests" runs them all (long)
-            tests = (["tests/unit/test_preflight.py::test_cuda_device_needs_a_gpu"] if tiny else
-                     ["-m", "integration or gpu", "tests/unit/test_preflight.py",
-                      "tests/unit/test_observability.py",
-                      "tests/integration/test_train_e2e.py::test_debug_model_learns_and_logs"])
-        rows.append(Row("tests", f"pytest on {device}: {' '.join(tests)}",
-                        pytest_args=tuple(tests)))
+            tests = (
+                ["tests/unit/test_preflight.py::test_cuda_device_needs_a_gpu"]
+                if tiny
+                else [
+                    "-m",
+                    "integration or gpu",
+                    "tests/unit/test_preflight.py",
+                    "tests/unit/test_observability.py",
+                    "tests/integration/test_train_e2e.py::test_debug_model_learns_and_logs",
+                ]
+            )
+        rows.append(
+            Row("tests", f"pytest on {device}: {' '.join(tests)}", pytest_args=tuple(tests))
+        )
     return rows

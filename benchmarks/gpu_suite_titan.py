@@ -19,14 +19,34 @@ REPO = Path(__file__).resolve().parents[1]
 
 def overrides(row, peak_flops: float, device: str) -> list[str]:
     """Trainer overrides for a train or checkpoint row."""
-    out = ["--model.name", row.model, "--model.flavor", row.shape, "--training.device", device,
-           "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.batch),
-           "--training.steps", str(row.steps), "--training.mixed_precision_param", row.dtype,
-           "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-           "--metrics.no_enable_tensorboard", "--metrics.peak_flops", f"{peak_flops:.6g}",
-           "--activation_checkpoint.mode", row.ac,
-           # per-op SAC: torchtitan 0.3's only selective mode (every other matmul recomputed)
-           "--activation_checkpoint.selective_ac_option", "op"]
+    out = [
+        "--model.name",
+        row.model,
+        "--model.flavor",
+        row.shape,
+        "--training.device",
+        device,
+        "--training.seq_len",
+        str(row.seq_len),
+        "--training.local_batch_size",
+        str(row.batch),
+        "--training.steps",
+        str(row.steps),
+        "--training.mixed_precision_param",
+        row.dtype,
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.no_enable_tensorboard",
+        "--metrics.peak_flops",
+        f"{peak_flops:.6g}",
+        "--activation_checkpoint.mode",
+        row.ac,
+        # per-op SAC: torchtitan 0.3's only selective mode (every other matmul recomputed)
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ]
     if row.compile:
         out.append("--compile.enable")
     if row.float8:
@@ -35,18 +55,36 @@ def overrides(row, peak_flops: float, device: str) -> list[str]:
         if device == "cpu":
             out.append("--float8.emulate")
     if row.checkpoint_mode:
-        out += ["--checkpoint.enable", "--checkpoint.interval", "2",
-                "--checkpoint.async_mode", row.checkpoint_mode, "--checkpoint.keep_latest_k", "1"]
+        out += [
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.async_mode",
+            row.checkpoint_mode,
+            "--checkpoint.keep_latest_k",
+            "1",
+        ]
     return out
 
 
 def command(row, dump: Path, peak_flops: float, device: str) -> list[str]:
     # the trainer's own launcher (run_train.sh) runs torchrun the same way, with `python`;
     # sys.executable is the interpreter that holds torch wherever `python` is missing
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            "--nproc_per_node=1", "--local-ranks-filter=0", "--role=rank", "--tee=3",
-            str(Path(__file__).resolve()), *overrides(row, peak_flops, device),
-            "--job.dump_folder", str(dump)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc_per_node=1",
+        "--local-ranks-filter=0",
+        "--role=rank",
+        "--tee=3",
+        str(Path(__file__).resolve()),
+        *overrides(row, peak_flops, device),
+        "--job.dump_folder",
+        str(dump),
+    ]
 
 
 def read_checkpoint_times(dump: Path) -> list[dict]:

@@ -37,12 +37,15 @@ NOT_INSTALLED = "not installed (run scripts/gpu_wheels.sh and carry .whl)"
 
 def probe(env: dict) -> tuple[str | None, str]:
     """(torchtitan version, '') when its trainer imports here, else (None, why not)."""
-    code = ("import importlib.util, importlib.metadata as m, sys\n"
-            "if importlib.util.find_spec('torchtitan') is None: sys.exit(3)\n"
-            "import torchtitan.train\n"
-            "print(m.version('torchtitan'))")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
+    code = (
+        "import importlib.util, importlib.metadata as m, sys\n"
+        "if importlib.util.find_spec('torchtitan') is None: sys.exit(3)\n"
+        "import torchtitan.train\n"
+        "print(m.version('torchtitan'))"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     if p.returncode == 3:
         return None, NOT_INSTALLED
     if p.returncode != 0:
@@ -51,29 +54,56 @@ def probe(env: dict) -> tuple[str | None, str]:
     return p.stdout.strip().splitlines()[-1], ""
 
 
-def peer_spec(row, args, device: str, tokenizer_dir: Path, data_dir: Path, dump: Path,
-              attention: str) -> dict:
+def peer_spec(
+    row, args, device: str, tokenizer_dir: Path, data_dir: Path, dump: Path, attention: str
+) -> dict:
     """Everything the entry needs, from the titan row and titan's model args for its shape."""
     return {
-        "device": device, "dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
-        "n_kv_heads": args.n_kv_heads, "vocab_size": args.vocab_size,
-        "ffn_hidden": args.ffn_hidden_dim, "multiple_of": args.multiple_of,
-        "ffn_dim_multiplier": args.ffn_dim_multiplier, "norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "rope_scaling": args.rope_scaling_factor,
-        "rope_low": args.rope_low_freq_factor, "rope_high": args.rope_high_freq_factor,
-        "rope_original_max_len": args.rope_original_max_len, "tied": args.tie_word_embeddings,
-        "seq_len": row.seq_len, "batch": row.batch, "steps": row.steps, "dtype": row.dtype,
-        "float8": row.float8, "ac": row.ac, "compile": row.compile,
+        "device": device,
+        "dim": args.dim,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "vocab_size": args.vocab_size,
+        "ffn_hidden": args.ffn_hidden_dim,
+        "multiple_of": args.multiple_of,
+        "ffn_dim_multiplier": args.ffn_dim_multiplier,
+        "norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling_factor,
+        "rope_low": args.rope_low_freq_factor,
+        "rope_high": args.rope_high_freq_factor,
+        "rope_original_max_len": args.rope_original_max_len,
+        "tied": args.tie_word_embeddings,
+        "seq_len": row.seq_len,
+        "batch": row.batch,
+        "steps": row.steps,
+        "dtype": row.dtype,
+        "float8": row.float8,
+        "ac": row.ac,
+        "compile": row.compile,
         "attention": "sdpa" if device == "cpu" else attention,
-        "tokenizer_dir": str(tokenizer_dir), "data_dir": str(data_dir), "dump": str(dump),
+        "tokenizer_dir": str(tokenizer_dir),
+        "data_dir": str(data_dir),
+        "dump": str(dump),
     }
 
 
 def command(spec: dict, extra: list[str]) -> tuple[list[str], dict]:
     """The torchrun command line and the environment variable holding the row."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           "--nproc_per_node=1", "--local-ranks-filter=0", "--role=rank", "--tee=3",
-           str(Path(__file__).resolve()), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc_per_node=1",
+        "--local-ranks-filter=0",
+        "--role=rank",
+        "--tee=3",
+        str(Path(__file__).resolve()),
+        *extra,
+    ]
     return cmd, {PEER_ENV: json.dumps(spec)}
 
 
@@ -81,8 +111,11 @@ def read_metrics(dump: Path) -> list[dict]:
     """Per-step records {step, loss, tps, memory_gib} from torchtitan's TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tags = {"loss_metrics/global_avg_loss": "loss", "throughput(tps)": "tps",
-            "memory/max_reserved(GiB)": "memory_gib"}
+    tags = {
+        "loss_metrics/global_avg_loss": "loss",
+        "throughput(tps)": "tps",
+        "memory/max_reserved(GiB)": "memory_gib",
+    }
     records: dict[int, dict] = {}
     for events in sorted(Path(dump).rglob("events.out.tfevents*")):
         acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
@@ -116,48 +149,83 @@ def suite_config():
     dim, vocab = s["dim"], s["vocab_size"]
     # the published configs' inits (private names of the pinned 0.3 release)
     layers = tt._build_llama3_layers(
-        fuse_qkv=True, n_layers=s["n_layers"], dim=dim, n_heads=s["n_heads"],
-        n_kv_heads=s["n_kv_heads"], hidden_dim=s["ffn_hidden"],
+        fuse_qkv=True,
+        n_layers=s["n_layers"],
+        dim=dim,
+        n_heads=s["n_heads"],
+        n_kv_heads=s["n_kv_heads"],
+        hidden_dim=s["ffn_hidden"],
         rope=ComplexRoPE.Config(
-            dim=dim // s["n_heads"], max_seq_len=s["seq_len"], theta=s["rope_theta"],
+            dim=dim // s["n_heads"],
+            max_seq_len=s["seq_len"],
+            theta=s["rope_theta"],
             scaling="llama" if s["rope_scaling"] else "none",
-            scaling_factor=s["rope_scaling"] or 8.0, low_freq_factor=s["rope_low"],
+            scaling_factor=s["rope_scaling"] or 8.0,
+            low_freq_factor=s["rope_low"],
             high_freq_factor=s["rope_high"],
-            original_max_position_embeddings=s["rope_original_max_len"]),
-        attn_backend="flex" if s["attention"] == "sdpa" else s["attention"])
+            original_max_position_embeddings=s["rope_original_max_len"],
+        ),
+        attn_backend="flex" if s["attention"] == "sdpa" else s["attention"],
+    )
     if s["attention"] == "sdpa":
         for layer in layers:  # causal SDPA: the trainer then builds no document masks
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
     model = tt.Llama3Model.Config(
-        dim=dim, vocab_size=vocab, enable_weight_tying=s["tied"],
+        dim=dim,
+        vocab_size=vocab,
+        enable_weight_tying=s["tied"],
         tok_embeddings=Embedding.Config(
-            num_embeddings=vocab, embedding_dim=dim,
-            param_init=tt._EMBEDDING_SKIP_INIT if s["tied"] else tt._EMBEDDING_INIT),
+            num_embeddings=vocab,
+            embedding_dim=dim,
+            param_init=tt._EMBEDDING_SKIP_INIT if s["tied"] else tt._EMBEDDING_INIT,
+        ),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=tt._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab,
-                              param_init=tt._output_linear_init(dim)),
-        layers=layers)
+        lm_head=Linear.Config(
+            in_features=dim, out_features=vocab, param_init=tt._output_linear_init(dim)
+        ),
+        layers=layers,
+    )
     if s["float8"]:
         from torchtitan.components.quantization import Float8LinearConverter
 
-        model = Float8LinearConverter.Config(
-            recipe_name="rowwise", filter_fqns=["lm_head"], emulate=s["device"] == "cpu",
-            model_compile_enabled=s["compile"]).build().convert(model)
-    spec = ModelSpec(name="llama3", flavor="gpu_suite", model=model,
-                     parallelize_fn=tt.parallelize_llama, pipelining_fn=pipeline_llm,
-                     post_optimizer_build_fn=None, state_dict_adapter=tt.Llama3StateDictAdapter)
+        model = (
+            Float8LinearConverter.Config(
+                recipe_name="rowwise",
+                filter_fqns=["lm_head"],
+                emulate=s["device"] == "cpu",
+                model_compile_enabled=s["compile"],
+            )
+            .build()
+            .convert(model)
+        )
+    spec = ModelSpec(
+        name="llama3",
+        flavor="gpu_suite",
+        model=model,
+        parallelize_fn=tt.parallelize_llama,
+        pipelining_fn=pipeline_llm,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=tt.Llama3StateDictAdapter,
+    )
     ac = {"selective": SelectiveAC.Config(), "full": FullAC.Config(), "none": None}[s["ac"]]
     return Trainer.Config(
-        model_spec=spec, hf_assets_path=s["tokenizer_dir"], dump_folder=s["dump"],
+        model_spec=spec,
+        hf_assets_path=s["tokenizer_dir"],
+        dump_folder=s["dump"],
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)),
         optimizer=default_adamw(lr=8e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2),
-        training=TrainingConfig(local_batch_size=s["batch"], seq_len=s["seq_len"],
-                                steps=s["steps"], mixed_precision_param=s["dtype"]),
-        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test",
-                                                    dataset_path=s["data_dir"]),
+        training=TrainingConfig(
+            local_batch_size=s["batch"],
+            seq_len=s["seq_len"],
+            steps=s["steps"],
+            mixed_precision_param=s["dtype"],
+        ),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=s["data_dir"]),
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=True),
-        activation_checkpoint=ac, compile=CompileConfig(enable=s["compile"]))
+        activation_checkpoint=ac,
+        compile=CompileConfig(enable=s["compile"]),
+    )
 
 
 # ------------------------------------------------------------------ torchtitan 0.2 config
@@ -169,31 +237,66 @@ def _v02_register(s: dict) -> None:
     from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 
     llama3_args["gpu_suite"] = TransformerModelArgs(
-        dim=s["dim"], n_layers=s["n_layers"], n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"],
-        vocab_size=s["vocab_size"], multiple_of=s["multiple_of"],
-        ffn_dim_multiplier=s["ffn_dim_multiplier"], norm_eps=s["norm_eps"],
+        dim=s["dim"],
+        n_layers=s["n_layers"],
+        n_heads=s["n_heads"],
+        n_kv_heads=s["n_kv_heads"],
+        vocab_size=s["vocab_size"],
+        multiple_of=s["multiple_of"],
+        ffn_dim_multiplier=s["ffn_dim_multiplier"],
+        norm_eps=s["norm_eps"],
         rope_theta=s["rope_theta"],
         rope_scaling_args=RoPEScalingArgs(
-            scaling_factor=s["rope_scaling"] or 1.0, low_freq_factor=s["rope_low"],
+            scaling_factor=s["rope_scaling"] or 1.0,
+            low_freq_factor=s["rope_low"],
             high_freq_factor=s["rope_high"],
-            original_max_position_embeddings=s["rope_original_max_len"]))
+            original_max_position_embeddings=s["rope_original_max_len"],
+        ),
+    )
 
 
 def _v02_args(s: dict) -> list[str]:
-    out = ["--model.flavor", "gpu_suite", "--model.hf_assets_path", s["tokenizer_dir"],
-           "--training.dataset", "c4_test", "--training.dataset_path", s["data_dir"],
-           "--training.local_batch_size", str(s["batch"]), "--training.seq_len", str(s["seq_len"]),
-           "--training.steps", str(s["steps"]), "--training.mixed_precision_param", s["dtype"],
-           "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-           "--metrics.enable_tensorboard", "--job.dump_folder", s["dump"],
-           "--activation_checkpoint.mode", s["ac"],
-           "--activation_checkpoint.selective_ac_option", "op"]
+    out = [
+        "--model.flavor",
+        "gpu_suite",
+        "--model.hf_assets_path",
+        s["tokenizer_dir"],
+        "--training.dataset",
+        "c4_test",
+        "--training.dataset_path",
+        s["data_dir"],
+        "--training.local_batch_size",
+        str(s["batch"]),
+        "--training.seq_len",
+        str(s["seq_len"]),
+        "--training.steps",
+        str(s["steps"]),
+        "--training.mixed_precision_param",
+        s["dtype"],
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "--job.dump_folder",
+        s["dump"],
+        "--activation_checkpoint.mode",
+        s["ac"],
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ]
     if s["compile"]:
         out.append("--compile.enable")
     if s["float8"]:
         f8 = "--quantize.linear.float8"
-        out += ["--model.converters", "quantize.linear.float8", f"{f8}.recipe_name", "rowwise",
-                f"{f8}.filter_fqns", "output"]
+        out += [
+            "--model.converters",
+            "quantize.linear.float8",
+            f"{f8}.recipe_name",
+            "rowwise",
+            f"{f8}.filter_fqns",
+            "output",
+        ]
         if s["device"] == "cpu":
             out.append(f"{f8}.emulate")
     return out
@@ -214,18 +317,29 @@ def _cpu_device() -> None:
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = types.SimpleNamespace(
-        set_device=lambda d: None, device_count=lambda: 1, current_device=lambda: 0,
-        is_available=lambda: True, synchronize=lambda *a: None, empty_cache=lambda: None,
-        get_device_name=lambda d=None: "cpu", reset_peak_memory_stats=lambda *a: None,
+        set_device=lambda d: None,
+        device_count=lambda: 1,
+        current_device=lambda: 0,
+        is_available=lambda: True,
+        synchronize=lambda *a: None,
+        empty_cache=lambda: None,
+        get_device_name=lambda d=None: "cpu",
+        reset_peak_memory_stats=lambda *a: None,
         get_device_properties=lambda d=None: types.SimpleNamespace(total_memory=total, name="cpu"),
-        memory_stats=lambda d=None: {"active_bytes.all.peak": peak_rss(),
-                                     "reserved_bytes.all.peak": peak_rss(),
-                                     "num_alloc_retries": 0, "num_ooms": 0},
-        manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed)
+        memory_stats=lambda d=None: {
+            "active_bytes.all.peak": peak_rss(),
+            "reserved_bytes.all.peak": peak_rss(),
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        },
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+    )
     saved = tu._get_available_device_type, tu._get_device_module
     tu._get_available_device_type = lambda: "cpu"
-    tu._get_device_module = lambda device_type=None: cpu if device_type in (None, "cpu") \
-        else saved[1](device_type)
+    tu._get_device_module = lambda device_type=None: (
+        cpu if device_type in (None, "cpu") else saved[1](device_type)
+    )
     try:
         import torchtitan.tools.utils  # noqa: F401 (with the package, whose modules copy it)
     finally:
@@ -242,9 +356,11 @@ def main() -> None:
     s = json.loads(os.environ[PEER_ENV])
     v02 = importlib.metadata.version("torchtitan").startswith("0.2.")
     # before any torchtitan import: 0.2's parser binds sys.argv when its module is imported
-    sys.argv = [sys.argv[0], *(_v02_args(s) if v02 else
-                               ["--module", Path(__file__).stem, "--config", "suite_config"]),
-                *sys.argv[1:]]
+    sys.argv = [
+        sys.argv[0],
+        *(_v02_args(s) if v02 else ["--module", Path(__file__).stem, "--config", "suite_config"]),
+        *sys.argv[1:],
+    ]
     if s["device"] == "cpu":
         _cpu_device()
     if v02:

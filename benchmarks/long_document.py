@@ -40,8 +40,10 @@ def main() -> None:
     if args.mb <= 0:
         print("long_document.py: --mb must be > 0", file=sys.stderr)
         sys.exit(2)
-    corpus = [json.loads(x)["text"] for x in
-              (REPO / "assets/corpus/kjv_train.jsonl").read_text().splitlines()]
+    corpus = [
+        json.loads(x)["text"]
+        for x in (REPO / "assets/corpus/kjv_train.jsonl").read_text().splitlines()
+    ]
     words = " ".join(corpus).split()
     with tempfile.TemporaryDirectory() as tmp:
         text, n = [], 0
@@ -53,14 +55,24 @@ def main() -> None:
                     break
         path = Path(tmp) / "one_line.jsonl"
         path.write_text(json.dumps({"text": " ".join(text)}) + "\n")
-        out = subprocess.run([sys.executable, "-c", CHILD, str(path)], cwd=REPO, check=True,
-                             capture_output=True, text=True,
-                             env={"TITAN_CACHE_DIR": str(Path(tmp) / "cache"),
-                                  "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, str(path)],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+            env={
+                "TITAN_CACHE_DIR": str(Path(tmp) / "cache"),
+                "PATH": "/usr/bin:/bin",
+                "PYTHONPATH": str(REPO),
+            },
+        ).stdout
     before, peak, seconds, tokens = out.split()
-    print(f"| document | peak RSS above start | time | tokens |\n|---|---:|---:|---:|\n"
-          f"| {args.mb:g} MB, one line | {(int(peak) - int(before)) / 2**20:.2f} GiB | "
-          f"{float(seconds):.1f} s | {int(tokens):,} |")
+    print(
+        f"| document | peak RSS above start | time | tokens |\n|---|---:|---:|---:|\n"
+        f"| {args.mb:g} MB, one line | {(int(peak) - int(before)) / 2**20:.2f} GiB | "
+        f"{float(seconds):.1f} s | {int(tokens):,} |"
+    )
 
 
 if __name__ == "__main__":

@@ -19,16 +19,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titan.tools.loss_compare import command, read_metrics  # noqa: E402
 
-CONFIGS = {"qwen3": "train_configs/qwen3_moe_debug.toml",
-           "deepseek_v3": "train_configs/deepseek_v3_debug.toml"}
+CONFIGS = {
+    "qwen3": "train_configs/qwen3_moe_debug.toml",
+    "deepseek_v3": "train_configs/deepseek_v3_debug.toml",
+}
 
 
 def train(family: str, name: str, rate: float, steps: int, scratch: Path) -> list[dict]:
     dump = scratch / name
-    cmd, env = command(1, ["--training.steps", str(steps), "--metrics.log_freq", "1",
-                           "--metrics.no_enable_tensorboard", f"--{family}.moe_aux_loss_coeff",
-                           "0", f"--{family}.moe_bias_update_rate", str(rate)], dump,
-                       config_file=CONFIGS[family])
+    cmd, env = command(
+        1,
+        [
+            "--training.steps",
+            str(steps),
+            "--metrics.log_freq",
+            "1",
+            "--metrics.no_enable_tensorboard",
+            f"--{family}.moe_aux_loss_coeff",
+            "0",
+            f"--{family}.moe_bias_update_rate",
+            str(rate),
+        ],
+        dump,
+        config_file=CONFIGS[family],
+    )
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     return read_metrics(dump)
 
@@ -43,18 +57,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         off = train(a.family, "off", 0.0, a.steps, Path(scratch))
         on = train(a.family, "bias", a.rate, a.steps, Path(scratch))
-    print(f"| steps | imbalance, balancing off | imbalance, bias update {a.rate} "
-          "| loss off | loss bias |")
+    print(
+        f"| steps | imbalance, balancing off | imbalance, bias update {a.rate} "
+        "| loss off | loss bias |"
+    )
     print("|---|---:|---:|---:|---:|")
     for start in range(0, a.steps, a.window):
-        w_off, w_on = off[start:start + a.window], on[start:start + a.window]
+        w_off, w_on = off[start : start + a.window], on[start : start + a.window]
 
         def mean(rows, key):
             return statistics.fmean(r[key] for r in rows)
 
-        print(f"| {start + 1}-{start + len(w_off)} | {mean(w_off, 'expert_load_imbalance'):.3f} "
-              f"| {mean(w_on, 'expert_load_imbalance'):.3f} | {mean(w_off, 'loss'):.3f} "
-              f"| {mean(w_on, 'loss'):.3f} |")
+        print(
+            f"| {start + 1}-{start + len(w_off)} | {mean(w_off, 'expert_load_imbalance'):.3f} "
+            f"| {mean(w_on, 'expert_load_imbalance'):.3f} | {mean(w_off, 'loss'):.3f} "
+            f"| {mean(w_on, 'loss'):.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -33,26 +33,49 @@ ALL_TO_ALL = re.compile(r"expert_parallel\.|all_to_all|alltoall|wait_tensor")
 
 def run(ep: int, args, dump: Path) -> dict:
     # the profiler traces the last step, after steps-1 untraced ones
-    launch(RANKS, ["--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len),
-                   "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-                   "--metrics.no_enable_tensorboard", "--parallelism.expert_parallel_degree",
-                   str(ep), "--profiling.enable_profiling", "--profiling.profile_freq",
-                   str(args.steps), "--profiling.profiler_warmup", "1",
-                   "--profiling.profiler_active", "1"], dump, config_file=CONFIG, timeout=900)
+    launch(
+        RANKS,
+        [
+            "--training.steps",
+            str(args.steps),
+            "--training.seq_len",
+            str(args.seq_len),
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "8",
+            "--metrics.no_enable_tensorboard",
+            "--parallelism.expert_parallel_degree",
+            str(ep),
+            "--profiling.enable_profiling",
+            "--profiling.profile_freq",
+            str(args.steps),
+            "--profiling.profiler_warmup",
+            "1",
+            "--profiling.profiler_active",
+            "1",
+        ],
+        dump,
+        config_file=CONFIG,
+        timeout=900,
+    )
     records = read_metrics(dump)
-    steady = [r["tps"] * RANKS for r in records[args.warmup:]]
+    steady = [r["tps"] * RANKS for r in records[args.warmup :]]
     trace = next((dump / "profile_traces").glob("iteration_*/rank0_trace.json"))
     return {"tps": statistics.median(steady), "a2a_share": all_to_all_share(trace)}
 
 
 def all_to_all_share(trace: Path) -> float:
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-    step = max((e for e in events if e["name"].startswith("ProfilerStep")),
-               key=lambda e: e["dur"])
+    step = max((e for e in events if e["name"].startswith("ProfilerStep")), key=lambda e: e["dur"])
     thread = (step["pid"], step["tid"])
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if (e["pid"], e["tid"]) == thread and ALL_TO_ALL.search(e["name"])
-                   and step["ts"] <= e["ts"] <= step["ts"] + step["dur"])
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if (e["pid"], e["tid"]) == thread
+        and ALL_TO_ALL.search(e["name"])
+        and step["ts"] <= e["ts"] <= step["ts"] + step["dur"]
+    )
     busy, end = 0.0, float("-inf")
     for start, stop in spans:  # union: nested spans (an op inside its autograd node) once
         if stop > end:
@@ -74,8 +97,10 @@ def main() -> None:
             for ep in DEGREES:
                 results[ep].append(run(ep, args, Path(scratch) / f"ep{ep}_{r}"))
                 print(f"round {r + 1} ep {ep}: {results[ep][-1]}", file=sys.stderr)
-    print(f"| ep | experts per rank | tokens/s ({RANKS} ranks, median of {args.rounds}) "
-          "| vs ep 1 | step share in dispatch + combine (rank 0) |")
+    print(
+        f"| ep | experts per rank | tokens/s ({RANKS} ranks, median of {args.rounds}) "
+        "| vs ep 1 | step share in dispatch + combine (rank 0) |"
+    )
     print("|---:|---:|---:|---:|---:|")
     base = statistics.median(r["tps"] for r in results[1])
     for ep in DEGREES:

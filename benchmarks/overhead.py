@@ -22,22 +22,57 @@ from titan.tools.loss_compare import launch, read_metrics  # noqa: E402
 
 
 def trainer_tps(args, dump: Path) -> float:
-    launch(1, ["--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
-               "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
-               "--metrics.log_freq", str(args.warmup), "--training.gc_freq", "50",
-               "--training.mixed_precision_param", "float32"], dump, timeout=1800)
+    launch(
+        1,
+        [
+            "--model.flavor",
+            args.flavor,
+            "--training.seq_len",
+            str(args.seq_len),
+            "--training.local_batch_size",
+            str(args.batch),
+            "--training.steps",
+            str(args.steps),
+            "--metrics.log_freq",
+            str(args.warmup),
+            "--training.gc_freq",
+            "50",
+            "--training.mixed_precision_param",
+            "float32",
+        ],
+        dump,
+        timeout=1800,
+    )
     # each record's tps covers the log_freq steps before it; skip the warmup window
-    windows = [r["tps"] for r in read_metrics(dump) if r["step"] > args.warmup and
-               r["step"] % args.warmup == 0]
+    windows = [
+        r["tps"]
+        for r in read_metrics(dump)
+        if r["step"] > args.warmup and r["step"] % args.warmup == 0
+    ]
     return statistics.fmean(windows)
 
 
 def bare_tps(args) -> float:
     out = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "bare_loop.py"), "--flavor", args.flavor,
-         "--seq_len", str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps),
-         "--warmup", str(args.warmup)],
-        cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=1800,
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "bare_loop.py"),
+            "--flavor",
+            args.flavor,
+            "--seq_len",
+            str(args.seq_len),
+            "--batch",
+            str(args.batch),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1800,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["tps"]
 
@@ -58,8 +93,10 @@ def main() -> None:
             t = trainer_tps(args, Path(tmp) / f"round{r}")
             b = bare_tps(args)
             rows.append((r + 1, t, b, t / b))
-            print(f"round {r + 1}: trainer {t:,.0f} tok/s, bare {b:,.0f} tok/s, ratio {t / b:.3f}",
-                  flush=True)
+            print(
+                f"round {r + 1}: trainer {t:,.0f} tok/s, bare {b:,.0f} tok/s, ratio {t / b:.3f}",
+                flush=True,
+            )
     print(f"\n{'round':>5} {'trainer tok/s':>14} {'bare tok/s':>12} {'ratio':>7}")
     for r, t, b, q in rows:
         print(f"{r:>5} {t:>14,.0f} {b:>12,.0f} {q:>7.3f}")

@@ -35,8 +35,17 @@ import torch.distributed as dist
 
 def _cpu_device_module() -> types.ModuleType:
     mod = types.ModuleType("titan_bench_cpu_device")
-    for name in ("current_device", "device_count", "is_available", "synchronize", "set_device",
-                 "current_stream", "stream", "Stream", "Event"):
+    for name in (
+        "current_device",
+        "device_count",
+        "is_available",
+        "synchronize",
+        "set_device",
+        "current_stream",
+        "stream",
+        "Stream",
+        "Event",
+    ):
         setattr(mod, name, getattr(torch.cpu, name))
 
     def peak_rss() -> int:
@@ -44,12 +53,16 @@ def _cpu_device_module() -> types.ModuleType:
 
     mod.get_device_name = lambda device=None: "cpu"
     mod.get_device_properties = lambda device=None: types.SimpleNamespace(
-        total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
     mod.reset_peak_memory_stats = lambda device=None: None
     mod.empty_cache = lambda: None
     mod.memory_stats = lambda device=None: {
-        "active_bytes.all.peak": peak_rss(), "reserved_bytes.all.peak": peak_rss(),
-        "num_alloc_retries": 0, "num_ooms": 0}
+        "active_bytes.all.peak": peak_rss(),
+        "reserved_bytes.all.peak": peak_rss(),
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+    }
     return mod
 
 
@@ -97,8 +110,8 @@ def _barrier_without_device_ids_on_gloo() -> None:
 
 
 def _sum_reduction_on_gloo() -> None:
-    from torch.distributed.fsdp import FSDPModule
     import torchtitan.models.llama3.infra.parallelize as llama_parallelize
+    from torch.distributed.fsdp import FSDPModule
 
     original = llama_parallelize.disable_fsdp_gradient_division
 
@@ -136,8 +149,10 @@ def _register_shape_and_corpus() -> None:
     corpus = os.environ.get("TITAN_BENCH_CORPUS")
     if corpus:
         DATASETS["titan_corpus"] = DatasetConfig(
-            path=corpus, loader=lambda path: load_dataset("json", data_files=path, split="train"),
-            sample_processor=lambda sample: sample["text"])
+            path=corpus,
+            loader=lambda path: load_dataset("json", data_files=path, split="train"),
+            sample_processor=lambda sample: sample["text"],
+        )
 
 
 def main() -> None:

@@ -17,14 +17,20 @@ import re
 from collections import defaultdict
 
 KINDS = [  # first match wins
-    ("collectives", r"c10d|gloo|nccl|all_reduce|all_gather|reduce_scatter|broadcast|_allgather|"
-                    r"record_param_comms|wait_tensor|FSDP::|_to_copy.*comm"),
+    (
+        "collectives",
+        r"c10d|gloo|nccl|all_reduce|all_gather|reduce_scatter|broadcast|_allgather|"
+        r"record_param_comms|wait_tensor|FSDP::|_to_copy.*comm",
+    ),
     ("optimizer", r"adam|_foreach|optimizer"),
     ("attention", r"attention|sdpa|_scaled_dot|flash|_efficient"),
     ("matmul", r"^aten::(mm|bmm|addmm|matmul|linear|baddbmm)$"),
-    ("copies/layout", r"copy|clone|contiguous|cat|stack|expand|repeat|index|view|reshape|"
-                      r"transpose|permute|t$|split|chunk|narrow|slice|select|unbind|_unsafe|"
-                      r"as_strided|empty|zeros|ones|fill|new_|to$|detach|alias|squeeze"),
+    (
+        "copies/layout",
+        r"copy|clone|contiguous|cat|stack|expand|repeat|index|view|reshape|"
+        r"transpose|permute|t$|split|chunk|narrow|slice|select|unbind|_unsafe|"
+        r"as_strided|empty|zeros|ones|fill|new_|to$|detach|alias|squeeze",
+    ),
     ("loss", r"cross_entropy|log_softmax|nll_loss|_log_softmax"),
     ("norm", r"rms_norm|_fused_rms|rsqrt|norm"),
 ]
@@ -45,10 +51,16 @@ def kind_of(name: str) -> str:
 
 def self_times(events: list[dict]) -> tuple[dict[str, float], float]:
     """Self microseconds per op name, and the step's wall time (its ProfilerStep span)."""
-    step = max((e["dur"] for e in events if e.get("name", "").startswith("ProfilerStep")),
-               default=0.0)
-    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
-           and not e["name"].startswith("ProfilerStep")]
+    step = max(
+        (e["dur"] for e in events if e.get("name", "").startswith("ProfilerStep")), default=0.0
+    )
+    ops = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cpu_op", "user_annotation")
+        and not e["name"].startswith("ProfilerStep")
+    ]
     by_thread = defaultdict(list)
     for e in ops:
         by_thread[(e["pid"], e["tid"])].append(e)
@@ -87,9 +99,13 @@ def main() -> None:
         kinds_b[kind_of(n)] += t
     print(f"| kind | {na} ms | {nb} ms | {na} - {nb} |\n|---|---:|---:|---:|")
     for k in sorted(set(kinds_a) | set(kinds_b), key=lambda k: -(kinds_a[k] + kinds_b[k])):
-        print(f"| {k} | {kinds_a[k] / 1e3:.1f} | {kinds_b[k] / 1e3:.1f} | "
-              f"{(kinds_a[k] - kinds_b[k]) / 1e3:+.1f} |")
-    print(f"\n| op (self time, all threads) | {na} ms | {nb} ms | {na} - {nb} |\n|---|---:|---:|---:|")
+        print(
+            f"| {k} | {kinds_a[k] / 1e3:.1f} | {kinds_b[k] / 1e3:.1f} | "
+            f"{(kinds_a[k] - kinds_b[k]) / 1e3:+.1f} |"
+        )
+    print(
+        f"\n| op (self time, all threads) | {na} ms | {nb} ms | {na} - {nb} |\n|---|---:|---:|---:|"
+    )
     names = sorted(set(ta) | set(tb), key=lambda n: -abs(ta.get(n, 0) - tb.get(n, 0)))
     for n in names[: args.top]:
         a, b = ta.get(n, 0.0), tb.get(n, 0.0)

@@ -44,13 +44,18 @@ print("BENCH_RUSAGE " + json.dumps({"maxrss_kib": r.ru_maxrss, "cpu_s": r.ru_uti
 """
 STEP1 = re.compile(r"step:\s+1\s")
 TT_LOG = re.compile(r"step:\s*(\d+)\s.*tps:\s*([\d,]+)")
-LAYOUTS = {"1": (1, {}), "fsdp2": (2, {"data_parallel_shard_degree": 2}),
-           "tp2": (2, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2})}
+LAYOUTS = {
+    "1": (1, {}),
+    "fsdp2": (2, {"data_parallel_shard_degree": 2}),
+    "tp2": (2, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
+}
 
 
 def busy_jiffies() -> int:
     with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9]
+        )
     return user + nice + system + irq + softirq + steal
 
 
@@ -61,9 +66,15 @@ def measured_run(cmd: list[str], env: dict, log: Path, timeout: float) -> dict:
     first_step = None
     usage = {}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", _MEASURED, *cmd], env=env, cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MEASURED, *cmd],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         # a silent hang prints nothing: the timer kills the whole job, which ends the loop
         killer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
         killer.start()
@@ -83,34 +94,54 @@ def measured_run(cmd: list[str], env: dict, log: Path, timeout: float) -> dict:
     if usage.get("code") != 0:
         raise SystemExit(f"failed (exit {usage.get('code')}): {' '.join(cmd)}; see {log}")
     busy_s = (busy_jiffies() - busy0) / hz
-    return {"wall_s": wall, "startup_s": first_step, "peak_rss_gib": usage["maxrss_kib"] / 2**20,
-            "other_load_cores": max(0.0, busy_s - usage["cpu_s"]) / wall}
+    return {
+        "wall_s": wall,
+        "startup_s": first_step,
+        "peak_rss_gib": usage["maxrss_kib"] / 2**20,
+        "other_load_cores": max(0.0, busy_s - usage["cpu_s"]) / wall,
+    }
 
 
 # ---------------------------------------------------------------------------- torchtitan side
+
 
 def torchtitan_python(scratch: Path, version: str, wheelhouse: str | None) -> Path:
     """A venv holding torchtitan==version on top of this interpreter's packages."""
     venv = scratch / f"venv-torchtitan-{version}"
     python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import importlib.metadata as m; "
-             "print(m.version('torchtitan'))"]
-    if python.exists() and subprocess.run(probe, capture_output=True, text=True).stdout.strip() \
-            == version:
+    probe = [str(python), "-c", "import importlib.metadata as m; print(m.version('torchtitan'))"]
+    if (
+        python.exists()
+        and subprocess.run(probe, capture_output=True, text=True).stdout.strip() == version
+    ):
         return python
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     import site
+
     site_dir = next(venv.glob("lib/python*/site-packages"))
     # this interpreter's packages (torch among them) are seen, not reinstalled
     (site_dir / "titan_bench_parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
-                            capture_output=True, text=True, check=True).stdout
+    freeze = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     constraints = scratch / "constraints.txt"
     # pinned to what is installed, so pip never swaps torch for another build
-    constraints.write_text("".join(line + "\n" for line in freeze.splitlines()
-                                   if "==" in line and " @ " not in line))
-    cmd = [str(python), "-m", "pip", "install", "-q", "-c", str(constraints),
-           f"torchtitan=={version}"]
+    constraints.write_text(
+        "".join(line + "\n" for line in freeze.splitlines() if "==" in line and " @ " not in line)
+    )
+    cmd = [
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "-c",
+        str(constraints),
+        f"torchtitan=={version}",
+    ]
     if wheelhouse:
         cmd += ["--no-index", "--find-links", wheelhouse]
     print(f"installing torchtitan {version} into {venv}", flush=True)
@@ -125,10 +156,17 @@ def torchtitan_shape(flavor: str) -> dict:
     a = LLAMA3_FLAVORS[flavor]
     if a.tie_word_embeddings:
         raise SystemExit(f"flavor {flavor} ties its embeddings; torchtitan's llama3 cannot")
-    return dict(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
-                vocab_size=a.vocab_size, multiple_of=a.multiple_of,
-                ffn_dim_multiplier=a.ffn_dim_multiplier, norm_eps=a.norm_eps,
-                rope_theta=a.rope_theta)
+    return dict(
+        dim=a.dim,
+        n_layers=a.n_layers,
+        n_heads=a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        vocab_size=a.vocab_size,
+        multiple_of=a.multiple_of,
+        ffn_dim_multiplier=a.ffn_dim_multiplier,
+        norm_eps=a.norm_eps,
+        rope_theta=a.rope_theta,
+    )
 
 
 def torchtitan_assets(scratch: Path, tokenizer: Path) -> Path:
@@ -140,29 +178,56 @@ def torchtitan_assets(scratch: Path, tokenizer: Path) -> Path:
     (folder / "tokenizer.json").write_bytes(tokenizer.read_bytes())
     tok = Tokenizer(str(tokenizer))
     name = tok._tok.id_to_token
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": name(tok.bos_id), "eos_token": name(tok.eos_id),
-        "add_bos_token": True, "add_eos_token": True}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": name(tok.bos_id),
+                "eos_token": name(tok.eos_id),
+                "add_bos_token": True,
+                "add_eos_token": True,
+            }
+        )
+    )
     return folder
 
 
 def torchtitan_toml(args, dump: Path, assets: Path, par: dict) -> str:
-    lines = ["[job]", f'dump_folder = "{dump}"',
-             "[model]", 'name = "llama3"', 'flavor = "titan_shape"', f'hf_assets_path = "{assets}"',
-             "[optimizer]", 'name = "AdamW"', f"lr = {args.lr}", "weight_decay = 0.1",
-             'implementation = "fused"',
-             "[lr_scheduler]", "warmup_steps = 5",
-             "[training]", 'dataset = "titan_corpus"', f"local_batch_size = {args.batch}",
-             f"seq_len = {args.seq_len}", f"steps = {args.steps}", "max_norm = 1.0",
-             'mixed_precision_param = "float32"', "gc_freq = 50",
-             "[metrics]", f"log_freq = {args.warmup}", "enable_tensorboard = false",
-             "disable_color_printing = true",
-             "[activation_checkpoint]", 'mode = "none"',
-             "[parallelism]", *(f"{k} = {v}" for k, v in par.items())]
+    lines = [
+        "[job]",
+        f'dump_folder = "{dump}"',
+        "[model]",
+        'name = "llama3"',
+        'flavor = "titan_shape"',
+        f'hf_assets_path = "{assets}"',
+        "[optimizer]",
+        'name = "AdamW"',
+        f"lr = {args.lr}",
+        "weight_decay = 0.1",
+        'implementation = "fused"',
+        "[lr_scheduler]",
+        "warmup_steps = 5",
+        "[training]",
+        'dataset = "titan_corpus"',
+        f"local_batch_size = {args.batch}",
+        f"seq_len = {args.seq_len}",
+        f"steps = {args.steps}",
+        "max_norm = 1.0",
+        'mixed_precision_param = "float32"',
+        "gc_freq = 50",
+        "[metrics]",
+        f"log_freq = {args.warmup}",
+        "enable_tensorboard = false",
+        "disable_color_printing = true",
+        "[activation_checkpoint]",
+        'mode = "none"',
+        "[parallelism]",
+        *(f"{k} = {v}" for k, v in par.items()),
+    ]
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------- the two runs
+
 
 def threads(nproc: int) -> dict:
     """The same threads per rank on both sides (run_train.sh would set this for titan alone)."""
@@ -171,25 +236,57 @@ def threads(nproc: int) -> dict:
 
 def profiling_flags(args) -> list[str]:
     # the same flags on both sides: one traced step every --warmup steps, per rank
-    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.warmup),
-            "--profiling.profiler_active", "1"] if args.profile else []
+    return (
+        [
+            "--profiling.enable_profiling",
+            "--profiling.profile_freq",
+            str(args.warmup),
+            "--profiling.profiler_active",
+            "1",
+        ]
+        if args.profile
+        else []
+    )
 
 
 def run_titan(args, layout: str, out: Path) -> dict:
     nproc, par = LAYOUTS[layout]
     dump = out / f"titan-{layout}"
-    cmd, env = command(nproc, [
-        "--model.flavor", args.flavor, "--training.steps", str(args.steps),
-        "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.batch),
-        "--training.gc_freq", "50", "--training.mixed_precision_param", "float32",
-        "--optimizer.lr", str(args.lr), "--optimizer.implementation", "fused",
-        "--metrics.log_freq", str(args.warmup), "--metrics.enable_tensorboard", "false",
-        *profiling_flags(args),
-        *(x for k, v in par.items() for x in (f"--parallelism.{k}", str(v)))], dump,
-        env=threads(nproc))
+    cmd, env = command(
+        nproc,
+        [
+            "--model.flavor",
+            args.flavor,
+            "--training.steps",
+            str(args.steps),
+            "--training.seq_len",
+            str(args.seq_len),
+            "--training.local_batch_size",
+            str(args.batch),
+            "--training.gc_freq",
+            "50",
+            "--training.mixed_precision_param",
+            "float32",
+            "--optimizer.lr",
+            str(args.lr),
+            "--optimizer.implementation",
+            "fused",
+            "--metrics.log_freq",
+            str(args.warmup),
+            "--metrics.enable_tensorboard",
+            "false",
+            *profiling_flags(args),
+            *(x for k, v in par.items() for x in (f"--parallelism.{k}", str(v))),
+        ],
+        dump,
+        env=threads(nproc),
+    )
     r = measured_run(cmd, env, out / f"titan-{layout}.log", args.timeout)
-    r["tps"] = statistics.fmean(x["tps"] for x in read_metrics(dump) if "tps" in x and
-                                x["step"] > args.warmup and x["step"] % args.warmup == 0)
+    r["tps"] = statistics.fmean(
+        x["tps"]
+        for x in read_metrics(dump)
+        if "tps" in x and x["step"] > args.warmup and x["step"] % args.warmup == 0
+    )
     return r
 
 
@@ -197,42 +294,61 @@ def run_torchtitan(args, layout: str, out: Path, python: Path, assets: Path) -> 
     nproc, par = LAYOUTS[layout]
     toml = out / f"torchtitan-{layout}.toml"
     toml.write_text(torchtitan_toml(args, out / f"torchtitan-{layout}", assets, par))
-    cmd = [str(python), "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "--local-ranks-filter=0",
-           str(REPO / "benchmarks" / "torchtitan_cpu_shim.py"), "--job.config_file", str(toml),
-           *profiling_flags(args)]
-    env = {**os.environ, **threads(nproc),
-           "TITAN_BENCH_SHAPE": json.dumps(torchtitan_shape(args.flavor)),
-           "TITAN_BENCH_CORPUS": str(REPO / "assets/corpus/kjv_train.jsonl")}
+    cmd = [
+        str(python),
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--local-ranks-filter=0",
+        str(REPO / "benchmarks" / "torchtitan_cpu_shim.py"),
+        "--job.config_file",
+        str(toml),
+        *profiling_flags(args),
+    ]
+    env = {
+        **os.environ,
+        **threads(nproc),
+        "TITAN_BENCH_SHAPE": json.dumps(torchtitan_shape(args.flavor)),
+        "TITAN_BENCH_CORPUS": str(REPO / "assets/corpus/kjv_train.jsonl"),
+    }
     log = out / f"torchtitan-{layout}.log"
     r = measured_run(cmd, env, log, args.timeout)
-    windows = [float(t.replace(",", "")) for s, t in TT_LOG.findall(log.read_text())
-               if int(s) > args.warmup and int(s) % args.warmup == 0]
+    windows = [
+        float(t.replace(",", ""))
+        for s, t in TT_LOG.findall(log.read_text())
+        if int(s) > args.warmup and int(s) % args.warmup == 0
+    ]
     r["tps"] = statistics.fmean(windows)
     return r
 
 
 # ---------------------------------------------------------------------------- report
 
+
 def rounds(runs: list[dict]) -> str:
     return " / ".join(f"{r['tps']:,.0f}" for r in runs)
 
 
 def report(rows: dict, device: str) -> str:
-    out = [f"device: {device}",
-           "| layout | titan tok/s (rounds) | torchtitan tok/s (rounds) | ratio of means | "
-           "peak RSS GiB titan / tt | start-up s titan / tt | other load, cores (max) |",
-           "|---|---|---|---:|---|---|---:|"]
+    out = [
+        f"device: {device}",
+        "| layout | titan tok/s (rounds) | torchtitan tok/s (rounds) | ratio of means | "
+        "peak RSS GiB titan / tt | start-up s titan / tt | other load, cores (max) |",
+        "|---|---|---|---:|---|---|---:|",
+    ]
     for layout, runs in rows.items():
         ti, tt = runs["titan"], runs["torchtitan"]
         mean = {k: statistics.fmean(r["tps"] for r in v) for k, v in runs.items()}
         out.append(
             f"| {layout} | {rounds(ti)} | {rounds(tt)} | "
             f"**{mean['titan'] / mean['torchtitan']:.3f}** | "
-            f"{max(r['peak_rss_gib'] for r in ti):.2f} / {max(r['peak_rss_gib'] for r in tt):.2f} | "
+            f"{max(r['peak_rss_gib'] for r in ti):.2f} / "
+            f"{max(r['peak_rss_gib'] for r in tt):.2f} | "
             f"{statistics.fmean(r['startup_s'] for r in ti):.1f} / "
             f"{statistics.fmean(r['startup_s'] for r in tt):.1f} | "
-            f"{max(r['other_load_cores'] for r in ti + tt):.2f} |")
+            f"{max(r['other_load_cores'] for r in ti + tt):.2f} |"
+        )
     return "\n".join(out)
 
 
@@ -250,9 +366,12 @@ def main() -> None:
     ap.add_argument("--scratch", default=str(REPO / "benchmarks" / ".scratch" / "vs_torchtitan"))
     ap.add_argument("--wheelhouse", default=None, help="install torchtitan offline from here")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    ap.add_argument("--profile", action="store_true",
-                    help="torch profiler traces of both sides under <scratch>/roundN/ (tok/s of a "
-                         "profiled run are not comparable)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch profiler traces of both sides under <scratch>/roundN/ (tok/s of a "
+        "profiled run are not comparable)",
+    )
     ap.add_argument("--json", default=None, help="also write every run's figures here")
     args = ap.parse_args()
     layouts = args.layouts.split(",")
@@ -264,15 +383,20 @@ def main() -> None:
 
     import torch
 
-    device = (f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available()
-              else f"cpu ({os.cpu_count()} cores)") + f", torch {torch.__version__}"
+    device = (
+        f"cuda ({torch.cuda.get_device_name()})"
+        if torch.cuda.is_available()
+        else f"cpu ({os.cpu_count()} cores)"
+    ) + f", torch {torch.__version__}"
     scratch = Path(args.scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
     if torch.cuda.is_available():  # one process per GPU: a layout needs that many
         fits = [x for x in layouts if LAYOUTS[x][0] <= torch.cuda.device_count()]
         for x in sorted(set(layouts) - set(fits)):
-            print(f"skipping {x}: it needs {LAYOUTS[x][0]} GPUs, this machine has "
-                  f"{torch.cuda.device_count()}")
+            print(
+                f"skipping {x}: it needs {LAYOUTS[x][0]} GPUs, this machine has "
+                f"{torch.cuda.device_count()}"
+            )
         layouts = fits
     python = torchtitan_python(scratch, args.torchtitan, args.wheelhouse)
     assets = torchtitan_assets(scratch, REPO / "assets/tokenizer/tokenizer.json")
@@ -283,17 +407,24 @@ def main() -> None:
         for layout in layouts:
             order = ["titan", "torchtitan"][:: 1 if r % 2 == 0 else -1]
             for who in order:
-                res = (run_titan(args, layout, out) if who == "titan" else
-                       run_torchtitan(args, layout, out, python, assets))
+                res = (
+                    run_titan(args, layout, out)
+                    if who == "titan"
+                    else run_torchtitan(args, layout, out, python, assets)
+                )
                 rows[layout][who].append(res)
-                print(f"round {r + 1} {layout:>5} {who:>10}: {res['tps']:8,.0f} tok/s  "
-                      f"peak RSS {res['peak_rss_gib']:.2f} GiB  start-up {res['startup_s']:.1f} s"
-                      f"  other load {res['other_load_cores']:.2f} cores", flush=True)
+                print(
+                    f"round {r + 1} {layout:>5} {who:>10}: {res['tps']:8,.0f} tok/s  "
+                    f"peak RSS {res['peak_rss_gib']:.2f} GiB  start-up {res['startup_s']:.1f} s"
+                    f"  other load {res['other_load_cores']:.2f} cores",
+                    flush=True,
+                )
     print()
     print(report(rows, device))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": device, "args": vars(args),
-                                               "runs": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"device": device, "args": vars(args), "runs": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

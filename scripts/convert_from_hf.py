@@ -21,8 +21,9 @@ the model (a 70B model in fp32 is 280 GB):
 
 Training can also start from the HF folder directly (checkpoint.initial_load_in_hf). Bad
 input ends with one line on stderr and exit code 2.
-Weights are stored as --dtype (default float32, titan's master-weight dtype). Tied embeddings (Llama 3.2 1B/3B) are untied: the
-output layer starts as a copy of the embedding, with a warning. Unsupported configs
+Weights are stored as --dtype (default float32, titan's master-weight dtype). Tied embeddings
+(Llama 3.2 1B/3B) are untied: the output layer starts as a copy of the embedding, with a
+warning. Unsupported configs
 (biases, non-llama3 RoPE scaling, head_dim != hidden/heads, ...) are refused.
 """
 
@@ -41,18 +42,25 @@ def fail(why) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("hf_dir", help="HF model folder holding config.json and *.safetensors")
     ap.add_argument("output", help="DCP folder to write (gets the .complete marker when done)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                    help="dtype of the stored weights (default float32)")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of the stored weights (default float32)",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    ap.add_argument("--model-name", help="registered model family (default: the one that reads "
-                    "config.json's model_type)")
+    ap.add_argument(
+        "--model-name",
+        help="registered model family (default: the one that reads config.json's model_type)",
+    )
     args = ap.parse_args(argv)
 
     from titan.components.checkpoint import folders as checkpoint
-
     from titan.components.checkpoint import hf_io
     from titan.components.checkpoint.identity import model_identity
     from titan.dtypes import to_dtype
@@ -70,10 +78,12 @@ def main(argv=None) -> None:
     try:
         name = args.model_name or family_of_hf_config(hf_io.read_hf_config(args.hf_dir))
         if name is None:
-            raise KeyError(f"no registered model family reads model_type "
-                           f"{hf_io.read_hf_config(args.hf_dir).get('model_type')!r} of "
-                           f"{args.hf_dir}/config.json; registered: "
-                           f"{', '.join(registered_names())} (--model-name)")
+            raise KeyError(
+                f"no registered model family reads model_type "
+                f"{hf_io.read_hf_config(args.hf_dir).get('model_type')!r} of "
+                f"{args.hf_dir}/config.json; registered: "
+                f"{', '.join(registered_names())} (--model-name)"
+            )
         spec = get_train_spec(name)
     except checkpoint.CheckpointError as e:
         fail(e)
@@ -88,13 +98,19 @@ def main(argv=None) -> None:
             from torch.distributed.tensor import Shard
             from torch.distributed.tensor import empty as dtensor_empty
 
-            empty = {n: dtensor_empty(s, dtype=to_dtype(args.dtype), device_mesh=mesh,
-                                      placements=[Shard(0)]) for n, s in shapes.items()}
+            empty = {
+                n: dtensor_empty(
+                    s, dtype=to_dtype(args.dtype), device_mesh=mesh, placements=[Shard(0)]
+                )
+                for n, s in shapes.items()
+            }
         state, nbytes = hf_io.load_hf_into(empty, args.hf_dir, spec, model_args)
-        record = model_identity(spec, spec.matching_flavor(model_args) or "from_hf",
-                                model_args).record()
-        out = checkpoint.save_dcp_model_state(state, args.output, overwrite=args.overwrite,
-                                              model=record)
+        record = model_identity(
+            spec, spec.matching_flavor(model_args) or "from_hf", model_args
+        ).record()
+        out = checkpoint.save_dcp_model_state(
+            state, args.output, overwrite=args.overwrite, model=record
+        )
     except (checkpoint.CheckpointError, OSError, ValueError) as e:
         fail(e)
 
@@ -106,13 +122,18 @@ def main(argv=None) -> None:
         return
     print(f"wrote {out} ({n / 1e6:.1f}M parameters, {args.dtype}) in {time.time() - t0:.1f}s")
     if flavor is not None:
-        print(f"matches titan flavor '{flavor}' (vocab_size {model_args.vocab_size}): "
-              f"set model.flavor = \"{flavor}\"")
+        print(
+            f"matches titan flavor '{flavor}' (vocab_size {model_args.vocab_size}): "
+            f'set model.flavor = "{flavor}"'
+        )
     else:
-        print(f"warning: no registered flavor has this architecture ({model_args}); train "
-              f"it from the HF folder itself: model.flavor = \"from_hf\", "
-              f"checkpoint.initial_load_path = \"{args.hf_dir}\", "
-              "checkpoint.initial_load_in_hf = true", file=sys.stderr)
+        print(
+            f"warning: no registered flavor has this architecture ({model_args}); train "
+            f'it from the HF folder itself: model.flavor = "from_hf", '
+            f'checkpoint.initial_load_path = "{args.hf_dir}", '
+            "checkpoint.initial_load_in_hf = true",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -10,15 +10,16 @@ model family's state-dict adapter.
 
     # an architecture no flavor describes, from a checkpoint saved before titan recorded its
     # model: take it from the HF config.json it started from
-    python scripts/convert_to_hf.py outputs/run/checkpoint exports/run_hf --hf-config hf_in/config.json
+    python scripts/convert_to_hf.py outputs/run/checkpoint exports/run_hf \
+        --hf-config hf_in/config.json
 
 The family and architecture are the ones the checkpoint records (every save since the record
 was added: any family, any flavor, from_hf's too); --model-name/--flavor (as in the training
 config) or an HF config.json (--hf-config) name them for older saves, or override. The vocab
-size is read from the checkpoint's embedding. max_position_embeddings is the flavor's published context (131072
-for Llama 3.1/3.2), else --max-seq-len. Only the `model` entry is read; the optimizer state
-is never loaded. Folders without the `.complete` marker are refused. --tokenizer writes
-tokenizer.json (adding BOS as titan does), tokenizer_config.json and
+size is read from the checkpoint's embedding. max_position_embeddings is the flavor's
+published context (131072 for Llama 3.1/3.2), else --max-seq-len. Only the `model` entry is
+read; the optimizer state is never loaded. Folders without the `.complete` marker are
+refused. --tokenizer writes tokenizer.json (adding BOS as titan does), tokenizer_config.json and
 special_tokens_map.json, and puts the BOS/EOS ids in config.json and
 generation_config.json, so HF generation stops where titan's does.
 
@@ -41,31 +42,53 @@ def fail(why) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("checkpoint", help="DCP step folder (…/checkpoint/step-N) or a checkpoint root")
-    ap.add_argument("output", help="HF folder to write (created; one holding an HF model needs "
-                    "--overwrite)")
-    ap.add_argument("--model-name", help="registered model family (default: the one the "
-                    "checkpoint records, else llama3)")
+    ap.add_argument(
+        "output", help="HF folder to write (created; one holding an HF model needs --overwrite)"
+    )
+    ap.add_argument(
+        "--model-name",
+        help="registered model family (default: the one the checkpoint records, else llama3)",
+    )
     arch = ap.add_mutually_exclusive_group()
     arch.add_argument("--flavor", help="flavor the checkpoint was trained with, e.g. 8B")
-    arch.add_argument("--hf-config", help="an HF config.json with the checkpoint's architecture "
-                      "(for models trained with model.flavor = \"from_hf\")")
-    ap.add_argument("--max-seq-len", type=int, default=8192,
-                    help="max_position_embeddings when the flavor publishes no context "
-                    "(default 8192)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                    help="dtype of the exported weights (default float32)")
-    ap.add_argument("--max-shard-size", default="5GB",
-                    help="shard the safetensors above this size, e.g. 5GB, 500MB (default 5GB)")
-    ap.add_argument("--tokenizer", help="tokenizer.json, or a folder holding it, to write alongside")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace the HF model already in the output folder (its config, "
-                    "weights, index and tokenizer files)")
+    arch.add_argument(
+        "--hf-config",
+        help="an HF config.json with the checkpoint's architecture "
+        '(for models trained with model.flavor = "from_hf")',
+    )
+    ap.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=8192,
+        help="max_position_embeddings when the flavor publishes no context (default 8192)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of the exported weights (default float32)",
+    )
+    ap.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="shard the safetensors above this size, e.g. 5GB, 500MB (default 5GB)",
+    )
+    ap.add_argument(
+        "--tokenizer", help="tokenizer.json, or a folder holding it, to write alongside"
+    )
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the HF model already in the output folder (its config, "
+        "weights, index and tokenizer files)",
+    )
     args = ap.parse_args(argv)
 
     from titan.components.checkpoint import folders as checkpoint
-
     from titan.components.checkpoint import hf_io
     from titan.components.checkpoint.identity import args_in_record
     from titan.components.data.tokenizer import Tokenizer, TokenizerError
@@ -74,9 +97,12 @@ def main(argv=None) -> None:
     t0 = time.time()
     given = Path(args.checkpoint)
     try:
-        ckpt = checkpoint.intact_folder(given, "checkpoint", "converting",
-                                        lambda m: print(f"convert_to_hf: warning: {m}",
-                                                        file=sys.stderr, flush=True))
+        ckpt = checkpoint.intact_folder(
+            given,
+            "checkpoint",
+            "converting",
+            lambda m: print(f"convert_to_hf: warning: {m}", file=sys.stderr, flush=True),
+        )
     except checkpoint.CheckpointError as e:
         fail(e)
     if ckpt != given:
@@ -88,20 +114,28 @@ def main(argv=None) -> None:
     except KeyError as e:
         fail(e.args[0])
     if args.flavor is not None and args.flavor not in spec.flavors:
-        fail(f"unknown flavor {args.flavor!r} for {name}; "
-             f"choose from {', '.join(spec.flavors)}, or give --hf-config")
+        fail(
+            f"unknown flavor {args.flavor!r} for {name}; "
+            f"choose from {', '.join(spec.flavors)}, or give --hf-config"
+        )
     recorded = record is not None and record.get("family") == spec.name
     if args.flavor is None and args.hf_config is None and not recorded:
-        fail(f"{ckpt} does not record a {name} model (saved before titan recorded it, or of "
-             "another family): give --flavor (and --model-name) or --hf-config")
+        fail(
+            f"{ckpt} does not record a {name} model (saved before titan recorded it, or of "
+            "another family): give --flavor (and --model-name) or --hf-config"
+        )
     if spec.state_dict_adapter is None:
-        fail(f"model family {name!r} registers no HF state-dict adapter, so it "
-             "cannot be exported to HF")
+        fail(
+            f"model family {name!r} registers no HF state-dict adapter, so it "
+            "cannot be exported to HF"
+        )
     out_dir = Path(args.output)
     if hf_io.holds_hf_model(out_dir) and not args.overwrite:
-        fail(f"{out_dir} already holds an HF model "
-             f"({', '.join(p.name for p in hf_io.hf_model_files(out_dir)[:4])}); pass "
-             "--overwrite to replace it, or choose another output folder")
+        fail(
+            f"{out_dir} already holds an HF model "
+            f"({', '.join(p.name for p in hf_io.hf_model_files(out_dir)[:4])}); pass "
+            "--overwrite to replace it, or choose another output folder"
+        )
     try:
         tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
     except TokenizerError as e:
@@ -122,12 +156,15 @@ def main(argv=None) -> None:
             if removed:
                 print(f"removed the earlier export in {out_dir} ({len(removed)} files)")
         out = hf_io.HFModelIO(spec, model_args, tokenizer).save(
-            state, out_dir, args.dtype, args.max_shard_size)
+            state, out_dir, args.dtype, args.max_shard_size
+        )
     except (checkpoint.CheckpointError, OSError, ValueError) as e:
         fail(e)
     n = sum(t.numel() for t in state.values())
-    print(f"wrote {out} ({n / 1e6:.1f}M parameters, {args.dtype}, vocab {vocab}"
-          f"{', tokenizer ' + str(tokenizer.path) if tokenizer else ''}) in {time.time() - t0:.1f}s")
+    print(
+        f"wrote {out} ({n / 1e6:.1f}M parameters, {args.dtype}, vocab {vocab}"
+        f"{', tokenizer ' + str(tokenizer.path) if tokenizer else ''}) in {time.time() - t0:.1f}s"
+    )
 
 
 if __name__ == "__main__":

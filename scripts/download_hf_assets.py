@@ -10,8 +10,13 @@ import argparse
 import sys
 from pathlib import Path
 
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "config.json", "generation_config.json"]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "config.json",
+    "generation_config.json",
+]
 
 
 def main() -> None:
@@ -22,23 +27,35 @@ def main() -> None:
     args = ap.parse_args()
 
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
-    patterns = TOKENIZER_FILES + (["*.safetensors", "*.safetensors.index.json"] if args.weights else [])
+    patterns = TOKENIZER_FILES + (
+        ["*.safetensors", "*.safetensors.index.json"] if args.weights else []
+    )
     dest = Path(args.out) / args.repo.split("/")[-1]
     try:
         snapshot_download(args.repo, allow_patterns=patterns, local_dir=dest)
     except GatedRepoError:
-        fail(f"{args.repo} is gated: accept its license on huggingface.co, then "
-             "`huggingface-cli login` (or set HF_TOKEN) and run this again")
+        fail(
+            f"{args.repo} is gated: accept its license on huggingface.co, then "
+            "`huggingface-cli login` (or set HF_TOKEN) and run this again"
+        )
     except RepositoryNotFoundError:
-        fail(f"{args.repo}: no such repo on the hub (or it is private: log in first); check "
-             "the id, e.g. meta-llama/Llama-3.1-8B")
+        fail(
+            f"{args.repo}: no such repo on the hub (or it is private: log in first); check "
+            "the id, e.g. meta-llama/Llama-3.1-8B"
+        )
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        fail(f"could not download {args.repo} ({first[:200]}): check the network (HF_HUB_OFFLINE "
-             "unset, a proxy if needed), or copy the files into " + str(dest))
+        fail(
+            f"could not download {args.repo} ({first[:200]}): check the network (HF_HUB_OFFLINE "
+            "unset, a proxy if needed), or copy the files into " + str(dest)
+        )
     print(f"downloaded {args.repo} to {dest}")
 
 

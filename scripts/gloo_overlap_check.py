@@ -11,7 +11,8 @@ is still needed; it fails only now and then, so run it several times:
 
 Each iteration sends a cp x tp step's traffic (the ring's two exchanges, sequence parallel's
 all-gather and reduce-scatter). A rank killed by SIGABRT or SIGSEGV means the bug is there.
-With --serial each collective is awaited before the next one is issued, as titan does. Figures: benchmarks/RESULTS.md.
+With --serial each collective is awaited before the next one is issued, as titan does.
+Figures: benchmarks/RESULTS.md.
 """
 
 import argparse
@@ -40,10 +41,12 @@ def main() -> None:
         n = 64 + (i * 37) % 8192  # varying sizes, as the heap churns in training
         pending = []
         # a cp x tp step's traffic: the ring's two exchanges on cp, sequence parallel's on tp
-        for issue in (lambda: funcol.all_gather_single(torch.randn(n), 0, tp),
-                      lambda: funcol.all_gather_single(torch.randn(n), 0, cp),
-                      lambda: funcol.permute_tensor(torch.randn(2 * n), [1, 0], cp),
-                      lambda: funcol.reduce_scatter_tensor(torch.randn(2 * n), "sum", 0, tp)):
+        for issue in (
+            lambda n=n: funcol.all_gather_single(torch.randn(n), 0, tp),
+            lambda n=n: funcol.all_gather_single(torch.randn(n), 0, cp),
+            lambda n=n: funcol.permute_tensor(torch.randn(2 * n), [1, 0], cp),
+            lambda n=n: funcol.reduce_scatter_tensor(torch.randn(2 * n), "sum", 0, tp),
+        ):
             pending.append(issue())
             if args.serial:
                 pending[-1] = pending[-1].wait()
@@ -53,8 +56,11 @@ def main() -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         mode = "serial" if args.serial else "overlapped"
-        print(f"ok: {args.iters} {mode} iterations on {dist.get_world_size()} ranks in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"ok: {args.iters} {mode} iterations on {dist.get_world_size()} ranks in "
+            f"{time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
     sys.stderr.flush()
     # skip interpreter teardown, where gloo's threads can abort a process for other reasons
     os._exit(0)

@@ -35,18 +35,72 @@ from pathlib import Path
 # Canonical KJV order; the data file uses its own abbreviations (Ge, Exo, ...),
 # so order, not spelling, is what ties these names to the text.
 BOOKS = [
-    "Genesis", "Exodus", "Leviticus", "Numbers", "Deuteronomy", "Joshua",
-    "Judges", "Ruth", "1 Samuel", "2 Samuel", "1 Kings", "2 Kings",
-    "1 Chronicles", "2 Chronicles", "Ezra", "Nehemiah", "Esther", "Job",
-    "Psalms", "Proverbs", "Ecclesiastes", "Song of Solomon", "Isaiah",
-    "Jeremiah", "Lamentations", "Ezekiel", "Daniel", "Hosea", "Joel", "Amos",
-    "Obadiah", "Jonah", "Micah", "Nahum", "Habakkuk", "Zephaniah", "Haggai",
-    "Zechariah", "Malachi",
-    "Matthew", "Mark", "Luke", "John", "Acts", "Romans", "1 Corinthians",
-    "2 Corinthians", "Galatians", "Ephesians", "Philippians", "Colossians",
-    "1 Thessalonians", "2 Thessalonians", "1 Timothy", "2 Timothy", "Titus",
-    "Philemon", "Hebrews", "James", "1 Peter", "2 Peter", "1 John", "2 John",
-    "3 John", "Jude", "Revelation",
+    "Genesis",
+    "Exodus",
+    "Leviticus",
+    "Numbers",
+    "Deuteronomy",
+    "Joshua",
+    "Judges",
+    "Ruth",
+    "1 Samuel",
+    "2 Samuel",
+    "1 Kings",
+    "2 Kings",
+    "1 Chronicles",
+    "2 Chronicles",
+    "Ezra",
+    "Nehemiah",
+    "Esther",
+    "Job",
+    "Psalms",
+    "Proverbs",
+    "Ecclesiastes",
+    "Song of Solomon",
+    "Isaiah",
+    "Jeremiah",
+    "Lamentations",
+    "Ezekiel",
+    "Daniel",
+    "Hosea",
+    "Joel",
+    "Amos",
+    "Obadiah",
+    "Jonah",
+    "Micah",
+    "Nahum",
+    "Habakkuk",
+    "Zephaniah",
+    "Haggai",
+    "Zechariah",
+    "Malachi",
+    "Matthew",
+    "Mark",
+    "Luke",
+    "John",
+    "Acts",
+    "Romans",
+    "1 Corinthians",
+    "2 Corinthians",
+    "Galatians",
+    "Ephesians",
+    "Philippians",
+    "Colossians",
+    "1 Thessalonians",
+    "2 Thessalonians",
+    "1 Timothy",
+    "2 Timothy",
+    "Titus",
+    "Philemon",
+    "Hebrews",
+    "James",
+    "1 Peter",
+    "2 Peter",
+    "1 John",
+    "2 John",
+    "3 John",
+    "Jude",
+    "Revelation",
 ]
 EXPECTED_VERSES = 31102  # KJV verse count; guards against a bad decode
 
@@ -67,7 +121,7 @@ def lzw_decompress(data: bytes, max_bits: int = 16) -> bytes:
         return group_start + -(-(pos - group_start) // group) * group
 
     while pos + n_bits <= total_bits:
-        chunk = int.from_bytes(data[pos >> 3:(pos >> 3) + 4], "little")
+        chunk = int.from_bytes(data[pos >> 3 : (pos >> 3) + 4], "little")
         code = (chunk >> (pos & 7)) & ((1 << n_bits) - 1)
         pos += n_bits
         if code == 256:
@@ -156,12 +210,19 @@ def write_jsonl(path: Path, chapters) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", type=Path, required=True,
-                    help="directory unpacked with `dpkg -x bible-kjv-text_*.deb`"
-                         " or the bible.data file itself")
+    ap.add_argument(
+        "--source",
+        type=Path,
+        required=True,
+        help="directory unpacked with `dpkg -x bible-kjv-text_*.deb` or the bible.data file itself",
+    )
     ap.add_argument("--out-dir", type=Path, default=Path("assets/corpus"))
-    ap.add_argument("--valid-fraction", type=float, default=0.03,
-                    help="minimum share of chapters held out (whole books)")
+    ap.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.03,
+        help="minimum share of chapters held out (whole books)",
+    )
     args = ap.parse_args()
 
     src = args.source
@@ -174,8 +235,10 @@ def main() -> None:
     for name, part in (("kjv_train", chapters[:cut]), ("kjv_valid", chapters[cut:])):
         path = args.out_dir / f"{name}.jsonl"
         write_jsonl(path, part)
-        print(f"{path}: {len(part)} chapters ({part[0][0]} {part[0][1]} .. "
-              f"{part[-1][0]} {part[-1][1]}), {path.stat().st_size} bytes")
+        print(
+            f"{path}: {len(part)} chapters ({part[0][0]} {part[0][1]} .. "
+            f"{part[-1][0]} {part[-1][1]}), {path.stat().st_size} bytes"
+        )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titan.components.data.dataset import DataError, open_hub, iter_texts, local_files  # noqa: E402
+from titan.components.data.dataset import DataError, iter_texts, local_files, open_hub  # noqa: E402
 from titan.components.data.token_shards import ShardWriter, encode_documents, is_shard_folder  # noqa: E402
 from titan.components.data.tokenizer import Tokenizer  # noqa: E402
 
@@ -31,43 +31,63 @@ def hub_texts(name: str, text_field: str, batch_size: int):
     for n, batch in enumerate(ds.iter(batch_size=batch_size)):
         texts = batch.get(text_field)
         if texts is None:
-            raise DataError(f"{name} has no field '{text_field}' (fields: {sorted(batch)}); "
-                            "pass --text-field")
+            raise DataError(
+                f"{name} has no field '{text_field}' (fields: {sorted(batch)}); pass --text-field"
+            )
         bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
         if bad is not None:
-            raise DataError(f"{name}: record {n * batch_size + bad} has no text in field "
-                            f"'{text_field}'")
+            raise DataError(
+                f"{name}: record {n * batch_size + bad} has no text in field '{text_field}'"
+            )
         yield texts
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("source", help="file, folder, bundled name or hub name[:subset]")
     ap.add_argument("output", help="shard folder to create (must not exist)")
-    ap.add_argument("--tokenizer", default="assets/tokenizer/tokenizer.json",
-                    help="tokenizer.json (or folder) training will use (model.tokenizer_path)")
+    ap.add_argument(
+        "--tokenizer",
+        default="assets/tokenizer/tokenizer.json",
+        help="tokenizer.json (or folder) training will use (model.tokenizer_path)",
+    )
     ap.add_argument("--text-field", default="text", help="column holding the document text")
     ap.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
     ap.add_argument("--batch-size", type=int, default=1024, help="documents per task")
-    ap.add_argument("--shard-tokens", type=int, default=1 << 28,
-                    help="tokens per shard file, cut between documents (default 2^28)")
-    ap.add_argument("--max-documents", type=int, default=None,
-                    help="stop after this many documents (hub datasets are unbounded)")
+    ap.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=1 << 28,
+        help="tokens per shard file, cut between documents (default 2^28)",
+    )
+    ap.add_argument(
+        "--max-documents",
+        type=int,
+        default=None,
+        help="stop after this many documents (hub datasets are unbounded)",
+    )
     args = ap.parse_args(argv)
 
     out = Path(args.output)
     if out.exists():
-        print(f"error: {out} exists{' (a shard folder)' if is_shard_folder(out) else ''}; "
-              "choose a new output folder or remove it", file=sys.stderr)
+        print(
+            f"error: {out} exists{' (a shard folder)' if is_shard_folder(out) else ''}; "
+            "choose a new output folder or remove it",
+            file=sys.stderr,
+        )
         return 2
     try:
         tokenizer = Tokenizer(args.tokenizer)
         files = local_files(args.source, None, key="source")
         if files is not None and len(files) == 1 and is_shard_folder(files[0]):
             raise DataError(f"{files[0]} is already a shard folder")
-        texts = (iter_texts(files, args.text_field, args.batch_size) if files is not None
-                 else hub_texts(args.source, args.text_field, args.batch_size))
+        texts = (
+            iter_texts(files, args.text_field, args.batch_size)
+            if files is not None
+            else hub_texts(args.source, args.text_field, args.batch_size)
+        )
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -76,8 +96,12 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    writer = ShardWriter(out, tokenizer, shard_tokens=args.shard_tokens,
-                         sources=[str(f) for f in files] if files else [args.source])
+    writer = ShardWriter(
+        out,
+        tokenizer,
+        shard_tokens=args.shard_tokens,
+        sources=[str(f) for f in files] if files else [args.source],
+    )
     t0 = time.perf_counter()
     try:
         with tqdm(unit="doc", desc="tokenizing", dynamic_ncols=True) as bar:
@@ -95,9 +119,11 @@ def main(argv=None) -> int:
         raise
     docs = sum(s["documents"] for s in writer.meta["shards"])
     secs = time.perf_counter() - t0
-    print(f"wrote {writer.tokens:,} tokens of {docs:,} documents in "
-          f"{len(writer.meta['shards'])} shard(s) to {out} ({writer.dtype.name}, "
-          f"{writer.tokens / max(secs, 1e-9):,.0f} tokens/s)")
+    print(
+        f"wrote {writer.tokens:,} tokens of {docs:,} documents in "
+        f"{len(writer.meta['shards'])} shard(s) to {out} ({writer.dtype.name}, "
+        f"{writer.tokens / max(secs, 1e-9):,.0f} tokens/s)"
+    )
     return 0
 
 

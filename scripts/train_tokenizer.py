@@ -49,9 +49,13 @@ def build_tokenizer(paths: list[Path], vocab_size: int) -> Tokenizer:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, nargs="+",
-                    default=[Path("assets/corpus/kjv_train.jsonl")],
-                    help="JSON Lines file(s) with a 'text' field")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        nargs="+",
+        default=[Path("assets/corpus/kjv_train.jsonl")],
+        help="JSON Lines file(s) with a 'text' field",
+    )
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=Path("assets/tokenizer/tokenizer.json"))
     args = ap.parse_args()

@@ -51,6 +51,7 @@ def tokenizer():
 
 # ------------------------------------------------------------------ optional packages
 
+
 def needed(item) -> set[str]:
     return {pkg for mark in item.iter_markers("needs") for pkg in mark.args}
 
@@ -64,13 +65,17 @@ def pytest_configure(config):
 def pytest_runtest_setup(item):
     for pkg in sorted(needed(item)):
         if pkg not in guard.OPTIONAL:
-            raise pytest.UsageError(f"needs({pkg!r}): not an optional package of "
-                                    f"tests/import_guard ({', '.join(guard.OPTIONAL)})")
+            raise pytest.UsageError(
+                f"needs({pkg!r}): not an optional package of "
+                f"tests/import_guard ({', '.join(guard.OPTIONAL)})"
+            )
         import importlib.util
 
         if importlib.util.find_spec(pkg) is None:
-            pytest.skip(f"needs {pkg}: pip install -e '.[{guard.OPTIONAL[pkg]}]' "
-                        "(or '.[test]', which installs every optional package)")
+            pytest.skip(
+                f"needs {pkg}: pip install -e '.[{guard.OPTIONAL[pkg]}]' "
+                "(or '.[test]', which installs every optional package)"
+            )
 
 
 def undeclared_imports(items, log_path: str) -> list[str]:

@@ -24,8 +24,13 @@ def _worker(fn, rank, world_size, init_method, out_dir, args, init_pg, barrier, 
     try:
         torch.set_num_threads(threads)
         if init_pg:
-            dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=30))
+            dist.init_process_group(
+                "gloo",
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=30),
+            )
         result = fn(rank, world_size, *args)
         if barrier and dist.is_initialized():
             dist.barrier()
@@ -43,8 +48,9 @@ def _worker(fn, rank, world_size, init_method, out_dir, args, init_pg, barrier, 
     os._exit(code)
 
 
-def run_workers(fn, world_size, tmp_path, *args, deadline_s=DEADLINE_S, init_pg=True,
-                barrier=True, threads=1):
+def run_workers(
+    fn, world_size, tmp_path, *args, deadline_s=DEADLINE_S, init_pg=True, barrier=True, threads=1
+):
     """Run fn(rank, world_size, *args) on forked ranks; return the per-rank results.
 
     With `init_pg=False` the ranks start without a process group (fn makes its own, e.g. a
@@ -55,10 +61,13 @@ def run_workers(fn, world_size, tmp_path, *args, deadline_s=DEADLINE_S, init_pg=
     # child that uses two threads hangs once the parent has used its pool); ~4 s more a rank
     ctx = mp.get_context("fork" if threads == 1 else "spawn")
     init = f"file://{tmp_path}/pg_store"
-    procs = [ctx.Process(target=_worker,
-                         args=(fn, r, world_size, init, str(tmp_path), args, init_pg, barrier,
-                               threads))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, init, str(tmp_path), args, init_pg, barrier, threads),
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + deadline_s
@@ -100,11 +109,26 @@ def free_port() -> int:
 def tiny_run(steps: int, warmup: int = 2) -> list[str]:
     """Overrides for a short, deterministic fp32 run of the debug model (seq 32, global batch
     8 in microbatches of 4) that logs every step."""
-    return ["--training.steps", str(steps), "--training.seq_len", "32",
-            "--training.local_batch_size", "4", "--training.global_batch_size", "8",
-            "--training.mixed_precision_param", "float32", "--training.deterministic",
-            "--lr_scheduler.warmup_steps", str(warmup), "--metrics.log_freq", "1",
-            "--metrics.no_enable_tensorboard", "--metrics.peak_flops", "1e12"]
+    return [
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "4",
+        "--training.global_batch_size",
+        "8",
+        "--training.mixed_precision_param",
+        "float32",
+        "--training.deterministic",
+        "--lr_scheduler.warmup_steps",
+        str(warmup),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.no_enable_tensorboard",
+        "--metrics.peak_flops",
+        "1e12",
+    ]
 
 
 def build_trainer(rank, world_size, port, argv):
@@ -114,9 +138,14 @@ def build_trainer(rank, world_size, port, argv):
     from titan.preflight import plan_run
     from titan.train import Trainer
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     job = parse_args(argv)
     return Trainer(job, plan_run(job, world_size))
 
@@ -138,5 +167,13 @@ def run_trainer(tmp_path, world_size, argv, deadline_s=DEADLINE_S, threads=1) ->
     to train models registered in the test process; returns rank 0's metrics records."""
     dump = tmp_path / "dump"
     argv = [*argv, "--job.dump_folder", str(dump)]
-    return run_workers(_trainer_rank, world_size, tmp_path, free_port(), argv,
-                       deadline_s=deadline_s, init_pg=False, threads=threads)[0]
+    return run_workers(
+        _trainer_rank,
+        world_size,
+        tmp_path,
+        free_port(),
+        argv,
+        deadline_s=deadline_s,
+        init_pg=False,
+        threads=threads,
+    )[0]

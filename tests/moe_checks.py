@@ -16,14 +16,16 @@ def biases(step_dir) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k.endswith("expert_bias")}
 
 
-def check_layout_like_one_process(one_rank, tmp_path, world: int, argv: list[str],
-                                  steps: int, moe_layers: int, layout: str) -> None:
+def check_layout_like_one_process(
+    one_rank, tmp_path, world: int, argv: list[str], steps: int, moe_layers: int, layout: str
+) -> None:
     records = run_trainer(tmp_path, world, argv, deadline_s=150)
     check_run_like_one_process(one_rank, records, tmp_path / "dump", steps, moe_layers, layout)
 
 
-def check_run_like_one_process(one_rank, records: list[dict], dump, steps: int,
-                               moe_layers: int, layout: str) -> None:
+def check_run_like_one_process(
+    one_rank, records: list[dict], dump, steps: int, moe_layers: int, layout: str
+) -> None:
     """`records` (rank 0's) and the biases of the step-`steps` checkpoint under `dump`."""
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for a, b in zip(one_rank[0], records, strict=True):
@@ -35,7 +37,10 @@ def check_run_like_one_process(one_rank, records: list[dict], dump, steps: int,
         assert ("moe_aux_loss" in a) == ("moe_aux_loss" in b), (layout, a, b)
         if "moe_aux_loss" in a:
             assert abs(a["moe_aux_loss"] - b["moe_aux_loss"]) <= 1e-5 * a["moe_aux_loss"], (
-                layout, a, b)
+                layout,
+                a,
+                b,
+            )
     want = biases(one_rank[1] / f"step-{steps}")
     assert len(want) == moe_layers and all(v.abs().sum() > 0 for v in want.values())
     got = biases(dump / "checkpoint" / f"step-{steps}")
@@ -43,14 +48,14 @@ def check_run_like_one_process(one_rank, records: list[dict], dump, steps: int,
     assert all(torch.equal(got[k], want[k]) for k in want), layout
 
 
-def check_resume_is_bitwise(one_rank, tmp_path, argv: list[str], steps: int,
-                            at: int) -> None:
+def check_resume_is_bitwise(one_rank, tmp_path, argv: list[str], steps: int, at: int) -> None:
     records, saved = one_rank
     dump = tmp_path / "dump" / "checkpoint"
     shutil.copytree(saved / f"step-{at}", dump / f"step-{at}")
     got = run_trainer(tmp_path, 1, argv)
     assert [r["step"] for r in got] == list(range(at + 1, steps + 1))
     assert [(r["loss"], r["grad_norm"]) for r in got] == [
-        (r["loss"], r["grad_norm"]) for r in records[at:]]
+        (r["loss"], r["grad_norm"]) for r in records[at:]
+    ]
     want, back = biases(saved / f"step-{steps}"), biases(dump / f"step-{steps}")
     assert all(torch.equal(back[k], want[k]) for k in want)

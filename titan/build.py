@@ -14,8 +14,9 @@ from titan.parallelisms.pipeline import PipelinePlan
 from titan.preflight import RunPlan
 
 
-def meta_parts(job: JobConfig, plan: RunPlan) -> tuple[nn.Module, list[nn.Module],
-                                                       PipelinePlan | None]:
+def meta_parts(
+    job: JobConfig, plan: RunPlan
+) -> tuple[nn.Module, list[nn.Module], PipelinePlan | None]:
     """(the whole meta model, this rank's parallelized parts, its pipeline plan or None).
     Needs plan.dims' mesh built."""
     spec, dims = plan.spec, plan.dims

@@ -23,8 +23,9 @@ def check_checkpoints(job: JobConfig, plan) -> None:
     if resuming or (ck.initial_load_path and not ck.initial_load_in_hf):
         _check_loaded_folder(job, plan, root, resuming)
     if ck.enable:
-        need = model_save_bytes(plan.spec.build_meta(plan.model_args), job.optimizer,
-                                job.extensions)
+        need = model_save_bytes(
+            plan.spec.build_meta(plan.model_args), job.optimizer, job.extensions
+        )
         why = space_problem(root, need)
         if why:
             raise ConfigError(why)
@@ -32,7 +33,11 @@ def check_checkpoints(job: JobConfig, plan) -> None:
 
 def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> None:
     # DCP is imported only when there is a checkpoint to read: a fresh launch stays light
-    from titan.components.checkpoint.folders import CheckpointError, folder_problem, resume_candidate
+    from titan.components.checkpoint.folders import (
+        CheckpointError,
+        folder_problem,
+        resume_candidate,
+    )
     from titan.components.checkpoint.identity import (
         INITIAL_LOAD_FIX,
         RESUME_FIX,
@@ -54,7 +59,8 @@ def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> No
             if why is None:
                 why = identity.problem(path)
             if why:
-                raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}. "
-                                      f"{INITIAL_LOAD_FIX}")
+                raise CheckpointError(
+                    f"checkpoint.initial_load_path {path}: {why}. {INITIAL_LOAD_FIX}"
+                )
     except CheckpointError as e:
         raise ConfigError(str(e)) from None

@@ -87,18 +87,26 @@ def _check_jsonl_head(path: Path, text_field: str) -> None:
             except UnicodeDecodeError:
                 raise DataError(f"{where} is not UTF-8 text; re-encode the file as UTF-8") from None
             except json.JSONDecodeError as e:
-                raise DataError(f"{where} is not JSON ({e.msg} at column {e.colno}): a .jsonl "
-                                "file holds one JSON object per line; fix or remove the file"
-                                ) from None
+                raise DataError(
+                    f"{where} is not JSON ({e.msg} at column {e.colno}): a .jsonl "
+                    "file holds one JSON object per line; fix or remove the file"
+                ) from None
             if not isinstance(record, dict):
-                raise DataError(f"{where} is a JSON {type(record).__name__}, not an object "
-                                f"with a '{text_field}' field; fix or remove the file")
+                raise DataError(
+                    f"{where} is a JSON {type(record).__name__}, not an object "
+                    f"with a '{text_field}' field; fix or remove the file"
+                )
             if not isinstance(record.get(text_field), str):
-                what = (f"a {type(record[text_field]).__name__} in '{text_field}'"
-                        if text_field in record else f"no '{text_field}' field")
-                raise DataError(f"{where} has {what} (fields: {sorted(record)[:8]}); set "
-                                "training.dataset_text_field to the field holding the text, or "
-                                "fix the file")
+                what = (
+                    f"a {type(record[text_field]).__name__} in '{text_field}'"
+                    if text_field in record
+                    else f"no '{text_field}' field"
+                )
+                raise DataError(
+                    f"{where} has {what} (fields: {sorted(record)[:8]}); set "
+                    "training.dataset_text_field to the field holding the text, or "
+                    "fix the file"
+                )
 
 
 def _check_parquet_schema(path: Path, text_field: str) -> None:
@@ -107,8 +115,12 @@ def _check_parquet_schema(path: Path, text_field: str) -> None:
     try:
         names = pq.read_schema(path).names  # the footer only
     except Exception as e:  # noqa: BLE001  pyarrow raises several types for a bad file
-        raise DataError(f"{path} is not a readable parquet file ({type(e).__name__}: {e}); "
-                        "write it again or remove it") from None
+        raise DataError(
+            f"{path} is not a readable parquet file ({type(e).__name__}: {e}); "
+            "write it again or remove it"
+        ) from None
     if text_field not in names:
-        raise DataError(f"{path} has no column '{text_field}' (columns: {names[:8]}); set "
-                        "training.dataset_text_field to the column holding the text")
+        raise DataError(
+            f"{path} has no column '{text_field}' (columns: {names[:8]}); set "
+            "training.dataset_text_field to the column holding the text"
+        )

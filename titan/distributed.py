@@ -28,8 +28,14 @@ def _free_port() -> int:
 def init_distributed(device: torch.device, init_timeout_s: int) -> tuple[int, int]:
     """Always a process group, world size 1 included, so one code path serves 1 and N ranks."""
     if "RANK" not in os.environ:  # started as plain `python -m titan.train`
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # gloo beside nccl lets CPU tensors (checkpoint metadata, timing) use collectives too
@@ -45,8 +51,9 @@ def init_distributed(device: torch.device, init_timeout_s: int) -> tuple[int, in
         # agent's store and hang connecting to them: give every attempt its own key space
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         store = dist.PrefixStore(f"titan/attempt_{attempt}", store)
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -32,8 +32,12 @@ def record(kind: str, error: BaseException | str, exit_code: int) -> None:
     path = os.environ.get(ENV)
     if not path:
         return
-    entry = {"kind": kind, "message": " ".join(str(error).split()), "exit_code": exit_code,
-             "rank": int(os.environ.get("RANK", "0"))}
+    entry = {
+        "kind": kind,
+        "message": " ".join(str(error).split()),
+        "exit_code": exit_code,
+        "rank": int(os.environ.get("RANK", "0")),
+    }
     tmp = f"{path}.{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(entry, f)

@@ -60,8 +60,15 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator) -> tor
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int | None,
-             sampling: Sampling = Sampling(), on_step=None) -> list[list[int]]:
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int | None,
+    sampling: Sampling = Sampling(),
+    on_step=None,
+) -> list[list[int]]:
     """The new tokens of each prompt (up to and including EOS). `model(tokens, cache)` is a
     family's model with a decode cache; prompts are left-padded into one batch.
     `on_step(new_ids)` sees each step's (batch,) tokens, e.g. to stream them."""
@@ -143,19 +150,28 @@ def model_args(path: Path, job, spec):
 
             return args_in_record(spec, saved, job.training.seq_len)
     if name not in spec.flavors:
-        raise GenerateError(f"--model.flavor {name}: {spec.name} has flavors "
-                            f"{', '.join(spec.flavors)}")
+        raise GenerateError(
+            f"--model.flavor {name}: {spec.name} has flavors {', '.join(spec.flavors)}"
+        )
     args = _flavor_args(spec, spec.flavors[name], shapes, job.training.seq_len)
     if args is None:
         from titan.config.manager import source_of
 
-        fits = [f for f, a in spec.flavors.items()
-                if _flavor_args(spec, a, shapes, job.training.seq_len) is not None]
-        fix = (f"it holds flavor {fits[0]!r}: pass --model.flavor {fits[0]}" if fits else
-               "pass the flavor it was trained with (--model.flavor or its --job.config_file)")
-        raise GenerateError(f"{path} does not hold a {spec.name} {name!r} model (model.flavor "
-                            f"from {source_of(job, 'model.flavor')}): "
-                            f"{_shape_difference(spec, spec.flavors[name], shapes)}; {fix}")
+        fits = [
+            f
+            for f, a in spec.flavors.items()
+            if _flavor_args(spec, a, shapes, job.training.seq_len) is not None
+        ]
+        fix = (
+            f"it holds flavor {fits[0]!r}: pass --model.flavor {fits[0]}"
+            if fits
+            else "pass the flavor it was trained with (--model.flavor or its --job.config_file)"
+        )
+        raise GenerateError(
+            f"{path} does not hold a {spec.name} {name!r} model (model.flavor "
+            f"from {source_of(job, 'model.flavor')}): "
+            f"{_shape_difference(spec, spec.flavors[name], shapes)}; {fix}"
+        )
     from titan.components.checkpoint.identity import model_identity
 
     # shapes alike, models not: a tied flavor reading an untied checkpoint, or a record that
@@ -163,8 +179,11 @@ def model_args(path: Path, job, spec):
     why = model_identity(spec, name, args).problem(path)
     if why:
         saved = checkpoint.saved_model(path) or {}
-        fix = (f"pass --model.flavor {saved['flavor']}" if saved.get("flavor") in spec.flavors
-               else "pass the flavor it was trained with")
+        fix = (
+            f"pass --model.flavor {saved['flavor']}"
+            if saved.get("flavor") in spec.flavors
+            else "pass the flavor it was trained with"
+        )
         raise GenerateError(f"{path} does not hold this model: {why}; {fix}")
     return args
 
@@ -173,14 +192,16 @@ def _flavor_args(spec, flavor, shapes: dict, seq_len: int):
     """The flavor's args at the checkpoint's vocabulary when every shape is the flavor's, else
     None (a tied copy the checkpoint stores under its owner's name only is no difference)."""
     try:
-        args = flavor.with_updates(vocab_size=spec.vocab_size_of(shapes, flavor),
-                                   max_seq_len=seq_len)
+        args = flavor.with_updates(
+            vocab_size=spec.vocab_size_of(shapes, flavor), max_seq_len=seq_len
+        )
     except ValueError:  # no vocabulary-sized tensor: another family's checkpoint
         return None
     want = spec.state_shapes(args)
     copies = {c for owner, c in spec.build_meta(args).tied_parameters() if owner in shapes}
     same = set(want) - copies <= set(shapes) <= set(want) and all(
-        tuple(shapes[n]) == tuple(want[n]) for n in shapes)
+        tuple(shapes[n]) == tuple(want[n]) for n in shapes
+    )
     return args if same else None
 
 
@@ -191,8 +212,11 @@ def _shape_difference(spec, flavor, shapes: dict) -> str:
     except ValueError:
         pass
     want = spec.state_shapes(flavor)
-    diff = [f"{n} {tuple(shapes[n])} vs {tuple(want[n])}" for n in want
-            if n in shapes and tuple(shapes[n]) != tuple(want[n])]
+    diff = [
+        f"{n} {tuple(shapes[n])} vs {tuple(want[n])}"
+        for n in want
+        if n in shapes and tuple(shapes[n]) != tuple(want[n])
+    ]
     diff += [f"{n} only in the checkpoint" for n in sorted(set(shapes) - set(want))]
     if not diff:
         diff = [f"{n} missing" for n in sorted(set(want) - set(shapes))]
@@ -247,12 +271,12 @@ class TextStream:
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids, skip_special=True)
         end = len(text.rstrip("\ufffd"))
-        new, self.shown = text[self.shown:end], max(self.shown, end)
+        new, self.shown = text[self.shown : end], max(self.shown, end)
         return new
 
     def flush(self) -> str:
         """What is left at the end (a character that never completed stays U+FFFD)."""
-        return self.tokenizer.decode(self.ids, skip_special=True)[self.shown:]
+        return self.tokenizer.decode(self.ids, skip_special=True)[self.shown :]
 
 
 def check_options(opts) -> None:
@@ -272,13 +296,16 @@ def check_positions(prompts: list[list[int]], max_new_tokens: int, limit: int) -
     """Every prompt and its new tokens must fit the positions the model was made for."""
     for i, p in enumerate(prompts):
         if len(p) >= limit:
-            raise GenerateError(f"prompt {i} is {len(p)} tokens, the model has {limit} "
-                                "positions (max_seq_len): shorten the prompt")
+            raise GenerateError(
+                f"prompt {i} is {len(p)} tokens, the model has {limit} "
+                "positions (max_seq_len): shorten the prompt"
+            )
         if len(p) + max_new_tokens > limit:
             raise GenerateError(
                 f"prompt {i} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} need "
                 f"{len(p) + max_new_tokens} positions, the model has {limit} (max_seq_len): "
-                f"pass --max-new-tokens {limit - len(p)} or less, or a shorter prompt")
+                f"pass --max-new-tokens {limit - len(p)} or less, or a shorter prompt"
+            )
 
 
 def _fail(why) -> None:
@@ -287,17 +314,25 @@ def _fail(why) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="DCP step folder / checkpoint root, or an HF folder")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--checkpoint", required=True, help="DCP step folder / checkpoint root, or an HF folder"
+    )
     ap.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    ap.add_argument("--max-new-tokens", type=int, default=64,
-                    help="at most this many tokens per prompt (>= 1; prompt + these must fit "
-                    "the model's positions)")
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="at most this many tokens per prompt (>= 1; prompt + these must fit "
+        "the model's positions)",
+    )
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
-    ap.add_argument("--top-p", type=float, default=1.0,
-                    help="nucleus sampling mass, in (0, 1] (1: all)")
+    ap.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1: all)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     opts, overrides = ap.parse_known_args(argv)
     try:
@@ -325,7 +360,11 @@ def main(argv: list[str] | None = None) -> None:
         if "model.name" not in job.sources:  # the family the folder holds, unless one is named
             job.model.name = family_in(path) or job.model.name
         spec = get_train_spec(job.model.name)
-        tok_path = path if _is_hf(path) and (path / "tokenizer.json").is_file() else job.model.tokenizer_path
+        tok_path = (
+            path
+            if _is_hf(path) and (path / "tokenizer.json").is_file()
+            else job.model.tokenizer_path
+        )
         tokenizer = Tokenizer(str(tok_path))
         prompts = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
         check_positions(prompts, opts.max_new_tokens, positions(model_args(path, job, spec)))
@@ -355,9 +394,14 @@ def main(argv: list[str] | None = None) -> None:
 
     if stream:
         print(opts.prompt[0], end="", flush=True)
-    out = generate(model, prompts, max_new_tokens=opts.max_new_tokens, eos_id=tokenizer.eos_id,
-                   sampling=Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed),
-                   on_step=on_step if stream else None)
+    out = generate(
+        model,
+        prompts,
+        max_new_tokens=opts.max_new_tokens,
+        eos_id=tokenizer.eos_id,
+        sampling=Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed),
+        on_step=on_step if stream else None,
+    )
     if stream:
         print(text_stream.flush())
     elif rank0:

@@ -49,15 +49,19 @@ def describe(signum: int) -> str:
 
 def status(checkpoint_cfg, dump_folder: str) -> str:
     """Where the next run starts, for the line that reports a stop."""
-    from titan.components.checkpoint.folders import (COMPLETE_MARKER, folder_problem,
-                                                     step_folders)
+    from titan.components.checkpoint.folders import COMPLETE_MARKER, folder_problem, step_folders
 
     if not checkpoint_cfg.enable:
         return "checkpointing is off (checkpoint.enable): the next run starts from step 0"
     root = Path(dump_folder) / checkpoint_cfg.folder
-    done = [p for _, p in (step_folders(root) if root.is_dir() else [])
-            if (p / COMPLETE_MARKER).is_file() and folder_problem(p, "off") is None]
+    done = [
+        p
+        for _, p in (step_folders(root) if root.is_dir() else [])
+        if (p / COMPLETE_MARKER).is_file() and folder_problem(p, "off") is None
+    ]
     if not done:
         return f"no checkpoint was completed in {root}: the next run starts from step 0"
-    return (f"checkpoints in {root} are intact, the newest complete one is {done[-1].name} "
-            "(a save cut short stays incomplete and is skipped): the next run resumes from it")
+    return (
+        f"checkpoints in {root} are intact, the newest complete one is {done[-1].name} "
+        "(a save cut short stays incomplete and is skipped): the next run resumes from it"
+    )

@@ -40,18 +40,21 @@ def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
         raise ConfigError(
             f"NNODES={min_nodes}:{max_nodes} (elastic) with training.global_batch_size = -1: "
             "the global batch would shrink with the job and the loss curve change; set "
-            "training.global_batch_size (the gradient accumulation then grows instead)")
+            "training.global_batch_size (the gradient accumulation then grows instead)"
+        )
     plan = None
     for nodes in range(max_nodes, min_nodes - 1, -1):
         try:
-            plan = plan_run(job, world_size=nodes * nproc,
-                            tokenizer=plan.tokenizer if plan else None)
+            plan = plan_run(
+                job, world_size=nodes * nproc, tokenizer=plan.tokenizer if plan else None
+            )
         except ConfigError as e:
             if not elastic:
                 raise
             raise ConfigError(
                 f"with {nodes} of NNODES={min_nodes}:{max_nodes} nodes ({nodes * nproc} ranks): "
-                f"{e}. Raise the minimum node count or change the parallel degrees") from None
+                f"{e}. Raise the minimum node count or change the parallel degrees"
+            ) from None
     return plan
 
 
@@ -62,23 +65,29 @@ def node_counts(text: str, parse) -> tuple[int, int]:
     except (RuntimeError, ValueError):
         low = high = 0
     if not 1 <= low <= high:
-        raise ConfigError(f"NNODES={text!r}: a node count >= 1 (e.g. NNODES=4), or MIN:MAX with "
-                          "1 <= MIN <= MAX for an elastic job (e.g. NNODES=2:4)")
+        raise ConfigError(
+            f"NNODES={text!r}: a node count >= 1 (e.g. NNODES=4), or MIN:MAX with "
+            "1 <= MIN <= MAX for an elastic job (e.g. NNODES=2:4)"
+        )
     return low, high
 
 
 def check_node_rank(rank: int, max_nodes: int) -> None:
     """NODE_RANK (-1: unset, the rendezvous assigns one) must name a node of the job."""
     if rank != -1 and not 0 <= rank < max_nodes:
-        raise ConfigError(f"NODE_RANK={rank}: a job of {max_nodes} node(s) has node ranks 0 to "
-                          f"{max_nodes - 1}; unset NODE_RANK to let the rendezvous assign one")
+        raise ConfigError(
+            f"NODE_RANK={rank}: a job of {max_nodes} node(s) has node ranks 0 to "
+            f"{max_nodes - 1}; unset NODE_RANK to let the rendezvous assign one"
+        )
 
 
 def ranks_per_node(text: str) -> int:
     """NGPU as a rank count (torchrun's "auto"/"gpu" would pick a count the checks never saw)."""
     if not text.strip().isdigit() or int(text) < 1:
-        raise ConfigError(f"NGPU={text!r}: the ranks per node must be a whole number >= 1, e.g. "
-                          "NGPU=1 (one CPU process) or NGPU=8 (a node of 8 GPUs)")
+        raise ConfigError(
+            f"NGPU={text!r}: the ranks per node must be a whole number >= 1, e.g. "
+            "NGPU=1 (one CPU process) or NGPU=8 (a node of 8 GPUs)"
+        )
     return int(text)
 
 
@@ -90,12 +99,16 @@ def check_log_ranks(text: str, nproc: int) -> None:
     try:
         ranks = [int(r) for r in text.split(",")]
     except ValueError:
-        raise ConfigError(f"LOG_RANK={text!r}: a comma-separated list of local ranks, e.g. "
-                          "LOG_RANK=0 or LOG_RANK=0,1") from None
+        raise ConfigError(
+            f"LOG_RANK={text!r}: a comma-separated list of local ranks, e.g. "
+            "LOG_RANK=0 or LOG_RANK=0,1"
+        ) from None
     missing = [r for r in ranks if not 0 <= r < nproc]
     if missing:
-        raise ConfigError(f"LOG_RANK={text}: this node has no local rank {missing[0]} (NGPU="
-                          f"{nproc}: ranks 0 to {nproc - 1}); e.g. LOG_RANK=0")
+        raise ConfigError(
+            f"LOG_RANK={text}: this node has no local rank {missing[0]} (NGPU="
+            f"{nproc}: ranks 0 to {nproc - 1}); e.g. LOG_RANK=0"
+        )
 
 
 def check_memory(job, plan) -> None:
@@ -107,14 +120,14 @@ def check_memory(job, plan) -> None:
     if problem is None:
         return
     if job.memory.check == "error":
-        raise ConfigError(f"{problem}. memory.check = \"warn\" launches anyway")
+        raise ConfigError(f'{problem}. memory.check = "warn" launches anyway')
     print(f"titan: warning: {problem}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
     argv = sys.argv[1:]
     sep = argv.index("--") if "--" in argv else len(argv)
-    torchrun_args, trainer_args = argv[:sep], argv[sep + 1:]
+    torchrun_args, trainer_args = argv[:sep], argv[sep + 1 :]
     try:
         if "--help" in trainer_args or "-h" in trainer_args:
             print_out(help_text(trainer_args))

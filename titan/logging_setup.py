@@ -7,8 +7,11 @@ import os
 def _not_library_info(record: logging.LogRecord) -> bool:
     """Drop what libraries log below WARNING on the root logger (DCP's saving process:
     'Received async checkpoint request ...'): titan's own lines say what a user needs."""
-    return record.levelno >= logging.WARNING or record.name != "root" or \
-        f"{os.sep}torch{os.sep}" not in record.pathname
+    return (
+        record.levelno >= logging.WARNING
+        or record.name != "root"
+        or f"{os.sep}torch{os.sep}" not in record.pathname
+    )
 
 
 def init_logging() -> None:

@@ -20,18 +20,34 @@ from titan.preflight import RunPlan
 
 
 class ForwardBackward:
-    def __init__(self, job: JobConfig, plan: RunPlan, parts: list[nn.Module],
-                 pp_plan: PipelinePlan | None, device: torch.device):
-        self.job, self.plan, self.parts, self.pp_plan, self.device = job, plan, parts, pp_plan, device
+    def __init__(
+        self,
+        job: JobConfig,
+        plan: RunPlan,
+        parts: list[nn.Module],
+        pp_plan: PipelinePlan | None,
+        device: torch.device,
+    ):
+        self.job, self.plan, self.parts, self.pp_plan, self.device = (
+            job,
+            plan,
+            parts,
+            pp_plan,
+            device,
+        )
         t, dims = job.training, plan.dims
         # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks
-        self.tokens_per_rank_step = (plan.global_batch_size // plan.data_parallel_size
-                                     * t.seq_len // dims.cp)
+        self.tokens_per_rank_step = (
+            plan.global_batch_size // plan.data_parallel_size * t.seq_len // dims.cp
+        )
         self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
         # FSDP casts parameters itself; a single replica needs autocast for bf16 compute
         bf16_autocast = t.mixed_precision_param == "bfloat16" and not dims.fsdp_enabled
-        self.amp = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-                    if bf16_autocast else contextlib.nullcontext)
+        self.amp = (
+            (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+            if bf16_autocast
+            else contextlib.nullcontext
+        )
         self.schedule = self._schedule(pp_plan, self.loss)
         # forwards per microbatch of the step: a schedule splits each into its own
         self.pipeline_microbatches = pp_plan.n_microbatches if pp_plan is not None else 1
@@ -40,16 +56,25 @@ class ForwardBackward:
     def _schedule(self, pp_plan, loss_fn):
         if pp_plan is None:
             return None
-        return build_schedule(self.parts, pp_plan, self.plan.dims["pp"], self.device, loss_fn,
-                              inference_ctx=aux_loss.paused)
+        return build_schedule(
+            self.parts,
+            pp_plan,
+            self.plan.dims["pp"],
+            self.device,
+            loss_fn,
+            inference_ctx=aux_loss.paused,
+        )
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # normalized by every token of this rank's step: microbatches and stages add up
         return cross_entropy_sum(logits, labels) / self.tokens_per_rank_step
 
     def loss_parallel_ctx(self):
-        return (torch.distributed.tensor.parallel.loss_parallel() if self.loss_parallel
-                else contextlib.nullcontext())
+        return (
+            torch.distributed.tensor.parallel.loss_parallel()
+            if self.loss_parallel
+            else contextlib.nullcontext()
+        )
 
     def cp_ctx(self, *batch: torch.Tensor | None):
         """Shard the batch and every part's CP buffers along the sequence for ring attention."""
@@ -60,8 +85,12 @@ class ForwardBackward:
         batch = [b for b in batch if b is not None]
         buffers = [pair for part in self.parts for pair in part.cp_buffers()]
         return context_parallel_ctx(
-            dims["cp"], batch + [b for b, _ in buffers], [1] * len(batch) + [d for _, d in buffers],
-            set(batch), par.context_parallel_rotate_method, par.context_parallel_load_balance,
+            dims["cp"],
+            batch + [b for b, _ in buffers],
+            [1] * len(batch) + [d for _, d in buffers],
+            set(batch),
+            par.context_parallel_rotate_method,
+            par.context_parallel_load_balance,
         )
 
     def documents(self, inputs: torch.Tensor) -> dict:
@@ -70,8 +99,10 @@ class ForwardBackward:
         if m.attn_mask_type != "block_causal":
             return {}
         doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
-        return {"doc_ids": doc_ids,
-                **({"positions": document_positions(doc_ids)} if m.document_positions else {})}
+        return {
+            "doc_ids": doc_ids,
+            **({"positions": document_positions(doc_ids)} if m.document_positions else {}),
+        }
 
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss of one microbatch, ready for backward; call inside cp_ctx and
@@ -87,8 +118,9 @@ class ForwardBackward:
             loss.backward()
         return plain(loss.detach())
 
-    def run_pipeline(self, schedule, inputs: torch.Tensor, labels: torch.Tensor,
-                     train: bool = True) -> torch.Tensor:
+    def run_pipeline(
+        self, schedule, inputs: torch.Tensor, labels: torch.Tensor, train: bool = True
+    ) -> torch.Tensor:
         """Run `schedule` over one batch; the loss sum is nonzero only where the last stage is."""
         last = self.pp_plan.num_stages - 1
         has_first, has_last = 0 in self.pp_plan.stage_ids, last in self.pp_plan.stage_ids
@@ -115,8 +147,7 @@ class ForwardBackward:
         tokens = labels.numel() // self.plan.dims.cp
         if self.pp_plan is not None:
             if self.eval_schedule is None:
-                plan = self.plan.pipeline(self.plan.dims["pp"].get_local_rank(),
-                                          validation=True)
+                plan = self.plan.pipeline(self.plan.dims["pp"].get_local_rank(), validation=True)
                 self.eval_schedule = self._schedule(plan, cross_entropy_sum)
             has_last = self.pp_plan.num_stages - 1 in self.pp_plan.stage_ids
             loss = self.run_pipeline(self.eval_schedule, inputs, labels, train=False)

@@ -51,13 +51,17 @@ class RunPlan:
 
     def layout(self) -> dict:
         """The parallel layout, as checkpoints record it."""
-        return {"world_size": self.dims.world_size, **self.dims.degrees(),
-                "grad_accum_steps": self.grad_accum_steps,
-                "global_batch_size": self.global_batch_size}
+        return {
+            "world_size": self.dims.world_size,
+            **self.dims.degrees(),
+            "grad_accum_steps": self.grad_accum_steps,
+            "global_batch_size": self.global_batch_size,
+        }
 
 
-def plan_run(job: JobConfig, world_size: int | None = None,
-             tokenizer: Tokenizer | None = None) -> RunPlan:
+def plan_run(
+    job: JobConfig, world_size: int | None = None, tokenizer: Tokenizer | None = None
+) -> RunPlan:
     """Resolve model, tokenizer and parallel layout; raise ConfigError on any problem.
 
     Once per process and job: every part of a run reads the plan, not the config again.
@@ -72,9 +76,13 @@ def plan_run(job: JobConfig, world_size: int | None = None,
             f"model.name = {m.name!r} is not a registered model; choose one of "
             f"{', '.join(registered_names())}"
         ) from None
-    require(job, m.flavor in spec.flavors or m.flavor == FROM_HF, "model.flavor",
-            f"{m.name} has flavors {', '.join(spec.flavors)}, or '{FROM_HF}' (the shape of "
-            "the HF model in checkpoint.initial_load_path)")
+    require(
+        job,
+        m.flavor in spec.flavors or m.flavor == FROM_HF,
+        "model.flavor",
+        f"{m.name} has flavors {', '.join(spec.flavors)}, or '{FROM_HF}' (the shape of "
+        "the HF model in checkpoint.initial_load_path)",
+    )
     device = device_type(job)
     if tokenizer is None:
         tokenizer = load_tokenizer(job)
@@ -83,11 +91,17 @@ def plan_run(job: JobConfig, world_size: int | None = None,
         dims = ParallelDims.from_config(job, world_size)
         ft = job.fault_tolerance
         dp_size = dims.dp * (ft.group_size if ft.enable else 1)
-        global_batch = (t.global_batch_size if t.global_batch_size != -1
-                        else t.local_batch_size * dp_size)
-        validate_against_model(dims, model_args, seq_len=t.seq_len,
-                               local_batch_size=t.local_batch_size,
-                               global_batch_size=global_batch, dp_size=dp_size)
+        global_batch = (
+            t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_size
+        )
+        validate_against_model(
+            dims,
+            model_args,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            global_batch_size=global_batch,
+            dp_size=dp_size,
+        )
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
     if dims.cp_enabled:
@@ -98,29 +112,52 @@ def plan_run(job: JobConfig, world_size: int | None = None,
         except RuntimeError as e:
             raise ConfigError(f"parallelism.context_parallel_degree = {dims.cp}: {e}") from None
     pipelines = validation_pipelines = ()
-    val_global, val_local = (validation_batches(job, dp_size) if job.validation.enable
-                             else (0, 0))
+    val_global, val_local = validation_batches(job, dp_size) if job.validation.enable else (0, 0)
     if dims.pp_enabled:
-        require(job, spec.pipelining_fn is not None, "parallelism.pipeline_parallel_degree",
-                f"model {m.name} registers no pipeline split function")
+        require(
+            job,
+            spec.pipelining_fn is not None,
+            "parallelism.pipeline_parallel_degree",
+            f"model {m.name} registers no pipeline split function",
+        )
         pipelines = pipeline_plans(job, model_args)
         if job.validation.enable:
             validation_pipelines = pipeline_plans(job, model_args, validation_batch=val_local)
     check_datasets(job)
     ck = job.checkpoint
-    require(job, not ck.create_seed_checkpoint or ck.enable, "checkpoint.create_seed_checkpoint",
-            "needs checkpoint.enable (the seed is written to the checkpoint folder)")
-    require(job, not ck.last_save_in_hf or ck.enable, "checkpoint.last_save_in_hf",
-            "needs checkpoint.enable (the HF folder is the final save, step-N in the "
-            "checkpoint folder)")
+    require(
+        job,
+        not ck.create_seed_checkpoint or ck.enable,
+        "checkpoint.create_seed_checkpoint",
+        "needs checkpoint.enable (the seed is written to the checkpoint folder)",
+    )
+    require(
+        job,
+        not ck.last_save_in_hf or ck.enable,
+        "checkpoint.last_save_in_hf",
+        "needs checkpoint.enable (the HF folder is the final save, step-N in the "
+        "checkpoint folder)",
+    )
     for key in ("last_save_in_hf", "initial_load_in_hf"):
-        require(job, not getattr(ck, key) or spec.state_dict_adapter is not None,
-                f"checkpoint.{key}", f"model {m.name} registers no HF state-dict adapter")
-    require(job, not ck.initial_load_path or resolve(ck.initial_load_path).is_dir(),
-            "checkpoint.initial_load_path", "no such folder")
+        require(
+            job,
+            not getattr(ck, key) or spec.state_dict_adapter is not None,
+            f"checkpoint.{key}",
+            f"model {m.name} registers no HF state-dict adapter",
+        )
+    require(
+        job,
+        not ck.initial_load_path or resolve(ck.initial_load_path).is_dir(),
+        "checkpoint.initial_load_path",
+        "no such folder",
+    )
     if ck.async_mode == "async_with_pinned_mem":
-        require(job, device == "cuda", "checkpoint.async_mode",
-                "pinned staging memory needs CUDA; use async on CPU")
+        require(
+            job,
+            device == "cuda",
+            "checkpoint.async_mode",
+            "pinned staging memory needs CUDA; use async on CPU",
+        )
     check_writable(job)
     grad_accum = global_batch // (t.local_batch_size * dp_size)
     check_moe(job, spec, model_args, dims, grad_accum)
@@ -129,17 +166,33 @@ def plan_run(job: JobConfig, world_size: int | None = None,
     check_fault_tolerance(job, dims)
     check_converters(job, device)
     check_observability(job, device)
-    return RunPlan(spec, model_args, dims, tokenizer, global_batch, grad_accum, dp_size,
-                   pipelines, validation_pipelines, val_global, val_local)
+    return RunPlan(
+        spec,
+        model_args,
+        dims,
+        tokenizer,
+        global_batch,
+        grad_accum,
+        dp_size,
+        pipelines,
+        validation_pipelines,
+        val_global,
+        val_local,
+    )
 
 
-def check_moe(job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDims,
-              grad_accum: int) -> None:
+def check_moe(
+    job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDims, grad_accum: int
+) -> None:
     """What an MoE model cannot combine with, named before launch."""
     moe = getattr(args, "moe", None)
-    require(job, moe is not None or not dims.ep_enabled, "parallelism.expert_parallel_degree",
-            f"expert parallelism splits an MoE's routed experts, but {spec.name} "
-            f"{job.model.flavor} has none: set it to 1")
+    require(
+        job,
+        moe is not None or not dims.ep_enabled,
+        "parallelism.expert_parallel_degree",
+        f"expert parallelism splits an MoE's routed experts, but {spec.name} "
+        f"{job.model.flavor} has none: set it to 1",
+    )
     if moe is None:
         return
     if dims.ep_enabled:
@@ -149,43 +202,75 @@ def check_moe(job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDi
     if ck.last_save_in_hf and adapter is not None and hasattr(adapter, "export_problems"):
         problems = adapter.export_problems(args)
         require(job, not problems, "checkpoint.last_save_in_hf", "; ".join(problems))
-    require(job, not (job.compile.enable and dims.tp_enabled), "compile.enable",
-            "an MoE model under tensor parallelism runs eagerly: its router and routed "
-            "experts swap in local weights per forward, which torch.compile does not trace. "
-            "Disable compile or tensor parallelism")
+    require(
+        job,
+        not (job.compile.enable and dims.tp_enabled),
+        "compile.enable",
+        "an MoE model under tensor parallelism runs eagerly: its router and routed "
+        "experts swap in local weights per forward, which torch.compile does not trace. "
+        "Disable compile or tensor parallelism",
+    )
     # the settings the MoE layers run with (the flavor's, with this run's balancing)
     moe = args.moe_args() if hasattr(args, "moe_args") else moe
     if moe.aux_loss != "none" and moe.aux_loss_coeff and moe.aux_loss_scope == "global_batch":
         check_global_batch_scope(job, spec.name, dims, grad_accum)
     rate = getattr(args, "moe_bias_update_rate", 0.0)
-    require(job, not (rate and job.fault_tolerance.enable), "fault_tolerance.enable",
-            f"the routing-bias update ({spec.name}.moe_bias_update_rate = {rate}) sums expert "
-            "loads over this replica group only, so groups would route differently: set the "
-            "rate to 0 under torchft")
+    require(
+        job,
+        not (rate and job.fault_tolerance.enable),
+        "fault_tolerance.enable",
+        f"the routing-bias update ({spec.name}.moe_bias_update_rate = {rate}) sums expert "
+        "loads over this replica group only, so groups would route differently: set the "
+        "rate to 0 under torchft",
+    )
 
 
-def check_global_batch_scope(job: JobConfig, family: str, dims: ParallelDims,
-                             grad_accum: int) -> None:
+def check_global_batch_scope(
+    job: JobConfig, family: str, dims: ParallelDims, grad_accum: int
+) -> None:
     """A balancing loss over the whole global batch needs every expert's count of the batch
     before any backward: each rank's step must be one forward."""
     key = f"{family}.moe_aux_loss_scope"
     why = "one loss term over the whole global batch needs each rank's step in one forward, but "
-    require(job, grad_accum == 1, key, why + f"gradient accumulation splits it into "
-            f"{grad_accum} (training.global_batch_size / (local_batch_size x dp)): set "
-            f"training.local_batch_size = global_batch_size / dp, or {key} = 'sequence'")
-    require(job, not dims.pp_enabled, key, why + "pipeline parallelism splits it into "
-            f"microbatches: use {key} = 'sequence' with pipeline parallelism")
-    require(job, not job.fault_tolerance.enable, key, why + "torchft's replica groups hold "
-            f"parts of it outside the job's process group: use {key} = 'sequence' under torchft")
+    require(
+        job,
+        grad_accum == 1,
+        key,
+        why + f"gradient accumulation splits it into "
+        f"{grad_accum} (training.global_batch_size / (local_batch_size x dp)): set "
+        f"training.local_batch_size = global_batch_size / dp, or {key} = 'sequence'",
+    )
+    require(
+        job,
+        not dims.pp_enabled,
+        key,
+        why + "pipeline parallelism splits it into "
+        f"microbatches: use {key} = 'sequence' with pipeline parallelism",
+    )
+    require(
+        job,
+        not job.fault_tolerance.enable,
+        key,
+        why + "torchft's replica groups hold "
+        f"parts of it outside the job's process group: use {key} = 'sequence' under torchft",
+    )
 
 
 def check_expert_parallel(job: JobConfig, moe, dims: ParallelDims) -> None:
     field = "parallelism.expert_parallel_degree"
-    require(job, moe.n_experts % dims.ep == 0, field,
-            f"the {moe.n_experts} routed experts do not split evenly over {dims.ep} ranks: "
-            "pick a degree that divides them")
-    require(job, not job.fault_tolerance.enable, "fault_tolerance.enable",
-            "torchft with expert parallelism is not supported: set expert_parallel_degree 1")
+    require(
+        job,
+        moe.n_experts % dims.ep == 0,
+        field,
+        f"the {moe.n_experts} routed experts do not split evenly over {dims.ep} ranks: "
+        "pick a degree that divides them",
+    )
+    require(
+        job,
+        not job.fault_tolerance.enable,
+        "fault_tolerance.enable",
+        "torchft with expert parallelism is not supported: set expert_parallel_degree 1",
+    )
 
 
 def load_tokenizer(job: JobConfig) -> Tokenizer | None:
@@ -224,8 +309,11 @@ def _differences(a: ModelArgs, b: ModelArgs, prefix: str = "") -> list[str]:
         for f in fields(a):
             x, y = getattr(a, f.name), getattr(b, f.name)
             if x != y:
-                out += (_differences(x, y, f"{prefix}{f.name}.") if is_dataclass(x)
-                        and is_dataclass(y) else [f"{prefix}{f.name} {x} vs {y}"])
+                out += (
+                    _differences(x, y, f"{prefix}{f.name}.")
+                    if is_dataclass(x) and is_dataclass(y)
+                    else [f"{prefix}{f.name} {x} vs {y}"]
+                )
         return out
     return [] if a == b else [f"{prefix.rstrip('.') or 'args'} {a} vs {b}"]
 
@@ -238,34 +326,45 @@ def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer | N
     m, seq_len = job.model, job.training.seq_len
     hf = _hf_args(job, spec, seq_len)
     if m.flavor == FROM_HF:
-        require(job, hf is not None, "model.flavor", "'from_hf' takes the model's shape from "
-                "an HF folder: set checkpoint.initial_load_path to it and "
-                "checkpoint.initial_load_in_hf = true")
+        require(
+            job,
+            hf is not None,
+            "model.flavor",
+            "'from_hf' takes the model's shape from "
+            "an HF folder: set checkpoint.initial_load_path to it and "
+            "checkpoint.initial_load_in_hf = true",
+        )
         args = hf
     else:
         flavor = spec.flavors[m.flavor]
-        args = flavor.with_updates(vocab_size=tokenizer.vocab_size if tokenizer
-                                   else flavor.vocab_size, max_seq_len=seq_len)
+        args = flavor.with_updates(
+            vocab_size=tokenizer.vocab_size if tokenizer else flavor.vocab_size, max_seq_len=seq_len
+        )
         if hf is not None:
             diff = _differences(hf.with_updates(vocab_size=args.vocab_size), args)
             if diff:
                 raise ConfigError(
                     f"checkpoint.initial_load_path {job.checkpoint.initial_load_path!r} holds "
                     f"another architecture than model.flavor = {m.flavor!r}: "
-                    f"{'; '.join(diff)} (HF vs flavor). Set model.flavor = \"{FROM_HF}\" to "
-                    "train the HF model's shape")
+                    f'{"; ".join(diff)} (HF vs flavor). Set model.flavor = "{FROM_HF}" to '
+                    "train the HF model's shape"
+                )
             args = args.with_updates(vocab_size=hf.vocab_size)
     overrides = family_overrides(job, spec, args)
     args = args.with_updates(**overrides)
     problems = args.problems() if hasattr(args, "problems") else []
     if problems:
-        given = "".join(f", {spec.name}.{k} = {v!r} (from {source_of(job, f'{spec.name}.{k}')})"
-                        for k, v in overrides.items())
+        given = "".join(
+            f", {spec.name}.{k} = {v!r} (from {source_of(job, f'{spec.name}.{k}')})"
+            for k, v in overrides.items()
+        )
         raise ConfigError(f"model {spec.name} {m.flavor}{given}: {'; '.join(problems)}")
     if tokenizer is not None and tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(f"the tokenizer {m.tokenizer_path!r} has {tokenizer.vocab_size} tokens "
-                          f"but the HF model's embedding only {args.vocab_size}: use the "
-                          "model's own tokenizer (model.tokenizer_path = the HF folder)")
+        raise ConfigError(
+            f"the tokenizer {m.tokenizer_path!r} has {tokenizer.vocab_size} tokens "
+            f"but the HF model's embedding only {args.vocab_size}: use the "
+            "model's own tokenizer (model.tokenizer_path = the HF folder)"
+        )
     return args
 
 
@@ -275,8 +374,11 @@ def family_overrides(job: JobConfig, spec: TrainSpec, args: ModelArgs) -> dict:
     options = job.families.get(spec.name)
     if options is None:
         return {}
-    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-            if f"{spec.name}.{f.name}" in job.sources and hasattr(args, f.name)}
+    return {
+        f.name: getattr(options, f.name)
+        for f in dataclasses.fields(options)
+        if f"{spec.name}.{f.name}" in job.sources and hasattr(args, f.name)
+    }
 
 
 def vocabulary_note(job: JobConfig, run: RunPlan) -> str | None:
@@ -288,25 +390,30 @@ def vocabulary_note(job: JobConfig, run: RunPlan) -> str | None:
         return None  # the HF model's own vocabulary
     flavor = run.spec.flavors[m.flavor].vocab_size
     if run.tokenizer is None:
-        return (f"tokenizer {m.tokenizer_path!r} not found: planned with the {m.flavor} "
-                f"flavor's {flavor}-token vocabulary (training needs the tokenizer)")
+        return (
+            f"tokenizer {m.tokenizer_path!r} not found: planned with the {m.flavor} "
+            f"flavor's {flavor}-token vocabulary (training needs the tokenizer)"
+        )
     if run.tokenizer.vocab_size != flavor:
-        return (f"the {m.flavor} flavor has a {flavor}-token vocabulary, the tokenizer "
-                f"{m.tokenizer_path!r} {run.tokenizer.vocab_size}: the embedding and output "
-                f"layer are sized for {run.tokenizer.vocab_size}")
+        return (
+            f"the {m.flavor} flavor has a {flavor}-token vocabulary, the tokenizer "
+            f"{m.tokenizer_path!r} {run.tokenizer.vocab_size}: the embedding and output "
+            f"layer are sized for {run.tokenizer.vocab_size}"
+        )
     return None
 
 
 def device_type(job: JobConfig) -> str:
-    """"cuda" or "cpu", as the trainer will pick it."""
+    """ "cuda" or "cpu", as the trainer will pick it."""
     import torch
 
     device = job.training.device
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device = 'cuda' but no GPU is visible (torch.cuda."
-                          "is_available() is False); use 'auto' or 'cpu'")
-    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) \
-        else "cpu"
+        raise ConfigError(
+            "training.device = 'cuda' but no GPU is visible (torch.cuda."
+            "is_available() is False); use 'auto' or 'cpu'"
+        )
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 def validation_batches(job: JobConfig, dp: int) -> tuple[int, int]:
@@ -315,18 +422,27 @@ def validation_batches(job: JobConfig, dp: int) -> tuple[int, int]:
     if v.global_batch_size == -1:
         local = 8 if v.local_batch_size == -1 else v.local_batch_size
         return local * dp, local
-    require(job, v.global_batch_size % dp == 0, "validation.global_batch_size",
-            f"must split evenly over the {dp} data-parallel ranks: pick a multiple of {dp}")
+    require(
+        job,
+        v.global_batch_size % dp == 0,
+        "validation.global_batch_size",
+        f"must split evenly over the {dp} data-parallel ranks: pick a multiple of {dp}",
+    )
     share = v.global_batch_size // dp
     local = share if v.local_batch_size == -1 else v.local_batch_size
-    require(job, share % local == 0, "validation.local_batch_size",
-            f"must divide each rank's share of a validation batch, global_batch_size / dp = "
-            f"{v.global_batch_size} / {dp} = {share}")
+    require(
+        job,
+        share % local == 0,
+        "validation.local_batch_size",
+        f"must divide each rank's share of a validation batch, global_batch_size / dp = "
+        f"{v.global_batch_size} / {dp} = {share}",
+    )
     return v.global_batch_size, local
 
 
-def pipeline_plans(job: JobConfig, args: ModelArgs,
-                   validation_batch: int = 0) -> tuple[PipelinePlan, ...]:
+def pipeline_plans(
+    job: JobConfig, args: ModelArgs, validation_batch: int = 0
+) -> tuple[PipelinePlan, ...]:
     """Every pipeline rank's stages for training batches, or (`validation_batch`: the
     sequences of a validation forward) for validation batches: same stages, as many
     microbatches as that forward holds. Stages balance the layers' costs where the family
@@ -335,12 +451,16 @@ def pipeline_plans(job: JobConfig, args: ModelArgs,
     batch = validation_batch if validation else job.training.local_batch_size
     costs = args.layer_costs() if hasattr(args, "layer_costs") else None
     try:
-        return plan_pipelines(job.parallelism, n_layers=args.n_layers, local_batch_size=batch,
-                              layer_costs=costs)
+        return plan_pipelines(
+            job.parallelism, n_layers=args.n_layers, local_batch_size=batch, layer_costs=costs
+        )
     except PipelineConfigError as e:
-        where = (f"validation.local_batch_size = {batch} (from "
-                 f"{source_of(job, 'validation.local_batch_size')})" if validation
-                 else "parallelism")
+        where = (
+            f"validation.local_batch_size = {batch} (from "
+            f"{source_of(job, 'validation.local_batch_size')})"
+            if validation
+            else "parallelism"
+        )
         raise ConfigError(f"{where}: {e}") from None
 
 
@@ -357,21 +477,24 @@ def check_datasets(job: JobConfig) -> None:
         try:
             files = local_files(cfg.dataset, cfg.dataset_path, key=f"{section}.dataset_path")
         except DataError as e:
-            raise ConfigError(str(e) if str(e).startswith(section) else
-                              f"{section}.dataset: {e}") from None
+            raise ConfigError(
+                str(e) if str(e).startswith(section) else f"{section}.dataset: {e}"
+            ) from None
         streamed = files is None or cfg.dataset_streaming
         if section == "training" and streamed and cfg.dataloader_num_workers:
             raise ConfigError(
                 f"training.dataloader_num_workers = {cfg.dataloader_num_workers} with the "
                 f"streamed dataset {cfg.dataset!r}: streams are read in the trainer's process. "
                 "Set dataloader_num_workers = 0, or pretokenize the data "
-                "(scripts/pretokenize.py) and train on the shard folder")
+                "(scripts/pretokenize.py) and train on the shard folder"
+            )
         if section == "training" and streamed and job.fault_tolerance.enable:
             raise ConfigError(
                 f"fault_tolerance.enable with the streamed dataset {cfg.dataset!r}: a group that "
                 "heals from a live one must jump to its data position, and a stream has no "
                 "global index to jump to. Train on local files without "
-                "training.dataset_streaming, or disable fault_tolerance")
+                "training.dataset_streaming, or disable fault_tolerance"
+            )
 
 
 def check_mix(job: JobConfig) -> None:
@@ -381,15 +504,21 @@ def check_mix(job: JobConfig) -> None:
         mix = parse_mix(t.dataset_mix)
         for name, _ in mix:
             if local_files(name, None, key="training.dataset_mix") is None:
-                raise DataError(f"training.dataset_mix source {name!r} is neither a local path "
-                                "nor a bundled name; mixed sources are read indexed, so "
-                                "pretokenize a hub dataset first (scripts/pretokenize.py)")
+                raise DataError(
+                    f"training.dataset_mix source {name!r} is neither a local path "
+                    "nor a bundled name; mixed sources are read indexed, so "
+                    "pretokenize a hub dataset first (scripts/pretokenize.py)"
+                )
     except DataError as e:
         raise ConfigError(str(e)) from None
     for key in ("training.dataset_path", "training.dataset_streaming"):
-        require(job, source_of(job, key) == "the default", key,
-                "cannot be combined with training.dataset_mix (its entries name the sources, "
-                "which are read indexed)")
+        require(
+            job,
+            source_of(job, key) == "the default",
+            key,
+            "cannot be combined with training.dataset_mix (its entries name the sources, "
+            "which are read indexed)",
+        )
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -434,7 +563,9 @@ CONVERTERS = ("float8",)
 
 def check_converters(job: JobConfig, device: str) -> None:
     unknown = [c for c in job.model.converters if c not in CONVERTERS]
-    require(job, not unknown, "model.converters", f"unknown {unknown}; titan has {list(CONVERTERS)}")
+    require(
+        job, not unknown, "model.converters", f"unknown {unknown}; titan has {list(CONVERTERS)}"
+    )
     if "float8" not in job.model.converters:
         return
     f8 = job.float8
@@ -444,35 +575,65 @@ def check_converters(job: JobConfig, device: str) -> None:
         from titan.components.quantization.float8 import MISSING
 
         raise ConfigError(f"model.converters = {job.model.converters}: {MISSING}") from None
-    require(job, f8.emulate or device == "cuda", "float8.emulate",
-            "float8 matmuls need a GPU (SM 8.9+: H100, L4, RTX 4090); on CPU set "
-            "float8.emulate = true")
+    require(
+        job,
+        f8.emulate or device == "cuda",
+        "float8.emulate",
+        "float8 matmuls need a GPU (SM 8.9+: H100, L4, RTX 4090); on CPU set float8.emulate = true",
+    )
     if device == "cuda" and not f8.emulate:
         import torch
 
         major, minor = torch.cuda.get_device_capability()
-        require(job, (major, minor) >= (8, 9), "float8.emulate",
-                f"this GPU is SM {major}.{minor}; float8 matmuls need SM 8.9+ (or emulate)")
-    require(job, f8.recipe_name == "tensorwise" or not f8.enable_fsdp_float8_all_gather,
-            "float8.enable_fsdp_float8_all_gather", "float8 all-gather needs recipe_name = "
-            "'tensorwise' (torchao has it for tensorwise scales only)")
-    require(job, f8.enable_fsdp_float8_all_gather or not f8.precompute_float8_dynamic_scale_for_fsdp,
-            "float8.precompute_float8_dynamic_scale_for_fsdp",
-            "precomputes the scales of float8 all-gathers: needs enable_fsdp_float8_all_gather")
+        require(
+            job,
+            (major, minor) >= (8, 9),
+            "float8.emulate",
+            f"this GPU is SM {major}.{minor}; float8 matmuls need SM 8.9+ (or emulate)",
+        )
+    require(
+        job,
+        f8.recipe_name == "tensorwise" or not f8.enable_fsdp_float8_all_gather,
+        "float8.enable_fsdp_float8_all_gather",
+        "float8 all-gather needs recipe_name = "
+        "'tensorwise' (torchao has it for tensorwise scales only)",
+    )
+    require(
+        job,
+        f8.enable_fsdp_float8_all_gather or not f8.precompute_float8_dynamic_scale_for_fsdp,
+        "float8.precompute_float8_dynamic_scale_for_fsdp",
+        "precomputes the scales of float8 all-gathers: needs enable_fsdp_float8_all_gather",
+    )
 
 
 def check_fault_tolerance(job: JobConfig, dims: ParallelDims) -> None:
     ft = job.fault_tolerance
     if not ft.enable:
         return
-    require(job, 0 <= ft.replica_id < ft.group_size, "fault_tolerance.replica_id",
-            f"must lie in [0, fault_tolerance.group_size = {ft.group_size})")
-    require(job, 1 <= ft.min_replica_size <= ft.group_size, "fault_tolerance.min_replica_size",
-            f"must lie in [1, fault_tolerance.group_size = {ft.group_size}]")
-    require(job, dims.dp_replicate == 1, "parallelism.data_parallel_replicate_degree",
-            "must be 1 with fault_tolerance: the torchft replica groups are the replicate dim")
-    require(job, not dims.pp_enabled, "parallelism.pipeline_parallel_degree",
-            "pipeline parallelism is not supported with fault_tolerance yet; set it to 1")
+    require(
+        job,
+        0 <= ft.replica_id < ft.group_size,
+        "fault_tolerance.replica_id",
+        f"must lie in [0, fault_tolerance.group_size = {ft.group_size})",
+    )
+    require(
+        job,
+        1 <= ft.min_replica_size <= ft.group_size,
+        "fault_tolerance.min_replica_size",
+        f"must lie in [1, fault_tolerance.group_size = {ft.group_size}]",
+    )
+    require(
+        job,
+        dims.dp_replicate == 1,
+        "parallelism.data_parallel_replicate_degree",
+        "must be 1 with fault_tolerance: the torchft replica groups are the replicate dim",
+    )
+    require(
+        job,
+        not dims.pp_enabled,
+        "parallelism.pipeline_parallel_degree",
+        "pipeline parallelism is not supported with fault_tolerance yet; set it to 1",
+    )
     try:
         import torchft  # noqa: F401
     except ImportError:

@@ -17,32 +17,39 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from titan import final_error, interrupts
-from titan.components.checkpoint.folders import CheckpointError
-from titan.components.checkpoint.identity import model_identity
-from titan.components.checkpoint.checkpointer import (Checkpointer, SaveInterrupted,
-                                                      stop_save_process)
+from titan.build import meta_parts
+from titan.components.checkpoint.checkpointer import (
+    Checkpointer,
+    SaveInterrupted,
+    stop_save_process,
+)
 from titan.components.checkpoint.disk_space import model_save_bytes
+from titan.components.checkpoint.folders import CheckpointError
+from titan.components.checkpoint.hf_io import HFModelIO
+from titan.components.checkpoint.identity import model_identity
+from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
 from titan.components.data.dataloader import DataShard, build_dataloader
 from titan.components.data.dataset import DataError
 from titan.components.fault_tolerance.injection import FaultInjector
-from titan.components.quantization.float8 import scale_precomputer
-from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
-from titan.components.observability.flops import peak_flops
-from titan.components.training.gc import ScheduledGC
-from titan.components.optim.grad_clip import clip_grad_norm_
-from titan.components.checkpoint.hf_io import HFModelIO
-from titan.components.training.loss import reduce_loss
-from titan.components.optim.lr_scheduler import build_lr_scheduler
-from titan.components.observability.memory_measure import ActivationTracker, state_bytes, write_measured
+from titan.components.fault_tolerance.watchdog import StepWatchdog
 from titan.components.observability.flight_recorder import configure_flight_recorder
+from titan.components.observability.flops import peak_flops
+from titan.components.observability.memory_measure import (
+    ActivationTracker,
+    state_bytes,
+    write_measured,
+)
 from titan.components.observability.memory_snapshot import MemorySnapshot
 from titan.components.observability.metrics import MetricsLogger
-from titan.components.observability.rank_times import RankTimes, keep_collective_stamps
-from titan.components.optim.optimizer import build_optimizer
 from titan.components.observability.profiling import maybe_profile
-from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
+from titan.components.observability.rank_times import RankTimes, keep_collective_stamps
+from titan.components.optim.grad_clip import clip_grad_norm_
+from titan.components.optim.lr_scheduler import build_lr_scheduler
+from titan.components.optim.optimizer import build_optimizer
+from titan.components.quantization.float8 import scale_precomputer
+from titan.components.training.gc import ScheduledGC
+from titan.components.training.loss import reduce_loss
 from titan.components.training.validate import Validator
-from titan.components.fault_tolerance.watchdog import StepWatchdog
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
 from titan.console import print_out
 from titan.distributed import (
@@ -53,12 +60,12 @@ from titan.distributed import (
     set_collective_timeout,
 )
 from titan.dtypes import to_dtype
-from titan.build import meta_parts
 from titan.logging_setup import init_logging, quiet_checkpoint_process
 from titan.microbatch import ForwardBackward
+from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
-from titan.parallelisms.token_split import token_split
 from titan.parallelisms.tied_weights import TiedCopies
+from titan.parallelisms.token_split import token_split
 from titan.preflight import RunPlan, plan_run
 
 logger = logging.getLogger("titan")
@@ -82,52 +89,75 @@ class Trainer:
         self.skipped_steps = 0
 
         self.shard = self._data_shard()
-        self.dataloader = build_dataloader(t, tokenizer=plan.tokenizer, shard=self.shard,
-                                           global_batch_size=plan.global_batch_size)
+        self.dataloader = build_dataloader(
+            t, tokenizer=plan.tokenizer, shard=self.shard, global_batch_size=plan.global_batch_size
+        )
         self.model_parts, self.pp_plan, self.tied_copies = self._build_model()
         self.fwd_bwd = ForwardBackward(job, plan, self.model_parts, self.pp_plan, self.device)
         # what the model's group losses (MoE balancing) need to know of the layout
         self.token_split = token_split(
-            dims, sequence_parallel=job.parallelism.enable_sequence_parallel,
-            global_batch_size=plan.global_batch_size, seq_len=t.seq_len,
-            data_parallel_size=plan.data_parallel_size)
+            dims,
+            sequence_parallel=job.parallelism.enable_sequence_parallel,
+            global_batch_size=plan.global_batch_size,
+            seq_len=t.seq_len,
+            data_parallel_size=plan.data_parallel_size,
+        )
         self.faults = FaultInjector.build(job.debug, rank=self.rank, current_step=lambda: self.step)
         if self.faults is not None:
             self.faults.install(self.model_parts)
         args = plan.model_args
         active = args.num_params(active=True)
-        logger.info("model %s %s: %.3fM parameters%s, layout %s, grad accumulation %d%s",
-                    job.model.name, job.model.flavor, args.num_params() / 1e6,
-                    f" ({active / 1e6:.3f}M active)" if active != args.num_params() else "", dims,
-                    plan.grad_accum_steps,
-                    f", pipeline stages {self.pp_plan.stage_ids} of {self.pp_plan.num_stages} "
-                    f"({self.pp_plan.schedule}, {self.pp_plan.n_microbatches} microbatches)"
-                    if self.pp_plan else "")
+        logger.info(
+            "model %s %s: %.3fM parameters%s, layout %s, grad accumulation %d%s",
+            job.model.name,
+            job.model.flavor,
+            args.num_params() / 1e6,
+            f" ({active / 1e6:.3f}M active)" if active != args.num_params() else "",
+            dims,
+            plan.grad_accum_steps,
+            f", pipeline stages {self.pp_plan.stage_ids} of {self.pp_plan.num_stages} "
+            f"({self.pp_plan.schedule}, {self.pp_plan.n_microbatches} microbatches)"
+            if self.pp_plan
+            else "",
+        )
 
         self.optimizer = build_optimizer(self.model_parts, job.optimizer, job.extensions)
         # run after every step, in order, told whether the optimizer stepped: float8 scales
         # of the new weights, then the family's (an MoE's router-bias update, say)
-        self.post_optimizer_hooks = [h for h in (
-            scale_precomputer(self.model_parts, job.float8),
-            *(make(self.model_parts, job) for make in plan.spec.post_optimizer_hooks)) if h]
+        self.post_optimizer_hooks = [
+            h
+            for h in (
+                scale_precomputer(self.model_parts, job.float8),
+                *(make(self.model_parts, job) for make in plan.spec.post_optimizer_hooks),
+            )
+            if h
+        ]
         self.aux_losses: dict[str, float] = {}
         self.hook_metrics: dict = {}  # what the hooks report of the last step (MoE loads)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
 
         self.train_state = TrainState()
         self.checkpointer = Checkpointer(
-            job.checkpoint, dump_folder=job.job.dump_folder, rank=self.rank,
+            job.checkpoint,
+            dump_folder=job.job.dump_folder,
+            rank=self.rank,
             layout=plan.layout(),
             identity=model_identity(plan.spec, job.model.flavor, plan.model_args),
-            save_bytes=model_save_bytes(plan.spec.build_meta(plan.model_args), job.optimizer,
-                                        job.extensions),
-            states={"model": ModelState(self.model_parts), "optimizer": self.optimizer,
-                    "lr_scheduler": self.lr_scheduler,
-                    "dataloader": DataState(self.dataloader, self.shard.dp_rank,
-                                            self.shard.dp_world_size),
-                    "train_state": self.train_state},
+            save_bytes=model_save_bytes(
+                plan.spec.build_meta(plan.model_args), job.optimizer, job.extensions
+            ),
+            states={
+                "model": ModelState(self.model_parts),
+                "optimizer": self.optimizer,
+                "lr_scheduler": self.lr_scheduler,
+                "dataloader": DataState(
+                    self.dataloader, self.shard.dp_rank, self.shard.dp_world_size
+                ),
+                "train_state": self.train_state,
+            },
             hf=HFModelIO(plan.spec, plan.model_args, plan.tokenizer)
-            if plan.spec.state_dict_adapter else None,
+            if plan.spec.state_dict_adapter
+            else None,
             on_save_phase=self.faults.on_checkpoint_phase if self.faults else None,
         )
         resumed = self.checkpointer.load()
@@ -135,23 +165,28 @@ class Trainer:
         self.ft = self._fault_tolerance()
 
         m = job.metrics
-        peak, peak_source = peak_flops(self.device, to_dtype(t.mixed_precision_param),
-                                       m.peak_flops)
+        peak, peak_source = peak_flops(self.device, to_dtype(t.mixed_precision_param), m.peak_flops)
         if peak is None:
             logger.info("MFU %s", peak_source)
         else:
             logger.info("MFU is relative to %.4g TFLOP/s (%s)", peak / 1e12, peak_source)
         self.metrics = MetricsLogger(
-            m, dump_folder=job.job.dump_folder, rank=self.rank, device=self.device,
-            flops_per_token=plan.model_args.flops_per_token(t.seq_len), peak_flops=peak,
-            max_over_ranks=self._max_over_ranks, resume_step=self.step if resumed else None,
+            m,
+            dump_folder=job.job.dump_folder,
+            rank=self.rank,
+            device=self.device,
+            flops_per_token=plan.model_args.flops_per_token(t.seq_len),
+            peak_flops=peak,
+            max_over_ranks=self._max_over_ranks,
+            resume_step=self.step if resumed else None,
             run_config=dataclasses.asdict(job),
             rank_times=RankTimes.build(m, rank=self.rank, world_size=self.world_size),
             sections=job.extensions,
         )
         self.validator = self._validator() if job.validation.enable else None
-        self.memory_snapshot = MemorySnapshot.build(job.profiling, dump_folder=job.job.dump_folder,
-                                                    rank=self.rank)
+        self.memory_snapshot = MemorySnapshot.build(
+            job.profiling, dump_folder=job.job.dump_folder, rank=self.rank
+        )
 
     # ------------------------------------------------------------------ building
 
@@ -160,8 +195,9 @@ class Trainer:
         ft = self.job.fault_tolerance
         group = ft.replica_id if ft.enable else 0
         dp_mesh = self.plan.dims["dp"]
-        return DataShard(group * dp_mesh.size() + dp_mesh.get_local_rank(),
-                         self.plan.data_parallel_size)
+        return DataShard(
+            group * dp_mesh.size() + dp_mesh.get_local_rank(), self.plan.data_parallel_size
+        )
 
     def _build_model(self):
         """Meta-device model -> pipeline stages (if pp) -> parallelisms -> real memory -> init."""
@@ -187,21 +223,33 @@ class Trainer:
         ft = FaultTolerance(self.job.fault_tolerance, device=self.device)
         ft.average_gradients_across_groups(self.model_parts)
         ft.register_state(
-            {"model": ModelState(self.model_parts), "optimizer": self.optimizer,
-             "lr_scheduler": self.lr_scheduler, "train_state": self.train_state},
-            on_heal=self._on_heal)
+            {
+                "model": ModelState(self.model_parts),
+                "optimizer": self.optimizer,
+                "lr_scheduler": self.lr_scheduler,
+                "train_state": self.train_state,
+            },
+            on_heal=self._on_heal,
+        )
         return ft
 
     def _validator(self) -> Validator:
         t = self.job.training
         return Validator(
-            self.job.validation, global_batch_size=self.plan.validation_global_batch,
+            self.job.validation,
+            global_batch_size=self.plan.validation_global_batch,
             local_batch_size=self.plan.validation_local_batch,
-            tokenizer=self.plan.tokenizer, seq_len=t.seq_len,
-            text_field=t.dataset_text_field, seed=t.seed, shard=self.shard,
-            model_parts=self.model_parts, loss_sum=self.fwd_bwd.eval_loss_sum,
-            sum_groups=[self._pp_group(), self._dp_cp_group()], device=self.device,
-            metrics=self.metrics)
+            tokenizer=self.plan.tokenizer,
+            seq_len=t.seq_len,
+            text_field=t.dataset_text_field,
+            seed=t.seed,
+            shard=self.shard,
+            model_parts=self.model_parts,
+            loss_sum=self.fwd_bwd.eval_loss_sum,
+            sum_groups=[self._pp_group(), self._dp_cp_group()],
+            device=self.device,
+            metrics=self.metrics,
+        )
 
     def _on_heal(self) -> None:
         """A live peer's state was loaded mid-step: continue from its step and data position."""
@@ -244,14 +292,16 @@ class Trainer:
         if self.tied_copies is not None:  # pipeline stages' copies of one tied weight
             self.tied_copies.sum_grads()
             params, copies = self.tied_copies.split(params)
-        grad_norm = clip_grad_norm_(params, self.job.training.max_norm,
-                                    extra_group=self._pp_group(), uncounted=copies)
+        grad_norm = clip_grad_norm_(
+            params, self.job.training.max_norm, extra_group=self._pp_group(), uncounted=copies
+        )
         reduce_loss(loss, pp_group=self._pp_group(), dp_cp_group=self._dp_cp_group())
         loss_v, norm_v = loss.item(), grad_norm.item()
         # collective within the group: every rank asks, whatever it will do with the answer
         if self.ft is not None and not self.ft.should_commit():
-            logger.warning("step %d: torchft quorum did not commit; optimizer step skipped",
-                           self.step)
+            logger.warning(
+                "step %d: torchft quorum did not commit; optimizer step skipped", self.step
+            )
             return self._skip(loss_v, norm_v)
         if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             if self.job.training.on_nonfinite == "stop":
@@ -259,8 +309,12 @@ class Trainer:
                     f"non-finite loss ({loss_v}) or grad norm ({norm_v}) at step {self.step}; "
                     "lower optimizer.lr, check the data, or set training.on_nonfinite = 'skip'"
                 )
-            logger.warning("step %d: non-finite loss %s / grad norm %s, optimizer step skipped",
-                           self.step, loss_v, norm_v)
+            logger.warning(
+                "step %d: non-finite loss %s / grad norm %s, optimizer step skipped",
+                self.step,
+                loss_v,
+                norm_v,
+            )
             self.optimizer.zero_grad(set_to_none=True)
             return self._skip(loss_v, norm_v)
         # an async checkpoint's copy of the parameters overlaps forward/backward, not this
@@ -296,14 +350,20 @@ class Trainer:
         first_step = self.step + 1
         # at 80% of the collective timeout, so a stuck rank reports itself before its peers'
         # collectives time out (they only know that *someone* is late)
-        watchdog = StepWatchdog(0.8 * job.comm.train_timeout_seconds, self.rank,
-                                job.job.dump_folder)
+        watchdog = StepWatchdog(
+            0.8 * job.comm.train_timeout_seconds, self.rank, job.job.dump_folder
+        )
         data_iter = iter(self.dataloader)
         trace_dir = os.path.join(job.job.dump_folder, job.profiling.save_traces_folder)
-        logger.info("training %d steps, global batch %d sequences x %d tokens", t.steps,
-                    self.plan.global_batch_size, t.seq_len)
-        with maybe_profile(job.profiling, trace_dir=trace_dir, rank=self.rank,
-                           first_step=first_step) as prof:
+        logger.info(
+            "training %d steps, global batch %d sequences x %d tokens",
+            t.steps,
+            self.plan.global_batch_size,
+            t.seq_len,
+        )
+        with maybe_profile(
+            job.profiling, trace_dir=trace_dir, rank=self.rank, first_step=first_step
+        ) as prof:
             while self.step < t.steps:
                 self.step += 1
                 started_ns = time.time_ns()
@@ -323,16 +383,22 @@ class Trainer:
                     self._write_memory_measured(tracker)
                     # start-up and compilation are slow; steady-state steps are not
                     set_collective_timeout(job.comm.train_timeout_seconds)
-                    logger.info("collective timeout now %ds (comm.train_timeout_seconds)",
-                                job.comm.train_timeout_seconds)
+                    logger.info(
+                        "collective timeout now %ds (comm.train_timeout_seconds)",
+                        job.comm.train_timeout_seconds,
+                    )
                     watchdog.start()
                 elif self.step == first_step + 1 and self.device.type == "cuda":
                     self._write_memory_measured(None, peak_only=True)
                 self.train_state.step = self.step
                 self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
                 # tp/cp/pp ranks share their batch: count each token once per device group
-                self.metrics.record_step(batch_tokens // self.plan.dims.non_dp, data_s,
-                                         gc_sched.step(self.step), started_ns)
+                self.metrics.record_step(
+                    batch_tokens // self.plan.dims.non_dp,
+                    data_s,
+                    gc_sched.step(self.step),
+                    started_ns,
+                )
                 if self.metrics.should_log(self.step, t.steps):
                     extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
                     # the model's auxiliary losses, beside the cross-entropy `loss`, and what
@@ -342,8 +408,14 @@ class Trainer:
                     mix = self.dataloader.source_tokens(t.seq_len)
                     if mix is not None:  # the realized mix of weighted sources
                         extra["source_tokens"] = mix
-                    self.metrics.log(self.step, loss, grad_norm, lr,
-                                     tokens_seen=self.train_state.tokens_seen, **extra)
+                    self.metrics.log(
+                        self.step,
+                        loss,
+                        grad_norm,
+                        lr,
+                        tokens_seen=self.train_state.tokens_seen,
+                        **extra,
+                    )
                 if self.validator is not None and self.validator.due(self.step, t.steps):
                     self.metrics.exclude(self.validator.run(self.step))
                 stop = self.step == t.exit_at_step
@@ -352,8 +424,11 @@ class Trainer:
                     ck = job.checkpoint
                     model_only = final and (ck.last_save_model_only or ck.last_save_in_hf)
                     with watchdog.paused():
-                        self.metrics.exclude(self.checkpointer.save(
-                            self.step, model_only=model_only, blocking=final or stop))
+                        self.metrics.exclude(
+                            self.checkpointer.save(
+                                self.step, model_only=model_only, blocking=final or stop
+                            )
+                        )
                 watchdog.progress(f"step {self.step}")
                 if prof is not None:
                     prof.step()
@@ -368,8 +443,9 @@ class Trainer:
         # compiled code allocates below the dispatcher, where the tracker cannot see
         return None if self.job.compile.enable else ActivationTracker(self.model_parts)
 
-    def _write_memory_measured(self, tracker: ActivationTracker | None,
-                               peak_only: bool = False) -> None:
+    def _write_memory_measured(
+        self, tracker: ActivationTracker | None, peak_only: bool = False
+    ) -> None:
         """The bytes this rank holds after its first step, in the memory planner's keys. The
         first step makes the optimizer states after its peak: on CUDA the peak is written
         again after the second step, whose peak is the steady one."""
@@ -380,8 +456,9 @@ class Trainer:
         if self.device.type == "cuda":
             self._measured["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
             self._measured["max_memory_allocated_at_step"] = self.step
-        write_measured(Path(self.job.job.dump_folder) / "memory_measured.json", self._measured,
-                       self.rank)
+        write_measured(
+            Path(self.job.job.dump_folder) / "memory_measured.json", self._measured, self.rank
+        )
 
     def close(self) -> None:
         if self.ft is not None:
@@ -418,16 +495,23 @@ def run(job: JobConfig, plan: RunPlan) -> None:
                 "rank %d: a collective failed during step %d (timed out, or a peer closed the "
                 "connection): another rank is stuck or has died. Look for its watchdog report "
                 "(%s/watchdog/rank*_stacks.txt) or its error above; comm.train_timeout_seconds "
-                "sets the limit.", trainer.rank, trainer.step, job.job.dump_folder)
+                "sets the limit.",
+                trainer.rank,
+                trainer.step,
+                job.job.dump_folder,
+            )
         trainer.close()
         raise
     trainer.close()
 
 
 # errors a restart would meet again: (kind, exit code), handed to the launcher
-FINAL_ERRORS = {ConfigError: ("config error", 2), DataError: ("data error", 2),
-                CheckpointError: ("checkpoint error", 2),
-                NonFiniteLossError: ("training stopped", 1)}
+FINAL_ERRORS = {
+    ConfigError: ("config error", 2),
+    DataError: ("data error", 2),
+    CheckpointError: ("checkpoint error", 2),
+    NonFiniteLossError: ("training stopped", 1),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -467,9 +551,12 @@ def main(argv: list[str] | None = None) -> None:
             code = 1
         else:  # a collective a stopping peer left is part of the stop
             step = getattr(e, "step", 0)
-            logger.warning("stopped by %s %s; %s", interrupts.describe(signum),
-                           f"during step {step}" if step else "before the first step",
-                           interrupts.status(job.checkpoint, job.job.dump_folder))
+            logger.warning(
+                "stopped by %s %s; %s",
+                interrupts.describe(signum),
+                f"during step {step}" if step else "before the first step",
+                interrupts.status(job.checkpoint, job.job.dump_folder),
+            )
             code = 128 + signum
     clean_exit(code)
 

@@ -65,7 +65,9 @@ class GeluLlamaArgs:
         return total + (self.vocab_size * d if include_embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        return 6 * self.num_params(include_embedding=False) + 12 * self.n_layers * self.dim * seq_len
+        return (
+            6 * self.num_params(include_embedding=False) + 12 * self.n_layers * self.dim * seq_len
+        )
 
 
 class GeluMLP(nn.Module):
@@ -90,19 +92,24 @@ class GeluLlama(Decoder):
     def __init__(self, args: GeluLlamaArgs):
         super().__init__(args)
         # counted by this family's post-optimizer hook
-        self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.int64),
-                             persistent=False)
+        self.register_buffer(
+            "optimizer_steps", torch.zeros((), dtype=torch.int64), persistent=False
+        )
 
     def build_block(self, layer_id: int, args: GeluLlamaArgs) -> TransformerBlock:
         return TransformerBlock(
-            layer_id, args.dim, args.norm_eps,
+            layer_id,
+            args.dim,
+            args.norm_eps,
             Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim),
-            GeluMLP(args.dim, args.ffn_hidden_dim, args.aux_loss_coeff))
+            GeluMLP(args.dim, args.ffn_hidden_dim, args.aux_loss_coeff),
+        )
 
     @staticmethod
     def rope_table(args: GeluLlamaArgs, device=None):
-        return rope_table(inverse_frequencies(args.head_dim, args.rope_theta), args.max_seq_len,
-                          device=device)
+        return rope_table(
+            inverse_frequencies(args.head_dim, args.rope_theta), args.max_seq_len, device=device
+        )
 
     def init_weights(self, seed: int, buffer_device=None) -> None:
         super().init_weights(seed, buffer_device)
@@ -113,19 +120,22 @@ def count_optimizer_steps(parts, job):
     def hook(taken):
         for part in parts:
             part.optimizer_steps += taken
+
     return hook
 
 
 @dataclass
 class GeluLlamaOptions:
-    aux_loss_coeff: float = opt(0.0, "Weight of the auxiliary loss on the MLP inputs' mean "
-                                "square (0: none)")
+    aux_loss_coeff: float = opt(
+        0.0, "Weight of the auxiliary loss on the MLP inputs' mean square (0: none)"
+    )
 
 
 def gelu_mlp_plan(between) -> dict:
     return {
-        "feed_forward": PrepareModuleInput(input_layouts=(between,),
-                                           desired_input_layouts=(Replicate(),)),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),)
+        ),
         "feed_forward.fc_in": ColwiseParallel(),
         "feed_forward.fc_out": RowwiseParallel(output_layouts=between),
     }
@@ -154,33 +164,50 @@ class GeluLlamaAdapter(DecoderHFAdapter):
 
     def hf_config(self) -> dict:
         a = self.args
-        return {"architectures": ["GeluLlamaForCausalLM"], "model_type": NAME,
-                "hidden_act": "gelu", "hidden_size": a.dim, "num_hidden_layers": a.n_layers,
-                "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
-                "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps,
-                "rope_theta": a.rope_theta, "max_position_embeddings": a.max_seq_len,
-                "tie_word_embeddings": a.tie_word_embeddings}
+        return {
+            "architectures": ["GeluLlamaForCausalLM"],
+            "model_type": NAME,
+            "hidden_act": "gelu",
+            "hidden_size": a.dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads,
+            "vocab_size": a.vocab_size,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "max_position_embeddings": a.max_seq_len,
+            "tie_word_embeddings": a.tie_word_embeddings,
+        }
 
     @classmethod
     def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> GeluLlamaArgs:
         return GeluLlamaArgs(
-            dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"], n_kv_heads=config["num_key_value_heads"],
-            vocab_size=config["vocab_size"], norm_eps=config["rms_norm_eps"],
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=config["num_attention_heads"],
+            n_kv_heads=config["num_key_value_heads"],
+            vocab_size=config["vocab_size"],
+            norm_eps=config["rms_norm_eps"],
             rope_theta=config["rope_theta"],
-            max_seq_len=max_seq_len or config["max_position_embeddings"])
+            max_seq_len=max_seq_len or config["max_position_embeddings"],
+        )
 
 
 FLAVORS = {"tiny": GeluLlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2)}
 
 
 def register() -> None:
-    register_train_spec(TrainSpec(
-        name=NAME, model_cls=GeluLlama, flavors=FLAVORS,
-        parallelize_fn=parallelize_gelu_llama,
-        pipelining_fn=pipeline_decoder, state_dict_adapter=GeluLlamaAdapter,
-        post_optimizer_hooks=(count_optimizer_steps,),
-    ))
+    register_train_spec(
+        TrainSpec(
+            name=NAME,
+            model_cls=GeluLlama,
+            flavors=FLAVORS,
+            parallelize_fn=parallelize_gelu_llama,
+            pipelining_fn=pipeline_decoder,
+            state_dict_adapter=GeluLlamaAdapter,
+            post_optimizer_hooks=(count_optimizer_steps,),
+        )
+    )
     register_family_options(NAME, GeluLlamaOptions)
 
 

@@ -21,8 +21,14 @@ import os
 import sys
 
 # optional package -> the extra of pyproject.toml that installs it for users
-OPTIONAL = {"torchao": "float8", "torchft": "torchft", "wandb": "wandb",
-            "matplotlib": "plot", "transformers": "test"}
+OPTIONAL = {
+    "torchao": "float8",
+    "torchft": "torchft",
+    "wandb": "wandb",
+    "matplotlib": "plot",
+    "transformers": "test",
+    "ruff": "test",
+}
 # importers whose imports count as the project's own (libraries' imports of each other are
 # theirs to guard)
 _OWN = ("titan", "tests", "benchmarks", "scripts", "__main__", "conftest")
@@ -40,8 +46,9 @@ class _Hide:
 
     def find_spec(self, name, path=None, target=None):
         if name.partition(".")[0] in self.names:
-            raise ModuleNotFoundError(f"No module named {name!r} (hidden by TITAN_TEST_HIDE)",
-                                      name=name)
+            raise ModuleNotFoundError(
+                f"No module named {name!r} (hidden by TITAN_TEST_HIDE)", name=name
+            )
         return None
 
 
@@ -79,8 +86,9 @@ def install() -> None:
     """Idempotent: a process that ran this as sitecustomize and then imports it again (the
     pytest process) keeps one guard."""
     names = hidden()
-    if names and not any(isinstance(f, _Hide) or type(f).__name__ == "_Hide"
-                         for f in sys.meta_path):
+    if names and not any(
+        isinstance(f, _Hide) or type(f).__name__ == "_Hide" for f in sys.meta_path
+    ):
         sys.meta_path.insert(0, _Hide(names))
         real_find_spec = importlib.util.find_spec
 

@@ -44,13 +44,22 @@ def command(nproc, overrides, dump, **kw):
     require_devices(nproc)
     return loss_compare.command(nproc, ["--training.device", DEVICE, *overrides], dump, **kw)
 
+
 # MFU's CPU peak is a measured matmul, ~1 s per launch on a busy 2-core machine: tests that
 # do not look at MFU give it instead
 NO_PEAK_MEASUREMENT = ["--metrics.peak_flops", "1e12"]
 # a small, fast setting for runs that test plumbing rather than learning
-FAST = ["--training.seq_len", "64", "--training.local_batch_size", "4",
-        "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32",
-        *NO_PEAK_MEASUREMENT]
+FAST = [
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+    "--metrics.log_freq",
+    "1",
+    "--training.mixed_precision_param",
+    "float32",
+    *NO_PEAK_MEASUREMENT,
+]
 
 # the numerics harness: every layout against one 1-rank run of the same seed and data
 STEPS = 10
@@ -60,10 +69,21 @@ GLOBAL_BATCH = 8
 # differences there are larger: 1e-4 leaves room for them (not yet measured on a GPU)
 RTOL = 1e-5 if DEVICE == "cpu" else 1e-4
 SEQ_LEN = 64
-COMMON = ["--training.steps", str(STEPS), "--training.seq_len", str(SEQ_LEN),
-          "--training.mixed_precision_param", "float32", "--training.deterministic",
-          "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "3",
-          "--metrics.no_enable_tensorboard", *NO_PEAK_MEASUREMENT]
+COMMON = [
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    str(SEQ_LEN),
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.deterministic",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "3",
+    "--metrics.no_enable_tensorboard",
+    *NO_PEAK_MEASUREMENT,
+]
 
 
 def dp_batch(dp: int) -> list[str]:
@@ -139,8 +159,17 @@ class Nodes:
     through torchrun's c10d rendezvous. Node 0's agent hosts the rendezvous store, as the first
     node of a cluster does; a dead store host ends the job, any other node may die."""
 
-    def __init__(self, count: int, nproc: int, overrides: list[str], dump, tmp_path,
-                 nnodes: str | None = None, env: dict | None = None, rdzv_conf: str = ""):
+    def __init__(
+        self,
+        count: int,
+        nproc: int,
+        overrides: list[str],
+        dump,
+        tmp_path,
+        nnodes: str | None = None,
+        env: dict | None = None,
+        rdzv_conf: str = "",
+    ):
         import subprocess
 
         require_devices(count * nproc)  # on CUDA all "nodes" share this machine's GPUs
@@ -149,17 +178,33 @@ class Nodes:
         for node in range(count):
             log_dir = tmp_path / f"node{node}_logs"
             conf = ",".join(c for c in (f"is_host={str(node == 0).lower()}", rdzv_conf) if c)
-            cmd, full_env = command(nproc, overrides, dump, env={
-                "NNODES": nnodes or str(count), "RDZV_ENDPOINT": f"127.0.0.1:{port}",
-                "RDZV_CONF": conf, "PET_LOG_DIR": str(log_dir), **(env or {})})
+            cmd, full_env = command(
+                nproc,
+                overrides,
+                dump,
+                env={
+                    "NNODES": nnodes or str(count),
+                    "RDZV_ENDPOINT": f"127.0.0.1:{port}",
+                    "RDZV_CONF": conf,
+                    "PET_LOG_DIR": str(log_dir),
+                    **(env or {}),
+                },
+            )
             if nnodes is None:  # a fixed node count: ranks in node order
                 full_env["NODE_RANK"] = str(node)
             log_dir.mkdir(parents=True)
             # files, not pipes: a full pipe would block an agent that nobody reads yet
             with open(log_dir / "stdout", "w") as out, open(log_dir / "stderr", "w") as err:
-                self.procs.append(subprocess.Popen(
-                    cmd, env=full_env, cwd=loss_compare.REPO_ROOT, stdout=out, stderr=err,
-                    start_new_session=True))
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=full_env,
+                        cwd=loss_compare.REPO_ROOT,
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,
+                    )
+                )
             self.log_dirs.append(log_dir)
 
     def kill(self, node: int) -> None:
@@ -182,19 +227,21 @@ class Nodes:
         try:
             for p, d in zip(self.procs, self.log_dirs):
                 p.wait(timeout=max(deadline - time.monotonic(), 1))
-                outs.append((p.returncode, (d / "stdout").read_text(),
-                             (d / "stderr").read_text()))
+                outs.append((p.returncode, (d / "stdout").read_text(), (d / "stderr").read_text()))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the nodes ran past {timeout}s; last lines of every rank:\n"
-                        + self.rank_tails())
+            pytest.fail(
+                f"the nodes ran past {timeout}s; last lines of every rank:\n" + self.rank_tails()
+            )
         finally:
             self.stop()
         return outs
 
     def rank_tails(self) -> str:
-        return "\n".join(f"=== node {i}\n{loss_compare.rank_tails(d)}\n--- its agent:\n"
-                         + "\n".join((d / "stderr").read_text().splitlines()[-15:])
-                         for i, d in enumerate(self.log_dirs))
+        return "\n".join(
+            f"=== node {i}\n{loss_compare.rank_tails(d)}\n--- its agent:\n"
+            + "\n".join((d / "stderr").read_text().splitlines()[-15:])
+            for i, d in enumerate(self.log_dirs)
+        )
 
     def stop(self) -> None:
         for node, p in enumerate(self.procs):

@@ -64,9 +64,15 @@ SCRIPT = textwrap.dedent("""
 def run(tmp_path, case):
     script = tmp_path / "stage.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), case], cwd=REPO_ROOT,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                          capture_output=True, text=True, timeout=180, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), case],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 

@@ -27,8 +27,9 @@ CK = ["--checkpoint.enable"]
 
 def steps_on_disk(dump):
     root = dump / "checkpoint"
-    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*")
-                  if (p / ".complete").is_file())
+    return sorted(
+        int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / ".complete").is_file()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,9 @@ def straight_then_resumed(straight, tmp_path, nproc, layout, extra=(), resume_st
     save proves an async one, whose copy overlapped the next step's forward/backward.
     """
     resumed = tmp_path / "resumed"
-    first = launch(nproc, [*BASE, *layout, *CK, *extra, "--training.exit_at_step", "10"],
-                   resumed, timeout=600)
+    first = launch(
+        nproc, [*BASE, *layout, *CK, *extra, "--training.exit_at_step", "10"], resumed, timeout=600
+    )
     assert sorted(losses(resumed)) == list(range(1, 11))
     assert steps_on_disk(resumed) == sorted({resume_step, 10})
     if resume_step != 10:  # the async save's copy is awaited within the next step
@@ -64,23 +66,36 @@ def straight_then_resumed(straight, tmp_path, nproc, layout, extra=(), resume_st
         staged = log.index(f"checkpoint step {resume_step} staged")
         assert staged < re.search(rf"step:\s+{resume_step + 1}\s", log).start()
         assert "Traceback" not in log  # the saving process is stopped, not left to die
-    proc = launch(nproc, [*BASE, *layout, *CK, *extra, "--checkpoint.load_step",
-                          str(resume_step)], resumed, timeout=600)
+    proc = launch(
+        nproc,
+        [*BASE, *layout, *CK, *extra, "--checkpoint.load_step", str(resume_step)],
+        resumed,
+        timeout=600,
+    )
     assert "resumed from" in proc.stderr and f"step-{resume_step}" in proc.stderr
     return straight(nproc, layout), losses(resumed)
 
 
-@pytest.mark.parametrize("case,nproc,layout,extra,resume_step", [
-    ("1rank", 1, dp_batch(1), [], 10),
-    ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)], [], 10),
-    ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(1)], [], 10),
-    # FSDP 2 is resumed from an async save only: the sync save path is the other cases'
-    ("fsdp2_async", 2, dp_batch(2),
-     ["--checkpoint.async_mode", "async", "--checkpoint.interval", "5"], 5),
-])
+@pytest.mark.parametrize(
+    "case,nproc,layout,extra,resume_step",
+    [
+        ("1rank", 1, dp_batch(1), [], 10),
+        ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)], [], 10),
+        ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(1)], [], 10),
+        # FSDP 2 is resumed from an async save only: the sync save path is the other cases'
+        (
+            "fsdp2_async",
+            2,
+            dp_batch(2),
+            ["--checkpoint.async_mode", "async", "--checkpoint.interval", "5"],
+            5,
+        ),
+    ],
+)
 def test_exact_resume_is_bitwise(case, nproc, layout, extra, resume_step, straight, tmp_path):
-    uninterrupted, resumed = straight_then_resumed(straight, tmp_path, nproc, layout, extra,
-                                                   resume_step)
+    uninterrupted, resumed = straight_then_resumed(
+        straight, tmp_path, nproc, layout, extra, resume_step
+    )
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert resumed == uninterrupted  # bit for bit, every step, data order included
 
@@ -104,8 +119,16 @@ def test_resume_onto_other_layouts(straight, tmp_path):
 
 
 def test_interval_first_step_and_keep_latest_k(train_run, tmp_path):
-    common = [*BASE, *CK, "--training.steps", "7", "--checkpoint.interval", "3",
-              "--checkpoint.enable_first_step_checkpoint", *dp_batch(1)]
+    common = [
+        *BASE,
+        *CK,
+        "--training.steps",
+        "7",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.enable_first_step_checkpoint",
+        *dp_batch(1),
+    ]
     _, _, dump = train_run(1, *common, "--checkpoint.keep_latest_k", "0", name="all")
     assert steps_on_disk(dump) == [1, 3, 6, 7]
     _, _, dump = train_run(1, *common, "--checkpoint.keep_latest_k", "2", name="k2")
@@ -114,8 +137,7 @@ def test_interval_first_step_and_keep_latest_k(train_run, tmp_path):
 
 
 def file_bytes(folder):
-    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def refused_in_one_line(proc, *fragments):
@@ -133,8 +155,15 @@ def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused(strai
     naming the file, and continues exactly from the save before. Then a run of another model
     (the tied flavor) is refused from that folder, and as an initial load, leaving every file
     as it was."""
-    common = [*BASE, *CK, "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
-              *dp_batch(1)]
+    common = [
+        *BASE,
+        *CK,
+        "--checkpoint.interval",
+        "5",
+        "--checkpoint.keep_latest_k",
+        "0",
+        *dp_batch(1),
+    ]
     dump = tmp_path / "run"
     launch(1, [*common, "--training.exit_at_step", "10"], dump, timeout=300)
     step5 = file_bytes(dump / "checkpoint" / "step-5")
@@ -151,11 +180,19 @@ def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused(strai
     before = file_bytes(dump)
     tied = ["--model.flavor", "debugmodel_tied"]
     proc = launch(1, [*common, *tied], dump, timeout=120, check=False)
-    refused_in_one_line(proc, "cannot resume from", "step-20",
-                        "tie_word_embeddings False (checkpoint) vs True (this run)")
-    proc = launch(1, [*BASE, *tied, "--checkpoint.initial_load_path",
-                      str(dump / "checkpoint" / "step-5")], tmp_path / "fresh", timeout=120,
-                  check=False)
+    refused_in_one_line(
+        proc,
+        "cannot resume from",
+        "step-20",
+        "tie_word_embeddings False (checkpoint) vs True (this run)",
+    )
+    proc = launch(
+        1,
+        [*BASE, *tied, "--checkpoint.initial_load_path", str(dump / "checkpoint" / "step-5")],
+        tmp_path / "fresh",
+        timeout=120,
+        check=False,
+    )
     refused_in_one_line(proc, "checkpoint.initial_load_path", "tie_word_embeddings")
     assert file_bytes(dump) == before and not (tmp_path / "fresh").exists()
 
@@ -174,8 +211,12 @@ def small_disk(tmp_path):
     """A 100 MiB tmpfs: room for one debug-model save (70 MB), not two."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100M", "tmpfs", str(disk)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=100M", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
@@ -211,8 +252,12 @@ def test_exclude_from_loading_and_model_only_initial_load(tmp_path):
     step10 = src / "checkpoint" / "step-10"
     # model only: weights of step 10, but step, data, optimizer and lr start from scratch
     fresh = tmp_path / "model_only"
-    launch(1, [*common, *CK, "--checkpoint.initial_load_path", str(step10),
-               "--training.steps", "3"], fresh, timeout=300)
+    launch(
+        1,
+        [*common, *CK, "--checkpoint.initial_load_path", str(step10), "--training.steps", "3"],
+        fresh,
+        timeout=300,
+    )
     got = losses(fresh)
     assert sorted(got) == [1, 2, 3]
     first_run = losses(src)
@@ -230,8 +275,12 @@ def test_exclude_from_loading_and_model_only_initial_load(tmp_path):
 
 def test_seed_checkpoint_gives_same_losses_across_layouts(straight, tmp_path):
     seed_dump = tmp_path / "seed"
-    launch(1, [*BASE, *CK, "--checkpoint.create_seed_checkpoint", "--training.seed", "7"],
-           seed_dump, timeout=300)
+    launch(
+        1,
+        [*BASE, *CK, "--checkpoint.create_seed_checkpoint", "--training.seed", "7"],
+        seed_dump,
+        timeout=300,
+    )
     assert steps_on_disk(seed_dump) == [0]
     assert read_metrics(seed_dump) == []
     runs = {}
@@ -249,20 +298,50 @@ def test_seed_checkpoint_gives_same_losses_across_layouts(straight, tmp_path):
 
 def test_hf_export_then_initial_load_in_hf(tmp_path):
     src = tmp_path / "src"
-    launch(1, [*BASE, *CK, "--training.steps", "4", "--checkpoint.last_save_model_only",
-               *dp_batch(1)], src, timeout=300)
+    launch(
+        1,
+        [*BASE, *CK, "--training.steps", "4", "--checkpoint.last_save_model_only", *dp_batch(1)],
+        src,
+        timeout=300,
+    )
     marker = json.loads((src / "checkpoint" / "step-4" / ".complete").read_text())
     assert marker["model_only"] is True
     hf = tmp_path / "hf"
-    subprocess.run([sys.executable, "scripts/convert_to_hf.py", str(src / "checkpoint"), str(hf),
-                    "--flavor", "debugmodel", "--max-seq-len", "64"],
-                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "scripts/convert_to_hf.py",
+            str(src / "checkpoint"),
+            str(hf),
+            "--flavor",
+            "debugmodel",
+            "--max-seq-len",
+            "64",
+        ],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     from_hf, from_dcp = tmp_path / "from_hf", tmp_path / "from_dcp"
     common = [*BASE, *CK, "--training.steps", "3", *dp_batch(1)]
-    launch(1, [*common, "--checkpoint.initial_load_path", str(hf),
-               "--checkpoint.initial_load_in_hf"], from_hf, timeout=300)
-    launch(2, [*common[:-2], *dp_batch(2), "--checkpoint.initial_load_path",
-               str(src / "checkpoint" / "step-4")], from_dcp, timeout=300)
+    launch(
+        1,
+        [*common, "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf"],
+        from_hf,
+        timeout=300,
+    )
+    launch(
+        2,
+        [
+            *common[:-2],
+            *dp_batch(2),
+            "--checkpoint.initial_load_path",
+            str(src / "checkpoint" / "step-4"),
+        ],
+        from_dcp,
+        timeout=300,
+    )
     a, b = losses(from_hf), losses(from_dcp)
     assert sorted(a) == [1, 2, 3]
     for s in a:
@@ -276,10 +355,22 @@ def test_streamed_dataset_resumes_exactly_with_validation(tmp_path):
     valid = tmp_path / "valid.jsonl"  # 5 documents: 3 on one rank, 2 on the other
     lines = (REPO_ROOT / "assets" / "corpus" / "kjv_valid.jsonl").read_text().splitlines()
     valid.write_text("\n".join(lines[:5]) + "\n")
-    stream = ["--training.dataset_streaming", "--validation.enable",
-              "--validation.dataset_path", str(valid), "--validation.dataset_streaming",
-              "--validation.freq", "4", "--validation.local_batch_size", "4",
-              "--training.steps", "8", "--checkpoint.interval", "4", *dp_batch(2)]
+    stream = [
+        "--training.dataset_streaming",
+        "--validation.enable",
+        "--validation.dataset_path",
+        str(valid),
+        "--validation.dataset_streaming",
+        "--validation.freq",
+        "4",
+        "--validation.local_batch_size",
+        "4",
+        "--training.steps",
+        "8",
+        "--checkpoint.interval",
+        "4",
+        *dp_batch(2),
+    ]
     launch(2, [*BASE, *stream], tmp_path / "straight", timeout=600)
     resumed = tmp_path / "resumed"
     launch(2, [*BASE, *stream, *CK, "--training.exit_at_step", "4"], resumed, timeout=600)
@@ -295,20 +386,33 @@ def test_streamed_dataset_resumes_exactly_with_validation(tmp_path):
     assert val(resumed) == val(tmp_path / "straight")  # same batches, same loss, after resume
     assert val(resumed)[1]["val_loss"] < val(resumed)[0]["val_loss"]
     # per-rank streams cannot move to another dp degree: refused, naming the way out
-    proc = launch(1, [*BASE, *stream, *CK, "--training.steps", "12", *dp_batch(1)], resumed,
-                  timeout=600, check=False)
+    proc = launch(
+        1,
+        [*BASE, *stream, *CK, "--training.steps", "12", *dp_batch(1)],
+        resumed,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode != 0 and 'dataset_stream_order = "global"' in proc.stderr
 
 
 def test_stream_in_global_order_resumes_on_another_dp_degree(tmp_path):
     """Every rank reads the whole stream and keeps its slice of each global batch: a 2-rank
     checkpoint resumes on 1 rank and continues the 1-rank losses."""
-    stream = ["--training.dataset_streaming", "--training.dataset_stream_order", "global",
-              "--training.steps", "6", "--checkpoint.interval", "3"]
+    stream = [
+        "--training.dataset_streaming",
+        "--training.dataset_stream_order",
+        "global",
+        "--training.steps",
+        "6",
+        "--checkpoint.interval",
+        "3",
+    ]
     launch(1, [*BASE, *stream, *dp_batch(1)], tmp_path / "straight", timeout=600)
     resumed = tmp_path / "resumed"
-    launch(2, [*BASE, *stream, *CK, *dp_batch(2), "--training.exit_at_step", "3"], resumed,
-           timeout=600)
+    launch(
+        2, [*BASE, *stream, *CK, *dp_batch(2), "--training.exit_at_step", "3"], resumed, timeout=600
+    )
     proc = launch(1, [*BASE, *stream, *CK, *dp_batch(1)], resumed, timeout=600)
     assert "resumed from" in proc.stderr and "step-3" in proc.stderr
     a, b = losses(tmp_path / "straight"), losses(resumed)
@@ -336,22 +440,30 @@ def test_resume_onto_a_larger_global_batch_trains_the_next_sequences(tmp_path):
     launch(1, [*run, "--training.steps", "6", "--checkpoint.interval", "6"], dump, timeout=300)
     proc = launch(2, [*run, "--training.steps", "7"], dump, timeout=300)
     assert "the data continues at sequence 48 of the global stream" in proc.stderr
-    assert re.search(r"layout change: step-6 .*global_batch_size 8 -> 16.*the first sequence "
-                     r"not yet trained", proc.stderr), proc.stderr[-3000:]
+    assert re.search(
+        r"layout change: step-6 .*global_batch_size 8 -> 16.*the first sequence "
+        r"not yet trained",
+        proc.stderr,
+    ), proc.stderr[-3000:]
     step7 = next(r for r in read_metrics(dump) if r["step"] == 7)["loss"]
 
     job = parse_args(["--job.config_file", "train_configs/debug_model.toml", *run])
     tokenizer = Tokenizer(job.model.tokenizer_path)
-    stream = iter(build_dataloader(job.training, tokenizer=tokenizer, shard=DataShard(0, 1),
-                                   global_batch_size=8))
+    stream = iter(
+        build_dataloader(
+            job.training, tokenizer=tokenizer, shard=DataShard(0, 1), global_batch_size=8
+        )
+    )
     batches = [next(stream) for _ in range(14)]  # sequences 0-111, in batches of 8
     spec = get_train_spec("llama3")
-    model = spec.build_meta(spec.flavors["debugmodel"].with_updates(
-        vocab_size=tokenizer.vocab_size, max_seq_len=64))
+    model = spec.build_meta(
+        spec.flavors["debugmodel"].with_updates(vocab_size=tokenizer.vocab_size, max_seq_len=64)
+    )
     model.to_empty(device="cpu")
     model.init_weights(0)
-    model.load_state_dict(folders.load_dcp_model_state(dump / "checkpoint" / "step-6"),
-                          strict=False)
+    model.load_state_dict(
+        folders.load_dcp_model_state(dump / "checkpoint" / "step-6"), strict=False
+    )
 
     def loss_on(first_batch: int) -> float:
         x = torch.cat([batches[first_batch][0], batches[first_batch + 1][0]])

@@ -8,8 +8,15 @@ import sys
 import numpy as np
 import pytest
 
-from tests.integration.harness import (COMMON, STEPS, FAST, assert_matches_baseline, dp_batch,
-                                       launch, read_metrics)
+from tests.integration.harness import (
+    COMMON,
+    FAST,
+    STEPS,
+    assert_matches_baseline,
+    dp_batch,
+    launch,
+    read_metrics,
+)
 from titan.components.data.token_shards import ShardWriter
 from titan.components.data.tokenizer import Tokenizer
 from titan.paths import REPO_ROOT
@@ -22,13 +29,27 @@ def verses(tmp_path_factory):
     """KJV verses as documents (~40 tokens each: every window holds several), as jsonl and
     as token shards."""
     root = tmp_path_factory.mktemp("verses")
-    lines = [line for doc in open(REPO_ROOT / "assets/corpus/kjv_train.jsonl")
-             for line in json.loads(doc)["text"].split("\n") if line.strip()][:6000]
+    lines = [
+        line
+        for doc in open(REPO_ROOT / "assets/corpus/kjv_train.jsonl")
+        for line in json.loads(doc)["text"].split("\n")
+        if line.strip()
+    ][:6000]
     raw = root / "verses.jsonl"
     raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts/pretokenize.py"), str(raw),
-                    str(root / "shards"), "--num-proc", "2"], check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts/pretokenize.py"),
+            str(raw),
+            str(root / "shards"),
+            "--num-proc",
+            "2",
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     return raw, root / "shards"
 
 
@@ -36,8 +57,9 @@ def verses(tmp_path_factory):
 def block_baseline(verses, tmp_path_factory):
     raw, _ = verses
     dump = tmp_path_factory.mktemp("block_baseline")
-    launch(1, [*COMMON, *BLOCK, "--training.dataset_path", str(raw), *dp_batch(1)], dump,
-           timeout=300)
+    launch(
+        1, [*COMMON, *BLOCK, "--training.dataset_path", str(raw), *dp_batch(1)], dump, timeout=300
+    )
     records = read_metrics(dump)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     return records
@@ -56,9 +78,13 @@ def test_block_causal_layout_matches_single_process(case, verses, block_baseline
     raw, shards = verses
     nproc, overrides, from_shards = CASES[case]
     path = shards if from_shards else raw
-    assert_matches_baseline(block_baseline, nproc,
-                            [*BLOCK, "--training.dataset_path", str(path), *overrides],
-                            tmp_path, case)
+    assert_matches_baseline(
+        block_baseline,
+        nproc,
+        [*BLOCK, "--training.dataset_path", str(path), *overrides],
+        tmp_path,
+        case,
+    )
 
 
 def test_corpus_larger_than_memory_keeps_resident_memory_flat(tmp_path):
@@ -72,17 +98,30 @@ def test_corpus_larger_than_memory_keeps_resident_memory_flat(tmp_path):
     big = writer.close()
     size = sum(f.stat().st_size for f in big.glob("*.bin"))
     assert size >= 2 << 30
-    run = [*FAST, "--training.steps", "3", "--training.seq_len", "256",
-           "--training.local_batch_size", "8", "--metrics.no_enable_tensorboard"]
+    run = [
+        *FAST,
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "8",
+        "--metrics.no_enable_tensorboard",
+    ]
     try:
         launch(2, [*run, "--training.dataset_path", str(big)], tmp_path / "big_run", timeout=300)
         launch(2, [*run, "--training.dataset", "kjv"], tmp_path / "kjv_run", timeout=300)
         mem = {name: read_metrics(tmp_path / f"{name}_run")[-1] for name in ("big", "kjv")}
-        mib = {name: {k: r[k] * 1024 for k in ("memory_gib", "memory_anon_gib")}
-               for name, r in mem.items()}
-        print(f"per rank, 2 GiB corpus vs bundled corpus: anonymous {mib['big']['memory_anon_gib']:.0f}"
-              f" vs {mib['kjv']['memory_anon_gib']:.0f} MiB, peak RSS {mib['big']['memory_gib']:.0f}"
-              f" vs {mib['kjv']['memory_gib']:.0f} MiB")
+        mib = {
+            name: {k: r[k] * 1024 for k in ("memory_gib", "memory_anon_gib")}
+            for name, r in mem.items()
+        }
+        print(
+            f"per rank, 2 GiB corpus vs bundled corpus: anonymous "
+            f"{mib['big']['memory_anon_gib']:.0f} vs {mib['kjv']['memory_anon_gib']:.0f} MiB, "
+            f"peak RSS {mib['big']['memory_gib']:.0f}"
+            f" vs {mib['kjv']['memory_gib']:.0f} MiB"
+        )
         # what the process holds itself stays put; mapped shard pages are page cache, which
         # peak RSS counts as they are read (whole folios: ~2 MiB per random window here)
         # (run-to-run noise of the anonymous figure: +-25 MiB measured on this 2-core VM)

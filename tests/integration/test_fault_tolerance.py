@@ -38,10 +38,15 @@ def straight(tmp_path_factory):
 @pytest.mark.parametrize("nproc,victim", [(2, 1), (4, 2)])
 def test_sigkilled_rank_restarts_and_resumes_exactly(nproc, victim, straight, tmp_path):
     dump = tmp_path / "run"
-    cmd, env = command(nproc, [*BASE, *CK, *dp_batch(nproc)], dump,
-                       env={"MAX_RESTARTS": "2"})
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    cmd, env = command(nproc, [*BASE, *CK, *dp_batch(nproc)], dump, env={"MAX_RESTARTS": "2"})
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while max(losses(dump), default=0) < 6:  # past the step-4 checkpoint
@@ -69,25 +74,53 @@ def test_rank_killed_while_saving_uses_previous_checkpoint(phase, victim, straig
     error, so torchrun restarts the job (MAX_RESTARTS=1), which resumes from step 4 and ends
     with the uninterrupted run's losses."""
     dump = tmp_path / "run"
-    proc = launch(2, [*BASE, *CK, *dp_batch(2), "--debug.kill_in_checkpoint_step", "8",
-                      "--debug.kill_in_checkpoint_phase", phase, "--debug.kill_rank",
-                      str(victim)], dump, env={"MAX_RESTARTS": "1", "LOG_RANK": "0,1"},
-                  timeout=600)
+    proc = launch(
+        2,
+        [
+            *BASE,
+            *CK,
+            *dp_batch(2),
+            "--debug.kill_in_checkpoint_step",
+            "8",
+            "--debug.kill_in_checkpoint_phase",
+            phase,
+            "--debug.kill_rank",
+            str(victim),
+        ],
+        dump,
+        env={"MAX_RESTARTS": "1", "LOG_RANK": "0,1"},
+        timeout=600,
+    )
     assert "resumed from" in proc.stderr and "step-4 at step 4" in proc.stderr
     assert "checkpoint error" not in proc.stderr and "Traceback" not in proc.stderr
     if phase == "writing":
         # the survivor's account: its collective failed as the peer left, or torchrun's
         # agent stopped it first, whichever came first
-        assert ("checkpoint step 8 was not written" in proc.stderr
-                or "stopped by SIGTERM during step 8" in proc.stderr), proc.stderr[-3000:]
+        assert (
+            "checkpoint step 8 was not written" in proc.stderr
+            or "stopped by SIGTERM during step 8" in proc.stderr
+        ), proc.stderr[-3000:]
     assert losses(dump) == straight[2]
 
 
 def test_stuck_rank_fails_within_timeout_naming_it(tmp_path):
     t0 = time.monotonic()
-    proc = launch(2, [*BASE, *dp_batch(2), "--debug.sleep_at_step", "3",
-                      "--debug.sleep_rank", "1", "--comm.train_timeout_seconds", "10"],
-                  tmp_path, timeout=300, check=False)
+    proc = launch(
+        2,
+        [
+            *BASE,
+            *dp_batch(2),
+            "--debug.sleep_at_step",
+            "3",
+            "--debug.sleep_rank",
+            "1",
+            "--comm.train_timeout_seconds",
+            "10",
+        ],
+        tmp_path,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120  # not the hour-long sleep
     assert "rank 1: no training progress" in proc.stderr  # torchrun's root-cause report
@@ -119,9 +152,24 @@ def test_unwritable_checkpoint_folder_fails_before_training(tmp_path):
 def test_failed_run_reports_every_ranks_last_lines(tmp_path):
     # the console shows rank 0 only; the failure message must still show the rank that died
     with pytest.raises(RunFailed) as failed:
-        launch(2, [*BASE, *CK, *dp_batch(2), "--training.steps", "4",
-                   "--checkpoint.interval", "2", "--debug.kill_in_checkpoint_step", "2",
-                   "--debug.kill_rank", "1"], tmp_path / "run", timeout=300)
+        launch(
+            2,
+            [
+                *BASE,
+                *CK,
+                *dp_batch(2),
+                "--training.steps",
+                "4",
+                "--checkpoint.interval",
+                "2",
+                "--debug.kill_in_checkpoint_step",
+                "2",
+                "--debug.kill_rank",
+                "1",
+            ],
+            tmp_path / "run",
+            timeout=300,
+        )
     msg = str(failed.value)
     assert "local rank 1 ---" in msg and "local rank 0 ---" in msg
     assert "debug.kill_in_checkpoint_step: rank 1 kills itself now" in msg
@@ -136,9 +184,18 @@ def test_data_error_found_by_a_worker_is_one_line_not_retried(tmp_path):
     lines[150] = "And there was light."  # not JSON
     bad.write_text("\n".join(lines) + "\n")
     logs = tmp_path / "logs"
-    proc = launch(1, [*BASE, "--training.dataset_path", str(bad)], tmp_path / "run",
-                  env={"MAX_RESTARTS": "2", "PET_LOG_DIR": str(logs),
-                       "TITAN_CACHE_DIR": str(tmp_path / "cache")}, timeout=300, check=False)
+    proc = launch(
+        1,
+        [*BASE, "--training.dataset_path", str(bad)],
+        tmp_path / "run",
+        env={
+            "MAX_RESTARTS": "2",
+            "PET_LOG_DIR": str(logs),
+            "TITAN_CACHE_DIR": str(tmp_path / "cache"),
+        },
+        timeout=300,
+        check=False,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     # named by its line in the file, not by a row of the JSON reader's block
@@ -158,8 +215,14 @@ def test_ctrl_c_and_sigterm_stop_in_a_few_lines_and_the_run_resumes(straight, tm
     dump = tmp_path / "run"
     cmd, env = command(2, [*BASE, *CK, *dp_batch(2), "--checkpoint.interval", "2"], dump)
     for signum, at, code in ((signal.SIGINT, 5, 130), (signal.SIGTERM, 9, 143)):
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 300
             while max(losses(dump), default=0) < at:
@@ -178,7 +241,7 @@ def test_ctrl_c_and_sigterm_stop_in_a_few_lines_and_the_run_resumes(straight, tm
         assert "Traceback" not in err, err[-3000:]
         lines = err.splitlines()
         last_step = max(i for i, line in enumerate(lines) if "step:" in line)
-        after = lines[last_step + 1:]
+        after = lines[last_step + 1 :]
         assert len(after) <= 4, after
         name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else "SIGTERM"
         assert after[-1].startswith(f"titan: stopped by {name}; checkpoints in "), after

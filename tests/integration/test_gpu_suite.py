@@ -14,8 +14,19 @@ import pytest
 
 from titan.paths import REPO_ROOT
 
-TRAIN_KEYS = {"tps", "steps_timed", "mfu_datasheet_pct", "mfu_matmul_pct", "peak_memory_gib",
-              "loss_first", "loss_last", "flops_per_token", "tps_ratio", "mem_ratio", "checks"}
+TRAIN_KEYS = {
+    "tps",
+    "steps_timed",
+    "mfu_datasheet_pct",
+    "mfu_matmul_pct",
+    "peak_memory_gib",
+    "loss_first",
+    "loss_last",
+    "flops_per_token",
+    "tps_ratio",
+    "mem_ratio",
+    "checks",
+}
 
 
 def finite(x) -> bool:
@@ -27,15 +38,20 @@ def test_dry_run_takes_every_path(tmp_path):
     out = tmp_path / "suite.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/gpu_suite.py", "--device", "cpu", "--tiny", "--out", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "| row | side | status |" in proc.stdout  # the markdown table
     data = json.loads(out.read_text())
     meta, rows = data["meta"], data["rows"]
     assert meta["device"] == "cpu" and meta["tiny"] and meta["matmul_flops"] > 0
     assert meta["datasheet_flops"] is None  # CPUs publish no peak: that MFU column is n/a
-    by_kind = {k: [r for r in rows if r["kind"] == k]
-               for k in ("train", "peer", "checkpoint", "tests")}
+    by_kind = {
+        k: [r for r in rows if r["kind"] == k] for k in ("train", "peer", "checkpoint", "tests")
+    }
     assert [len(v) for v in by_kind.values()] == [5, 4, 2, 1]
     # the MoE row (no torchtitan peer) learns too
     (moe,) = [r for r in by_kind["train"] if r["model"] == "deepseek_v3"]
@@ -53,8 +69,11 @@ def test_dry_run_takes_every_path(tmp_path):
     assert {r["ac"] for r in by_kind["train"]} == {"selective", "full"}
     # float8 (emulated) learns like the full-precision row of the same shape and AC
     f8 = next(r for r in by_kind["train"] if r["float8"])
-    ref = next(r for r in by_kind["train"] if not r["float8"] and r["shape"] == f8["shape"]
-               and r["ac"] == f8["ac"])
+    ref = next(
+        r
+        for r in by_kind["train"]
+        if not r["float8"] and r["shape"] == f8["shape"] and r["ac"] == f8["ac"]
+    )
     assert abs(f8["loss_last"] - ref["loss_last"]) < 0.02 * ref["loss_last"], (f8, ref)
     assert f8["loss_last"] < f8["loss_first"]
 
@@ -67,8 +86,9 @@ def test_dry_run_takes_every_path(tmp_path):
             assert train["tps_ratio"] > 0 and train["mem_ratio"] > 0
             assert set(train["checks"].values()) <= {"pass", "fail"}
         else:
-            assert peer["status"] == ("not installed (run scripts/gpu_wheels.sh and carry "
-                                      ".whl)") or peer["status"].startswith("not importable")
+            assert peer["status"] == (
+                "not installed (run scripts/gpu_wheels.sh and carry .whl)"
+            ) or peer["status"].startswith("not importable")
             assert train["tps_ratio"] is None and train["mem_ratio"] is None
             assert train["checks"] == {"tps>=1.05x": "n/a", "mem<=1x": "n/a"}
 

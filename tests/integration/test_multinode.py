@@ -39,7 +39,7 @@ def fsdp4_on_two_nodes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp4_nodes")
     with Nodes(2, 2, [*COMMON, *dp_batch(4)], tmp / "dump", tmp) as nodes:
         outs = nodes.wait(timeout=600)
-    for code, _, err in outs:
+    for code, _, _ in outs:
         assert code == 0, nodes.rank_tails()
     return read_metrics(tmp / "dump")
 
@@ -62,12 +62,29 @@ def test_elastic_job_loses_a_node_and_goes_on(fsdp4_on_two_nodes, tmp_path):
     """NNODES=1:2: the second node dies mid-run; the first re-rendezvouses alone and resumes
     from the newest checkpoint on 2 ranks, dp 4 -> 2 with twice the gradient accumulation."""
     dump = tmp_path / "dump"
-    overrides = [*COMMON, "--training.local_batch_size", "2",
-                 "--training.global_batch_size", str(GLOBAL_BATCH), "--checkpoint.enable",
-                 "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0"]
+    overrides = [
+        *COMMON,
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        str(GLOBAL_BATCH),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ]
     # last_call_timeout: how long a rendezvous that has its minimum (1 node) waits for more
-    with Nodes(2, 2, overrides, dump, tmp_path, nnodes="1:2", env={"MAX_RESTARTS": "3"},
-               rdzv_conf="last_call_timeout=8") as nodes:
+    with Nodes(
+        2,
+        2,
+        overrides,
+        dump,
+        tmp_path,
+        nnodes="1:2",
+        env={"MAX_RESTARTS": "3"},
+        rdzv_conf="last_call_timeout=8",
+    ) as nodes:
         deadline = time.monotonic() + 300
         while max(losses(dump), default=0) < 4:  # past the step-3 checkpoint
             assert all(p.poll() is None for p in nodes.procs), nodes.rank_tails()
@@ -81,8 +98,11 @@ def test_elastic_job_loses_a_node_and_goes_on(fsdp4_on_two_nodes, tmp_path):
     records = read_metrics(dump)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # none missing or twice
     assert_close(fsdp4_on_two_nodes, records, "4 ranks, then 2 after a node died")
-    change = re.search(r"layout change: step-(\d+) was saved on another parallel layout "
-                       r"\(([^)]*)\)", err)
+    change = re.search(
+        r"layout change: step-(\d+) was saved on another parallel layout "
+        r"\(([^)]*)\)",
+        err,
+    )
     assert change, err[-3000:]
     print(f"node 1 killed after step {killed_at}; {change[0]}")
     assert "world_size 4 -> 2" in change[2] and "grad_accum_steps 1 -> 2" in change[2]
@@ -94,22 +114,35 @@ def launch_env(**env) -> dict:
 
 
 def run_train(*args, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([str(REPO_ROOT / "run_train.sh"), *args], env=launch_env(**env),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(REPO_ROOT / "run_train.sh"), *args],
+        env=launch_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_launcher_validates_the_real_world_size(tmp_path):
     dump = str(tmp_path / "never")
     two_nodes = dict(NNODES="2", RDZV_ENDPOINT="127.0.0.1:29999", DRY_RUN="1")
     # 2 nodes x 2 ranks = 4: tp 3 does not divide it
-    proc = run_train("--parallelism.tensor_parallel_degree", "3", "--job.dump_folder", dump,
-                     **two_nodes)
+    proc = run_train(
+        "--parallelism.tensor_parallel_degree", "3", "--job.dump_folder", dump, **two_nodes
+    )
     assert proc.returncode == 2 and "world size 4 is not divisible" in proc.stderr
     # elastic: every node count in the range must work, with a fixed global batch
     proc = run_train("--job.dump_folder", dump, **{**two_nodes, "NNODES": "1:2"})
     assert proc.returncode == 2 and "training.global_batch_size" in proc.stderr
-    proc = run_train("--parallelism.tensor_parallel_degree", "4", "--training.global_batch_size",
-                     "8", "--job.dump_folder", dump, **{**two_nodes, "NNODES": "1:2"})
+    proc = run_train(
+        "--parallelism.tensor_parallel_degree",
+        "4",
+        "--training.global_batch_size",
+        "8",
+        "--job.dump_folder",
+        dump,
+        **{**two_nodes, "NNODES": "1:2"},
+    )
     assert proc.returncode == 2 and "with 1 of NNODES=1:2 nodes (2 ranks)" in proc.stderr
     proc = run_train("--job.dump_folder", dump, NNODES="2")
     assert proc.returncode == 2 and "RDZV_ENDPOINT" in proc.stderr
@@ -122,25 +155,50 @@ def test_slurm_script_dry_run(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"
-    scontrol.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu-node-[07-08]" ] && '
-                        'printf "gpu-node-07\\ngpu-node-08\\n"\n')
+    scontrol.write_text(
+        '#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu-node-[07-08]" ] && '
+        'printf "gpu-node-07\\ngpu-node-08\\n"\n'
+    )
     scontrol.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "SLURM_JOB_NODELIST": "gpu-node-[07-08]", "SLURM_NNODES": "2",
-           "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_ID": "4242"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "gpu-node-[07-08]",
+        "SLURM_NNODES": "2",
+        "SLURM_GPUS_ON_NODE": "2",
+        "SLURM_JOB_ID": "4242",
+    }
     env.pop("NGPU", None)
-    proc = subprocess.run([str(REPO_ROOT / "scripts" / "multinode_trainer.slurm"), "--dry-run",
-                           "--training.steps", "3", "--job.dump_folder", str(tmp_path / "d")],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            str(REPO_ROOT / "scripts" / "multinode_trainer.slurm"),
+            "--dry-run",
+            "--training.steps",
+            "3",
+            "--job.dump_folder",
+            str(tmp_path / "d"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
     assert [ln.split(":")[0] for ln in lines] == ["node 0 (gpu-node-07)", "node 1 (gpu-node-08)"]
     for rank, line in enumerate(lines):
         cmd = line.split(": ", 1)[1]
-        assert cmd.startswith("torchrun ") and cmd.endswith("--training.steps 3 --job.dump_folder "
-                                                             f"{tmp_path / 'd'}")
-        for flag in ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu-node-07:29500",
-                     f"--node-rank={rank}", "--rdzv-id=4242", "--nproc_per_node=2",
-                     "-m titan.train"):
+        assert cmd.startswith("torchrun ") and cmd.endswith(
+            f"--training.steps 3 --job.dump_folder {tmp_path / 'd'}"
+        )
+        for flag in (
+            "--nnodes=2",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=gpu-node-07:29500",
+            f"--node-rank={rank}",
+            "--rdzv-id=4242",
+            "--nproc_per_node=2",
+            "-m titan.train",
+        ):
             assert flag in cmd, (flag, cmd)
     assert not (tmp_path / "d").exists()

@@ -13,9 +13,21 @@ from tests.integration.harness import COMMON, dp_batch, launch, losses
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = REPO / "tests" / "plugins"
 ENV = {"PYTHONPATH": f"{PLUGINS}:{os.environ.get('PYTHONPATH', '')}"}
-PLUGIN = ["--job.custom_import", "titan_plugin_example", "--model.name", "gelu_llama",
-          "--model.flavor", "tiny", "--optimizer.name", "SGD", "--optimizer.lr", "0.05", "--sgd.momentum", "0.8",
-          "--csv_metrics.enable"]
+PLUGIN = [
+    "--job.custom_import",
+    "titan_plugin_example",
+    "--model.name",
+    "gelu_llama",
+    "--model.flavor",
+    "tiny",
+    "--optimizer.name",
+    "SGD",
+    "--optimizer.lr",
+    "0.05",
+    "--sgd.momentum",
+    "0.8",
+    "--csv_metrics.enable",
+]
 
 
 def test_titan_does_not_know_the_plugin():
@@ -28,21 +40,35 @@ def test_titan_does_not_know_the_plugin():
 def test_the_plugins_sections_are_in_help_and_checked():
     env = {**os.environ, **ENV}
     run = [sys.executable, "-m", "titan.train", "--job.custom_import", "titan_plugin_example"]
-    proc = subprocess.run([*run, "--help"], capture_output=True, text=True, env=env,
-                          cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [*run, "--help"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
-    for line in ("[sgd]", "--sgd.momentum", "[csv_metrics]", "--csv_metrics.file",
-                 "[gelu_llama]"):
+    for line in ("[sgd]", "--sgd.momentum", "[csv_metrics]", "--csv_metrics.file", "[gelu_llama]"):
         assert line in proc.stdout, line
-    proc = subprocess.run([*run, "--optimizer.name", "SGD", "--sgd.momentum", "1.5"],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [*run, "--optimizer.name", "SGD", "--sgd.momentum", "1.5"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "titan: config error: sgd.momentum = 1.5 (from command line")
-    proc = subprocess.run([*run[:-1], "no_such_plugin"], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)
-    assert proc.returncode == 2 and "job.custom_import 'no_such_plugin': no module" in (
-        proc.stderr)
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("titan: config error: sgd.momentum = 1.5 (from command line")
+    )
+    proc = subprocess.run(
+        [*run[:-1], "no_such_plugin"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "job.custom_import 'no_such_plugin': no module" in (proc.stderr)
 
 
 def test_plugin_trains_on_one_rank_and_fsdp2_alike(tmp_path):
@@ -51,10 +77,14 @@ def test_plugin_trains_on_one_rank_and_fsdp2_alike(tmp_path):
     # the plugin's .py file, named in a TOML file rather than on the command line
     config = tmp_path / "plugin.toml"
     plugin_file = PLUGINS / "titan_plugin_example" / "__init__.py"
-    config.write_text((REPO / "train_configs" / "debug_model.toml").read_text().replace(
-        "[job]\n", f'[job]\ncustom_import = ["{plugin_file}"]\n', 1))
-    launch(2, [*COMMON, *dp_batch(2), *PLUGIN[2:]], two, env=ENV, timeout=300,
-           config_file=str(config))
+    config.write_text(
+        (REPO / "train_configs" / "debug_model.toml")
+        .read_text()
+        .replace("[job]\n", f'[job]\ncustom_import = ["{plugin_file}"]\n', 1)
+    )
+    launch(
+        2, [*COMMON, *dp_batch(2), *PLUGIN[2:]], two, env=ENV, timeout=300, config_file=str(config)
+    )
     a, b = losses(one), losses(two)
     assert a[len(a)] < a[1] - 0.1  # SGD trains the GELU family (8.16 -> 7.88 measured)
     assert max(abs(a[s] - b[s]) for s in a) < 1e-5

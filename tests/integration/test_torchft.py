@@ -18,8 +18,9 @@ def lighthouse():
     from torchft.coordination import LighthouseServer
 
     def start(min_replicas):
-        server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=10000,
-                                  quorum_tick_ms=100)
+        server = LighthouseServer(
+            bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=10000, quorum_tick_ms=100
+        )
         started.append(server)
         return server.address()
 
@@ -30,18 +31,37 @@ def lighthouse():
 
 
 def ft_args(replica_id, min_replicas=1):
-    return ["--fault_tolerance.enable", "--fault_tolerance.replica_id", str(replica_id),
-            "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size",
-            str(min_replicas), "--training.local_batch_size", "4",
-            # a healing peer makes the live group miss one commit: wait 10 s for it, not 30
-            "--fault_tolerance.timeout_seconds", "10"]
+    return [
+        "--fault_tolerance.enable",
+        "--fault_tolerance.replica_id",
+        str(replica_id),
+        "--fault_tolerance.group_size",
+        "2",
+        "--fault_tolerance.min_replica_size",
+        str(min_replicas),
+        "--training.local_batch_size",
+        "4",
+        # a healing peer makes the live group miss one commit: wait 10 s for it, not 30
+        "--fault_tolerance.timeout_seconds",
+        "10",
+    ]
 
 
 def start_group(replica_id, address, dump, extra=(), min_replicas=1):
-    cmd, env = command(1, [*COMMON, *ft_args(replica_id, min_replicas), *extra], dump,
-                       env={"TORCHFT_LIGHTHOUSE": address})
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    cmd, env = command(
+        1,
+        [*COMMON, *ft_args(replica_id, min_replicas), *extra],
+        dump,
+        env={"TORCHFT_LIGHTHOUSE": address},
+    )
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(procs, dumps, timeout=400):
@@ -94,7 +114,7 @@ def test_killed_group_heals_and_rejoins(lighthouse, tmp_path):
     steps = sorted(g1)
     healed_from = next(s for s in steps if s > 5)
     assert set(steps[: steps.index(healed_from)]) <= {1}
-    assert steps[steps.index(healed_from):] == list(range(healed_from, 25))
+    assert steps[steps.index(healed_from) :] == list(range(healed_from, 25))
     assert len(read_metrics(dumps[0])) >= survivor_at_kill
     # once rejoined, both groups step with the same averaged gradient
     for step in range(healed_from + 2, 25):

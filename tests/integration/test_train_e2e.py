@@ -13,8 +13,16 @@ REQUIRED = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_g
 
 
 def test_debug_model_learns_and_logs(train_run):
-    proc, records, dump = train_run(1, "--training.steps", "30", "--metrics.log_freq", "1",
-                                    "--training.gc_freq", "10", timeout=400)
+    proc, records, dump = train_run(
+        1,
+        "--training.steps",
+        "30",
+        "--metrics.log_freq",
+        "1",
+        "--training.gc_freq",
+        "10",
+        timeout=400,
+    )
     assert [r["step"] for r in records] == list(range(1, 31))
     for r in records:
         assert REQUIRED <= r.keys(), r
@@ -50,7 +58,9 @@ def test_config_error_exits_2_before_writing(tmp_path):
     dump = tmp_path / "never"
     proc = subprocess.run(
         [str(REPO_ROOT / "run_train.sh"), "--training.stepz", "3", "--job.dump_folder", str(dump)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "training.stepz" in proc.stderr and "did you mean 'training.steps'" in proc.stderr
@@ -59,12 +69,21 @@ def test_config_error_exits_2_before_writing(tmp_path):
 
     proc = subprocess.run(
         [str(REPO_ROOT / "run_train.sh"), "--training.steps", "-4", "--job.dump_folder", str(dump)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and "training.steps = -4" in proc.stderr
-    proc = subprocess.run([str(REPO_ROOT / "run_train.sh")], capture_output=True, text=True,
-                          timeout=120, env={"CONFIG_FILE": "missing.toml", "PATH": _path()})
-    assert proc.returncode == 2 and "missing.toml" in proc.stderr and "does not exist" in proc.stderr
+    proc = subprocess.run(
+        [str(REPO_ROOT / "run_train.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"CONFIG_FILE": "missing.toml", "PATH": _path()},
+    )
+    assert (
+        proc.returncode == 2 and "missing.toml" in proc.stderr and "does not exist" in proc.stderr
+    )
     assert not dump.exists()
 
 
@@ -75,28 +94,44 @@ def _path():
 
 
 def test_help_lists_every_field():
-    proc = subprocess.run([str(REPO_ROOT / "run_train.sh"), "--help"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [str(REPO_ROOT / "run_train.sh"), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0
-    for key in ("--training.steps", "--optimizer.lr", "--parallelism.tensor_parallel_degree",
-                "--metrics.log_freq", "--comm.train_timeout_seconds"):
+    for key in (
+        "--training.steps",
+        "--optimizer.lr",
+        "--parallelism.tensor_parallel_degree",
+        "--metrics.log_freq",
+        "--comm.train_timeout_seconds",
+    ):
         assert key in proc.stdout
 
 
 @pytest.mark.parametrize("flag", ["--job.print_config", "--job.print_config=true"])
 def test_print_config_shows_merged_values(train_run, flag):
-    proc, records, _ = train_run(1, *FAST, "--training.steps", "1", flag,
-                                 "--optimizer.lr=0.01")
+    proc, records, _ = train_run(1, *FAST, "--training.steps", "1", flag, "--optimizer.lr=0.01")
     assert "lr = 0.01" in proc.stdout and "steps = 1" in proc.stdout
     assert len(records) == 1
     assert proc.stdout.count("[optimizer]") == 1  # by the launcher only, in either form
 
 
 def test_profiler_traces_carry_rank(train_run):
-    _, records, dump = train_run(1, *FAST, "--training.steps", "4", "--profiling.enable_profiling",
-                                 "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0")
-    traces = sorted(p.relative_to(dump / "profile_traces").as_posix()
-                    for p in (dump / "profile_traces").rglob("*.json"))
+    _, records, dump = train_run(
+        1,
+        *FAST,
+        "--training.steps",
+        "4",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "2",
+        "--profiling.profiler_warmup",
+        "0",
+    )
+    traces = sorted(
+        p.relative_to(dump / "profile_traces").as_posix()
+        for p in (dump / "profile_traces").rglob("*.json")
+    )
     assert traces == ["iteration_2/rank0_trace.json", "iteration_4/rank0_trace.json"]
     trace = json.loads((dump / "profile_traces" / traces[0]).read_text())
     assert trace["traceEvents"]
@@ -104,14 +139,24 @@ def test_profiler_traces_carry_rank(train_run):
 
 
 def test_nonfinite_loss_stop_and_skip(train_run):
-    proc, records, _ = train_run(1, *FAST, "--training.steps", "5", "--debug.nan_at_step", "3",
-                                 check=False, name="stop")
+    proc, records, _ = train_run(
+        1, *FAST, "--training.steps", "5", "--debug.nan_at_step", "3", check=False, name="stop"
+    )
     assert proc.returncode != 0
     assert "at step 3" in proc.stdout + proc.stderr
     assert [r["step"] for r in records] == [1, 2]
 
-    proc, records, _ = train_run(1, *FAST, "--training.steps", "5", "--debug.nan_at_step", "3",
-                                 "--training.on_nonfinite", "skip", name="skip")
+    proc, records, _ = train_run(
+        1,
+        *FAST,
+        "--training.steps",
+        "5",
+        "--debug.nan_at_step",
+        "3",
+        "--training.on_nonfinite",
+        "skip",
+        name="skip",
+    )
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert records[2].get("skipped_steps") == 1 and records[-1]["skipped_steps"] == 1
     assert all(r["loss"] == r["loss"] for i, r in enumerate(records) if i != 2)  # finite again
@@ -121,11 +166,27 @@ def test_validation_and_plain_python_entry(tmp_path):
     """`python -m titan.train` works without torchrun and writes validation.jsonl."""
     dump = tmp_path / "plain"
     proc = subprocess.run(
-        [sys.executable, "-m", "titan.train", "--job.config_file",
-         "train_configs/debug_model.toml", *FAST, "--training.steps", "4",
-         "--validation.enable", "--validation.freq", "2", "--validation.steps", "3",
-         "--job.dump_folder", str(dump)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "titan.train",
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            *FAST,
+            "--training.steps",
+            "4",
+            "--validation.enable",
+            "--validation.freq",
+            "2",
+            "--validation.steps",
+            "3",
+            "--job.dump_folder",
+            str(dump),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     val = [json.loads(x) for x in (dump / "validation.jsonl").read_text().splitlines()]
@@ -143,22 +204,57 @@ def test_a_two_rank_async_run_and_tp_generation_print_titan_lines_only(tmp_path)
     from tests.integration.harness import launch
 
     dump = tmp_path / "run"
-    proc = launch(2, [*FAST, "--training.steps", "10", "--checkpoint.enable",
-                      "--checkpoint.interval", "3", "--checkpoint.async_mode", "async"],
-                  dump, env={"LOG_RANK": "0,1"}, timeout=400)
+    proc = launch(
+        2,
+        [
+            *FAST,
+            "--training.steps",
+            "10",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "3",
+            "--checkpoint.async_mode",
+            "async",
+        ],
+        dump,
+        env={"LOG_RANK": "0,1"},
+        timeout=400,
+    )
     lines = (proc.stdout + proc.stderr).splitlines()
-    own = [ln for ln in lines if ln.startswith(("[rank0]:[titan rank0] ",
-                                                "[rank1]:[titan rank1] ", "titan: "))]
+    own = [
+        ln
+        for ln in lines
+        if ln.startswith(("[rank0]:[titan rank0] ", "[rank1]:[titan rank1] ", "titan: "))
+    ]
     assert own == lines, [ln for ln in lines if ln not in own]
     # per rank: model, MFU, job, training, timeout, 10 steps, 3 async saves x 2, the final
     # save, done
     assert len(lines) <= 2 * 23, len(lines)
     gen = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "titan.generate", "--checkpoint", str(dump / "checkpoint"), "--prompt",
-         "In the beginning", "--max-new-tokens", "4", "--training.seq_len", "64"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "titan.generate",
+            "--checkpoint",
+            str(dump / "checkpoint"),
+            "--prompt",
+            "In the beginning",
+            "--max-new-tokens",
+            "4",
+            "--training.seq_len",
+            "64",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert gen.stdout.startswith("In the beginning")
     noise = [ln for ln in gen.stderr.splitlines() if not ln.startswith("[titan rank")]

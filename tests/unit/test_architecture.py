@@ -6,8 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan.models.spec import (Model, ModelArgs, TrainSpec, get_train_spec, register_train_spec,
-                               registered_names)
+from titan.models.spec import (
+    Model,
+    ModelArgs,
+    TrainSpec,
+    get_train_spec,
+    register_train_spec,
+    registered_names,
+)
 from titan.paths import REPO_ROOT
 
 TITAN = REPO_ROOT / "titan"
@@ -43,8 +49,11 @@ def generic_files() -> list[Path]:
     """Everything that must work for any model family: all of titan but the families
     themselves (titan/models/<family>/ and the registry's import lines), titan/models/common
     included, and the scripts."""
-    files = [p for p in TITAN.rglob("*.py")
-             if family_folder(p) is None and p != TITAN / "models" / "__init__.py"]
+    files = [
+        p
+        for p in TITAN.rglob("*.py")
+        if family_folder(p) is None and p != TITAN / "models" / "__init__.py"
+    ]
     return files + sorted((REPO_ROOT / "scripts").glob("*.py"))
 
 
@@ -54,22 +63,33 @@ def test_generic_folders_exist_and_are_scanned(folder):
 
 
 def imports_a_family(module: str) -> str | None:
-    return next((f for f in FAMILIES if module == f"titan.models.{f}"
-                 or module.startswith(f"titan.models.{f}.")), None)
+    return next(
+        (
+            f
+            for f in FAMILIES
+            if module == f"titan.models.{f}" or module.startswith(f"titan.models.{f}.")
+        ),
+        None,
+    )
 
 
 def test_no_generic_module_imports_a_model_family():
     assert {"llama3", "qwen3"} <= set(FAMILIES)
-    offenders = {str(p.relative_to(REPO_ROOT)): sorted(m for m in imported_modules(p)
-                                                        if imports_a_family(m))
-                 for p in generic_files()}
+    offenders = {
+        str(p.relative_to(REPO_ROOT)): sorted(m for m in imported_modules(p) if imports_a_family(m))
+        for p in generic_files()
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_families_do_not_import_each_other():
-    offenders = {str(p.relative_to(REPO_ROOT)): sorted(
-        m for m in imported_modules(p) if imports_a_family(m) not in (None, family_folder(p)))
-        for p in TITAN.rglob("*.py") if family_folder(p)}
+    offenders = {
+        str(p.relative_to(REPO_ROOT)): sorted(
+            m for m in imported_modules(p) if imports_a_family(m) not in (None, family_folder(p))
+        )
+        for p in TITAN.rglob("*.py")
+        if family_folder(p)
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
@@ -90,14 +110,21 @@ def test_the_test_family_builds_on_common_only():
 
 def test_one_dtype_name_map():
     """Only titan/dtypes.py maps dtype names to torch dtypes."""
+
     def maps_names_to_dtypes(node) -> bool:
         return isinstance(node, ast.Dict) and any(
-            isinstance(k, ast.Constant) and isinstance(k.value, str)
-            and isinstance(v, ast.Attribute) and v.attr in ("bfloat16", "float32", "float16")
-            for k, v in zip(node.keys, node.values))
+            isinstance(k, ast.Constant)
+            and isinstance(k.value, str)
+            and isinstance(v, ast.Attribute)
+            and v.attr in ("bfloat16", "float32", "float16")
+            for k, v in zip(node.keys, node.values)
+        )
 
-    found = [str(p.relative_to(REPO_ROOT)) for p in TITAN.rglob("*.py")
-             if any(maps_names_to_dtypes(n) for n in ast.walk(ast.parse(p.read_text())))]
+    found = [
+        str(p.relative_to(REPO_ROOT))
+        for p in TITAN.rglob("*.py")
+        if any(maps_names_to_dtypes(n) for n in ast.walk(ast.parse(p.read_text())))
+    ]
     assert found == ["titan/dtypes.py"]
 
 
@@ -108,15 +135,21 @@ def test_registered_family_satisfies_the_protocols(family):
         assert isinstance(args, ModelArgs)
     model = spec.build_meta(spec.flavors["debugmodel"])
     assert isinstance(model, Model)
-    (rope, dim), = model.cp_buffers()
+    ((rope, dim),) = model.cp_buffers()
     assert rope is model.rope and dim == 0
 
 
 def test_registration_rejects_a_model_without_the_contract():
     llama = get_train_spec("llama3")
     with pytest.raises(TypeError, match="cp_buffers"):
-        register_train_spec(TrainSpec(name="broken", model_cls=torch.nn.Linear,
-                                      flavors=llama.flavors, parallelize_fn=llama.parallelize_fn))
+        register_train_spec(
+            TrainSpec(
+                name="broken",
+                model_cls=torch.nn.Linear,
+                flavors=llama.flavors,
+                parallelize_fn=llama.parallelize_fn,
+            )
+        )
 
 
 def test_multi_stage_schedules_match_torch():
@@ -124,8 +157,9 @@ def test_multi_stage_schedules_match_torch():
 
     from titan.parallelisms.pipeline import MULTI_STAGE, SCHEDULES
 
-    assert set(MULTI_STAGE) == {s for s in SCHEDULES
-                                if issubclass(get_schedule_class(s), PipelineScheduleMulti)}
+    assert set(MULTI_STAGE) == {
+        s for s in SCHEDULES if issubclass(get_schedule_class(s), PipelineScheduleMulti)
+    }
 
 
 def test_config_check_stays_light(tmp_path):
@@ -136,15 +170,21 @@ def test_config_check_stays_light(tmp_path):
 
     # the launcher's own checks (titan.launch.main runs these three before torchrun); the
     # memory check once imported DTensor, unseen while this test ran plan_run alone
-    code = ("import sys; from titan.config import parse_args; from titan.launch import "
-            "check_memory, validate_world_sizes; from titan.content_check import check_content; "
-            "from titan.checkpoint_check import check_checkpoints; "
-            "job = parse_args(['--parallelism.pipeline_parallel_degree', '2', "
-            "'--checkpoint.enable', '--job.dump_folder', sys.argv[1]]); "
-            "plan = validate_world_sizes(job, 1, 1, 2); check_content(job, plan.tokenizer); "
-            "check_checkpoints(job, plan); check_memory(job, plan); "
-            "heavy = [m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp', "
-            "'torch.distributed.pipelining', 'torch.distributed.checkpoint') if m in sys.modules];"
-            "assert not heavy, heavy")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "fresh")], check=True,
-                   timeout=120, cwd=REPO_ROOT)
+    code = (
+        "import sys; from titan.config import parse_args; from titan.launch import "
+        "check_memory, validate_world_sizes; from titan.content_check import check_content; "
+        "from titan.checkpoint_check import check_checkpoints; "
+        "job = parse_args(['--parallelism.pipeline_parallel_degree', '2', "
+        "'--checkpoint.enable', '--job.dump_folder', sys.argv[1]]); "
+        "plan = validate_world_sizes(job, 1, 1, 2); check_content(job, plan.tokenizer); "
+        "check_checkpoints(job, plan); check_memory(job, plan); "
+        "heavy = [m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp', "
+        "'torch.distributed.pipelining', 'torch.distributed.checkpoint') if m in sys.modules];"
+        "assert not heavy, heavy"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "fresh")],
+        check=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )

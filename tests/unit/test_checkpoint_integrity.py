@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan.components.checkpoint import folders as checkpoint
-
 from titan.components.checkpoint import disk_space
+from titan.components.checkpoint import folders as checkpoint
+from titan.components.checkpoint.checkpointer import _write_failure
 from titan.components.checkpoint.folders import CheckpointError, folder_problem, resume_candidate
 from titan.components.checkpoint.identity import model_identity
-from titan.components.checkpoint.checkpointer import _write_failure
 from titan.config import ConfigError, parse_args
 from titan.models.spec import get_train_spec
 from titan.preflight import plan_run
@@ -125,8 +124,9 @@ def test_without_a_record_names_and_shapes_decide(tmp_path):
     tied, _ = identity("debugmodel_tied")
     assert "output.weight apart from tok_embeddings.weight" in tied.problem(untied)
     assert tied.problem(former_tied) is None
-    wide = model_identity(LLAMA, "debugmodel", LLAMA.flavors["debugmodel"].with_updates(
-        vocab_size=2048, dim=512))
+    wide = model_identity(
+        LLAMA, "debugmodel", LLAMA.flavors["debugmodel"].with_updates(vocab_size=2048, dim=512)
+    )
     assert "shapes differ" in wide.problem(untied)
 
 
@@ -146,8 +146,13 @@ def launcher_check(*argv):
 
 def test_launcher_refuses_a_resume_of_another_model(run_dir):
     with pytest.raises(ConfigError) as e:
-        launcher_check("--checkpoint.enable", "--job.dump_folder", str(run_dir),
-                       "--model.flavor", "debugmodel_tied")
+        launcher_check(
+            "--checkpoint.enable",
+            "--job.dump_folder",
+            str(run_dir),
+            "--model.flavor",
+            "debugmodel_tied",
+        )
     msg = str(e.value)
     assert "cannot resume from" in msg and "tie_word_embeddings" in msg and "model.flavor" in msg
     launcher_check("--checkpoint.enable", "--job.dump_folder", str(run_dir))  # the same: fine
@@ -156,8 +161,14 @@ def test_launcher_refuses_a_resume_of_another_model(run_dir):
 def test_launcher_refuses_an_initial_load_of_another_model(run_dir, tmp_path_factory):
     fresh = tmp_path_factory.mktemp("fresh")
     with pytest.raises(ConfigError, match="checkpoint.initial_load_path .*tie_word_embeddings"):
-        launcher_check("--checkpoint.initial_load_path", str(run_dir / "checkpoint" / "step-2"),
-                       "--model.flavor", "debugmodel_tied", "--job.dump_folder", str(fresh))
+        launcher_check(
+            "--checkpoint.initial_load_path",
+            str(run_dir / "checkpoint" / "step-2"),
+            "--model.flavor",
+            "debugmodel_tied",
+            "--job.dump_folder",
+            str(fresh),
+        )
 
 
 def test_launcher_refuses_a_missing_load_step_and_no_usable_checkpoint(run_dir):
@@ -182,7 +193,8 @@ def test_launcher_refuses_a_disk_that_cannot_hold_a_save(tmp_path, monkeypatch):
     # float32 weights, two float32 moments and a step count per tensor
     n, tensors = args.num_params(), len(list(LLAMA.build_meta(args).parameters()))
     assert need == int((12 * n + 4 * tensors) * disk_space.OVERHEAD_FACTOR) + (
-        disk_space.OVERHEAD_BYTES)
+        disk_space.OVERHEAD_BYTES
+    )
     assert f"needs {need / 2**30:.2f} GiB" in str(e.value) and "0.00 GiB free" in str(e.value)
     launcher_check("--job.dump_folder", str(tmp_path))  # no checkpoints: no space needed
 
@@ -216,12 +228,16 @@ def test_only_what_a_restart_would_meet_again_is_a_checkpoint_error():
         except Exception as e:  # noqa: BLE001
             return CheckpointException("write", {1: _wrap_exception(e)})
 
-    for err in (OSError(errno.ENOSPC, "No space left on device"),
-                PermissionError(errno.EACCES, "Permission denied"),
-                OSError(errno.EROFS, "Read-only file system")):
+    for err in (
+        OSError(errno.ENOSPC, "No space left on device"),
+        PermissionError(errno.EACCES, "Permission denied"),
+        OSError(errno.EROFS, "Read-only file system"),
+    ):
         assert _deterministic(err) and _deterministic(wrapped(err)), err
-    peer = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-                        "[127.0.0.1]:28833. This is typically caused by a remote worker crashing")
+    peer = RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:28833. This is typically caused by a remote worker crashing"
+    )
     for err in (peer, OSError(errno.EIO, "I/O error"), TimeoutError("timed out")):
         assert not _deterministic(err) and not _deterministic(wrapped(err)), err
 
@@ -235,8 +251,9 @@ def _failing_save(rank, world_size, root):
 
     cfg = parse_args([]).checkpoint
     cfg.enable = True
-    ck = checkpointer.Checkpointer(cfg, dump_folder=root, rank=rank,
-                                   states={"train_state": TrainState()})
+    ck = checkpointer.Checkpointer(
+        cfg, dump_folder=root, rank=rank, states={"train_state": TrainState()}
+    )
     ck.save(2)
     checkpointer.dcp.save = no_space
     try:
@@ -269,7 +286,8 @@ def test_every_flavor_comes_back_from_its_record(family):
 
     spec = get_train_spec(family)
     for name, args in spec.flavors.items():
-        record = json.loads(json.dumps(
-            {"args": model_identity(spec, name, args.with_updates(n_layers=1)).args}))
+        record = json.loads(
+            json.dumps({"args": model_identity(spec, name, args.with_updates(n_layers=1)).args})
+        )
         back = args_in_record(spec, record, args.max_seq_len)
         assert back == args.with_updates(n_layers=1), name

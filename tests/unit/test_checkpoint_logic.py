@@ -7,17 +7,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan.components.checkpoint.folders import folder_problem, saved_keys
+from titan.components.checkpoint.train_state import DataState, decode_json, encode_json
 from titan.components.data.data_order import GlobalOrder
 from titan.components.data.dataloader import IndexedLoader, Workers
 from titan.components.data.packed import MixedWindows, PackedWindows
 from titan.components.optim.lr_scheduler import build_lr_scheduler
-from titan.components.checkpoint.train_state import DataState, decode_json, encode_json
 from titan.config.job_config import LRScheduler
 
 
 def _write(path, marker=True):
-    dcp.save({"model": {"w": torch.arange(1000.0)}, "train_state": {"step": torch.tensor(3)}},
-             checkpoint_id=str(path), no_dist=True)
+    dcp.save(
+        {"model": {"w": torch.arange(1000.0)}, "train_state": {"step": torch.tensor(3)}},
+        checkpoint_id=str(path),
+        no_dist=True,
+    )
     if marker:
         (path / ".complete").write_text(json.dumps({"step": 3}))
 
@@ -58,8 +61,15 @@ def test_json_state_round_trips_as_uint8_tensor():
 
 def _packed(dp_rank, dp, global_batch=8):
     windows = PackedWindows(np.arange(10_000), seq_len=15)
-    order = GlobalOrder([len(windows)], [1.0], dp_rank=dp_rank, dp_world_size=dp,
-                        global_batch_size=global_batch, seed=0, shuffle=True)
+    order = GlobalOrder(
+        [len(windows)],
+        [1.0],
+        dp_rank=dp_rank,
+        dp_world_size=dp,
+        global_batch_size=global_batch,
+        seed=0,
+        shuffle=True,
+    )
     return IndexedLoader(MixedWindows([windows]), order, 1, Workers())
 
 

@@ -3,13 +3,13 @@
 import dataclasses
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml
-from titan.config.manager import _coerce, source_of
 from titan.config.job_config import ParamGroup
+from titan.config.manager import _coerce, source_of
 
 
 def write(tmp_path, text, name="job.toml"):
@@ -20,8 +20,11 @@ def write(tmp_path, text, name="job.toml"):
 
 def sections(cfg):
     """The config's sections (its dataclass fields; `sources` is bookkeeping, not a section)."""
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if dataclasses.is_dataclass(getattr(cfg, f.name))
+    }
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -56,7 +59,9 @@ def test_config_package_does_not_import_torch():
 
 
 def test_toml_loading(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 [training]
 steps = 123
 seq_len = 256
@@ -71,7 +76,8 @@ lr = 3e-4
 [lr_scheduler]
 decay_ratio = 0.25
 decay_type = "cosine"
-""")
+""",
+    )
     cfg = parse_args(["--job.config_file", path])
     assert cfg.job.config_file == path
     assert cfg.training.steps == 123
@@ -119,10 +125,15 @@ def test_cli_negative_number_is_a_value():
 def test_bool_flags(tmp_path):
     off = write(tmp_path, "[training]\ndataset_shuffle = false\n")
     # bare flag turns a bool on (at the end of argv and before another flag)
-    assert parse_args(["--job.config_file", off, "--training.dataset_shuffle"]
-                      ).training.dataset_shuffle is True
-    cfg = parse_args(["--job.config_file", off, "--training.dataset_shuffle",
-                      "--training.steps", "5"])
+    assert (
+        parse_args(
+            ["--job.config_file", off, "--training.dataset_shuffle"]
+        ).training.dataset_shuffle
+        is True
+    )
+    cfg = parse_args(
+        ["--job.config_file", off, "--training.dataset_shuffle", "--training.steps", "5"]
+    )
     assert cfg.training.dataset_shuffle is True and cfg.training.steps == 5
     # no_ prefix turns it off
     assert parse_args(["--training.no_dataset_shuffle"]).training.dataset_shuffle is False
@@ -130,10 +141,19 @@ def test_bool_flags(tmp_path):
     assert cfg.training.dataset_shuffle is False and cfg.training.steps == 5
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("false", False), ("False", False), ("0", False), ("no", False),
-    ("true", True), ("TRUE", True), ("1", True), ("yes", True),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("false", False),
+        ("False", False),
+        ("0", False),
+        ("no", False),
+        ("true", True),
+        ("TRUE", True),
+        ("1", True),
+        ("yes", True),
+    ],
+)
 def test_bool_equals_values(text, expected):
     cfg = parse_args([f"--metrics.enable_tensorboard={text}"])
     assert cfg.metrics.enable_tensorboard is expected
@@ -153,12 +173,20 @@ def test_negated_flag_takes_no_value():
 
 
 def test_optional_fields_set_to_none(tmp_path):
-    path = write(tmp_path,
-                 '[training]\ndataset_path = "x.jsonl"\n[lr_scheduler]\ndecay_ratio = 0.2\n')
+    path = write(
+        tmp_path, '[training]\ndataset_path = "x.jsonl"\n[lr_scheduler]\ndecay_ratio = 0.2\n'
+    )
     cfg = parse_args(["--job.config_file", path])
     assert cfg.training.dataset_path == "x.jsonl" and cfg.lr_scheduler.decay_ratio == 0.2
-    cfg = parse_args(["--job.config_file", path, "--training.dataset_path", "None",
-                      "--lr_scheduler.decay_ratio=none"])
+    cfg = parse_args(
+        [
+            "--job.config_file",
+            path,
+            "--training.dataset_path",
+            "None",
+            "--lr_scheduler.decay_ratio=none",
+        ]
+    )
     assert cfg.training.dataset_path is None
     assert cfg.lr_scheduler.decay_ratio is None
     assert parse_args(["--lr_scheduler.decay_ratio", "null"]).lr_scheduler.decay_ratio is None
@@ -192,8 +220,16 @@ def test_list_coercion_helper():
 def test_coerce_strictness_outside_cli():
     toml = "config file f.toml"
     assert _coerce(3, float, "a.b", toml) == 3.0
-    for value, tp in [("3", int), ("3.0", float), ("true", bool), (True, int), (True, float),
-                      (2.5, int), (1, bool), (5, str)]:
+    for value, tp in [
+        ("3", int),
+        ("3.0", float),
+        ("true", bool),
+        (True, int),
+        (True, float),
+        (2.5, int),
+        (1, bool),
+        (5, str),
+    ]:
         with pytest.raises(ConfigError):
             _coerce(value, tp, "a.b", toml)
 
@@ -229,25 +265,38 @@ def assert_config_error(argv, *fragments):
 
 
 def test_unknown_section_cli():
-    assert_config_error(["--trainng.steps", "5"], "unknown config section 'trainng'",
-                        "did you mean 'training'", "command line")
+    assert_config_error(
+        ["--trainng.steps", "5"],
+        "unknown config section 'trainng'",
+        "did you mean 'training'",
+        "command line",
+    )
 
 
 def test_unknown_section_toml(tmp_path):
     path = write(tmp_path, "[optimzer]\nlr = 0.1\n")
-    assert_config_error(["--job.config_file", path], "'optimzer'", "did you mean 'optimizer'",
-                        f"config file {path}")
+    assert_config_error(
+        ["--job.config_file", path], "'optimzer'", "did you mean 'optimizer'", f"config file {path}"
+    )
 
 
 def test_unknown_key_cli():
-    assert_config_error(["--training.stpes=5"], "unknown config key 'training.stpes'",
-                        "did you mean 'training.steps'", "command line")
+    assert_config_error(
+        ["--training.stpes=5"],
+        "unknown config key 'training.stpes'",
+        "did you mean 'training.steps'",
+        "command line",
+    )
 
 
 def test_unknown_key_toml(tmp_path):
     path = write(tmp_path, "[training]\nseqlen = 64\n")
-    assert_config_error(["--job.config_file", path], "'training.seqlen'",
-                        "did you mean 'training.seq_len'", f"config file {path}")
+    assert_config_error(
+        ["--job.config_file", path],
+        "'training.seqlen'",
+        "did you mean 'training.seq_len'",
+        f"config file {path}",
+    )
 
 
 def test_unknown_bool_negation_is_unknown_key():
@@ -262,45 +311,62 @@ def test_positional_argument():
     assert_config_error(["train.toml"], "unexpected argument 'train.toml'")
 
 
-@pytest.mark.parametrize("argv,value", [
-    (["--training.steps", "ten"], "'ten'"),
-    (["--training.steps=2.5"], "'2.5'"),      # float for int
-    (["--optimizer.lr", "fast"], "'fast'"),
-])
+@pytest.mark.parametrize(
+    "argv,value",
+    [
+        (["--training.steps", "ten"], "'ten'"),
+        (["--training.steps=2.5"], "'2.5'"),  # float for int
+        (["--optimizer.lr", "fast"], "'fast'"),
+    ],
+)
 def test_wrong_type_cli(argv, value):
     key = argv[0][2:].split("=")[0]
     msg = assert_config_error(argv, key, value, "command line", "is not a valid")
     assert ("int" in msg) or ("float" in msg)
 
 
-@pytest.mark.parametrize("line,key", [
-    ('steps = "ten"', "training.steps"),
-    ("steps = 2.5", "training.steps"),        # float for int
-    ("steps = true", "training.steps"),       # bool is not an int
-    ('max_norm = "1.0"', "training.max_norm"),  # TOML strings are not converted
-    ("dataset_shuffle = 1", "training.dataset_shuffle"),
-    ("dataset = 5", "training.dataset"),
-])
+@pytest.mark.parametrize(
+    "line,key",
+    [
+        ('steps = "ten"', "training.steps"),
+        ("steps = 2.5", "training.steps"),  # float for int
+        ("steps = true", "training.steps"),  # bool is not an int
+        ('max_norm = "1.0"', "training.max_norm"),  # TOML strings are not converted
+        ("dataset_shuffle = 1", "training.dataset_shuffle"),
+        ("dataset = 5", "training.dataset"),
+    ],
+)
 def test_wrong_type_toml(tmp_path, line, key):
     path = write(tmp_path, f"[training]\n{line}\n")
     assert_config_error(["--job.config_file", path], key, f"config file {path}", "is not a valid")
 
 
 def test_bad_literal_cli():
-    assert_config_error(["--optimizer.name", "adamw"], "optimizer.name", "'adamw'",
-                        "command line", "AdamW, Adam", "did you mean 'AdamW'")
+    assert_config_error(
+        ["--optimizer.name", "adamw"],
+        "optimizer.name",
+        "'adamw'",
+        "command line",
+        "AdamW, Adam",
+        "did you mean 'AdamW'",
+    )
 
 
 def test_bad_literal_toml(tmp_path):
     path = write(tmp_path, '[lr_scheduler]\ndecay_type = "cosin"\n')
-    assert_config_error(["--job.config_file", path], "lr_scheduler.decay_type",
-                        f"config file {path}", "did you mean 'cosine'")
+    assert_config_error(
+        ["--job.config_file", path],
+        "lr_scheduler.decay_type",
+        f"config file {path}",
+        "did you mean 'cosine'",
+    )
 
 
 def test_missing_config_file(tmp_path):
     missing = str(tmp_path / "nope.toml")
-    assert_config_error(["--job.config_file", missing], missing, "does not exist",
-                        "--job.config_file")
+    assert_config_error(
+        ["--job.config_file", missing], missing, "does not exist", "--job.config_file"
+    )
 
 
 def test_invalid_toml_syntax(tmp_path):
@@ -310,8 +376,12 @@ def test_invalid_toml_syntax(tmp_path):
 
 def test_a_config_file_naming_another_is_refused(tmp_path):
     path = write(tmp_path, '[job]\nconfig_file = "train_configs/llama3_8b.toml"\n')
-    assert_config_error(["--job.config_file", path], f"job.config_file (from config file {path})",
-                        "a config file cannot name another", "--job.config_file on the command")
+    assert_config_error(
+        ["--job.config_file", path],
+        f"job.config_file (from config file {path})",
+        "a config file cannot name another",
+        "--job.config_file on the command",
+    )
 
 
 def test_toml_top_level_value(tmp_path):
@@ -322,45 +392,52 @@ def test_toml_top_level_value(tmp_path):
 @pytest.mark.parametrize("steps", ["-1", "0"])
 def test_steps_below_one_cli(steps):
     # 0 steps would start every worker, build the model and train nothing
-    assert_config_error(["--training.steps", steps], "training.steps", steps, "command line",
-                        "must be >= 1")
+    assert_config_error(
+        ["--training.steps", steps], "training.steps", steps, "command line", "must be >= 1"
+    )
 
 
 def test_negative_steps_toml(tmp_path):
     path = write(tmp_path, "[training]\nsteps = -3\n")
-    assert_config_error(["--job.config_file", path], "training.steps", "-3",
-                        f"config file {path}")
+    assert_config_error(["--job.config_file", path], "training.steps", "-3", f"config file {path}")
 
 
-@pytest.mark.parametrize("argv,key", [
-    (["--training.seq_len", "0"], "training.seq_len"),
-    (["--optimizer.beta2", "1.0"], "optimizer.beta2"),
-    (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio"),
-    (["--training.global_batch_size", "0"], "training.global_batch_size"),
-    (["--profiling.profile_freq", "3"], "profiling.profiler_warmup"),
-])
+@pytest.mark.parametrize(
+    "argv,key",
+    [
+        (["--training.seq_len", "0"], "training.seq_len"),
+        (["--optimizer.beta2", "1.0"], "optimizer.beta2"),
+        (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio"),
+        (["--training.global_batch_size", "0"], "training.global_batch_size"),
+        (["--profiling.profile_freq", "3"], "profiling.profiler_warmup"),
+    ],
+)
 def test_validation_errors_name_key(argv, key):
     assert_config_error(argv, key)
 
 
 def test_validation_error_default_source():
     # the offending key comes from its default; the message says so
-    assert_config_error(["--profiling.profile_freq", "2"], "profiling.profiler_warmup",
-                        "the default")
+    assert_config_error(
+        ["--profiling.profile_freq", "2"], "profiling.profiler_warmup", "the default"
+    )
 
 
 def test_value_missing():
     assert_config_error(["--training.steps"], "--training.steps", "needs a value")
-    assert_config_error(["--training.seq_len", "64", "--model.flavor"], "--model.flavor",
-                        "needs a value")
+    assert_config_error(
+        ["--training.seq_len", "64", "--model.flavor"], "--model.flavor", "needs a value"
+    )
 
 
 def test_value_missing_before_next_flag():
     # the next flag is not swallowed as the value
-    assert_config_error(["--training.steps", "--training.seq_len", "64"], "--training.steps",
-                        "needs a value")
-    assert_config_error(["--job.description", "--training.seq_len", "64"], "--job.description",
-                        "needs a value")
+    assert_config_error(
+        ["--training.steps", "--training.seq_len", "64"], "--training.steps", "needs a value"
+    )
+    assert_config_error(
+        ["--job.description", "--training.seq_len", "64"], "--job.description", "needs a value"
+    )
     # a value that really starts with -- goes through the = form
     assert parse_args(["--job.description=--odd"]).job.description == "--odd"
 
@@ -403,8 +480,10 @@ def _non_default_config():
     cfg.training.mixed_precision_param = "float32"
     cfg.optimizer.lr = 1.5e-4
     cfg.optimizer.eps = 1e-12
-    cfg.optimizer.param_groups = [ParamGroup("norm|tok_embeddings", weight_decay=0.0),
-                                  ParamGroup("experts", lr=1e-4)]
+    cfg.optimizer.param_groups = [
+        ParamGroup("norm|tok_embeddings", weight_decay=0.0),
+        ParamGroup("experts", lr=1e-4),
+    ]
     cfg.lr_scheduler.decay_ratio = 0.2
     cfg.lr_scheduler.decay_type = "sqrt"
     cfg.metrics.peak_flops = 989e12
@@ -413,8 +492,9 @@ def _non_default_config():
     return cfg
 
 
-@pytest.mark.parametrize("cfg", [JobConfig(), _non_default_config()],
-                         ids=["defaults", "non_defaults"])
+@pytest.mark.parametrize(
+    "cfg", [JobConfig(), _non_default_config()], ids=["defaults", "non_defaults"]
+)
 def test_to_toml_round_trip(tmp_path, cfg):
     text = to_toml(cfg)
     tomllib.loads(text)  # valid TOML on its own
@@ -439,8 +519,9 @@ def test_plain_python_entry_takes_help_and_run_train_sh_default_config(monkeypat
     built-in defaults (seq 2048, lr 8e-4)."""
     from titan.config import with_config_file
 
-    proc = subprocess.run([sys.executable, "-m", "titan.train", "--help"], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan.train", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert "--training.steps" in proc.stdout and "--job.config_file" in proc.stdout
     monkeypatch.delenv("CONFIG_FILE", raising=False)

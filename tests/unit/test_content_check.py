@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.conftest import TOKENIZER_PATH
 from titan import launch
 from titan.components.data.token_shards import META, ShardWriter
 from titan.components.data.tokenizer import Tokenizer
@@ -14,15 +15,24 @@ from titan.config import parse_args
 from titan.content_check import check_content
 from titan.preflight import plan_run
 
-from tests.conftest import TOKENIZER_PATH
-
 
 def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:
     """The launcher's one line for these trainer overrides; asserts exit 2, nothing written."""
     dump = tmp_path / "never"
-    monkeypatch.setattr(sys, "argv", ["titan.launch", "--standalone", "--nnodes=1",
-                                      "--nproc_per_node=2", "--", *overrides,
-                                      "--job.dump_folder", str(dump)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "titan.launch",
+            "--standalone",
+            "--nnodes=1",
+            "--nproc_per_node=2",
+            "--",
+            *overrides,
+            "--job.dump_folder",
+            str(dump),
+        ],
+    )
     with pytest.raises(SystemExit) as exit_:
         launch.main()
     err = capsys.readouterr().err
@@ -32,31 +42,48 @@ def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:
     return err
 
 
-@pytest.mark.parametrize("args,key", [
-    (["--training.dataset_path", "no_such_dir/missing.jsonl"], "training.dataset_path"),
-    (["--activation_checkpoint.mode", "selective",
-      "--activation_checkpoint.selective_ac_option", "x2"],
-     "activation_checkpoint.selective_ac_option"),
-], ids=["missing_dataset", "selective_ac_option"])
+@pytest.mark.parametrize(
+    "args,key",
+    [
+        (["--training.dataset_path", "no_such_dir/missing.jsonl"], "training.dataset_path"),
+        (
+            [
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "x2",
+            ],
+            "activation_checkpoint.selective_ac_option",
+        ),
+    ],
+    ids=["missing_dataset", "selective_ac_option"],
+)
 def test_worker_time_errors_are_refused_before_launch(monkeypatch, capsys, tmp_path, args, key):
     """Mistakes once found inside the workers (a traceback per rank, exit 1)."""
     assert key in launcher_refuses(monkeypatch, capsys, tmp_path, *args)
 
 
-@pytest.mark.parametrize("content,says", [
-    (b"", "is empty; fill it or remove it"),
-    (b'{"text": "fine"}\nIn the beginning\n', "line 2 is not JSON"),
-    (b'{"body": "In the beginning"}\n', "line 1 has no 'text' field (fields: ['body']); set "
-                                        "training.dataset_text_field"),
-    (b'["In the beginning"]\n', "line 1 is a JSON list, not an object"),
-], ids=["empty", "not_json", "no_text_field", "not_an_object"])
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        (b"", "is empty; fill it or remove it"),
+        (b'{"text": "fine"}\nIn the beginning\n', "line 2 is not JSON"),
+        (
+            b'{"body": "In the beginning"}\n',
+            "line 1 has no 'text' field (fields: ['body']); set training.dataset_text_field",
+        ),
+        (b'["In the beginning"]\n', "line 1 is a JSON list, not an object"),
+    ],
+    ids=["empty", "not_json", "no_text_field", "not_an_object"],
+)
 def test_bad_jsonl_is_refused_before_launch(monkeypatch, capsys, tmp_path, content, says):
     bad = tmp_path / "corpus" / "b.jsonl"
     bad.parent.mkdir()
     (bad.parent / "a.jsonl").write_text('{"text": "a good file first"}\n')
     bad.write_bytes(content)
-    err = launcher_refuses(monkeypatch, capsys, tmp_path,
-                           "--training.dataset_path", str(bad.parent))
+    err = launcher_refuses(
+        monkeypatch, capsys, tmp_path, "--training.dataset_path", str(bad.parent)
+    )
     assert f"training.dataset: {bad} " in err and says in err
 
 
@@ -76,8 +103,14 @@ def test_parquet_footer_is_checked(monkeypatch, capsys, tmp_path):
 def test_validation_files_are_checked_too(monkeypatch, capsys, tmp_path):
     empty = tmp_path / "valid.jsonl"
     empty.touch()
-    err = launcher_refuses(monkeypatch, capsys, tmp_path, "--validation.enable",
-                           "--validation.dataset_path", str(empty))
+    err = launcher_refuses(
+        monkeypatch,
+        capsys,
+        tmp_path,
+        "--validation.enable",
+        "--validation.dataset_path",
+        str(empty),
+    )
     assert f"validation.dataset: {empty} is empty" in err
 
 
@@ -126,8 +159,10 @@ def test_hf_folder_missing_or_truncated_shard_is_refused(monkeypatch, capsys, tm
     load = ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf"]
 
     err = launcher_refuses(monkeypatch, capsys, tmp_path, *load)
-    assert f"checkpoint.initial_load_path: {HF_INDEX_FILE} in '{hf}' names missing shards " \
-           f"['{names[1]}']; download or copy them again" in err
+    assert (
+        f"checkpoint.initial_load_path: {HF_INDEX_FILE} in '{hf}' names missing shards "
+        f"['{names[1]}']; download or copy them again" in err
+    )
     save_file({"b": torch.zeros(64)}, str(hf / names[1]))
     whole = (hf / names[1]).stat().st_size
     (hf / names[1]).write_bytes((hf / names[1]).read_bytes()[:-10])

@@ -27,10 +27,13 @@ from titan.parallelisms.context_parallel import check_torch_version, context_par
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 
 SEQ_LEN = 16
-ARGS = Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
-                  max_seq_len=SEQ_LEN)  # RoPE table exactly seq_len long: CP shards it
-CPU_OPS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+ARGS = Llama3Args(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=SEQ_LEN
+)  # RoPE table exactly seq_len long: CP shards it
+CPU_OPS = (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -61,8 +64,14 @@ def _cp_vs_single(rank, world_size, rotate_method):
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     rope_before = model.rope.clone()
-    with context_parallel_ctx(mesh, [inputs, labels, model.rope], [1, 1, 0], {inputs, labels},
-                              rotate_method=rotate_method, load_balance=True):
+    with context_parallel_ctx(
+        mesh,
+        [inputs, labels, model.rope],
+        [1, 1, 0],
+        {inputs, labels},
+        rotate_method=rotate_method,
+        load_balance=True,
+    ):
         assert inputs.shape == (2, SEQ_LEN // world_size)
         loss = _loss_sum(model, inputs, labels) / total  # local tokens / ALL tokens
         loss.backward()
@@ -74,16 +83,23 @@ def _cp_vs_single(rank, world_size, rotate_method):
         d = (p.grad - ref_grads[n]).abs().max().item()
         abs_diff = max(abs_diff, d)
         rel_diff = max(rel_diff, d / ref_grads[n].abs().max().item())
-    return dict(ref_loss=ref_loss.item(), cp_loss=loss.item(), grad_abs=abs_diff,
-                grad_rel=rel_diff, rope_restored=torch.equal(model.rope, rope_before))
+    return dict(
+        ref_loss=ref_loss.item(),
+        cp_loss=loss.item(),
+        grad_abs=abs_diff,
+        grad_rel=rel_diff,
+        rope_restored=torch.equal(model.rope, rope_before),
+    )
 
 
 @pytest.mark.parametrize("cp,rotate", [(2, "allgather"), (4, "allgather"), (2, "alltoall")])
 def test_cp_matches_single_process(tmp_path, cp, rotate):
     for rank, r in enumerate(run_workers(_cp_vs_single, cp, tmp_path, rotate)):
-        print(f"cp{cp} {rotate} rank{rank}: loss {r['cp_loss']:.8f} vs {r['ref_loss']:.8f} "
-              f"(diff {abs(r['cp_loss'] - r['ref_loss']):.2e}), grad max abs diff "
-              f"{r['grad_abs']:.2e}, max rel {r['grad_rel']:.2e}")
+        print(
+            f"cp{cp} {rotate} rank{rank}: loss {r['cp_loss']:.8f} vs {r['ref_loss']:.8f} "
+            f"(diff {abs(r['cp_loss'] - r['ref_loss']):.2e}), grad max abs diff "
+            f"{r['grad_abs']:.2e}, max rel {r['grad_rel']:.2e}"
+        )
         assert abs(r["cp_loss"] - r["ref_loss"]) < 1e-5
         assert r["grad_abs"] < 1e-5 and r["grad_rel"] < 1e-4
         assert r["rope_restored"]
@@ -101,6 +117,7 @@ def _most_collectives_in_flight(rank, world_size, rotate_method):
             in_flight.add(out.elem.untyped_storage().data_ptr())
             most[0] = max(most[0], len(in_flight))
             return out
+
         return wrapper
 
     def awaited(tensor):
@@ -113,8 +130,14 @@ def _most_collectives_in_flight(rank, world_size, rotate_method):
     ft_c.wait_tensor = awaited
     model, inputs, labels = _model_and_batch()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-    with context_parallel_ctx(mesh, [inputs, labels, model.rope], [1, 1, 0], {inputs, labels},
-                              rotate_method=rotate_method, load_balance=True):
+    with context_parallel_ctx(
+        mesh,
+        [inputs, labels, model.rope],
+        [1, 1, 0],
+        {inputs, labels},
+        rotate_method=rotate_method,
+        load_balance=True,
+    ):
         _loss_sum(model, inputs, labels).backward()
     return most[0]
 
@@ -160,7 +183,7 @@ def _registration_scoped(rank, world_size):
     assert not any(inside["strategies"].values())  # by design no sharding rule, even inside
     with pytest.raises(ZeroDivisionError):  # exits by exception restore the same way
         with context_parallel_ctx(mesh, [dummy], [1], {dummy}, "allgather", load_balance=False):
-            1 / 0
+            _ = 1 / 0
     assert _state() == before
 
     # plain SDPA is plain again
@@ -186,8 +209,13 @@ def test_version_check():
     check_torch_version("cpu", "2.13.0+cpu")
     check_torch_version("cuda", "2.11.0+cu128")
     check_torch_version("cuda", "2.13.1")
-    for device, version in [("cpu", "2.12.0"), ("cpu", "2.14.0.dev20261201"),
-                            ("cuda", "2.10.0"), ("cuda", "2.14.0"), ("cpu", "not-a-version")]:
+    for device, version in [
+        ("cpu", "2.12.0"),
+        ("cpu", "2.14.0.dev20261201"),
+        ("cuda", "2.10.0"),
+        ("cuda", "2.14.0"),
+        ("cpu", "not-a-version"),
+    ]:
         with pytest.raises(RuntimeError, match=rf"{device}.* with torch .*{version}") as e:
             check_torch_version(device, version)
         assert "_VERSIONS" in str(e.value) and "context_parallel_degree = 1" in str(e.value)

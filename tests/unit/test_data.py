@@ -10,23 +10,51 @@ import torch
 
 import titan.components.data.dataset as dataset_mod
 from titan.components.data.data_order import GlobalOrder
-from titan.components.data.dataloader import DataShard, IndexedLoader, Workers, build_text_dataloader
+from titan.components.data.dataloader import (
+    DataShard,
+    IndexedLoader,
+    Workers,
+    build_text_dataloader,
+)
 from titan.components.data.dataset import DataError, local_files
 from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens
 
 SEQ = 64
 
 
-def loader(tokenizer, local, global_, rank=0, dp=1, seed=0, dataset="kjv", path=None,
-           seq_len=SEQ, shuffle=True, infinite=True, text_field="text", streaming=False,
-           stream_order="rank", workers=0):
-    return build_text_dataloader(dataset=dataset, dataset_path=path, tokenizer=tokenizer,
-                                 seq_len=seq_len, local_batch_size=local,
-                                 global_batch_size=global_,
-                                 shard=DataShard(dp_rank=rank, dp_world_size=dp), seed=seed,
-                                 text_field=text_field, shuffle=shuffle, infinite=infinite,
-                                 streaming=streaming, stream_order=stream_order,
-                                 workers=Workers(workers))
+def loader(
+    tokenizer,
+    local,
+    global_,
+    rank=0,
+    dp=1,
+    seed=0,
+    dataset="kjv",
+    path=None,
+    seq_len=SEQ,
+    shuffle=True,
+    infinite=True,
+    text_field="text",
+    streaming=False,
+    stream_order="rank",
+    workers=0,
+):
+    return build_text_dataloader(
+        dataset=dataset,
+        dataset_path=path,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local,
+        global_batch_size=global_,
+        shard=DataShard(dp_rank=rank, dp_world_size=dp),
+        seed=seed,
+        text_field=text_field,
+        shuffle=shuffle,
+        infinite=infinite,
+        streaming=streaming,
+        stream_order=stream_order,
+        workers=Workers(workers),
+    )
 
 
 def token_stream(tokenizer, path, text_field="text") -> list[int]:
@@ -73,8 +101,9 @@ def test_packing_windows_and_labels(tokenizer, tmp_path):
     stream = stream_of(tokenizer, DOCS)
     n_windows = len(stream) // (seq + 1)
     assert n_windows >= 6
-    dl = loader(tokenizer, 2, 2, dataset="d", path=str(path), seq_len=seq, shuffle=False,
-                infinite=False)
+    dl = loader(
+        tokenizer, 2, 2, dataset="d", path=str(path), seq_len=seq, shuffle=False, infinite=False
+    )
     batches = list(dl)
     assert len(batches) == n_windows // 2  # finite mode drops the incomplete global batch
     k = 0
@@ -82,8 +111,8 @@ def test_packing_windows_and_labels(tokenizer, tmp_path):
         assert x.shape == y.shape == (2, seq) and x.dtype == y.dtype == torch.int64
         for row in range(2):
             start = k * (seq + 1)
-            assert torch.equal(x[row], stream[start:start + seq])
-            assert torch.equal(y[row], stream[start + 1:start + seq + 1])
+            assert torch.equal(x[row], stream[start : start + seq])
+            assert torch.equal(y[row], stream[start + 1 : start + seq + 1])
             k += 1
 
 
@@ -97,13 +126,13 @@ def test_kjv_batches_are_shifted(tokenizer):
 def test_unshuffled_kjv_is_the_token_stream(tokenizer):
     from titan.paths import resolve
 
-    (x, y), = take(loader(tokenizer, 2, 2, shuffle=False), 1)
+    ((x, y),) = take(loader(tokenizer, 2, 2, shuffle=False), 1)
     with open(resolve(dataset_mod.BUNDLED["kjv"])) as f:
         first_doc = tokenizer.encode(json.loads(f.readline())["text"])
     # consecutive windows are consecutive, non-overlapping stretches of the stream
     whole = torch.cat([x[0], y[0, -1:], x[1], y[1, -1:]])
     assert len(first_doc) > len(whole) == 2 * (SEQ + 1)
-    assert whole.tolist() == first_doc[:len(whole)]
+    assert whole.tolist() == first_doc[: len(whole)]
 
 
 # ----------------------------------------------------------------------------- resume
@@ -138,7 +167,8 @@ def sequences(batches) -> list[list[int]]:
 
 @pytest.mark.parametrize("before,after,dp", [(8, 16, 2), (16, 8, 1), (8, 12, 3)])
 def test_resume_onto_another_global_batch_continues_at_the_first_untrained_sequence(
-        tokenizer, before, after, dp, caplog):
+    tokenizer, before, after, dp, caplog
+):
     """Saved after 3 global batches of `before`, resumed with global batches of `after` on
     dp ranks: the sequences trained next are the stream's from 3 x `before` on, none skipped
     or repeated, and the log says so."""
@@ -151,16 +181,18 @@ def test_resume_onto_another_global_batch_continues_at_the_first_untrained_seque
     with caplog.at_level(logging.INFO, logger="titan.components.data.dataloader"):
         for r in ranks:
             r.load_state_dict(state)
-    assert (f"the data continues at sequence {3 * before} of the global stream, the first not "
-            f"yet trained: the global batch changed from {before} to {after}") in caplog.text
+    assert (
+        f"the data continues at sequence {3 * before} of the global stream, the first not "
+        f"yet trained: the global batch changed from {before} to {after}"
+    ) in caplog.text
     iters = [iter(r) for r in ranks]
     resumed = [row for _ in range(3) for it in iters for row in sequences([next(it)])]
-    assert resumed == stream[3 * before:3 * before + 3 * after]
+    assert resumed == stream[3 * before : 3 * before + 3 * after]
     # ... and a resume of the resumed run continues where that one stopped
     again = loader(tokenizer, after, after)
     again.load_state_dict(json.loads(json.dumps(ranks[0].state_dict())))
     start = 3 * before + 3 * after
-    assert sequences(take(again, 1)) == stream[start:start + after]
+    assert sequences(take(again, 1)) == stream[start : start + after]
 
 
 def test_resume_with_state_through_torch_save(tokenizer, tmp_path):
@@ -188,8 +220,18 @@ def test_resume_across_epoch_boundary(tokenizer, tmp_path):
 
 
 def streamed(tokenizer, path, rank=0, dp=1, infinite=True, local=3, text_field="text"):
-    return loader(tokenizer, local, local * dp, rank, dp, path=str(path), seq_len=8,
-                  infinite=infinite, text_field=text_field, streaming=True)
+    return loader(
+        tokenizer,
+        local,
+        local * dp,
+        rank,
+        dp,
+        path=str(path),
+        seq_len=8,
+        infinite=infinite,
+        text_field=text_field,
+        streaming=True,
+    )
 
 
 def windows(batches) -> list[int]:
@@ -203,7 +245,7 @@ def test_streamed_local_file_is_sharded_per_rank(tokenizer, tmp_path):
     for rank in (0, 1):
         stream = windows(list(streamed(tokenizer, path, rank, dp=2, infinite=False)))
         own = [t for d in docs[rank::2] for t in tokenizer.encode(d)]  # every other document
-        assert len(stream) > 0.8 * len(own) and stream == own[:len(stream)]
+        assert len(stream) > 0.8 * len(own) and stream == own[: len(stream)]
 
 
 def test_streamed_resume_matches_uninterrupted(tokenizer, tmp_path):
@@ -286,8 +328,10 @@ def test_epoch_wrap(tokenizer, tmp_path, caplog):
     seq = 8
     n = len(stream_of(tokenizer, DOCS)) // (seq + 1)
     caplog.set_level(logging.INFO, logger="titan.components.data.data_order")
-    samples = take(loader(tokenizer, 1, 1, dataset="tiny", path=str(path), seq_len=seq,
-                          shuffle=False), 2 * n + 3)
+    samples = take(
+        loader(tokenizer, 1, 1, dataset="tiny", path=str(path), seq_len=seq, shuffle=False),
+        2 * n + 3,
+    )
     assert len(samples) == 2 * n + 3  # kept yielding past the end
     for k in range(n + 3):
         assert torch.equal(samples[n + k][0], samples[k][0])  # unshuffled: same order again
@@ -384,8 +428,11 @@ def test_folder_of_files(tokenizer, tmp_path):
 def test_mixed_formats_rejected(tokenizer, tmp_path):
     write_jsonl(tmp_path / "a.jsonl", DOCS)
     (tmp_path / "b.txt").write_text(DOCS[0])
-    with pytest.raises(DataError, match=r"mixes file formats \(\.jsonl, \.txt: e\.g\. a\.jsonl, "
-                                        r"b\.txt\); keep one format per dataset"):
+    with pytest.raises(
+        DataError,
+        match=r"mixes file formats \(\.jsonl, \.txt: e\.g\. a\.jsonl, "
+        r"b\.txt\); keep one format per dataset",
+    ):
         token_stream(tokenizer, tmp_path)
 
 
@@ -393,15 +440,21 @@ def test_a_bad_line_deep_in_a_jsonl_file_is_named_by_its_line(tokenizer, tmp_pat
     lines = [json.dumps({"text": f"{DOCS[i % 5]} {i}"}) for i in range(3000)]
     lines[2500] = lines[2500][:-3]  # cut short
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises(DataError, match=r"d\.jsonl, line 2501: not a JSON record \(.*column "
-                                        r"\d+\); fix or remove that line"):
+    with pytest.raises(
+        DataError,
+        match=r"d\.jsonl, line 2501: not a JSON record \(.*column "
+        r"\d+\); fix or remove that line",
+    ):
         token_stream(tokenizer, tmp_path / "d.jsonl")
 
 
 @pytest.mark.parametrize("name", ["/no/such/valid.jsonl", "./missing", "data/x.parquet"])
 def test_a_dataset_named_by_a_missing_path_is_not_looked_up_on_the_hub(name):
-    with pytest.raises(DataError, match=rf"validation\.dataset '{re.escape(name)}' does not "
-                                        r"exist \(a local path, by its form"):
+    with pytest.raises(
+        DataError,
+        match=rf"validation\.dataset '{re.escape(name)}' does not "
+        r"exist \(a local path, by its form",
+    ):
         local_files(name, None, key="validation.dataset_path")
     assert local_files("allenai/c4", None) is None  # a hub name
 
@@ -451,8 +504,9 @@ def test_dataset_too_small(tokenizer, tmp_path):
 
 def test_exactly_one_window(tokenizer):
     tokens = torch.arange(9).numpy()
-    order = GlobalOrder([1], [1.0], dp_rank=0, dp_world_size=1, global_batch_size=1, seed=0,
-                        shuffle=True)
+    order = GlobalOrder(
+        [1], [1.0], dp_rank=0, dp_world_size=1, global_batch_size=1, seed=0, shuffle=True
+    )
     dl = IndexedLoader(MixedWindows([PackedWindows(tokens, 8)]), order, 1, Workers())
     (x,), (y,) = next(iter(dl))
     assert x.tolist() == list(range(8)) and y.tolist() == list(range(1, 9))

@@ -22,8 +22,12 @@ SEQ = 32
 
 
 def pretokenize(*args, check=True):
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "pretokenize.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "pretokenize.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -39,8 +43,9 @@ def corpus(tmp_path_factory):
     docs = [f"{d} ({i})" for i, d in enumerate(DOCS * 40)]
     write_jsonl(raw / "a.jsonl", docs[:120])
     write_jsonl(raw / "b.jsonl", docs[120:])
-    pretokenize(raw, root / "shards", "--num-proc", "2", "--batch-size", "16",
-                "--shard-tokens", "1000")
+    pretokenize(
+        raw, root / "shards", "--num-proc", "2", "--batch-size", "16", "--shard-tokens", "1000"
+    )
     return raw, root / "shards"
 
 
@@ -51,8 +56,10 @@ def test_pretokenized_equals_on_the_fly_for_every_dp_degree(tokenizer, corpus):
     for dp in (1, 2, 4):
         for rank in range(dp):
             kw = dict(local=8 // dp, global_=8, rank=rank, dp=dp, seq_len=SEQ, seed=3)
-            assert_batches_equal(take(loader(tokenizer, path=str(shards), **kw), 6),
-                                 take(loader(tokenizer, path=str(raw), **kw), 6))
+            assert_batches_equal(
+                take(loader(tokenizer, path=str(shards), **kw), 6),
+                take(loader(tokenizer, path=str(raw), **kw), 6),
+            )
 
 
 def test_shards_hold_the_documents_in_order(tokenizer, corpus):
@@ -64,7 +71,7 @@ def test_shards_hold_the_documents_in_order(tokenizer, corpus):
     assert tokens.documents == len(docs)
     # a read across shard boundaries
     cut = json.loads((shards / "meta.json").read_text())["shards"][0]["tokens"]
-    assert tokens.read(cut - 5, 10).tolist() == expected[cut - 5:cut + 5]
+    assert tokens.read(cut - 5, 10).tolist() == expected[cut - 5 : cut + 5]
 
 
 def test_workers_give_the_same_batches_and_resume_exactly(tokenizer, corpus):
@@ -98,9 +105,17 @@ def test_mixing_shares_resume_and_dp_invariance(tokenizer, corpus, tmp_path):
     mix = [(str(shards), 0.7), (str(other), 0.3)]
 
     def mixed(dp=1, rank=0):
-        return build_text_dataloader(dataset="x", dataset_path=None, tokenizer=tokenizer,
-                                     seq_len=SEQ, local_batch_size=8 // dp, global_batch_size=8,
-                                     shard=DataShard(rank, dp), seed=1, mix=mix)
+        return build_text_dataloader(
+            dataset="x",
+            dataset_path=None,
+            tokenizer=tokenizer,
+            seq_len=SEQ,
+            local_batch_size=8 // dp,
+            global_batch_size=8,
+            shard=DataShard(rank, dp),
+            seed=1,
+            mix=mix,
+        )
 
     one = mixed()
     batches = take(one, 200)
@@ -108,8 +123,11 @@ def test_mixing_shares_resume_and_dp_invariance(tokenizer, corpus, tmp_path):
     share = counts[str(shards)] / sum(counts.values())
     assert abs(share - 0.7) < 0.01 and sum(counts.values()) == 200 * 8 * SEQ
     # which source each sequence came from, by its text's case
-    upper = sum(int(tokenizer.decode(x[i].tolist(), skip_special=True).isupper()) for x, _ in batches
-                for i in range(len(x)))
+    upper = sum(
+        int(tokenizer.decode(x[i].tolist(), skip_special=True).isupper())
+        for x, _ in batches
+        for i in range(len(x))
+    )
     assert abs(upper / 1600 - 0.3) < 0.01
     two = [mixed(2, r) for r in range(2)]
     its = [iter(dl) for dl in two]
@@ -120,13 +138,23 @@ def test_mixing_shares_resume_and_dp_invariance(tokenizer, corpus, tmp_path):
     resumed.load_state_dict(state)
     assert_batches_equal(take(resumed, 5), batches[12:17])
     # onto global batches of 12: the mix continues where the stream stopped
-    wider = build_text_dataloader(dataset="x", dataset_path=None, tokenizer=tokenizer,
-                                  seq_len=SEQ, local_batch_size=12, global_batch_size=12,
-                                  shard=DataShard(0, 1), seed=1, mix=mix)
+    wider = build_text_dataloader(
+        dataset="x",
+        dataset_path=None,
+        tokenizer=tokenizer,
+        seq_len=SEQ,
+        local_batch_size=12,
+        global_batch_size=12,
+        shard=DataShard(0, 1),
+        seed=1,
+        mix=mix,
+    )
     wider.load_state_dict(state)
     rows = [row for x, _ in take(wider, 4) for row in x]
-    assert all(torch.equal(a, b) for a, b in zip(rows, [r for x, _ in batches[12:18] for r in x],
-                                                  strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(rows, [r for x, _ in batches[12:18] for r in x], strict=True)
+    )
     assert wider.source_tokens(SEQ) == one_counts_after(batches_taken=18, one=mixed())
 
 
@@ -136,11 +164,13 @@ def one_counts_after(batches_taken: int, one) -> dict[str, int]:
 
 
 def test_mix_order_replays_without_saved_counts():
-    order = GlobalOrder([50, 7], [0.7, 0.3], dp_rank=0, dp_world_size=1, global_batch_size=8,
-                        seed=0, shuffle=True)
+    order = GlobalOrder(
+        [50, 7], [0.7, 0.3], dp_rank=0, dp_world_size=1, global_batch_size=8, seed=0, shuffle=True
+    )
     first = [x for _, x in zip(range(400), order)]
-    fresh = GlobalOrder([50, 7], [0.7, 0.3], dp_rank=0, dp_world_size=1, global_batch_size=8,
-                        seed=0, shuffle=True)
+    fresh = GlobalOrder(
+        [50, 7], [0.7, 0.3], dp_rank=0, dp_world_size=1, global_batch_size=8, seed=0, shuffle=True
+    )
     fresh.start = 240
     assert [x for _, x in zip(range(160), fresh)] == first[240:]
     assert sum(s for s, _ in first) == 120  # 30% exactly over whole batches of this mix
@@ -150,8 +180,9 @@ def test_streamed_global_order_resumes_on_another_dp_degree(tokenizer, tmp_path)
     path = write_jsonl(tmp_path / "d.jsonl", [f"{d} ({i})" for i, d in enumerate(DOCS * 6)])
     kw = dict(path=str(path), seq_len=8, shuffle=False)
     indexed = take(loader(tokenizer, 4, 4, **kw), 12)  # unshuffled: the stream's own order
-    two = [loader(tokenizer, 2, 4, r, 2, streaming=True, stream_order="global", **kw)
-           for r in range(2)]
+    two = [
+        loader(tokenizer, 2, 4, r, 2, streaming=True, stream_order="global", **kw) for r in range(2)
+    ]
     its = [iter(dl) for dl in two]
     for step in range(5):
         assert torch.equal(torch.cat([next(it)[0] for it in its]), indexed[step][0])
@@ -185,11 +216,17 @@ def test_damaged_shard_folder_is_refused(tokenizer, corpus, tmp_path):
         loader(tokenizer, 1, 1, path=str(copy), seq_len=SEQ)
 
 
-@pytest.mark.parametrize("content,match", [
-    (b"", r"empty.jsonl holds no records"),
-    (b'{"text": "fine"}\n{"body": "no text"}\n', r"bad.jsonl: record 1 has no text in field 'text'"),
-    (b'{"text": "caf\xe9"}\n', r"bad.jsonl, line 1: not a JSON record \(not UTF-8 text\)"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (b"", r"empty.jsonl holds no records"),
+        (
+            b'{"text": "fine"}\n{"body": "no text"}\n',
+            r"bad.jsonl: record 1 has no text in field 'text'",
+        ),
+        (b'{"text": "caf\xe9"}\n', r"bad.jsonl, line 1: not a JSON record \(not UTF-8 text\)"),
+    ],
+)
 def test_bad_data_names_file_and_record(tokenizer, tmp_path, content, match):
     name = "empty.jsonl" if not content else "bad.jsonl"
     (tmp_path / name).write_bytes(content)
@@ -203,8 +240,9 @@ def test_bad_data_names_file_and_record(tokenizer, tmp_path, content, match):
 def test_pretokenize_is_the_same_for_any_process_count(tokenizer, corpus, tmp_path):
     raw, shards = corpus
     pretokenize(raw, tmp_path / "one", "--shard-tokens", "1000")
-    assert [f.read_bytes() for f in sorted((tmp_path / "one").glob("*.bin"))] == \
-        [f.read_bytes() for f in sorted(shards.glob("*.bin"))]
+    assert [f.read_bytes() for f in sorted((tmp_path / "one").glob("*.bin"))] == [
+        f.read_bytes() for f in sorted(shards.glob("*.bin"))
+    ]
     proc = pretokenize(raw, tmp_path / "one", check=False)
     assert proc.returncode == 2 and "exists" in proc.stderr
 

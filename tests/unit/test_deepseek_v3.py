@@ -61,8 +61,10 @@ def test_published_total_and_active_sizes(flavor):
     assert sum(p.numel() for p in DEEPSEEK.build_meta(small).parameters()) == small.num_params()
     # MFU counts what a token computes: its routed experts, not all
     attention = 6 * args.n_layers * args.n_heads * (192 + 128) * 4096
-    assert args.flops_per_token(4096) == 6 * args.num_params(include_embedding=False,
-                                                             active=True) + attention
+    assert (
+        args.flops_per_token(4096)
+        == 6 * args.num_params(include_embedding=False, active=True) + attention
+    )
 
 
 def test_debug_model_has_every_part():
@@ -78,15 +80,20 @@ def test_debug_model_has_every_part():
 def test_hf_config_round_trip_and_refusals():
     for name, args in DEEPSEEK.flavors.items():
         config = DEEPSEEK.state_dict_adapter(args).hf_config()
-        assert config["model_type"] == "deepseek_v3" and family_of_hf_config(config) == "deepseek_v3"
+        assert (
+            config["model_type"] == "deepseek_v3" and family_of_hf_config(config) == "deepseek_v3"
+        )
         back = deepseek_v3_args_from_hf_config(config, args.max_seq_len)
         assert DEEPSEEK.matching_flavor(back) == name, (name, back)
     config = DEEPSEEK.state_dict_adapter(DEBUG).hf_config()
     for bad, message in [
         ({"num_experts_per_tok": 9}, r"top_k 9 must be between 1 and n_experts 8"),
         ({"n_group": 3}, r"n_groups 3 must divide n_experts 8 \(n_routed_experts"),
-        ({"topk_group": 1, "num_experts_per_tok": 3}, r"top_k 3 exceeds the 2 experts of "
-                                                      r"topk_groups groups"),
+        (
+            {"topk_group": 1, "num_experts_per_tok": 3},
+            r"top_k 3 exceeds the 2 experts of "
+            r"topk_groups groups",
+        ),
         ({"scoring_func": "softmax"}, r"scoring_func='softmax'"),
         ({"num_key_value_heads": 2}, r"num_key_value_heads != num_attention_heads"),
         ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim 15 must be even"),
@@ -100,12 +107,19 @@ def test_hf_config_round_trip_and_refusals():
 def test_logits_and_both_hf_directions_match_transformers(variant, tmp_path):
     """With a non-zero correction bias: it changes the routing, not the weights."""
     import transformers
-    args = {"debugmodel": DEBUG,
-            # 671B's YaRN (mscale and mscale_all_dim) on a short original context
-            "no_q_lora_yarn": DEBUG.with_updates(q_lora_rank=0, rope_scaling_factor=4.0,
-                                                 rope_original_max_len=16, rope_mscale=1.0,
-                                                 rope_mscale_all_dim=0.707),
-            "halves_rope": DEBUG.with_updates(interleaved_rope=False)}[variant]
+
+    args = {
+        "debugmodel": DEBUG,
+        # 671B's YaRN (mscale and mscale_all_dim) on a short original context
+        "no_q_lora_yarn": DEBUG.with_updates(
+            q_lora_rank=0,
+            rope_scaling_factor=4.0,
+            rope_original_max_len=16,
+            rope_mscale=1.0,
+            rope_mscale_all_dim=0.707,
+        ),
+        "halves_rope": DEBUG.with_updates(interleaved_rope=False),
+    }[variant]
     model = built(args, seed=3, bias_seed=5)
     out = hf_io.save_hf(model.state_dict(), DEEPSEEK, args, tmp_path / "hf")
     names = hf_io.load_hf_state(out)
@@ -114,10 +128,12 @@ def test_logits_and_both_hf_directions_match_transformers(variant, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(out), dtype=torch.float32, attn_implementation="eager").eval()
+            str(out), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     assert type(hf_model).__name__ == "DeepseekV3ForCausalLM"
-    x = torch.randint(0, args.vocab_size, (2, args.max_seq_len),
-                      generator=torch.Generator().manual_seed(1))
+    x = torch.randint(
+        0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf_model(x).logits, rtol=0, atol=1e-4)
     if variant != "debugmodel":
@@ -125,9 +141,14 @@ def test_logits_and_both_hf_directions_match_transformers(variant, tmp_path):
     # and back, from what transformers writes (sharded, one tensor per expert)
     hf_model.save_pretrained(str(tmp_path / "from_hf"), max_shard_size="1MB")
     assert "model.layers.2.mlp.experts.0.gate_proj.weight" in hf_io.load_hf_state(
-        tmp_path / "from_hf")
-    assert DEEPSEEK.matching_flavor(hf_io.args_from_hf(tmp_path / "from_hf", DEEPSEEK,
-                                                       args.max_seq_len)) == "debugmodel"
+        tmp_path / "from_hf"
+    )
+    assert (
+        DEEPSEEK.matching_flavor(
+            hf_io.args_from_hf(tmp_path / "from_hf", DEEPSEEK, args.max_seq_len)
+        )
+        == "debugmodel"
+    )
     back = hf_io.load_hf(tmp_path / "from_hf", DEEPSEEK)
     state = model.state_dict()
     assert set(back) == set(state)
@@ -139,15 +160,17 @@ def test_generation_with_the_cache_equals_the_full_forward():
     gives the logits of one pass over the whole sequence, YaRN included."""
     from titan.models.common.decode import DecodeCache
 
-    args = DEBUG.with_updates(rope_scaling_factor=4.0, rope_original_max_len=16,
-                              rope_mscale=1.0, rope_mscale_all_dim=1.0)
+    args = DEBUG.with_updates(
+        rope_scaling_factor=4.0, rope_original_max_len=16, rope_mscale=1.0, rope_mscale_all_dim=1.0
+    )
     model = built(args, bias_seed=1)
     x = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(x)
         cache = DecodeCache(max_len=16, pad=torch.zeros(2, dtype=torch.long))
-        steps = [model(x[:, :5], cache=cache)] + [model(x[:, i:i + 1], cache=cache)
-                                                  for i in range(5, 12)]
+        steps = [model(x[:, :5], cache=cache)] + [
+            model(x[:, i : i + 1], cache=cache) for i in range(5, 12)
+        ]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
@@ -161,9 +184,17 @@ def one_rank(tmp_path_factory):
 
 LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
-                    "--parallelism.data_parallel_shard_degree", "2",
-                    "--training.local_batch_size", "2"]),
+    "hsdp2x2": (
+        4,
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+    ),
     # MLA's heads split, its latents whole on every rank, the shared key's gradient summed;
     # routed experts on each rank's half of the sequence, the shared experts split (without
     # sequence parallelism too: tests/unit/test_qwen3_moe.py runs that path for the MoE, and
@@ -172,8 +203,15 @@ LAYOUTS = {
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     # ring attention over values padded to the query/key width
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    ),
 }
 
 
@@ -186,13 +224,16 @@ def skewed(tmp_path_factory):
     from titan.components.checkpoint import folders
 
     tmp = tmp_path_factory.mktemp("skewed")
-    run_trainer(tmp / "seed", 1, [*COMMON, *BIAS, "--checkpoint.enable",
-                                  "--checkpoint.create_seed_checkpoint"])
+    run_trainer(
+        tmp / "seed",
+        1,
+        [*COMMON, *BIAS, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
+    )
     seed = tmp / "seed" / "dump" / "checkpoint" / "step-0"
     state = folders.load_dcp_model_state(seed)
     for name, t in state.items():
         if name.endswith("expert_bias"):
-            t[:t.numel() // 2] = 2.0
+            t[: t.numel() // 2] = 2.0
     start = folders.save_dcp_model_state(state, tmp / "start", model=folders.saved_model(seed))
     argv = [*COMMON, *BIAS, *CKPT, "--checkpoint.initial_load_path", str(start)]
     records = run_trainer(tmp, 1, argv)
@@ -206,30 +247,63 @@ def skewed(tmp_path_factory):
 EP_LAYOUTS = {
     "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
     # ep from the context-parallel ranks
-    "ep2_cp2": (2, ["--parallelism.expert_parallel_degree", "2",
-                    "--parallelism.context_parallel_degree", "2"]),
+    "ep2_cp2": (
+        2,
+        ["--parallelism.expert_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"],
+    ),
     # each expert also FSDP-sharded over the 2 ranks holding it (efsdp 2), replicated on the
     # tp ranks, each tp rank dispatching its half of the sequence
-    "ep2_fsdp4_tp2": (8, ["--parallelism.expert_parallel_degree", "2",
-                          "--parallelism.tensor_parallel_degree", "2",
-                          "--training.local_batch_size", "2"]),
+    "ep2_fsdp4_tp2": (
+        8,
+        [
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+    ),
     # without sequence parallelism, both tp ranks dispatch the same tokens
-    "ep2_tp2_no_sp": (4, ["--parallelism.expert_parallel_degree", "2",
-                          "--parallelism.tensor_parallel_degree", "2",
-                          "--parallelism.no_enable_sequence_parallel"]),
-    "ep2_pp2": (4, ["--parallelism.expert_parallel_degree", "2",
-                    "--parallelism.pipeline_parallel_degree", "2"]),
-    "ep2_hsdp2x2": (4, ["--parallelism.expert_parallel_degree", "2",
-                        "--parallelism.data_parallel_replicate_degree", "2",
-                        "--training.local_batch_size", "2"]),
+    "ep2_tp2_no_sp": (
+        4,
+        [
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.no_enable_sequence_parallel",
+        ],
+    ),
+    "ep2_pp2": (
+        4,
+        [
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+        ],
+    ),
+    "ep2_hsdp2x2": (
+        4,
+        [
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+    ),
 }
 
 
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS))
 def test_expert_parallel_layouts_train_like_one_process_when_skewed(layout, skewed, tmp_path):
     world, flags = EP_LAYOUTS[layout]
-    check_layout_like_one_process(skewed[:2], tmp_path, world, [*skewed[2], *flags],
-                                  STEPS, moe_layers=3, layout=layout)
+    check_layout_like_one_process(
+        skewed[:2], tmp_path, world, [*skewed[2], *flags], STEPS, moe_layers=3, layout=layout
+    )
     if layout == "ep2":
         # rank 0 received every row of both ranks: the planner's bound for imbalanced routing
         # is what it held (the balanced plan is below it), and rank 1, which received none,
@@ -252,12 +326,14 @@ def test_expert_parallel_across_two_torchrun_agents(skewed, tmp_path):
     flags = ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"]
     dump, defaults = tmp_path / "dump", tmp_path / "defaults.toml"
     defaults.write_text("")  # the config defaults, as the forked 1-rank run had them
-    with Nodes(2, 2, [*skewed[2], *flags], dump, tmp_path,
-               env={"CONFIG_FILE": str(defaults)}) as nodes:
+    with Nodes(
+        2, 2, [*skewed[2], *flags], dump, tmp_path, env={"CONFIG_FILE": str(defaults)}
+    ) as nodes:
         outs = nodes.wait(timeout=300)
     assert all(code == 0 for code, _, _ in outs), nodes.rank_tails()
-    check_run_like_one_process(skewed[:2], read_metrics(dump), dump, STEPS, moe_layers=3,
-                               layout="ep4 on 2 nodes")
+    check_run_like_one_process(
+        skewed[:2], read_metrics(dump), dump, STEPS, moe_layers=3, layout="ep4 on 2 nodes"
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -267,8 +343,15 @@ def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
     layouts' rounding differences (~1e-8 in the scores). Over these 10 steps (the balance loss
     and the bias update on) the closest experts are 4.6e-6 apart and the closest groups 8.3e-6."""
     world, flags = LAYOUTS[layout]
-    check_layout_like_one_process(one_rank, tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags],
-                                  STEPS, moe_layers=3, layout=layout)
+    check_layout_like_one_process(
+        one_rank,
+        tmp_path,
+        world,
+        [*COMMON, *BIAS, *CKPT, *flags],
+        STEPS,
+        moe_layers=3,
+        layout=layout,
+    )
 
 
 def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
@@ -295,9 +378,20 @@ def test_other_balancing_settings_load_the_checkpoint(one_rank, tmp_path, caplog
     assert "moe_aux_loss_scope sequence -> global_batch" in caplog.text
     rope = model_identity(DEEPSEEK, "debugmodel", args.with_updates(rope_theta=5000.0))
     assert "rope_theta 10000.0 (checkpoint) vs 5000.0 (this run)" in rope.problem(step)
-    records = run_trainer(tmp_path, 1, [*COMMON, "--deepseek_v3.moe_bias_update_rate", "0.002",
-                                        "--checkpoint.enable", "--checkpoint.initial_load_path",
-                                        str(step), "--training.steps", "2"])
+    records = run_trainer(
+        tmp_path,
+        1,
+        [
+            *COMMON,
+            "--deepseek_v3.moe_bias_update_rate",
+            "0.002",
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_path",
+            str(step),
+            "--training.steps",
+            "2",
+        ],
+    )
     assert [r["step"] for r in records] == [1, 2]
     # trained weights: far below the first loss of a fresh start
     assert records[0]["loss"] < one_rank[0][0]["loss"] - 0.5
@@ -313,8 +407,9 @@ def test_sequence_balance_loss_is_logged_apart_and_trained(one_rank, tmp_path):
     one_step = [*COMMON, *BIAS, "--training.steps", "1"]
     off = run_trainer(tmp_path / "off", 1, [*one_step, "--deepseek_v3.moe_aux_loss_coeff", "0"])
     assert off[0]["loss"] == first["loss"] and "moe_aux_loss" not in off[0]
-    strong = run_trainer(tmp_path / "strong", 1, [*one_step,
-                                                  "--deepseek_v3.moe_aux_loss_coeff", "0.1"])
+    strong = run_trainer(
+        tmp_path / "strong", 1, [*one_step, "--deepseek_v3.moe_aux_loss_coeff", "0.1"]
+    )
     assert strong[0]["loss"] == first["loss"]
     assert strong[0]["moe_aux_loss"] == pytest.approx(1000 * first["moe_aux_loss"], rel=1e-5)
     assert strong[0]["grad_norm"] != off[0]["grad_norm"]
@@ -328,8 +423,14 @@ def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path)
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.rand(b.shape, generator=gen) * 0.1)
 
-    check_save_pretrained_start(tmp_path, "DeepseekV3Config", "DeepseekV3ForCausalLM", DEBUG,
-                                family="deepseek_v3", prepare=nonzero_bias)
+    check_save_pretrained_start(
+        tmp_path,
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        DEBUG,
+        family="deepseek_v3",
+        prepare=nonzero_bias,
+    )
 
 
 @pytest.mark.parametrize("layout", ["fsdp2_tp2", "pp2", "ep2_fsdp4_tp2"])
@@ -340,21 +441,37 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
     rank's half)."""
     world, flags = {**LAYOUTS, **EP_LAYOUTS}[layout]
     argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
-    ranks = run_workers(round_trip, world, tmp_path, free_port(), argv, tmp_path / "hf",
-                        "float32", init_pg=False, deadline_s=120)
+    ranks = run_workers(
+        round_trip,
+        world,
+        tmp_path,
+        free_port(),
+        argv,
+        tmp_path / "hf",
+        "float32",
+        init_pg=False,
+        deadline_s=120,
+    )
     expected = built(DEBUG.with_updates(max_seq_len=32)).state_dict()
     assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())  # read back
     from_folder = hf_io.load_hf(tmp_path / "hf", DEEPSEEK)
     assert all(torch.equal(from_folder[k], v) for k, v in expected.items())
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--deepseek_v3.moe_bias_update_rate", "-1"],
-     r"debugmodel, deepseek_v3\.moe_bias_update_rate = -1\.0 \(from command line "
-     r"'--deepseek_v3\.moe_bias_update_rate -1'\): moe: bias_update_rate -1\.0 must be >= 0"),
-    (["--compile.enable", "--parallelism.tensor_parallel_degree", "2"],
-     r"compile\.enable = True .*under tensor parallelism runs eagerly"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--deepseek_v3.moe_bias_update_rate", "-1"],
+            r"debugmodel, deepseek_v3\.moe_bias_update_rate = -1\.0 \(from command line "
+            r"'--deepseek_v3\.moe_bias_update_rate -1'\): moe: bias_update_rate -1\.0 must be >= 0",
+        ),
+        (
+            ["--compile.enable", "--parallelism.tensor_parallel_degree", "2"],
+            r"compile\.enable = True .*under tensor parallelism runs eagerly",
+        ),
+    ],
+)
 def test_what_it_cannot_do_is_refused_before_launch(flags, message, tmp_path):
     from titan.config import ConfigError, parse_args
     from titan.preflight import plan_run
@@ -369,14 +486,27 @@ def test_an_hf_folder_of_another_shape_is_named_before_launch(tmp_path):
     from titan.config import ConfigError, parse_args
     from titan.preflight import plan_run
 
-    other = DEBUG.with_updates(kv_lora_rank=32, moe=DEBUG.moe.__class__(
-        **{**DEBUG.moe.__dict__, "n_experts": 16, "n_groups": 8}))
+    other = DEBUG.with_updates(
+        kv_lora_rank=32,
+        moe=DEBUG.moe.__class__(**{**DEBUG.moe.__dict__, "n_experts": 16, "n_groups": 8}),
+    )
     hf_io.save_hf(built(other).state_dict(), DEEPSEEK, other, tmp_path / "hf")
-    job = parse_args([*COMMON, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-                      "--checkpoint.initial_load_in_hf", "--job.dump_folder", str(tmp_path)])
-    with pytest.raises(ConfigError, match=r"another architecture than model.flavor = "
-                                          r"'debugmodel': kv_lora_rank 32 vs 64; "
-                                          r"moe.n_experts 16 vs 8; moe.n_groups 8 vs 4;"):
+    job = parse_args(
+        [
+            *COMMON,
+            "--checkpoint.initial_load_path",
+            str(tmp_path / "hf"),
+            "--checkpoint.initial_load_in_hf",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"another architecture than model.flavor = "
+        r"'debugmodel': kv_lora_rank 32 vs 64; "
+        r"moe.n_experts 16 vs 8; moe.n_groups 8 vs 4;",
+    ):
         plan_run(job, 1)
 
 
@@ -385,6 +515,7 @@ def test_convert_to_hf_writes_what_transformers_loads(one_rank, tmp_path):
     """A trained checkpoint (its routing biases moved) through scripts/convert_to_hf.py: the
     folder transformers loads gives titan's logits."""
     import transformers
+
     from tests.unit.test_qwen3 import _script
     from titan.components.checkpoint import folders as checkpoint
 
@@ -396,7 +527,8 @@ def test_convert_to_hf_writes_what_transformers_loads(one_rank, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager").eval()
+            str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     x = torch.randint(0, DEBUG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf_model(x).logits, rtol=0, atol=1e-4)

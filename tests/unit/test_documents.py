@@ -5,8 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan.models.common.documents import (block_causal_block_mask, block_causal_mask, document_ids,
-                                    document_positions)
+from titan.models.common.documents import (
+    block_causal_block_mask,
+    block_causal_mask,
+    document_ids,
+    document_positions,
+)
 from titan.models.llama3 import LLAMA3_FLAVORS, Transformer
 
 BOS = 0
@@ -16,8 +20,7 @@ def test_ids_and_positions():
     tokens = torch.tensor([[5, 6, BOS, 7, 8, 9, BOS, 4], [BOS, 1, 2, 3, BOS, BOS, 5, 6]])
     ids = document_ids(tokens, BOS)
     assert ids.tolist() == [[0, 0, 1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 2, 3, 3, 3]]
-    assert document_positions(ids).tolist() == [[0, 1, 0, 1, 2, 3, 0, 1],
-                                                [0, 1, 2, 3, 0, 0, 1, 2]]
+    assert document_positions(ids).tolist() == [[0, 1, 0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 0, 1, 2]]
     mask = block_causal_mask(ids)[0, 0]
     assert mask[3].tolist() == [False, False, True, True, False, False, False, False]
     assert mask.sum().item() == 3 + 10 + 3  # 2 + 4 + 2 tokens: lower triangles only

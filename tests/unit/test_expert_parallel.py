@@ -12,8 +12,17 @@ from titan.models.common.moe import MoE, MoEArgs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 
-ARGS = MoEArgs(n_experts=8, top_k=2, hidden_dim=16, score_func="sigmoid", n_groups=4,
-               topk_groups=2, route_scale=2.5, score_bias=True, n_shared_experts=1)
+ARGS = MoEArgs(
+    n_experts=8,
+    top_k=2,
+    hidden_dim=16,
+    score_func="sigmoid",
+    n_groups=4,
+    topk_groups=2,
+    route_scale=2.5,
+    score_bias=True,
+    n_shared_experts=1,
+)
 DIM, TOKENS = 32, 24
 
 
@@ -52,10 +61,15 @@ def _ep_rank(rank, world_size, skew):
     with torch.profiler.profile() as prof:
         out = moe(x)
         out.square().sum().backward()
-    grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-             for n, p in moe.named_parameters()}
-    spans = [e.key for e in prof.key_averages()
-             if e.key in (expert_parallel.DISPATCH, expert_parallel.COMBINE)]
+    grads = {
+        n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+        for n, p in moe.named_parameters()
+    }
+    spans = [
+        e.key
+        for e in prof.key_averages()
+        if e.key in (expert_parallel.DISPATCH, expert_parallel.COMBINE)
+    ]
     return out.detach(), x.grad, grads, sorted(spans)
 
 
@@ -64,6 +78,7 @@ def _ep_rank(rank, world_size, skew):
 def test_dispatch_equals_one_process(ep, skew, tmp_path):
     x_grad, grads, out = _reference(skew)
     ranks = run_workers(_ep_rank, ep, tmp_path, skew, deadline_s=60)
+
     def close(got, want, what):  # float32 sums in another order: 1e-6 of the largest value
         err = (got - want).abs().max().item()
         assert err <= 1e-6 * want.abs().max().item(), (what, err)
@@ -90,15 +105,26 @@ def test_a_checkpoint_resumes_on_another_expert_parallel_degree(tmp_path):
 
     from tests.forked import run_trainer, tiny_run
 
-    common = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *tiny_run(8),
-              "--deepseek_v3.moe_bias_update_rate", "0.01", "--checkpoint.enable",
-              "--checkpoint.interval", "2"]
+    common = [
+        "--model.name",
+        "deepseek_v3",
+        "--model.flavor",
+        "debugmodel",
+        *tiny_run(8),
+        "--deepseek_v3.moe_bias_update_rate",
+        "0.01",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
     four = ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"]
     two = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
 
     def resume(name, world, flags, source, step):
-        shutil.copytree(tmp_path / source / "dump" / "checkpoint" / f"step-{step}",
-                        tmp_path / name / "dump" / "checkpoint" / f"step-{step}")
+        shutil.copytree(
+            tmp_path / source / "dump" / "checkpoint" / f"step-{step}",
+            tmp_path / name / "dump" / "checkpoint" / f"step-{step}",
+        )
         got = run_trainer(tmp_path / name, world, [*common, *flags], deadline_s=120)
         assert [r["step"] for r in got] == list(range(step + 1, 9)), name
         return got
@@ -113,27 +139,62 @@ def test_a_checkpoint_resumes_on_another_expert_parallel_degree(tmp_path):
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
     again = resume("ep2_again", 4, two, "ep2", 6)
     assert [(r["loss"], r["grad_norm"]) for r in again] == [
-        (r["loss"], r["grad_norm"]) for r in ep2[-2:]]
+        (r["loss"], r["grad_norm"]) for r in ep2[-2:]
+    ]
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--parallelism.expert_parallel_degree", "3"],
-     r"expert_parallel_degree 3 must be >= 1 and divide data_parallel_shard_degree x "
-     r"context_parallel_degree = 4 x 1"),
-    (["--parallelism.expert_parallel_degree", "4", "--deepseek_v3.moe_bias_update_rate", "0",
-      "--model.name", "llama3", "--model.flavor", "debugmodel"],
-     r"parallelism\.expert_parallel_degree = 4 .*llama3 debugmodel has none: set it to 1"),
-    (["--parallelism.expert_parallel_degree", "2", "--fault_tolerance.enable",
-      "--deepseek_v3.moe_bias_update_rate", "0"],
-     r"torchft with expert parallelism is not supported"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--parallelism.expert_parallel_degree", "3"],
+            r"expert_parallel_degree 3 must be >= 1 and divide data_parallel_shard_degree x "
+            r"context_parallel_degree = 4 x 1",
+        ),
+        (
+            [
+                "--parallelism.expert_parallel_degree",
+                "4",
+                "--deepseek_v3.moe_bias_update_rate",
+                "0",
+                "--model.name",
+                "llama3",
+                "--model.flavor",
+                "debugmodel",
+            ],
+            r"parallelism\.expert_parallel_degree = 4 .*llama3 debugmodel has none: set it to 1",
+        ),
+        (
+            [
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--fault_tolerance.enable",
+                "--deepseek_v3.moe_bias_update_rate",
+                "0",
+            ],
+            r"torchft with expert parallelism is not supported",
+        ),
+    ],
+)
 def test_bad_expert_parallel_settings_are_refused_before_launch(flags, message, tmp_path):
     from titan.config import ConfigError, parse_args
     from titan.preflight import plan_run
 
-    job = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
-                      "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-                      *flags, "--job.dump_folder", str(tmp_path)])
+    job = parse_args(
+        [
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "debugmodel",
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "8",
+            *flags,
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     with pytest.raises(ConfigError, match=message):
         plan_run(job, 4)
 
@@ -142,14 +203,38 @@ def test_experts_that_do_not_split_over_ep_are_refused(tmp_path):
     from titan.config import ConfigError, parse_args
     from titan.preflight import plan_run
 
-    job = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
-                      "--training.local_batch_size", "1", "--training.global_batch_size", "8",
-                      "--parallelism.expert_parallel_degree", "8", "--job.dump_folder",
-                      str(tmp_path)])
+    job = parse_args(
+        [
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "debugmodel",
+            "--training.local_batch_size",
+            "1",
+            "--training.global_batch_size",
+            "8",
+            "--parallelism.expert_parallel_degree",
+            "8",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     plan_run(job, 8)  # 8 experts over 8 ranks
-    job = parse_args(["--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
-                      "--training.local_batch_size", "2", "--training.global_batch_size", "12",
-                      "--parallelism.expert_parallel_degree", "3", "--job.dump_folder",
-                      str(tmp_path)])
+    job = parse_args(
+        [
+            "--model.name",
+            "qwen3",
+            "--model.flavor",
+            "debugmodel_moe",
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "12",
+            "--parallelism.expert_parallel_degree",
+            "3",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     with pytest.raises(ConfigError, match=r"the 8 routed experts do not split evenly over 3"):
         plan_run(job, 6)

@@ -8,7 +8,7 @@ import pytest
 
 from titan.config import ConfigError, extensions, help_text, parse_args
 
-PLUGIN = '''
+PLUGIN = """
 from dataclasses import dataclass
 
 from titan.config import extensions
@@ -28,7 +28,7 @@ def check(job):
 
 extensions.register_section("probe", ProbeOptions)
 extensions.register_check(check)
-'''
+"""
 
 
 @pytest.fixture
@@ -51,16 +51,20 @@ def test_a_py_plugin_adds_a_section_parsed_checked_and_in_help(plugin):
 
 
 def test_a_plugin_named_in_the_config_file_is_imported_before_its_sections_are_read(
-        plugin, tmp_path):
+    plugin, tmp_path
+):
     config = tmp_path / "run.toml"
     config.write_text(f'[job]\ncustom_import = ["{plugin}"]\n[probe]\nwidth = 8\n')
     assert parse_args(["--job.config_file", str(config)]).probe.width == 8
 
 
-@pytest.mark.parametrize("name,words", [
-    ("no_such_module_anywhere", "no module 'no_such_module_anywhere' on sys.path"),
-    ("/nowhere/plugin.py", "no such file"),
-])
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("no_such_module_anywhere", "no module 'no_such_module_anywhere' on sys.path"),
+        ("/nowhere/plugin.py", "no such file"),
+    ],
+)
 def test_a_missing_plugin_is_one_line(name, words):
     with pytest.raises(ConfigError) as e:
         parse_args(["--job.custom_import", name])

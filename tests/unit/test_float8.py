@@ -13,8 +13,10 @@ from titan.config import ConfigError, parse_args
 from titan.models.spec import get_train_spec
 from titan.preflight import plan_run
 
-pytestmark = [pytest.mark.needs("torchao"),
-              pytest.mark.skipif(sys.platform != "linux", reason="needs fork")]
+pytestmark = [
+    pytest.mark.needs("torchao"),
+    pytest.mark.skipif(sys.platform != "linux", reason="needs fork"),
+]
 
 LLAMA = get_train_spec("llama3")
 F8 = ["--model.converters", "float8", "--float8.emulate"]
@@ -35,7 +37,8 @@ def test_config_gate(monkeypatch):
     msg = refused(*F8, "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather")
     assert "tensorwise" in msg
     assert "needs enable_fsdp_float8_all_gather" in refused(
-        *F8, "--float8.precompute_float8_dynamic_scale_for_fsdp")
+        *F8, "--float8.precompute_float8_dynamic_scale_for_fsdp"
+    )
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # as if torchao were missing
     assert "pip install -e '.[float8]'" in refused(*F8)
 
@@ -51,8 +54,10 @@ def threads(request):
 def one_rank(tmp_path_factory, threads):
     """The 1-rank float8 run, and the same run in float32 (no converter)."""
     tmp = tmp_path_factory.mktemp("one")
-    return (run_trainer(tmp / "f8", 1, [*COMMON, *F8], threads=threads),
-            run_trainer(tmp / "fp32", 1, COMMON, threads=threads))
+    return (
+        run_trainer(tmp / "f8", 1, [*COMMON, *F8], threads=threads),
+        run_trainer(tmp / "fp32", 1, COMMON, threads=threads),
+    )
 
 
 def relative_diffs(a: list[dict], b: list[dict]) -> list[float]:
@@ -62,11 +67,24 @@ def relative_diffs(a: list[dict], b: list[dict]) -> list[float]:
 
 LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "fsdp2_float8_all_gather": (2, ["--parallelism.data_parallel_shard_degree", "2",
-                                    "--float8.enable_fsdp_float8_all_gather",
-                                    "--float8.precompute_float8_dynamic_scale_for_fsdp"]),
-    "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_float8_all_gather": (
+        2,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--float8.enable_fsdp_float8_all_gather",
+            "--float8.precompute_float8_dynamic_scale_for_fsdp",
+        ],
+    ),
+    "fsdp2_tp2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    ),
 }
 
 
@@ -84,29 +102,43 @@ def test_layouts_match_one_rank(layout, one_rank, threads, tmp_path):
     float32 1.7e-4."""
     f8, fp32 = one_rank
     world, flags = LAYOUTS[layout]
-    records = run_trainer(tmp_path, world, [*COMMON, *F8, *flags], deadline_s=120,
-                          threads=threads)
+    records = run_trainer(tmp_path, world, [*COMMON, *F8, *flags], deadline_s=120, threads=threads)
     rounding = max(relative_diffs(fp32, f8))
     diffs = relative_diffs(f8, records)
-    print(f"{layout}, {threads} thread(s): largest relative loss difference {max(diffs):.2e}; "
-          f"float8 against float32 {rounding:.2e}")
+    print(
+        f"{layout}, {threads} thread(s): largest relative loss difference {max(diffs):.2e}; "
+        f"float8 against float32 {rounding:.2e}"
+    )
     assert rounding > 0  # float8 really rounded: the bound is not vacuous
     assert max(diffs) <= rounding, (layout, diffs, rounding)
 
 
 def test_50_steps_stay_near_bf16(tmp_path):
     # small batches: bf16 matmuls are slow on CPU
-    run = [*COMMON, "--training.steps", "50", "--training.seq_len", "16",
-           "--training.local_batch_size", "4", "--training.global_batch_size", "4",
-           "--lr_scheduler.warmup_steps", "10"]
-    bf16 = run_trainer(tmp_path / "bf16", 1, [*run, "--training.mixed_precision_param", "bfloat16"],
-                       deadline_s=300)
+    run = [
+        *COMMON,
+        "--training.steps",
+        "50",
+        "--training.seq_len",
+        "16",
+        "--training.local_batch_size",
+        "4",
+        "--training.global_batch_size",
+        "4",
+        "--lr_scheduler.warmup_steps",
+        "10",
+    ]
+    bf16 = run_trainer(
+        tmp_path / "bf16", 1, [*run, "--training.mixed_precision_param", "bfloat16"], deadline_s=300
+    )
     f8 = run_trainer(tmp_path / "f8", 1, [*run, *F8], deadline_s=300)
     diffs = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(bf16, f8, strict=True)]
     end_bf16 = sum(r["loss"] for r in bf16[-10:]) / 10
     end_f8 = sum(r["loss"] for r in f8[-10:]) / 10
-    print(f"float8 vs bf16: max per-step {max(diffs):.2e}, last 10 steps {end_f8:.4f} vs "
-          f"{end_bf16:.4f}")
+    print(
+        f"float8 vs bf16: max per-step {max(diffs):.2e}, last 10 steps {end_f8:.4f} vs "
+        f"{end_bf16:.4f}"
+    )
     assert max(diffs) < 0.01 and abs(end_f8 - end_bf16) < 0.005 * end_bf16
 
 

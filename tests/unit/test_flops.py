@@ -11,11 +11,11 @@ from titan.models.llama3.args import LLAMA3_FLAVORS
 def test_flops_per_token_8b_by_hand():
     L, d, H, kv, Dh, ffn, V, T = 32, 4096, 32, 8, 128, 14336, 128256, 8192
     per_layer = (
-        d * H * Dh        # wq
+        d * H * Dh  # wq
         + 2 * d * kv * Dh  # wk, wv
-        + H * Dh * d      # wo
-        + 3 * d * ffn     # w1, w2, w3
-        + 2 * d           # two RMSNorms
+        + H * Dh * d  # wo
+        + 3 * d * ffn  # w1, w2, w3
+        + 2 * d  # two RMSNorms
     )
     n_nonembed = L * per_layer + d + V * d  # final norm + output projection
     expected = 6 * n_nonembed + 12 * L * H * Dh * T
@@ -33,21 +33,24 @@ def test_flops_per_token_grows_linearly_with_seq_len():
     assert a.flops_per_token(0) == 6 * a.num_params(include_embedding=False)
 
 
-@pytest.mark.parametrize("name,peak", [
-    ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA H100", 989e12),
-    ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA H200", 989e12),
-    ("NVIDIA H20", 148e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA A100-SXM4-40GB", 312e12),
-    ("NVIDIA B200", 2250e12),
-    ("NVIDIA GB200", 2500e12),
-    ("NVIDIA L40S", 362e12),
-    ("NVIDIA L4", 121e12),
-    ("AMD Instinct MI300X", 1307e12),
-])
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H20", 148e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100-SXM4-40GB", 312e12),
+        ("NVIDIA B200", 2250e12),
+        ("NVIDIA GB200", 2500e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+        ("AMD Instinct MI300X", 1307e12),
+    ],
+)
 def test_gpu_peak_table(name, peak):
     assert gpu_peak_flops(name) == peak
 
@@ -59,7 +62,9 @@ def test_gpu_peak_unknown(name):
 
 def test_peak_flops_override():
     assert peak_flops(torch.device("cpu"), torch.float32, override=123e12) == (
-        123e12, "metrics.peak_flops")
+        123e12,
+        "metrics.peak_flops",
+    )
     # the override wins over the device table too
     assert peak_flops(torch.device("cuda"), torch.bfloat16, override=5e12)[0] == 5e12
 
@@ -73,8 +78,11 @@ def test_peak_flops_cuda_table(monkeypatch):
 def test_peak_flops_unknown_cuda_measures(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU")
-    monkeypatch.setattr(flops, "measure_matmul_flops",
-                        lambda device, dtype, n=0, **kw: calls.append((device, dtype, n)) or 7e12)
+    monkeypatch.setattr(
+        flops,
+        "measure_matmul_flops",
+        lambda device, dtype, n=0, **kw: calls.append((device, dtype, n)) or 7e12,
+    )
     peak, source = peak_flops(torch.device("cuda"), torch.float32)
     assert peak == 7e12 and "measured" in source and "Mystery GPU" in source
     assert calls == [(torch.device("cuda"), torch.bfloat16, 4096)]
@@ -85,7 +93,9 @@ def test_no_mfu_on_cpu_unless_a_peak_is_given(monkeypatch):
     304% MFU against one. CPU MFU is left out unless metrics.peak_flops states a peak."""
     monkeypatch.setattr(flops, "measure_matmul_flops", lambda *a, **kw: pytest.fail("timed"))
     peak, source = peak_flops(torch.device("cpu"), torch.float32)
-    assert peak is None and source.startswith("not reported on CPU") and "metrics.peak_flops" in source
+    assert (
+        peak is None and source.startswith("not reported on CPU") and "metrics.peak_flops" in source
+    )
     assert peak_flops(torch.device("cpu"), torch.bfloat16, override=2e11)[0] == 2e11
 
 
@@ -95,8 +105,14 @@ def _logged(tmp_path, peak, caplog):
 
     cfg = JobConfig().metrics
     cfg.enable_tensorboard = False
-    log = MetricsLogger(cfg, dump_folder=str(tmp_path), rank=0, device=torch.device("cpu"),
-                        flops_per_token=1e9, peak_flops=peak)
+    log = MetricsLogger(
+        cfg,
+        dump_folder=str(tmp_path),
+        rank=0,
+        device=torch.device("cpu"),
+        flops_per_token=1e9,
+        peak_flops=peak,
+    )
     log.record_step(tokens=1000, data_s=0.0, gc_s=0.0)
     with caplog.at_level("INFO", logger="titan.components.observability.metrics"):
         record = log.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_seen=1000)
@@ -131,21 +147,34 @@ def test_lists_are_tensorboard_histograms_only(tmp_path, caplog):
     from titan.config import JobConfig
 
     cfg = JobConfig().metrics
-    log = MetricsLogger(cfg, dump_folder=str(tmp_path), rank=0, device=torch.device("cpu"),
-                        flops_per_token=1e9, peak_flops=None)
+    log = MetricsLogger(
+        cfg,
+        dump_folder=str(tmp_path),
+        rank=0,
+        device=torch.device("cpu"),
+        flops_per_token=1e9,
+        peak_flops=None,
+    )
     log.record_step(tokens=1000, data_s=0.0, gc_s=0.0)
     loads = [0.5, 0.0, 0.25, 0.25]
     with caplog.at_level("INFO", logger="titan.components.observability.metrics"):
-        log.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_seen=1000,
-                expert_load_imbalance=2.0, **{"expert_load/layer_1": loads})
+        log.log(
+            1,
+            loss=2.0,
+            grad_norm=1.0,
+            lr=1e-3,
+            tokens_seen=1000,
+            expert_load_imbalance=2.0,
+            **{"expert_load/layer_1": loads},
+        )
     log.close()
     line = caplog.records[-1].getMessage()
     assert "expert_load_imbalance: 2" in line and "layer_1" not in line
-    record, = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (record,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert record["expert_load_imbalance"] == 2.0 and "expert_load/layer_1" not in record
-    event_dir, = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents*")}
+    (event_dir,) = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents*")}
     acc = EventAccumulator(str(event_dir), size_guidance={"histograms": 0})
     acc.Reload()
-    hist, = acc.Histograms("train/expert_load/layer_1")
+    (hist,) = acc.Histograms("train/expert_load/layer_1")
     assert hist.step == 1 and list(hist.histogram_value.bucket) == loads
     assert [e.value for e in acc.Scalars("train/expert_load_imbalance")] == [2.0]

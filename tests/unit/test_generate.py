@@ -31,7 +31,9 @@ def model():
 
 
 def prompt(n, seed=0):
-    return torch.randint(3, ARGS.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(
+        3, ARGS.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
 def test_cached_greedy_decoding_equals_full_recompute(model):
@@ -41,7 +43,7 @@ def test_cached_greedy_decoding_equals_full_recompute(model):
     with torch.no_grad():
         logits = model(torch.tensor([p + new]))[0]
     # every generated token is the argmax of a full (uncached) forward at its position
-    assert logits[len(p) - 1:-1].argmax(-1).tolist() == new
+    assert logits[len(p) - 1 : -1].argmax(-1).tolist() == new
 
 
 def test_left_padding_changes_nothing(model):
@@ -54,7 +56,7 @@ def test_stops_at_eos(model):
     p = prompt(5)
     first = generate(model, [p], max_new_tokens=8, eos_id=None)[0]
     eos = first[3]
-    assert generate(model, [p], max_new_tokens=8, eos_id=eos)[0] == first[:first.index(eos) + 1]
+    assert generate(model, [p], max_new_tokens=8, eos_id=eos)[0] == first[: first.index(eos) + 1]
 
 
 def test_sampling_options():
@@ -68,8 +70,11 @@ def test_sampling_options():
     assert set(draws) <= {1, 3} and len(set(draws)) == 1
     # probabilities 0.024, 0.479, 0.065, 0.433: tokens 1 and 3 hold 0.912 of the mass
     for top_p, kept in ((0.9, {1, 3}), (0.95, {1, 2, 3})):
-        many = sample(logits.expand(4000, 4), Sampling(temperature=1.0, top_p=top_p),
-                      torch.Generator().manual_seed(1))
+        many = sample(
+            logits.expand(4000, 4),
+            Sampling(temperature=1.0, top_p=top_p),
+            torch.Generator().manual_seed(1),
+        )
         assert set(many.unique().tolist()) == kept, top_p
 
 
@@ -80,27 +85,36 @@ def _tp_generate(rank, world_size, port, hf_dir, prompts, sampling):
     from titan.generate import _tp_job
     from titan.parallelisms.parallel_dims import ParallelDims
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, world_size=world_size)
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, world_size=world_size
+    )
     dims.build_mesh("cpu")
     job = _tp_job(parse_args([]), world_size)
     model, _ = load_model(hf_dir, job, LLAMA, 64, torch.device("cpu"), dims)
     return generate(model, prompts, max_new_tokens=24, eos_id=None, sampling=sampling)
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_k=40, seed=3)],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [Sampling(), Sampling(temperature=0.9, top_k=40, seed=3)], ids=["greedy", "sampled"]
+)
 def test_tensor_parallel_generation_equals_one_rank(model, sampling, tmp_path):
     hf_dir = hf_io.save_hf(model.state_dict(), LLAMA, ARGS, tmp_path / "hf")
     prompts = [prompt(6, 3), prompt(10, 4)]
     one, _ = load_model(hf_dir, None, LLAMA, 64, torch.device("cpu"))
     expected = generate(one, prompts, max_new_tokens=24, eos_id=None, sampling=sampling)
-    ranks = run_workers(_tp_generate, 2, tmp_path, free_port(), hf_dir, prompts, sampling,
-                        init_pg=False)
+    ranks = run_workers(
+        _tp_generate, 2, tmp_path, free_port(), hf_dir, prompts, sampling, init_pg=False
+    )
     assert ranks[0] == ranks[1] == expected
 
 
@@ -108,22 +122,47 @@ def test_cli_on_dcp_and_hf_checkpoints(model, tmp_path):
     root = tmp_path / "checkpoint"
     checkpoint.save_dcp_model_state(model.state_dict(), root / "step-3")
     # the newest step of the root is a final HF save (last_save_in_hf)
-    hf_dir = hf_io.HFModelIO(LLAMA, ARGS, _tokenizer()).save(model.state_dict(), root / "step-5",
-                                                             torch.float32)
+    hf_dir = hf_io.HFModelIO(LLAMA, ARGS, _tokenizer()).save(
+        model.state_dict(), root / "step-5", torch.float32
+    )
     checkpoint.write_complete_marker(hf_dir, 5, model_only=True, fmt="hf")
 
     def run(*argv):
-        return subprocess.run([sys.executable, "-m", "titan.generate", *argv], cwd=REPO,
-                              capture_output=True, text=True, timeout=120, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "titan.generate", *argv],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
-    a = run("--checkpoint", str(root / "step-3"), "--prompt", "In the beginning",
-            "--max-new-tokens", "16")
+    a = run(
+        "--checkpoint",
+        str(root / "step-3"),
+        "--prompt",
+        "In the beginning",
+        "--max-new-tokens",
+        "16",
+    )
     b = run("--checkpoint", str(root), "--prompt", "In the beginning", "--max-new-tokens", "16")
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert a.stdout.startswith("In the beginning") and len(a.stdout) > len("In the beginning\n")
     assert a.stdout == b.stdout  # the same weights, read from DCP and from HF
-    batch = run("--checkpoint", str(hf_dir), "--prompt", "And God said", "--prompt", "Let",
-                "--max-new-tokens", "8", "--temperature", "0.7", "--top-p", "0.9")
+    batch = run(
+        "--checkpoint",
+        str(hf_dir),
+        "--prompt",
+        "And God said",
+        "--prompt",
+        "Let",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
+    )
     assert batch.returncode == 0, batch.stderr
     assert batch.stdout.startswith("[0] And God said") and "\n[1] Let" in batch.stdout
     bad = run("--checkpoint", str(tmp_path / "nowhere"), "--prompt", "x")
@@ -135,7 +174,7 @@ def flip_bytes(step: Path, n: int = 4096) -> None:
     (data,) = step.glob("*.distcp")
     raw = bytearray(data.read_bytes())
     mid = len(raw) // 2
-    raw[mid:mid + n] = bytes(b ^ 0xFF for b in raw[mid:mid + n])
+    raw[mid : mid + n] = bytes(b ^ 0xFF for b in raw[mid : mid + n])
     data.write_bytes(bytes(raw))
 
 
@@ -151,39 +190,67 @@ def test_damaged_steps_are_skipped_or_refused_and_output_is_pipe_safe(model, tmp
     flip_bytes(root / "step-5")
     assert checkpoint_folder(root) == root / "step-3"
     warning = capsys.readouterr().err
-    assert warning.startswith("titan.generate: warning: step-5 is unusable (") and \
-        warning.rstrip().endswith("generating from step-3 instead") and warning.count("\n") == 1
-    with pytest.raises(checkpoint.CheckpointError, match=r"step-5 is damaged: .*pass another "
-                       "step folder, or the checkpoint root to use its newest intact step"):
+    assert (
+        warning.startswith("titan.generate: warning: step-5 is unusable (")
+        and warning.rstrip().endswith("generating from step-3 instead")
+        and warning.count("\n") == 1
+    )
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"step-5 is damaged: .*pass another "
+        "step folder, or the checkpoint root to use its newest intact step",
+    ):
         checkpoint_folder(root / "step-5")
 
     read, write = os.pipe()
     os.close(read)  # the reader (head) has gone before the first line
     try:
-        piped = subprocess.run([sys.executable, "-m", "titan.generate", "--checkpoint",
-                                str(root), "--prompt", "In the beginning"], cwd=REPO,
-                               stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+        piped = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "titan.generate",
+                "--checkpoint",
+                str(root),
+                "--prompt",
+                "In the beginning",
+            ],
+            cwd=REPO,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write)
     assert piped.returncode == -signal.SIGPIPE, piped.stderr
     assert "Traceback" not in piped.stderr and "step-5 is unusable" in piped.stderr
 
     flip_bytes(root / "step-3")
-    bad = subprocess.run([sys.executable, "-m", "titan.generate", "--checkpoint", str(root),
-                          "--prompt", "x"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "titan.generate", "--checkpoint", str(root), "--prompt", "x"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1, bad.stderr
-    assert bad.stderr.startswith(f"titan.generate: --checkpoint {root} holds no intact step "
-                                 "folder (step-5: ")
+    assert bad.stderr.startswith(
+        f"titan.generate: --checkpoint {root} holds no intact step folder (step-5: "
+    )
     assert bad.stderr.rstrip().endswith("pass an intact step folder or an HF folder")
 
 
-@pytest.mark.parametrize("argv,why", [
-    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
-    (["--temperature", "-0.5"], "--temperature -0.5: must be >= 0 (0 = greedy)"),
-    (["--top-p", "0"], "--top-p 0.0: must lie in (0, 1]"),
-    (["--top-p", "1.5"], "--top-p 1.5: must lie in (0, 1]"),
-    (["--top-k", "-1"], "--top-k -1: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+        (["--temperature", "-0.5"], "--temperature -0.5: must be >= 0 (0 = greedy)"),
+        (["--top-p", "0"], "--top-p 0.0: must lie in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p 1.5: must lie in (0, 1]"),
+        (["--top-k", "-1"], "--top-k -1: must be >= 0"),
+    ],
+)
 def test_out_of_range_options_exit_2_in_one_line(argv, why, capsys):
     from titan.generate import main
 
@@ -198,8 +265,11 @@ def test_prompt_must_fit_the_model_positions():
     from titan.generate import GenerateError, check_positions
 
     check_positions([[1] * 100, [1] * 3], 28, 128)  # 100 + 28 = 128: fits exactly
-    with pytest.raises(GenerateError, match=r"prompt 0 \(100 tokens\) \+ --max-new-tokens 29 "
-                       r"need 129 positions, the model has 128 .*--max-new-tokens 28 or less"):
+    with pytest.raises(
+        GenerateError,
+        match=r"prompt 0 \(100 tokens\) \+ --max-new-tokens 29 "
+        r"need 129 positions, the model has 128 .*--max-new-tokens 28 or less",
+    ):
         check_positions([[1] * 100], 29, 128)
     with pytest.raises(GenerateError, match="prompt 1 is 128 tokens, the model has 128 positions"):
         check_positions([[1], [1] * 128], 1, 128)
@@ -224,8 +294,11 @@ def test_checkpoint_of_another_flavor_is_named(model, tmp_path):
     tied.init_weights(1)
     state = {k: v for k, v in tied.state_dict().items() if k != "output.weight"}
     tied_step = checkpoint.save_dcp_model_state(state, tmp_path / "tied" / "step-1")
-    with pytest.raises(GenerateError, match=r"output.weight missing \(checkpoint vs flavor\); "
-                       "it holds flavor 'debugmodel_tied': pass --model.flavor debugmodel_tied"):
+    with pytest.raises(
+        GenerateError,
+        match=r"output.weight missing \(checkpoint vs flavor\); "
+        "it holds flavor 'debugmodel_tied': pass --model.flavor debugmodel_tied",
+    ):
         model_args(tied_step, parse_args([]), LLAMA)
     assert model_args(tied_step, parse_args(["--model.flavor", "debugmodel_tied"]), LLAMA)
     # the untied checkpoint has every name the tied flavor asks for: its output matrix, apart
@@ -238,8 +311,13 @@ def test_cli_refuses_a_long_prompt_and_a_wrong_flavor(model, tmp_path):
     step = checkpoint.save_dcp_model_state(model.state_dict(), tmp_path / "step-1")
 
     def run(*argv):
-        return subprocess.run([sys.executable, "-m", "titan.generate", "--checkpoint", str(step),
-                               *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "titan.generate", "--checkpoint", str(step), *argv],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     long = run("--prompt", "In the beginning " * 40, "--training.seq_len", "64")
     assert long.returncode == 2 and long.stdout == "", long.stderr
@@ -270,8 +348,9 @@ def test_streamed_text_never_shows_half_a_character(tokenizer):
     assert "".join(pieces) + stream.flush() == text
 
 
-@pytest.mark.parametrize("family,flavor", [("qwen3", "debugmodel_moe"),
-                                           ("deepseek_v3", "debugmodel")])
+@pytest.mark.parametrize(
+    "family,flavor", [("qwen3", "debugmodel_moe"), ("deepseek_v3", "debugmodel")]
+)
 def test_moe_families_generate_from_hf_with_the_cache(family, flavor, tmp_path):
     """Qwen3-MoE and DeepSeek-V3 (MLA: keys and values of two widths in the cache) read from
     an HF folder: cached decoding gives the argmax of full forwards, left padding changes
@@ -287,5 +366,5 @@ def test_moe_families_generate_from_hf_with_the_cache(family, flavor, tmp_path):
     new = generate(model, [p], max_new_tokens=16, eos_id=None)[0]
     with torch.no_grad():
         logits = model(torch.tensor([p + new]))[0]
-    assert logits[len(p) - 1:-1].argmax(-1).tolist() == new
+    assert logits[len(p) - 1 : -1].argmax(-1).tolist() == new
     assert generate(model, [short, p], max_new_tokens=16, eos_id=None)[1] == new

@@ -1,4 +1,5 @@
-"""Gradient clipping: plain tensors match torch's own; the CPU norm is float32-exact, sharded or not."""
+"""Gradient clipping: plain tensors match torch's own; the CPU norm is float32-exact, sharded
+or not."""
 
 import sys
 
@@ -83,7 +84,7 @@ def test_cpu_norm_is_float32_exact():
     p = torch.nn.Parameter(torch.zeros(2048, 256))
     p.grad = wide_gradient()
     exact = p.grad.double().norm().item()
-    assert abs(clip_grad_norm_([p], 0.0).item() - exact) <= 2 ** -23 * exact
+    assert abs(clip_grad_norm_([p], 0.0).item() - exact) <= 2**-23 * exact
 
 
 def _sharded_norm(rank, world_size):
@@ -111,4 +112,4 @@ def test_sharded_norm_equals_one_rank(tmp_path):
     one = clip_grad_norm_([p], 0.0).item()
     for rank_result in run_workers(_sharded_norm, 2, tmp_path):
         for total in rank_result:
-            assert abs(total - one) <= 2 ** -23 * one, (total, one)
+            assert abs(total - one) <= 2**-23 * one, (total, one)

@@ -69,7 +69,7 @@ def test_hf_config(adapter):
 
 
 def hf_rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -125,8 +125,12 @@ def test_rotated_q_is_the_permuted_rotated_q(model, adapter):
     x = torch.randn(1, 10, ARGS.dim, generator=torch.Generator().manual_seed(1))
     hd, nh = ARGS.head_dim, ARGS.n_heads
     q_titan = apply_rope((x @ sd["layers.0.attention.wq.weight"].T).view(1, 10, nh, hd), model.rope)
-    q_hf = hf_rope((x @ hf["model.layers.0.self_attn.q_proj.weight"].T).view(1, 10, nh, hd)
-                   .transpose(1, 2), torch.arange(10), hd, ARGS.rope_theta).transpose(1, 2)
+    q_hf = hf_rope(
+        (x @ hf["model.layers.0.self_attn.q_proj.weight"].T).view(1, 10, nh, hd).transpose(1, 2),
+        torch.arange(10),
+        hd,
+        ARGS.rope_theta,
+    ).transpose(1, 2)
     # HF feature j < hd/2 is titan's 2j; feature hd/2 + j is titan's 2j + 1
     perm = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
     torch.testing.assert_close(q_hf, q_titan[..., perm], rtol=1e-4, atol=1e-5)

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from titan.components.checkpoint import folders as checkpoint
-
 from titan.components.checkpoint import hf_io
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan.models.llama3.model import Transformer
-from titan.models.llama3.state_dict_adapter import Llama3StateDictAdapter, llama3_args_from_hf_config
+from titan.models.llama3.state_dict_adapter import (
+    Llama3StateDictAdapter,
+    llama3_args_from_hf_config,
+)
 from titan.models.spec import get_train_spec
 
 LLAMA = get_train_spec("llama3")
@@ -30,9 +32,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 # rope_original_max_len=32 with theta 1e4 and head_dim 16: wavelengths 6.3 (< 8: kept),
 # 19.9 (8..32: blended) and >= 62.8 (> 32: divided by 8), so all three regimes matter
-ARGS = Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
-                  rope_theta=10000.0, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                  rope_high_freq_factor=4.0, rope_original_max_len=32, max_seq_len=64)
+ARGS = Llama3Args(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=256,
+    multiple_of=32,
+    rope_theta=10000.0,
+    rope_scaling_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_len=32,
+    max_seq_len=64,
+)
 PLAIN = ARGS.with_updates(rope_scaling_factor=None)
 
 
@@ -76,16 +89,21 @@ def assert_identical(a: dict, b: dict):
 def test_hf_round_trip_bit_identical(model, tmp_path):
     sd = model.state_dict()
     out = hf_io.save_hf(sd, LLAMA, ARGS, tmp_path / "hf")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
-                                                    "titan_checksums.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "titan_checksums.json",
+    ]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["torch_dtype"] == "float32" and cfg["rope_scaling"]["rope_type"] == "llama3"
     assert cfg["tie_word_embeddings"] is False and cfg["intermediate_size"] == ARGS.ffn_hidden_dim
     assert_identical(hf_io.load_hf(out, LLAMA), sd)
     # the file really is in HF layout: q permuted to halves, names HF's
     raw = hf_io.load_hf_state(out)
-    assert torch.equal(raw["model.layers.1.self_attn.q_proj.weight"],
-                       Llama3StateDictAdapter(ARGS).to_hf(sd)["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(
+        raw["model.layers.1.self_attn.q_proj.weight"],
+        Llama3StateDictAdapter(ARGS).to_hf(sd)["model.layers.1.self_attn.q_proj.weight"],
+    )
     assert llama3_args_from_hf_config(cfg).ffn_hidden_dim == ARGS.ffn_hidden_dim
 
 
@@ -100,12 +118,17 @@ def test_hf_sharded_and_bf16(model, tmp_path):
     assert_identical(hf_io.load_hf(out, LLAMA), sd)
     # re-export into the same folder unsharded in bf16: old shards go, values are the bf16 cast
     hf_io.save_hf(sd, LLAMA, ARGS, out, dtype="bfloat16")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
-                                                    "titan_checksums.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "titan_checksums.json",
+    ]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert_identical(hf_io.load_hf(out, LLAMA), {k: v.to(torch.bfloat16) for k, v in sd.items()})
-    assert_identical(hf_io.load_hf(out, LLAMA, dtype="float32"),
-                     {k: v.to(torch.bfloat16).float() for k, v in sd.items()})
+    assert_identical(
+        hf_io.load_hf(out, LLAMA, dtype="float32"),
+        {k: v.to(torch.bfloat16).float() for k, v in sd.items()},
+    )
 
 
 def test_save_hf_rejects_wrong_state(model, tmp_path):
@@ -143,8 +166,9 @@ def test_args_from_hf_config_recovers_flavors(flavor):
     cfg = Llama3StateDictAdapter(args).hf_config()
     # published long-context flavors export their context (Llama 3.1/3.2 ship 131072), the
     # debug model the length it was trained at
-    assert cfg["max_position_embeddings"] == (args.max_seq_len if flavor.startswith("debug")
-                                              else 131072)
+    assert cfg["max_position_embeddings"] == (
+        args.max_seq_len if flavor.startswith("debug") else 131072
+    )
     back = llama3_args_from_hf_config(cfg)
     assert back.with_updates(max_seq_len=args.max_seq_len) == args
     assert LLAMA.matching_flavor(back.with_updates(vocab_size=7, max_seq_len=9)) == flavor
@@ -158,14 +182,18 @@ def test_args_from_hf_config_variants():
     got = llama3_args_from_hf_config(v5, max_seq_len=16)
     assert got.rope_theta == ARGS.rope_theta and got.rope_original_max_len == 32
     assert got.rope_scaling_factor == 8.0 and got.max_seq_len == 16
-    plain = llama3_args_from_hf_config({**v5, "rope_parameters": {"rope_type": "default",
-                                                                          "rope_theta": 1e4}})
+    plain = llama3_args_from_hf_config(
+        {**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    )
     assert plain.rope_scaling_factor is None and plain.rope_theta == 1e4
     # Llama 3.2 1B style: widths that need ffn_dim_multiplier, no head_dim key
     odd = {k: v for k, v in cfg.items() if k != "head_dim"} | {"intermediate_size": 100}
     assert llama3_args_from_hf_config(odd).ffn_hidden_dim == 100
     bad = {
-        "attention_bias": True, "hidden_act": "gelu", "head_dim": 32, "model_type": "mistral",
+        "attention_bias": True,
+        "hidden_act": "gelu",
+        "head_dim": 32,
+        "model_type": "mistral",
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
     }
     for key, value in bad.items():
@@ -201,10 +229,15 @@ def test_dcp_full_training_checkpoint(model, tmp_path):
     sd = model.state_dict()
     full = {
         "model": dict(sd),
-        "optimizer": {"state": {k: {"exp_avg": torch.zeros_like(v), "step": torch.tensor(3.0)}
-                                for k, v in list(sd.items())[:3]},
-                      "param_groups": [{"lr": 1e-3, "params": list(sd)[:3]}]},
-        "lr_scheduler": {"last_epoch": 3}, "train_state": {"step": 3},
+        "optimizer": {
+            "state": {
+                k: {"exp_avg": torch.zeros_like(v), "step": torch.tensor(3.0)}
+                for k, v in list(sd.items())[:3]
+            },
+            "param_groups": [{"lr": 1e-3, "params": list(sd)[:3]}],
+        },
+        "lr_scheduler": {"last_epoch": 3},
+        "train_state": {"step": 3},
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -231,16 +264,39 @@ def test_convert_scripts_end_to_end(tmp_path):
     (root / "step-20").mkdir()  # an interrupted save: no marker, must be skipped
 
     def run(*argv):
-        return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
-                              timeout=120, check=False)
+        return subprocess.run(
+            [sys.executable, *argv],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
     hf_dir = tmp_path / "hf"
-    r = run("scripts/convert_to_hf.py", str(root), str(hf_dir), "--flavor", flavor,
-            "--max-seq-len", "16", "--dtype", "float32", "--tokenizer", str(tok))
+    r = run(
+        "scripts/convert_to_hf.py",
+        str(root),
+        str(hf_dir),
+        "--flavor",
+        flavor,
+        "--max-seq-len",
+        "16",
+        "--dtype",
+        "float32",
+        "--tokenizer",
+        str(tok),
+    )
     assert r.returncode == 0, r.stderr
     assert "step-10" in r.stdout
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "generation_config.json"} <= {p.name for p in hf_dir.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    } <= {p.name for p in hf_dir.iterdir()}
     cfg = json.loads((hf_dir / "config.json").read_text())
     assert cfg["vocab_size"] == 64 and cfg["max_position_embeddings"] == 16
     # HF then stops generating at titan's EOS, not at its default id 2 (<|pad|> here)
@@ -277,8 +333,12 @@ def test_convert_to_hf_refuses_an_hf_folder_unless_overwrite(model, tmp_path, ca
     to_hf([*argv, "--overwrite"])
     assert "removed the earlier export" in capsys.readouterr().out
     # the tokenizer, the shards and their index are gone; what is not HF's stays
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors",
-                                            "titan_checksums.json", "README.md"}
+    assert {p.name for p in out.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "titan_checksums.json",
+        "README.md",
+    }
     assert "bos_token_id" not in json.loads((out / "config.json").read_text())
     assert_identical(hf_io.load_hf(out, LLAMA), model.state_dict())
     # a folder holding only other files is no export: no --overwrite needed
@@ -307,14 +367,17 @@ def test_convert_scripts_refuse_bad_input(tmp_path, capsys):
     (tmp_path / "step-1").mkdir()
     to_hf = _load_script("convert_to_hf").main
     assert "not a completed checkpoint" in _exit_2(
-        capsys, to_hf, [str(tmp_path / "step-1"), str(tmp_path / "o"), "--flavor", "debugmodel"])
-    assert "unknown flavor" in _exit_2(capsys, to_hf, [str(tmp_path), str(tmp_path / "o"),
-                                                       "--flavor", "9B"])
+        capsys, to_hf, [str(tmp_path / "step-1"), str(tmp_path / "o"), "--flavor", "debugmodel"]
+    )
+    assert "unknown flavor" in _exit_2(
+        capsys, to_hf, [str(tmp_path), str(tmp_path / "o"), "--flavor", "9B"]
+    )
     from_hf = _load_script("convert_from_hf").main
     assert "no config.json" in _exit_2(capsys, from_hf, [str(tmp_path), str(tmp_path / "o")])
     (tmp_path / "config.json").write_text('{"model_type": "llama",')
     assert "config.json is not valid JSON (line 1: " in _exit_2(
-        capsys, from_hf, [str(tmp_path), str(tmp_path / "o")])
+        capsys, from_hf, [str(tmp_path), str(tmp_path / "o")]
+    )
     # a step folder whose data file was cut short (a full disk, a copy interrupted)
     step = checkpoint.save_dcp_model_state({"w": torch.ones(4096)}, tmp_path / "ck" / "step-2")
     (data,) = step.glob("*.distcp")
@@ -330,7 +393,9 @@ def test_convert_scripts_refuse_bad_input(tmp_path, capsys):
 def hf_llama3_inv_freq(cfg: dict) -> torch.Tensor:
     """transformers' default / _compute_llama3_parameters inverse frequencies (float64)."""
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    inv_freq = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (
+        cfg["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    )
     rs = cfg.get("rope_scaling")
     if not rs:
         return inv_freq
@@ -346,7 +411,7 @@ def hf_llama3_inv_freq(cfg: dict) -> torch.Tensor:
 
 
 def rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -391,7 +456,9 @@ def test_scaling_exercises_all_regimes():
     wavelen = 2 * math.pi / hf_llama3_inv_freq(Llama3StateDictAdapter(PLAIN).hf_config())
     orig = ARGS.rope_original_max_len
     assert (wavelen < orig / ARGS.rope_high_freq_factor).any()
-    assert ((wavelen > orig / ARGS.rope_high_freq_factor) & (wavelen < orig / ARGS.rope_low_freq_factor)).any()
+    assert (
+        (wavelen > orig / ARGS.rope_high_freq_factor) & (wavelen < orig / ARGS.rope_low_freq_factor)
+    ).any()
     assert (wavelen > orig / ARGS.rope_low_freq_factor).any()
 
 
@@ -412,18 +479,22 @@ def test_logits_match_hf_reference(args, tokens):
     unpermuted = dict(hf)
     for i in range(args.n_layers):
         for t, hn in (("wq", "q_proj"), ("wk", "k_proj")):
-            unpermuted[f"model.layers.{i}.self_attn.{hn}.weight"] = m.state_dict()[f"layers.{i}.attention.{t}.weight"]
+            unpermuted[f"model.layers.{i}.self_attn.{hn}.weight"] = m.state_dict()[
+                f"layers.{i}.attention.{t}.weight"
+            ]
     assert (hf_reference_logits(unpermuted, cfg, tokens) - ref).abs().max() > 1e-3
 
 
 @pytest.mark.needs("transformers")
 def test_transformers_loads_export(model, tokens, tmp_path):
     import transformers
+
     out = hf_io.save_hf(model.state_dict(), LLAMA, ARGS, tmp_path / "hf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.LlamaForCausalLM.from_pretrained(
-            str(out), dtype=torch.float32, attn_implementation="eager").eval()
+            str(out), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     with torch.no_grad():
         theirs = hf_model(tokens).logits
         ours = model(tokens)
@@ -449,12 +520,20 @@ def test_bad_hf_folders_are_named(model, tmp_path):
     save_file(gone, str(single / "model.safetensors"))
     with pytest.raises(checkpoint.CheckpointError, match=r"missing \['layers.1.feed_forward.w3"):
         hf_io.load_hf(single, LLAMA)
-    save_file({**hf, "model.layers.0.mlp.gate_proj.weight": hf[
-        "model.layers.0.mlp.gate_proj.weight"].to(torch.int8)}, str(single / "model.safetensors"))
+    save_file(
+        {
+            **hf,
+            "model.layers.0.mlp.gate_proj.weight": hf["model.layers.0.mlp.gate_proj.weight"].to(
+                torch.int8
+            ),
+        },
+        str(single / "model.safetensors"),
+    )
     with pytest.raises(checkpoint.CheckpointError, match="torch.int8.*dequantize"):
         hf_io.load_hf(single, LLAMA)
-    save_file({**hf, "model.layers.0.mlp.extra.weight": torch.zeros(2)},
-              str(single / "model.safetensors"))
+    save_file(
+        {**hf, "model.layers.0.mlp.extra.weight": torch.zeros(2)}, str(single / "model.safetensors")
+    )
     with pytest.raises(checkpoint.CheckpointError, match="unexpected HF parameter.*mlp.extra"):
         hf_io.load_hf(single, LLAMA)
 
@@ -463,8 +542,10 @@ def test_convert_to_hf_takes_an_hf_config_and_float16(model, tmp_path):
     ckpt = checkpoint.save_dcp_model_state(model.state_dict(), tmp_path / "step-5")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(Llama3StateDictAdapter(ARGS).hf_config()))
-    _load_script("convert_to_hf").main([str(ckpt), str(tmp_path / "o"), "--hf-config", str(config),
-                                        "--dtype", "float16"])
+    _load_script("convert_to_hf").main(
+        [str(ckpt), str(tmp_path / "o"), "--hf-config", str(config), "--dtype", "float16"]
+    )
     assert json.loads((tmp_path / "o" / "config.json").read_text())["torch_dtype"] == "float16"
-    assert_identical(hf_io.load_hf(tmp_path / "o", LLAMA),
-                     {k: v.half() for k, v in model.state_dict().items()})
+    assert_identical(
+        hf_io.load_hf(tmp_path / "o", LLAMA), {k: v.half() for k, v in model.state_dict().items()}
+    )

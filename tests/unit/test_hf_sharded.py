@@ -21,11 +21,22 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 
 LLAMA = get_train_spec("llama3")
 # big enough that a whole model (109 MB in fp32) stands out of the allocator's noise
-WIDE = Llama3Args(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=2048,
-                  multiple_of=256, max_seq_len=32)
-BASE = ["--training.seq_len", "32", "--training.local_batch_size", "4",
-        "--training.mixed_precision_param", "float32", "--training.steps", "1",
-        "--metrics.no_enable_tensorboard", "--metrics.peak_flops", "1e12"]
+WIDE = Llama3Args(
+    dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=2048, multiple_of=256, max_seq_len=32
+)
+BASE = [
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "4",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.steps",
+    "1",
+    "--metrics.no_enable_tensorboard",
+    "--metrics.peak_flops",
+    "1e12",
+]
 
 
 def seeded_state(args, seed=0) -> dict[str, torch.Tensor]:
@@ -38,13 +49,15 @@ def seeded_state(args, seed=0) -> dict[str, torch.Tensor]:
 def full_state(trainer) -> dict[str, torch.Tensor]:
     """Every rank's parameters, gathered (DTensors) and merged over pipeline stages."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     # the live parameters, a pipeline's tied copy included (a ModelState saves it once)
-    own = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-           for part in trainer.model_parts for k, v in get_model_state_dict(part).items()}
+    own = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for part in trainer.model_parts
+        for k, v in get_model_state_dict(part).items()
+    }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, own)
     return {k: v for part in every for k, v in part.items()}
@@ -104,16 +117,28 @@ def _load_wide(rank, world_size, port, argv, tokens):
 def test_fsdp4_loads_its_quarter_of_an_hf_folder(tmp_path):
     reference = seeded_state(WIDE, seed=3)
     hf_dir = hf_io.save_hf(reference, LLAMA, WIDE, tmp_path / "hf", max_shard_size="30MB")
-    assert len(json.loads((hf_dir / hf_io.HF_INDEX_FILE).read_text())["weight_map"]) == len(reference)
+    assert len(json.loads((hf_dir / hf_io.HF_INDEX_FILE).read_text())["weight_map"]) == len(
+        reference
+    )
     model_bytes = sum(t.numel() * 4 for t in reference.values())
     tokens = torch.randint(0, WIDE.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
 
     # no checkpoint.enable: the initial load happens whenever a path is given
-    argv = [*BASE, "--model.flavor", "from_hf", "--checkpoint.initial_load_path", str(hf_dir),
-            "--checkpoint.initial_load_in_hf", "--parallelism.data_parallel_shard_degree", "4",
-            "--job.dump_folder", str(tmp_path / "dump")]
-    ranks = run_workers(_load_wide, 4, tmp_path, free_port(), argv, tokens, init_pg=False,
-                        deadline_s=120)
+    argv = [
+        *BASE,
+        "--model.flavor",
+        "from_hf",
+        "--checkpoint.initial_load_path",
+        str(hf_dir),
+        "--checkpoint.initial_load_in_hf",
+        "--parallelism.data_parallel_shard_degree",
+        "4",
+        "--job.dump_folder",
+        str(tmp_path / "dump"),
+    ]
+    ranks = run_workers(
+        _load_wide, 4, tmp_path, free_port(), argv, tokens, init_pg=False, deadline_s=120
+    )
 
     # every byte of the folder is read once, by the rank that holds it
     assert sum(r["bytes_read"] for r in ranks) == model_bytes
@@ -122,9 +147,15 @@ def test_fsdp4_loads_its_quarter_of_an_hf_folder(tmp_path):
         # no rank ever holds the whole model: it grows by about its quarter (27 MB), far
         # from the 109 MB of the whole
         assert r["growth"] < 0.5 * model_bytes, (r["growth"], model_bytes)
-    print("model", model_bytes / 2**20, "MiB; per-rank read",
-          [round(r["bytes_read"] / 2**20, 1) for r in ranks], "MiB; per-rank RSS growth",
-          [round(r["growth"] / 2**20, 1) for r in ranks], "MiB")
+    print(
+        "model",
+        model_bytes / 2**20,
+        "MiB; per-rank read",
+        [round(r["bytes_read"] / 2**20, 1) for r in ranks],
+        "MiB; per-rank RSS growth",
+        [round(r["growth"] / 2**20, 1) for r in ranks],
+        "MiB",
+    )
 
     whole = LLAMA.build_meta(WIDE)
     whole.to_empty(device="cpu")
@@ -162,23 +193,38 @@ LAYOUTS = {
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     # 16 heads over 3 shards: shards cut through heads, so the q/k permutation gathers
     "fsdp3": (3, ["--parallelism.data_parallel_shard_degree", "3"]),
-    "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    ),
 }
 
 
-@pytest.mark.parametrize("layout,dtype,flavor", [
-    ("tp2", "float32", "debugmodel"), ("pp2", "bfloat16", "debugmodel"),
-    ("fsdp3", "float32", "debugmodel"), ("fsdp2_tp2", "bfloat16", "debugmodel"),
-    # both stages hold the tied matrix: each writes and reads it as embed_tokens
-    ("pp2", "float32", "debugmodel_tied"), ("tp2", "bfloat16", "debugmodel_tied")])
+@pytest.mark.parametrize(
+    "layout,dtype,flavor",
+    [
+        ("tp2", "float32", "debugmodel"),
+        ("pp2", "bfloat16", "debugmodel"),
+        ("fsdp3", "float32", "debugmodel"),
+        ("fsdp2_tp2", "bfloat16", "debugmodel"),
+        # both stages hold the tied matrix: each writes and reads it as embed_tokens
+        ("pp2", "float32", "debugmodel_tied"),
+        ("tp2", "bfloat16", "debugmodel_tied"),
+    ],
+)
 def test_round_trip_from_sharded_layouts(layout, dtype, flavor, tmp_path):
     world, flags = LAYOUTS[layout]
     args = LLAMA.flavors[flavor].with_updates(vocab_size=2048, max_seq_len=32)
     argv = [*BASE, *flags, "--model.flavor", flavor, "--job.dump_folder", str(tmp_path / "dump")]
     out = tmp_path / "hf"
-    _, back = run_workers(round_trip, world, tmp_path, free_port(), argv, out, dtype,
-                          init_pg=False, deadline_s=120)[0]
+    _, back = run_workers(
+        round_trip, world, tmp_path, free_port(), argv, out, dtype, init_pg=False, deadline_s=120
+    )[0]
 
     expected = {k: v.to(getattr(torch, dtype)) for k, v in seeded_state(args).items()}
     from_folder = hf_io.load_hf(out, LLAMA)  # one process, as HF tooling would read it
@@ -196,12 +242,22 @@ def test_round_trip_from_sharded_layouts(layout, dtype, flavor, tmp_path):
 def final_saves(tmp_path_factory):
     """Two deterministic FSDP 2 runs: one ends in a DCP model-only save, one in an HF folder."""
     tmp = tmp_path_factory.mktemp("final")
-    common = [*BASE, "--training.steps", "2", "--parallelism.data_parallel_shard_degree", "2",
-              "--checkpoint.enable", "--checkpoint.interval", "10"]
+    common = [
+        *BASE,
+        "--training.steps",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "10",
+    ]
     run_trainer(tmp / "dcp", 2, [*common, "--checkpoint.last_save_model_only"])
     run_trainer(tmp / "hf", 2, [*common, "--checkpoint.last_save_in_hf"])
-    return (tmp / "dcp" / "dump" / "checkpoint" / "step-2",
-            tmp / "hf" / "dump" / "checkpoint" / "step-2")
+    return (
+        tmp / "dcp" / "dump" / "checkpoint" / "step-2",
+        tmp / "hf" / "dump" / "checkpoint" / "step-2",
+    )
 
 
 def test_last_save_in_hf_is_an_hf_folder_and_not_resumed(final_saves):
@@ -213,8 +269,14 @@ def test_last_save_in_hf_is_an_hf_folder_and_not_resumed(final_saves):
     for name, t in exported.items():
         assert torch.equal(t, trained[name]), name
     names = {p.name for p in hf_step.iterdir()}
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "model.safetensors"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "model.safetensors",
+    } <= names
     cfg = json.loads((hf_step / "config.json").read_text())
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (0, 1)  # the bundled tokenizer's
     assert json.loads((hf_step / "generation_config.json").read_text())["eos_token_id"] == 1
@@ -224,8 +286,9 @@ def test_last_save_in_hf_is_an_hf_folder_and_not_resumed(final_saves):
 
 @pytest.mark.needs("transformers")
 def test_transformers_reads_the_final_hf_save(final_saves):
-    import transformers
     import warnings
+
+    import transformers
 
     from titan.components.data.tokenizer import Tokenizer
 
@@ -233,7 +296,8 @@ def test_transformers_reads_the_final_hf_save(final_saves):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(hf_step), dtype=torch.float32, attn_implementation="eager").eval()
+            str(hf_step), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         hf_tok = transformers.AutoTokenizer.from_pretrained(str(hf_step))
     text = "In the beginning God created the heaven and the earth."
     ours = Tokenizer(str(hf_step / "tokenizer.json")).encode(text, eos=False)
@@ -259,8 +323,13 @@ def _convert(rank, world_size, port, hf_dir, out):
     import os
     from pathlib import Path
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     read = []
     load_into = hf_io.load_hf_into
 
@@ -282,8 +351,9 @@ def test_convert_from_hf_under_torchrun_reads_a_slice_per_rank(tmp_path):
     reference = seeded_state(WIDE, seed=5)
     hf_dir = hf_io.save_hf(reference, LLAMA, WIDE, tmp_path / "hf", max_shard_size="30MB")
     model_bytes = sum(t.numel() * 4 for t in reference.values())
-    ranks = run_workers(_convert, 2, tmp_path, free_port(), hf_dir, tmp_path / "dcp",
-                        init_pg=False, deadline_s=120)
+    ranks = run_workers(
+        _convert, 2, tmp_path, free_port(), hf_dir, tmp_path / "dcp", init_pg=False, deadline_s=120
+    )
     assert [r["read"] for r in ranks] == [model_bytes // 2] * 2
     converted = checkpoint.load_dcp_model_state(tmp_path / "dcp")
     assert set(converted) == set(reference)

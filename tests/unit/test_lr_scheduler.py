@@ -21,10 +21,13 @@ def test_a_warmup_longer_than_the_run_is_cut_and_said(caplog):
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with caplog.at_level(logging.WARNING, logger="titan.components.optim.lr_scheduler"):
-        sched = build_lr_scheduler(opt, parse_args(["--lr_scheduler.warmup_steps", "8"])
-                                   .lr_scheduler, total_steps=4)
-    assert "lr_scheduler.warmup_steps 8 exceeds training.steps 4: the warmup is cut to 4" \
+        sched = build_lr_scheduler(
+            opt, parse_args(["--lr_scheduler.warmup_steps", "8"]).lr_scheduler, total_steps=4
+        )
+    assert (
+        "lr_scheduler.warmup_steps 8 exceeds training.steps 4: the warmup is cut to 4"
         in caplog.text
+    )
     for _ in range(3):
         sched.step()
     assert sched.get_last_lr() == [pytest.approx(1.0)]  # the peak at the last of the 4 steps
@@ -37,18 +40,21 @@ def test_warmup_linear_from_near_zero():
     assert [f(s, warmup=4) for s in (1, 2, 3, 4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
 
 
-@pytest.mark.parametrize("decay_type,step,expected", [
-    # decay over steps 11..100 (90 steps); progress = (step - 10) / 90
-    ("linear", 55, 0.5),
-    ("linear", 19, 0.9),
-    ("linear", 100, 0.0),
-    ("cosine", 55, 0.5),
-    ("cosine", 32.5, 0.5 * (1 + math.cos(math.pi * 0.25))),
-    ("cosine", 100, 0.0),
-    ("sqrt", 32.5, 0.5),  # 1 - sqrt(0.25)
-    ("sqrt", 19, 1 - math.sqrt(0.1)),
-    ("sqrt", 100, 0.0),
-])
+@pytest.mark.parametrize(
+    "decay_type,step,expected",
+    [
+        # decay over steps 11..100 (90 steps); progress = (step - 10) / 90
+        ("linear", 55, 0.5),
+        ("linear", 19, 0.9),
+        ("linear", 100, 0.0),
+        ("cosine", 55, 0.5),
+        ("cosine", 32.5, 0.5 * (1 + math.cos(math.pi * 0.25))),
+        ("cosine", 100, 0.0),
+        ("sqrt", 32.5, 0.5),  # 1 - sqrt(0.25)
+        ("sqrt", 19, 1 - math.sqrt(0.1)),
+        ("sqrt", 100, 0.0),
+    ],
+)
 def test_decay_shapes(decay_type, step, expected):
     assert f(step, decay_type=decay_type) == pytest.approx(expected, abs=1e-12)
 
@@ -83,8 +89,12 @@ def test_min_lr_floor():
     assert f(100, decay_type="cosine", **kw) == pytest.approx(0.1)
     # past the end the factor stays at the floor
     assert f(150, **kw) == pytest.approx(0.1)
-    assert min(f(s, decay_type=t, **kw) for s in range(1, 120)
-               for t in ("linear", "cosine", "sqrt") if s > 10) == pytest.approx(0.1)
+    assert min(
+        f(s, decay_type=t, **kw)
+        for s in range(1, 120)
+        for t in ("linear", "cosine", "sqrt")
+        if s > 10
+    ) == pytest.approx(0.1)
 
 
 def test_no_warmup():
@@ -105,22 +115,33 @@ def test_unknown_decay_type():
         f(50, decay_type="exp")
 
 
-@pytest.mark.parametrize("kw", [
-    dict(warmup=3, decay_ratio=None, decay_type="cosine", min_lr=0.0),
-    dict(warmup=2, decay_ratio=0.5, decay_type="linear", min_lr=0.2),
-    dict(warmup=0, decay_ratio=None, decay_type="sqrt", min_lr=0.0),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(warmup=3, decay_ratio=None, decay_type="cosine", min_lr=0.0),
+        dict(warmup=2, decay_ratio=0.5, decay_type="linear", min_lr=0.2),
+        dict(warmup=0, decay_ratio=None, decay_type="sqrt", min_lr=0.0),
+    ],
+)
 def test_scheduler_lr_used_at_each_step(kw):
     """With SGD and grad 1, the update of step s is exactly the lr of step s."""
     peak, total = 0.5, 12
     p = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
     opt = torch.optim.SGD([p], lr=peak)
-    sched = build_lr_scheduler(opt, LRScheduler(
-        warmup_steps=kw["warmup"], decay_ratio=kw["decay_ratio"], decay_type=kw["decay_type"],
-        min_lr_factor=kw["min_lr"]), total)
+    sched = build_lr_scheduler(
+        opt,
+        LRScheduler(
+            warmup_steps=kw["warmup"],
+            decay_ratio=kw["decay_ratio"],
+            decay_type=kw["decay_type"],
+            min_lr_factor=kw["min_lr"],
+        ),
+        total,
+    )
     for step in range(1, total + 1):
-        expected = peak * lr_factor(step, total, kw["warmup"], kw["decay_ratio"],
-                                    kw["decay_type"], kw["min_lr"])
+        expected = peak * lr_factor(
+            step, total, kw["warmup"], kw["decay_ratio"], kw["decay_type"], kw["min_lr"]
+        )
         assert opt.param_groups[0]["lr"] == pytest.approx(expected, abs=1e-15)
         before = p.item()
         p.grad = torch.ones_like(p)

@@ -17,69 +17,129 @@ ONE_STEP = tiny_run(1)
 LAYOUTS = {
     "1rank_bf16_states": (1, ["--optimizer.state_dtype", "bfloat16"]),
     "fsdp2_full_ac": (2, ["--activation_checkpoint.mode", "full"]),
-    "fsdp2_tp2_selective_ac": (4, ["--parallelism.tensor_parallel_degree", "2",
-                                   "--activation_checkpoint.mode", "selective"]),
+    "fsdp2_tp2_selective_ac": (
+        4,
+        ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective"],
+    ),
     # TP without FSDP: each gradient in its weight's sharding (the embedding's came whole)
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
-                    "--training.local_batch_size", "2"]),
-    "cp2": (2, ["--parallelism.context_parallel_degree", "2",
-                "--parallelism.data_parallel_shard_degree", "1"]),
-    "pp2_1f1b_tied": (2, ["--parallelism.pipeline_parallel_degree", "2",
-                          "--model.flavor", "debugmodel_tied"]),
-    "pp2_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2",
-                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                            "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
+    "hsdp2x2": (
+        4,
+        ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"],
+    ),
+    "cp2": (
+        2,
+        [
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
+    ),
+    "pp2_1f1b_tied": (
+        2,
+        ["--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "debugmodel_tied"],
+    ),
+    "pp2_interleaved": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pipeline_parallel_layers_per_stage",
+            "1",
+        ],
+    ),
 }
-AC = {"full": ["--activation_checkpoint.mode", "full"],
-      "selective": ["--activation_checkpoint.mode", "selective"]}
+AC = {
+    "full": ["--activation_checkpoint.mode", "full"],
+    "selective": ["--activation_checkpoint.mode", "selective"],
+}
 # every layout has one AC mode above; these add the others where they act differently
-LAYOUTS.update({
-    "1rank_full_ac": (1, AC["full"]),
-    "1rank_selective_ac": (1, AC["selective"]),
-    "fsdp2_tp2_full_ac": (4, ["--parallelism.tensor_parallel_degree", "2", *AC["full"]]),
-    "cp2_selective_ac": (2, [*LAYOUTS["cp2"][1], *AC["selective"]]),
-    "hsdp2x2_full_ac": (4, [*LAYOUTS["hsdp2x2"][1], *AC["full"]]),
-    "pp2_1f1b_full_ac": (2, [*LAYOUTS["pp2_1f1b_tied"][1], *AC["full"]]),
-    "pp2_interleaved_selective_ac": (2, [*LAYOUTS["pp2_interleaved"][1], *AC["selective"]]),
-})
+LAYOUTS.update(
+    {
+        "1rank_full_ac": (1, AC["full"]),
+        "1rank_selective_ac": (1, AC["selective"]),
+        "fsdp2_tp2_full_ac": (4, ["--parallelism.tensor_parallel_degree", "2", *AC["full"]]),
+        "cp2_selective_ac": (2, [*LAYOUTS["cp2"][1], *AC["selective"]]),
+        "hsdp2x2_full_ac": (4, [*LAYOUTS["hsdp2x2"][1], *AC["full"]]),
+        "pp2_1f1b_full_ac": (2, [*LAYOUTS["pp2_1f1b_tied"][1], *AC["full"]]),
+        "pp2_interleaved_selective_ac": (2, [*LAYOUTS["pp2_interleaved"][1], *AC["selective"]]),
+    }
+)
 # bf16 compute: autocast on one rank, FSDP's param dtype, bf16 pipeline stage tensors;
 # float8 (emulated) under FSDP with bf16
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 F8 = ["--model.converters", "float8", "--float8.emulate"]
-LAYOUTS.update({
-    "1rank_bf16_autocast": (1, BF16),
-    "fsdp2_bf16_selective_ac": (2, [*BF16, *AC["selective"]]),
-    # FSDP gives the stages bf16 (without it, pipelines compute in float32)
-    "pp2_fsdp2_bf16": (4, [*BF16, "--parallelism.pipeline_parallel_degree", "2"]),
-    "fsdp2_float8_bf16_full_ac": (2, [*F8, *BF16, *AC["full"]]),
-})
+LAYOUTS.update(
+    {
+        "1rank_bf16_autocast": (1, BF16),
+        "fsdp2_bf16_selective_ac": (2, [*BF16, *AC["selective"]]),
+        # FSDP gives the stages bf16 (without it, pipelines compute in float32)
+        "pp2_fsdp2_bf16": (4, [*BF16, "--parallelism.pipeline_parallel_degree", "2"]),
+        "fsdp2_float8_bf16_full_ac": (2, [*F8, *BF16, *AC["full"]]),
+    }
+)
 # Muon: a momentum buffer per matrix, AdamW's states for the rest (titan.components.optim)
 MUON = ["--optimizer.name", "Muon"]
-LAYOUTS.update({
-    "muon_fsdp2_tp2": (4, [*MUON, "--parallelism.tensor_parallel_degree", "2"]),
-    "muon_pp2_tied": (2, [*MUON, *LAYOUTS["pp2_1f1b_tied"][1]]),
-})
+LAYOUTS.update(
+    {
+        "muon_fsdp2_tp2": (4, [*MUON, "--parallelism.tensor_parallel_degree", "2"]),
+        "muon_pp2_tied": (2, [*MUON, *LAYOUTS["pp2_1f1b_tied"][1]]),
+    }
+)
 # Qwen3-MoE: experts sharded by FSDP, router and experts whole on each TP rank; the routing
 # bias (a buffer) is no parameter; bf16 takes the per-expert loop, float32 the grouped GEMM
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
-LAYOUTS.update({
-    "moe_fsdp2_tp2_selective_ac": (4, [*MOE, "--parallelism.tensor_parallel_degree", "2",
-                                       *AC["selective"]]),
-    "moe_pp2_bias_full_ac": (2, [*MOE, "--parallelism.pipeline_parallel_degree", "2",
-                                 "--qwen3.moe_bias_update_rate", "0.001", *AC["full"]]),
-    "moe_fsdp2_bf16": (2, [*MOE, *BF16]),
-    # DeepSeek-V3: MLA's latents whole on each TP rank, heads split; shared experts split
-    "deepseek_fsdp2_tp2_selective_ac": (4, ["--model.name", "deepseek_v3", "--model.flavor",
-                                            "debugmodel", "--parallelism.tensor_parallel_degree",
-                                            "2", *AC["selective"]]),
-    # expert parallelism: each rank holds half the experts (whole, on both tp ranks), the
-    # dense weights sharded (the imbalanced-routing bound: tests/unit/test_deepseek_v3.py)
-    "deepseek_ep2_tp2": (4, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
-                             "--parallelism.expert_parallel_degree", "2",
-                             "--parallelism.tensor_parallel_degree", "2"]),
-})
-
+LAYOUTS.update(
+    {
+        "moe_fsdp2_tp2_selective_ac": (
+            4,
+            [*MOE, "--parallelism.tensor_parallel_degree", "2", *AC["selective"]],
+        ),
+        "moe_pp2_bias_full_ac": (
+            2,
+            [
+                *MOE,
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--qwen3.moe_bias_update_rate",
+                "0.001",
+                *AC["full"],
+            ],
+        ),
+        "moe_fsdp2_bf16": (2, [*MOE, *BF16]),
+        # DeepSeek-V3: MLA's latents whole on each TP rank, heads split; shared experts split
+        "deepseek_fsdp2_tp2_selective_ac": (
+            4,
+            [
+                "--model.name",
+                "deepseek_v3",
+                "--model.flavor",
+                "debugmodel",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                *AC["selective"],
+            ],
+        ),
+        # expert parallelism: each rank holds half the experts (whole, on both tp ranks), the
+        # dense weights sharded (the imbalanced-routing bound: tests/unit/test_deepseek_v3.py)
+        "deepseek_ep2_tp2": (
+            4,
+            [
+                "--model.name",
+                "deepseek_v3",
+                "--model.flavor",
+                "debugmodel",
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+            ],
+        ),
+    }
+)
 
 
 def _plan_in_child(rank, world_size, argv, nproc):
@@ -93,14 +153,17 @@ def planned_bytes(argv, nproc, tmp_path) -> list[dict]:
     for it must not reach the ranks later tests fork from this process."""
     plan_dir = tmp_path / "plan"
     plan_dir.mkdir()
-    return run_workers(_plan_in_child, 1, plan_dir, argv, nproc, init_pg=False,
-                       barrier=False)[0]
+    return run_workers(_plan_in_child, 1, plan_dir, argv, nproc, init_pg=False, barrier=False)[0]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=pytest.mark.needs("torchao") if "float8" in args else ())
-    for case, (_, args) in LAYOUTS.items()])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(case, marks=pytest.mark.needs("torchao") if "float8" in args else ())
+        for case, (_, args) in LAYOUTS.items()
+    ],
+)
 def test_planned_state_bytes_equal_measured(case, tmp_path):
     nproc, overrides = LAYOUTS[case]
     argv = [*ONE_STEP, *overrides]
@@ -137,27 +200,41 @@ def test_plan_cli_json_and_errors(tmp_path):
     from titan.paths import REPO_ROOT
 
     def plan(*args):
-        return subprocess.run([sys.executable, "-m", "titan.planner", *args], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "titan.planner", *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     overrides = ["--parallelism.pipeline_parallel_degree", "2"]
     proc = plan("--ngpu", "4", "--device-memory", "1GiB", "--json", *overrides)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 2,
-                                "ep": 1}
+    assert report["layout"] == {
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "cp": 1,
+        "tp": 1,
+        "pp": 2,
+        "ep": 1,
+    }
     assert [r["rank"] for r in report["ranks"]] == [0, 2]  # one row per pipeline rank
-    expected = planned_bytes(["--job.config_file", "train_configs/debug_model.toml",
-                              *overrides], 4, tmp_path)
+    expected = planned_bytes(
+        ["--job.config_file", "train_configs/debug_model.toml", *overrides], 4, tmp_path
+    )
     for row in report["ranks"]:
         want = expected[row["rank"]]
         assert {k: row[k] for k in want} == want
-        assert row["states_bytes"] == sum(want[k] for k in ("params_bytes", "grads_bytes",
-                                                             "optimizer_bytes"))
+        assert row["states_bytes"] == sum(
+            want[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")
+        )
     assert report["headroom_bytes"] == 2**30 - report["max_total_bytes"]
     for row in report["ranks"]:
-        assert row["total_bytes"] == (row["states_bytes"] + row["activations_bytes"]
-                                      + row["transient_bytes"])
+        assert row["total_bytes"] == (
+            row["states_bytes"] + row["activations_bytes"] + row["transient_bytes"]
+        )
     table = plan("--ngpu", "4", *overrides).stdout
     assert "optimizer" in table and "activations" in table and "transient" in table
     bad = plan("--ngpu", "3", "--parallelism.tensor_parallel_degree", "2")
@@ -171,9 +248,14 @@ def test_launcher_refuses_states_that_cannot_fit():
     from titan.paths import REPO_ROOT
 
     def dry_run(*overrides):
-        return subprocess.run(["bash", "run_train.sh", *overrides], cwd=REPO_ROOT,
-                              env={**os.environ, "DRY_RUN": "1", "NGPU": "2"},
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            ["bash", "run_train.sh", *overrides],
+            cwd=REPO_ROOT,
+            env={**os.environ, "DRY_RUN": "1", "NGPU": "2"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     small = ["--memory.device_memory_gib", "0.2"]  # FSDP 2, no AC: 348 MiB per rank
     proc = dry_run(*small)
@@ -208,8 +290,9 @@ def test_suggest_lists_launchable_layouts_and_the_first_runs(tmp_path):
     base = ["--job.config_file", "train_configs/debug_model.toml"]
     child = tmp_path / "suggest"
     child.mkdir()
-    found = run_workers(_suggest_in_child, 1, child, base, init_pg=False, barrier=False,
-                        deadline_s=180)[0]
+    found = run_workers(
+        _suggest_in_child, 1, child, base, init_pg=False, barrier=False, deadline_s=180
+    )[0]
     assert len(found) == 3
     assert [c.step_s for c in found] == sorted(c.step_s for c in found)
     assert all(c.peak_bytes <= 0.9 * 256 * 2**20 for c in found)  # the 10% margin
@@ -218,9 +301,20 @@ def test_suggest_lists_launchable_layouts_and_the_first_runs(tmp_path):
     first = found[0]
     run = tmp_path / "run"
     run.mkdir()
-    records = run_trainer(run, 4, [*base, *first.overrides(), "--training.steps", "2",
-                                   "--metrics.log_freq", "1", "--metrics.no_enable_tensorboard"],
-                          deadline_s=180)
+    records = run_trainer(
+        run,
+        4,
+        [
+            *base,
+            *first.overrides(),
+            "--training.steps",
+            "2",
+            "--metrics.log_freq",
+            "1",
+            "--metrics.no_enable_tensorboard",
+        ],
+        deadline_s=180,
+    )
     assert [r["step"] for r in records] == [1, 2] and all(r["loss"] > 0 for r in records)
     measured = json.loads((run / "dump" / "memory_measured.json").read_text())["ranks"]
     assert all(m["activations_bytes"] > 0 for m in measured)

@@ -27,14 +27,17 @@ def debug_model():
 # ----------------------------------------------------------------------------- sizes
 
 
-@pytest.mark.parametrize("flavor,expected,rel", [
-    ("8B", 8.03e9, 0.005),
-    ("70B", 70.6e9, 0.005),
-    ("405B", 405.8e9, 0.005),
-    # Llama 3.2 1B and 3B tie the embedding to the output: counted once
-    ("1B", 1.236e9, 0.005),
-    ("3B", 3.213e9, 0.005),
-])
+@pytest.mark.parametrize(
+    "flavor,expected,rel",
+    [
+        ("8B", 8.03e9, 0.005),
+        ("70B", 70.6e9, 0.005),
+        ("405B", 405.8e9, 0.005),
+        # Llama 3.2 1B and 3B tie the embedding to the output: counted once
+        ("1B", 1.236e9, 0.005),
+        ("3B", 3.213e9, 0.005),
+    ],
+)
 def test_num_params_published(flavor, expected, rel):
     assert LLAMA3_FLAVORS[flavor].num_params() == pytest.approx(expected, rel=rel)
 
@@ -44,17 +47,28 @@ def test_num_params_without_embedding():
     assert a.num_params() - a.num_params(include_embedding=False) == 128256 * 4096
 
 
-@pytest.mark.parametrize("flavor,hidden", [
-    ("1B", 8192), ("8B", 14336), ("70B", 28672), ("405B", 53248),
-])
+@pytest.mark.parametrize(
+    "flavor,hidden",
+    [
+        ("1B", 8192),
+        ("8B", 14336),
+        ("70B", 28672),
+        ("405B", 53248),
+    ],
+)
 def test_ffn_hidden_dim(flavor, hidden):
     assert LLAMA3_FLAVORS[flavor].ffn_hidden_dim == hidden
 
 
-@pytest.mark.parametrize("flavor,dims", [
-    ("8B", (4096, 32, 32, 8, 128)), ("70B", (8192, 80, 64, 8, 128)),
-    ("405B", (16384, 126, 128, 8, 128)), ("1B", (2048, 16, 32, 8, 64)),
-])
+@pytest.mark.parametrize(
+    "flavor,dims",
+    [
+        ("8B", (4096, 32, 32, 8, 128)),
+        ("70B", (8192, 80, 64, 8, 128)),
+        ("405B", (16384, 126, 128, 8, 128)),
+        ("1B", (2048, 16, 32, 8, 64)),
+    ],
+)
 def test_flavor_shapes(flavor, dims):
     a = LLAMA3_FLAVORS[flavor]
     assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim) == dims
@@ -134,8 +148,9 @@ def test_init_different_seed_differs(debug_model):
 def test_init_params_are_distinct_and_scaled(debug_model):
     params = dict(debug_model.named_parameters())
     # same shape, same std, different names -> different values
-    assert not torch.equal(params["layers.0.attention.wq.weight"],
-                           params["layers.1.attention.wq.weight"])
+    assert not torch.equal(
+        params["layers.0.attention.wq.weight"], params["layers.1.attention.wq.weight"]
+    )
     assert params["layers.0.attention.wq.weight"].std().item() == pytest.approx(0.02, rel=0.1)
     assert params["tok_embeddings.weight"].std().item() == pytest.approx(1.0, rel=0.05)
     deep = params[f"layers.{DEBUG.n_layers - 1}.attention.wo.weight"].std().item()
@@ -191,7 +206,7 @@ def test_an_aux_loss_adds_its_gradient_only_in_a_collected_step():
     def grad(collect: bool):
         x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
         with AuxLossCollector(0.25) if collect else contextlib.nullcontext() as aux:
-            h = attach_aux_loss(x * 2, "square", (x ** 2).sum())
+            h = attach_aux_loss(x * 2, "square", (x**2).sum())
             assert torch.equal(h, x * 2)  # the output is unchanged
             h.sum().backward()
         return x.grad, aux
@@ -210,8 +225,9 @@ def test_llama_on_the_common_blocks_is_the_model_it_was():
     (figures recorded from it; fp32 on any CPU agrees to ~1e-6)."""
     import hashlib
 
-    args = LLAMA3_FLAVORS["debugmodel"].with_updates(max_seq_len=32, rope_scaling_factor=8.0,
-                                                     rope_original_max_len=16)
+    args = LLAMA3_FLAVORS["debugmodel"].with_updates(
+        max_seq_len=32, rope_scaling_factor=8.0, rope_original_max_len=16
+    )
     model = Transformer(args)
     model.init_weights(0)
     names = ";".join(f"{k}:{tuple(v.shape)}" for k, v in model.state_dict().items())
@@ -220,5 +236,9 @@ def test_llama_on_the_common_blocks_is_the_model_it_was():
     with torch.no_grad():
         out = model(x).double()
     assert out.abs().sum().item() == pytest.approx(103335.39147105918, rel=1e-5)
-    torch.testing.assert_close(out[1, -1, :3].float(), torch.tensor(
-        [0.48832303285598755, -0.9125667214393616, 1.1642601490020752]), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        out[1, -1, :3].float(),
+        torch.tensor([0.48832303285598755, -0.9125667214393616, 1.1642601490020752]),
+        rtol=0,
+        atol=1e-4,
+    )

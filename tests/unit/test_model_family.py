@@ -21,12 +21,30 @@ from titan.preflight import plan_run
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 
 STEPS = 6
-COMMON = ["--model.name", gelu_llama.NAME, "--model.flavor", "tiny",
-          "--training.steps", str(STEPS), "--training.seq_len", "64",
-          "--training.mixed_precision_param", "float32", "--training.deterministic",
-          "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "5e-3", "--metrics.log_freq", "1",
-          "--metrics.no_enable_tensorboard", "--metrics.peak_flops", "1e12",
-          "--gelu_llama.aux_loss_coeff", "0.5"]
+COMMON = [
+    "--model.name",
+    gelu_llama.NAME,
+    "--model.flavor",
+    "tiny",
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.deterministic",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "5e-3",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.no_enable_tensorboard",
+    "--metrics.peak_flops",
+    "1e12",
+    "--gelu_llama.aux_loss_coeff",
+    "0.5",
+]
 AUX = "activation_l2"
 
 
@@ -40,19 +58,32 @@ def family():
 @pytest.fixture(scope="module")
 def one_rank(family, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one")
-    records = run_trainer(tmp, 1, [*COMMON, "--training.local_batch_size", "8",
-                                   "--checkpoint.enable", "--checkpoint.last_save_model_only"])
+    records = run_trainer(
+        tmp,
+        1,
+        [
+            *COMMON,
+            "--training.local_batch_size",
+            "8",
+            "--checkpoint.enable",
+            "--checkpoint.last_save_model_only",
+        ],
+    )
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[-1]["loss"] < records[0]["loss"] - 0.3  # it learns
     return records, tmp / "dump" / "checkpoint" / f"step-{STEPS}"
 
 
-@pytest.mark.parametrize("layout", [
-    ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
-    ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"],
-    # the aux loss of the first stage's layers reaches backward through the stage's output
-    ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"],
-], ids=["fsdp2", "tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
+        ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"],
+        # the aux loss of the first stage's layers reaches backward through the stage's output
+        ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"],
+    ],
+    ids=["fsdp2", "tp2", "pp2"],
+)
 def test_trains_like_one_rank(layout, one_rank, tmp_path):
     records = run_trainer(tmp_path, 2, [*COMMON, *layout])
     for a, b in zip(one_rank[0], records, strict=True):
@@ -64,8 +95,11 @@ def test_trains_like_one_rank(layout, one_rank, tmp_path):
 def test_the_aux_loss_trains_and_is_logged_apart(one_rank, tmp_path):
     """`loss` is the cross-entropy alone: equal at step 1 with and without the aux loss,
     apart after (backward saw the aux loss), and the aux value has its own key."""
-    plain = run_trainer(tmp_path, 1, [*COMMON, "--gelu_llama.aux_loss_coeff", "0",
-                                      "--training.local_batch_size", "8"])
+    plain = run_trainer(
+        tmp_path,
+        1,
+        [*COMMON, "--gelu_llama.aux_loss_coeff", "0", "--training.local_batch_size", "8"],
+    )
     with_aux = one_rank[0]
     assert plain[0]["loss"] == with_aux[0]["loss"] and AUX not in plain[0]
     assert all(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(plain[1:], with_aux[1:]))
@@ -84,9 +118,17 @@ def _hook_calls(rank, world_size, port, argv):
 
 
 def test_post_optimizer_hook_runs_after_every_step_taken(family, tmp_path):
-    argv = [*COMMON, "--training.local_batch_size", "4", "--training.steps", "3",
-            "--parallelism.pipeline_parallel_degree", "2",
-            "--job.dump_folder", str(tmp_path / "dump")]
+    argv = [
+        *COMMON,
+        "--training.local_batch_size",
+        "4",
+        "--training.steps",
+        "3",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path / "dump"),
+    ]
     assert run_workers(_hook_calls, 2, tmp_path, free_port(), argv, init_pg=False) == [[3], [3]]
 
 

@@ -33,12 +33,25 @@ def per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("args", [
-    MoEArgs(n_experts=8, top_k=2, hidden_dim=32),
-    MoEArgs(n_experts=8, top_k=3, hidden_dim=32, norm_topk_prob=False),
-    MoEArgs(n_experts=16, top_k=4, hidden_dim=32, score_func="sigmoid", n_groups=4,
-            topk_groups=2, route_scale=2.5, score_bias=True, n_shared_experts=2),
-], ids=["softmax", "softmax_unnormalized", "sigmoid_groups_bias_shared"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        MoEArgs(n_experts=8, top_k=2, hidden_dim=32),
+        MoEArgs(n_experts=8, top_k=3, hidden_dim=32, norm_topk_prob=False),
+        MoEArgs(
+            n_experts=16,
+            top_k=4,
+            hidden_dim=32,
+            score_func="sigmoid",
+            n_groups=4,
+            topk_groups=2,
+            route_scale=2.5,
+            score_bias=True,
+            n_shared_experts=2,
+        ),
+    ],
+    ids=["softmax", "softmax_unnormalized", "sigmoid_groups_bias_shared"],
+)
 def test_every_token_reaches_all_its_experts(args):
     torch.manual_seed(0)
     moe = built(args)
@@ -69,8 +82,14 @@ def test_dropless_when_every_token_picks_the_same_experts():
 
 
 def test_score_bias_steers_the_choice_but_not_the_weights():
-    args = MoEArgs(n_experts=8, top_k=2, hidden_dim=32, score_func="sigmoid", score_bias=True,
-                   norm_topk_prob=False)
+    args = MoEArgs(
+        n_experts=8,
+        top_k=2,
+        hidden_dim=32,
+        score_func="sigmoid",
+        score_bias=True,
+        norm_topk_prob=False,
+    )
     moe = built(args)
     x = torch.randn(16, DIM)
     _, _, scores = moe.router(x)
@@ -105,14 +124,17 @@ def test_grouped_gemm_equals_the_per_expert_loop_bit_for_bit(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(grouped[1], loop[1]))
 
 
-@pytest.mark.parametrize("bad, fields", [
-    (dict(top_k=9), "top_k 9"),
-    (dict(n_groups=3), "n_groups 3 must divide n_experts 8"),
-    (dict(n_groups=8), "fewer than 2 experts per group"),
-    (dict(n_groups=4, topk_groups=5), "topk_groups 5"),
-    (dict(n_groups=4, topk_groups=1, top_k=3), "top_k 3 exceeds the 2 experts"),
-    (dict(score_func="relu"), "score_func 'relu'"),
-])
+@pytest.mark.parametrize(
+    "bad, fields",
+    [
+        (dict(top_k=9), "top_k 9"),
+        (dict(n_groups=3), "n_groups 3 must divide n_experts 8"),
+        (dict(n_groups=8), "fewer than 2 experts per group"),
+        (dict(n_groups=4, topk_groups=5), "topk_groups 5"),
+        (dict(n_groups=4, topk_groups=1, top_k=3), "top_k 3 exceeds the 2 experts"),
+        (dict(score_func="relu"), "score_func 'relu'"),
+    ],
+)
 def test_bad_settings_are_named(bad, fields):
     args = MoEArgs(**{**dict(n_experts=8, top_k=2), **bad})
     assert any(fields in p for p in args.problems()), args.problems()
@@ -121,6 +143,7 @@ def test_bad_settings_are_named(bad, fields):
 
 
 # ---------------------------------------------------------------- transformers as reference
+
 
 def _hf_experts_from(moe: MoE, hf_experts) -> None:
     e = moe.experts
@@ -134,8 +157,13 @@ def test_equals_transformers_qwen3_moe_block():
     import transformers
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    cfg = transformers.Qwen3MoeConfig(hidden_size=DIM, num_experts=8, num_experts_per_tok=2,
-                                      moe_intermediate_size=32, norm_topk_prob=True)
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=DIM,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    )
     moe = built(MoEArgs(n_experts=8, top_k=2, hidden_dim=32, norm_topk_prob=True))
     hf = Qwen3MoeSparseMoeBlock(cfg)
     _hf_experts_from(moe, hf.experts)
@@ -150,12 +178,30 @@ def test_equals_transformers_deepseek_v3_moe():
     import transformers
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    cfg = transformers.DeepseekV3Config(hidden_size=DIM, n_routed_experts=16,
-                                        num_experts_per_tok=4, n_group=4, topk_group=2,
-                                        routed_scaling_factor=2.5, moe_intermediate_size=32,
-                                        n_shared_experts=2, norm_topk_prob=True)
-    moe = built(MoEArgs(n_experts=16, top_k=4, hidden_dim=32, score_func="sigmoid", n_groups=4,
-                        topk_groups=2, route_scale=2.5, score_bias=True, n_shared_experts=2))
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=DIM,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        norm_topk_prob=True,
+    )
+    moe = built(
+        MoEArgs(
+            n_experts=16,
+            top_k=4,
+            hidden_dim=32,
+            score_func="sigmoid",
+            n_groups=4,
+            topk_groups=2,
+            route_scale=2.5,
+            score_bias=True,
+            n_shared_experts=2,
+        )
+    )
     hf = DeepseekV3MoE(cfg)
     _hf_experts_from(moe, hf.experts)
     with torch.no_grad():
@@ -164,13 +210,13 @@ def test_equals_transformers_deepseek_v3_moe():
         hf.gate.e_score_correction_bias.copy_(moe.router.expert_bias)
         for n in ("gate_proj", "up_proj", "down_proj"):
             ours = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[n]
-            getattr(hf.shared_experts, n).weight.copy_(
-                getattr(moe.shared_experts, ours).weight)
+            getattr(hf.shared_experts, n).weight.copy_(getattr(moe.shared_experts, ours).weight)
     x = torch.randn(2, 24, DIM)
     torch.testing.assert_close(moe(x), hf(x), atol=1e-6, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- load balancing
+
 
 def test_bias_update_moves_every_expert_towards_the_mean_load():
     from titan.models.common.moe import update_expert_bias_

@@ -53,19 +53,33 @@ def test_bfloat16_iteration_is_torchs_up_to_rounding():
 def test_a_step_is_torchs_muon_and_adamw(monkeypatch, nesterov, adjust):
     """Matrices: torch.optim.Muon's step (its iteration run in float32 for the comparison);
     vectors: torch's AdamW, bit for bit."""
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz",
-                        lambda g, coeffs, steps, eps: newton_schulz(g, steps, torch.float32))
+    monkeypatch.setattr(
+        torch.optim._muon,
+        "_zeropower_via_newtonschulz",
+        lambda g, coeffs, steps, eps: newton_schulz(g, steps, torch.float32),
+    )
     gen = torch.Generator().manual_seed(2)
     w, b = torch.randn(32, 80, generator=gen), torch.randn(80, generator=gen)
     ours_w, ours_b, ref_w, ref_b = (torch.nn.Parameter(t.clone()) for t in (w, b, w, b))
-    ours = Muon([{"params": [ours_w], "lr": 1e-2, "weight_decay": 0.1, "muon": True},
-                 {"params": [ours_b], "lr": 1e-2, "weight_decay": 0.1, "muon": False}],
-                betas=(0.9, 0.95), eps=1e-8, momentum=0.9, nesterov=nesterov, ns_steps=5,
-                ns_dtype=torch.float32, adjust_lr=adjust)
-    ref_muon = torch.optim.Muon([ref_w], lr=1e-2, weight_decay=0.1, momentum=0.9,
-                                nesterov=nesterov, adjust_lr_fn=adjust)
-    ref_adamw = torch.optim.AdamW([ref_b], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=0.1, foreach=False)
+    ours = Muon(
+        [
+            {"params": [ours_w], "lr": 1e-2, "weight_decay": 0.1, "muon": True},
+            {"params": [ours_b], "lr": 1e-2, "weight_decay": 0.1, "muon": False},
+        ],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        momentum=0.9,
+        nesterov=nesterov,
+        ns_steps=5,
+        ns_dtype=torch.float32,
+        adjust_lr=adjust,
+    )
+    ref_muon = torch.optim.Muon(
+        [ref_w], lr=1e-2, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust
+    )
+    ref_adamw = torch.optim.AdamW(
+        [ref_b], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False
+    )
     for _ in range(3):
         gw, gb = torch.randn(32, 80, generator=gen), torch.randn(80, generator=gen)
         ours_w.grad, ref_w.grad, ours_b.grad, ref_b.grad = gw, gw.clone(), gb, gb.clone()
@@ -88,22 +102,29 @@ def test_hidden_matrices_take_muon_the_rest_adamw():
     muon = {n for g in opt.param_groups if g["muon"] for n in g["param_names"]}
     adamw = {n for g in opt.param_groups if not g["muon"] for n in g["param_names"]}
     assert {"layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight"} <= muon
-    assert {"tok_embeddings.weight", "output.weight", "norm.weight",
-            "layers.0.attention_norm.weight"} <= adamw
+    assert {
+        "tok_embeddings.weight",
+        "output.weight",
+        "norm.weight",
+        "layers.0.attention_norm.weight",
+    } <= adamw
     assert all("norm" not in n and "tok_embeddings" not in n for n in muon)
     # state: a momentum buffer per matrix, AdamW's moments and step for the rest
     n_muon = sum(p.numel() for g in opt.param_groups if g["muon"] for p in g["params"])
     shapes = [(n, tuple(p.shape)) for n, p in model().named_parameters()]
     n_all = sum(p.numel() for p in model().parameters())
     assert save_state_bytes(shapes, job.optimizer, job.extensions) == (
-        4 * n_muon + 8 * (n_all - n_muon) + 4 * len(adamw))
+        4 * n_muon + 8 * (n_all - n_muon) + 4 * len(adamw)
+    )
 
 
 def test_muon_settings_are_checked():
-    for argv, key in [(["--muon.momentum", "1.0"], "muon.momentum"),
-                      (["--muon.ns_steps", "0"], "muon.ns_steps"),
-                      (["--muon.adamw_params", "(output"], "muon.adamw_params"),
-                      (["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype")]:
+    for argv, key in [
+        (["--muon.momentum", "1.0"], "muon.momentum"),
+        (["--muon.ns_steps", "0"], "muon.ns_steps"),
+        (["--muon.adamw_params", "(output"], "muon.adamw_params"),
+        (["--optimizer.state_dtype", "bfloat16"], "optimizer.state_dtype"),
+    ]:
         with pytest.raises(ConfigError, match=key):
             parse_args([*MUON, *argv])
     parse_args(["--muon.momentum", "1.0"])  # Muon's section is not checked for AdamW
@@ -115,8 +136,10 @@ COMMON = [*tiny_run(10), *MUON, *FP32_NS]
 LAYOUTS = {
     "fsdp2": (2, []),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
-                    "--training.local_batch_size", "2"]),
+    "hsdp2x2": (
+        4,
+        ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"],
+    ),
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
 }
@@ -129,8 +152,10 @@ def test_every_layout_trains_as_one_process(tmp_path):
     one = [r["loss"] for r in run_trainer(tmp_path / "one", 1, COMMON, deadline_s=300)]
     assert one[-1] < one[0] - 0.1  # it trains
     for name, (world, extra) in LAYOUTS.items():
-        got = [r["loss"] for r in run_trainer(tmp_path / name, world, [*COMMON, *extra],
-                                              deadline_s=300)]
+        got = [
+            r["loss"]
+            for r in run_trainer(tmp_path / name, world, [*COMMON, *extra], deadline_s=300)
+        ]
         diff = max(abs(a - b) for a, b in zip(one, got, strict=True))
         print(f"{name}: max |loss - 1 rank| over 10 steps {diff:.2e}")
         assert diff < 1e-5, name
@@ -145,21 +170,25 @@ def test_resume_is_bitwise_and_onto_another_layout(tmp_path):
     step3 = tmp_path / "resumed" / "dump" / "checkpoint" / "step-3"
     # the checkpoint holds what the disk check counts: one buffer per matrix, AdamW's rest
     md = FileSystemReader(str(step3)).read_metadata().state_dict_metadata
-    saved = sum(m.size.numel() * m.properties.dtype.itemsize for k, m in md.items()
-                if k.startswith("optimizer."))
+    saved = sum(
+        m.size.numel() * m.properties.dtype.itemsize
+        for k, m in md.items()
+        if k.startswith("optimizer.")
+    )
     job = parse_args(COMMON)
-    weights = [(k.removeprefix("model."), tuple(m.size)) for k, m in md.items()
-               if k.startswith("model.")]
+    weights = [
+        (k.removeprefix("model."), tuple(m.size)) for k, m in md.items() if k.startswith("model.")
+    ]
     planned = save_state_bytes(weights, job.optimizer, job.extensions)
     assert saved == planned
     assert disk_space.model_save_bytes(model(), job.optimizer, job.extensions) < (
-        disk_space.model_save_bytes(model(), parse_args([]).optimizer, {}))
+        disk_space.model_save_bytes(model(), parse_args([]).optimizer, {})
+    )
     import shutil
 
     shutil.copytree(tmp_path / "resumed", tmp_path / "tp2")
     resumed = run_trainer(tmp_path / "resumed", 2, fsdp2)
     assert [r["loss"] for r in resumed[-3:]] == [r["loss"] for r in straight[-3:]]
-    on_tp2 = run_trainer(tmp_path / "tp2", 2, [*fsdp2, "--parallelism.tensor_parallel_degree",
-                                               "2"])
+    on_tp2 = run_trainer(tmp_path / "tp2", 2, [*fsdp2, "--parallelism.tensor_parallel_degree", "2"])
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(on_tp2[-3:], straight[-3:]))
     assert diff < 1e-5

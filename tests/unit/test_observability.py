@@ -27,8 +27,8 @@ def wandb_records(path):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        pending += data[pos + 7:pos + 7 + length]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = pb.Record()
@@ -47,8 +47,9 @@ def wandb_history(run_dir) -> tuple[dict[int, dict], dict]:
     for r in wandb_records(path):
         kind = r.WhichOneof("record_type")
         if kind == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                     for i in r.history.item}
+            items = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item
+            }
             history.setdefault(int(items["_step"]), {}).update(items)
         elif kind in ("run", "config"):
             update = r.run.config.update if kind == "run" else r.config.update
@@ -58,14 +59,23 @@ def wandb_history(run_dir) -> tuple[dict[int, dict], dict]:
 
 @pytest.mark.needs("wandb")
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
-def test_wandb_offline_run_holds_the_logged_values_and_resume_continues_it(tmp_path,
-                                                                           monkeypatch, capfd):
+def test_wandb_offline_run_holds_the_logged_values_and_resume_continues_it(
+    tmp_path, monkeypatch, capfd
+):
     from tests.forked import run_trainer, tiny_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_SILENT", raising=False)
-    argv = [*DEBUG, *tiny_run(4), "--metrics.enable_wandb", "--metrics.wandb_tags", "ci,cpu",
-            "--checkpoint.enable", "--checkpoint.interval", "2"]
+    argv = [
+        *DEBUG,
+        *tiny_run(4),
+        "--metrics.enable_wandb",
+        "--metrics.wandb_tags",
+        "ci,cpu",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
     first = run_trainer(tmp_path, 1, [*argv, "--training.exit_at_step", "2"])
     # W&B's own output (banner, sync hints, summary tables) is off: titan's run line says it
     out = capfd.readouterr()
@@ -81,7 +91,7 @@ def test_wandb_offline_run_holds_the_logged_values_and_resume_continues_it(tmp_p
     for run_dir, steps in zip(runs, ([1, 2], [3, 4])):
         history, config = wandb_history(run_dir)
         assert sorted(history) == steps
-        for r in records[steps[0] - 1:steps[-1]]:
+        for r in records[steps[0] - 1 : steps[-1]]:
             logged = history[r["step"]]
             for key in ("loss", "grad_norm", "lr", "tps", "memory_gib", "data_pct"):
                 assert logged[f"train/{key}"] == pytest.approx(r[key], rel=1e-12), key
@@ -103,12 +113,26 @@ def test_wandb_missing_is_named_before_launch(monkeypatch):
 
 def fake_run(folder, losses, validation=()):
     folder.mkdir(parents=True)
-    rows = [{"step": i + 1, "loss": loss, "grad_norm": 1.0 / (i + 1), "lr": 1e-3 * (i + 1),
-             "tps": 1000.0 + i, "mfu": None, "memory_gib": 0.5} for i, loss in enumerate(losses)]
+    rows = [
+        {
+            "step": i + 1,
+            "loss": loss,
+            "grad_norm": 1.0 / (i + 1),
+            "lr": 1e-3 * (i + 1),
+            "tps": 1000.0 + i,
+            "mfu": None,
+            "memory_gib": 0.5,
+        }
+        for i, loss in enumerate(losses)
+    ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if validation:
-        (folder / "validation.jsonl").write_text("".join(
-            json.dumps({"step": s, "val_loss": v, "val_batches": 2}) + "\n" for s, v in validation))
+        (folder / "validation.jsonl").write_text(
+            "".join(
+                json.dumps({"step": s, "val_loss": v, "val_batches": 2}) + "\n"
+                for s, v in validation
+            )
+        )
 
 
 @pytest.mark.needs("matplotlib")
@@ -129,7 +153,11 @@ def test_plot_draws_each_run_on_every_panel(tmp_path):
     panels = {ax.get_title(): ax for ax in fig.axes}
     loss = panels["loss"]
     assert [ln.get_label() for ln in loss.get_lines()] == [
-        "baseline", "baseline (validation)", "candidate0", "solo"]
+        "baseline",
+        "baseline (validation)",
+        "candidate0",
+        "solo",
+    ]
     assert list(loss.get_lines()[2].get_ydata()) == [5.0, 4.1, 3.1]
     assert list(loss.get_lines()[1].get_xdata()) == [3]
     for title in ("grad norm", "learning rate", "tokens/s (per device)", "peak memory GiB"):
@@ -154,13 +182,13 @@ def test_plot_cli_names_a_folder_without_metrics(tmp_path, capsys):
         out = capsys.readouterr()
         assert out.out == "" and out.err.count("\n") == 1, out.err
         return out.err
+
     # a run killed mid-write leaves its last line cut short: the lines before it are drawn
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text(metrics.read_text() + '{"step": 3, "lo')
     assert plot.main([str(tmp_path / "run"), "-o", str(tmp_path / "y.png")]) == 0
     assert "1 run drawn" in capsys.readouterr().out
-    assert "cannot write " in one_line_error(str(tmp_path / "run"), "-o",
-                                            str(metrics / "x.png"))
+    assert "cannot write " in one_line_error(str(tmp_path / "run"), "-o", str(metrics / "x.png"))
     metrics.write_text('{"step": 1, "lo\n{"step": 2}\n')  # damaged mid-file
     assert "metrics.jsonl, line 1: not a JSON record" in one_line_error(str(tmp_path / "run"))
     metrics.write_text("")  # started, nothing logged yet
@@ -174,8 +202,11 @@ def test_memory_snapshot_needs_cuda_and_says_so():
     from titan.preflight import plan_run
 
     job = parse_args([*DEBUG, "--training.device", "cpu", "--profiling.enable_memory_snapshot"])
-    with pytest.raises(ConfigError, match=r"profiling.enable_memory_snapshot = True .*: records "
-                                          r"the CUDA caching allocator's history: it needs a GPU"):
+    with pytest.raises(
+        ConfigError,
+        match=r"profiling.enable_memory_snapshot = True .*: records "
+        r"the CUDA caching allocator's history: it needs a GPU",
+    ):
         plan_run(job, 1)
 
 
@@ -183,8 +214,7 @@ def test_flight_recorder_settings(tmp_path, monkeypatch):
     from titan.components.observability import flight_recorder
     from titan.preflight import plan_run
 
-    job = parse_args([*DEBUG, "--comm.trace_buf_size", "500", "--job.dump_folder",
-                      str(tmp_path)])
+    job = parse_args([*DEBUG, "--comm.trace_buf_size", "500", "--job.dump_folder", str(tmp_path)])
     plan_run(job, 1)  # accepted on CPU
     env = flight_recorder.flight_recorder_env(job.comm, str(tmp_path))
     assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
@@ -225,11 +255,31 @@ def test_memory_snapshot_dumps_every_profile_freq_steps_and_on_oom(tmp_path):
 
     _cuda()
     proc = subprocess.run(
-        [sys.executable, "-m", "titan.train", *DEBUG, "--training.device", "cuda",
-         "--training.steps", "4", "--training.seq_len", "64", "--profiling.enable_memory_snapshot",
-         "--profiling.profile_freq", "2", "--profiling.memory_snapshot_start_step", "2",
-         "--metrics.no_enable_tensorboard", "--job.dump_folder", str(tmp_path / "run")],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "titan.train",
+            *DEBUG,
+            "--training.device",
+            "cuda",
+            "--training.steps",
+            "4",
+            "--training.seq_len",
+            "64",
+            "--profiling.enable_memory_snapshot",
+            "--profiling.profile_freq",
+            "2",
+            "--profiling.memory_snapshot_start_step",
+            "2",
+            "--metrics.no_enable_tensorboard",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = tmp_path / "run" / "memory_snapshot"
     assert sorted(p.name for p in folder.iterdir()) == ["iteration_2", "iteration_4"]
@@ -241,8 +291,9 @@ def test_memory_snapshot_dumps_every_profile_freq_steps_and_on_oom(tmp_path):
     with pytest.raises(torch.OutOfMemoryError), snap.step(7):
         torch.empty(2**50, device="cuda")
     snap.close()
-    assert (tmp_path / "oom" / "memory_snapshot" / "iteration_7_exit" /
-            "rank0_memory_snapshot.pickle").stat().st_size > 0
+    assert (
+        tmp_path / "oom" / "memory_snapshot" / "iteration_7_exit" / "rank0_memory_snapshot.pickle"
+    ).stat().st_size > 0
 
 
 @pytest.mark.gpu
@@ -269,8 +320,9 @@ torch.cuda.synchronize()
 sys.stdout.buffer.write(torch._C._distributed_c10d._dump_nccl_trace())
 dist.destroy_process_group()
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300,
-                          cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, timeout=300, cwd=REPO_ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     entries = pickle.loads(proc.stdout)["entries"]
     # "nccl:all_reduce" (older torch wrote "allreduce")
@@ -292,9 +344,19 @@ def test_a_slowed_rank_is_named_as_the_straggler(tmp_path):
     from tests.forked import run_trainer, tiny_run
     from titan.components.observability import rank_times
 
-    argv = [*DEBUG, *tiny_run(6), "--parallelism.data_parallel_shard_degree", "2",
-            "--debug.sleep_at_step", "2", "--debug.sleep_rank", "1", "--debug.sleep_seconds",
-            "0.4", "--debug.sleep_every_step"]
+    argv = [
+        *DEBUG,
+        *tiny_run(6),
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--debug.sleep_at_step",
+        "2",
+        "--debug.sleep_rank",
+        "1",
+        "--debug.sleep_seconds",
+        "0.4",
+        "--debug.sleep_every_step",
+    ]
     log = logging.getLogger(rank_times.__name__)
     handler = logging.FileHandler(tmp_path / "warnings.log")  # the forked ranks write to it
     log.addHandler(handler)
@@ -311,5 +373,11 @@ def test_a_slowed_rank_is_named_as_the_straggler(tmp_path):
         assert r["rank_step_time_spread_s"] == pytest.approx(0.4, abs=0.15), r
         assert r["step_time_s"] >= 0.4  # everyone's wall step holds the sleep
     assert [r.get("straggler") for r in records] == [
-        None, None, None, {"rank": 1, "host": socket.gethostname()}, None, None]
+        None,
+        None,
+        None,
+        {"rank": 1, "host": socket.gethostname()},
+        None,
+        None,
+    ]
     assert len(warnings) == 1 and f"rank 1 on {socket.gethostname()}" in warnings[0], warnings

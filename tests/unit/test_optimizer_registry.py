@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from titan.components.checkpoint import disk_space
+from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.optim.optimizer import build_optimizer, param_groups
 from titan.components.optim.registry import OptimizerSpec, register_optimizer, unregister_optimizer
-from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.config import ConfigError, help_text, parse_args
 from titan.config.job_config import opt
 from titan.models.spec import get_train_spec
@@ -17,9 +17,11 @@ from titan.parallelisms.activation_checkpoint import apply_ac
 
 LLAMA = get_train_spec("llama3")
 ARGS = LLAMA.flavors["debugmodel"].with_updates(vocab_size=256, max_seq_len=16)
-GROUPS = ["--optimizer.param_groups",
-          '[{params = "norm|tok_embeddings", weight_decay = 0.0}, {params = "layers\\\\.0\\\\.",'
-          ' lr = 1e-5}]']
+GROUPS = [
+    "--optimizer.param_groups",
+    '[{params = "norm|tok_embeddings", weight_decay = 0.0}, {params = "layers\\\\.0\\\\.",'
+    " lr = 1e-5}]",
+]
 
 
 def model():
@@ -31,22 +33,29 @@ def model():
 
 def test_groups_from_toml_tables_and_the_command_line_agree(tmp_path):
     path = tmp_path / "groups.toml"
-    path.write_text('[[optimizer.param_groups]]\nparams = "norm|tok_embeddings"\n'
-                    'weight_decay = 0.0\n[[optimizer.param_groups]]\nparams = "layers\\\\.0\\\\."'
-                    '\nlr = 1e-5\n')
+    path.write_text(
+        '[[optimizer.param_groups]]\nparams = "norm|tok_embeddings"\n'
+        'weight_decay = 0.0\n[[optimizer.param_groups]]\nparams = "layers\\\\.0\\\\."'
+        "\nlr = 1e-5\n"
+    )
     from_file = parse_args(["--job.config_file", str(path)]).optimizer.param_groups
     assert from_file == parse_args(GROUPS).optimizer.param_groups
     assert [(g.params, g.lr, g.weight_decay) for g in from_file] == [
-        ("norm|tok_embeddings", None, 0.0), ("layers\\.0\\.", 1e-5, None)]
+        ("norm|tok_embeddings", None, 0.0),
+        ("layers\\.0\\.", 1e-5, None),
+    ]
 
 
-@pytest.mark.parametrize("value,words", [
-    ('[{params = "norm", decay = 0.0}]', "unknown key 'decay'"),
-    ('[{params = "norm(", lr = 1.0}]', "does not compile"),
-    ('[{lr = 1.0}]', "each group needs params"),
-    ('[{params = "norm", lr = -1.0}]', "each group needs params"),
-    ('{params = "norm"', "inline array of tables"),
-])
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        ('[{params = "norm", decay = 0.0}]', "unknown key 'decay'"),
+        ('[{params = "norm(", lr = 1.0}]', "does not compile"),
+        ("[{lr = 1.0}]", "each group needs params"),
+        ('[{params = "norm", lr = -1.0}]', "each group needs params"),
+        ('{params = "norm"', "inline array of tables"),
+    ],
+)
 def test_bad_groups_are_one_line_naming_the_key(value, words):
     with pytest.raises(ConfigError) as e:
         parse_args(["--optimizer.param_groups", value])
@@ -60,8 +69,17 @@ def test_unknown_optimizer_names_the_registered_ones():
 
 
 def test_first_matching_group_takes_a_parameter_and_sets_its_lr_and_decay():
-    job = parse_args([*GROUPS, "--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "0",
-                      "--lr_scheduler.decay_ratio", "0"])
+    job = parse_args(
+        [
+            *GROUPS,
+            "--optimizer.lr",
+            "1e-3",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--lr_scheduler.decay_ratio",
+            "0",
+        ]
+    )
     m = model()
     job_ac = parse_args(["--activation_checkpoint.mode", "full"])
     apply_ac(m.layers, job_ac.activation_checkpoint)  # wrappers' names are not parameters'
@@ -71,8 +89,7 @@ def test_first_matching_group_takes_a_parameter_and_sets_its_lr_and_decay():
     assert all("_checkpoint_wrapped_module" not in n for g in names for n in g)
     assert "layers.0.attention_norm.weight" in names[0] and "tok_embeddings.weight" in names[0]
     assert "layers.0.attention.wq.weight" in names[1] and "layers.1.attention.wq.weight" in names[2]
-    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(1e-3, 0.0), (1e-5, 0.1),
-                                                               (1e-3, 0.1)]
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(1e-3, 0.0), (1e-5, 0.1), (1e-3, 0.1)]
     opt = build_optimizer([m], job.optimizer, job.extensions)
     build_lr_scheduler(opt, job.lr_scheduler, 10)
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-5, 1e-3]
@@ -107,9 +124,16 @@ def _check_heavy_ball(job):
 
 @pytest.fixture
 def heavy_ball():
-    register_optimizer(OptimizerSpec(
-        "HeavyBall", build=f"{__name__}:build_heavy_ball", state_bytes=_heavy_ball_bytes,
-        check=_check_heavy_ball, section="heavy_ball", options=HeavyBallOptions))
+    register_optimizer(
+        OptimizerSpec(
+            "HeavyBall",
+            build=f"{__name__}:build_heavy_ball",
+            state_bytes=_heavy_ball_bytes,
+            check=_check_heavy_ball,
+            section="heavy_ball",
+            options=HeavyBallOptions,
+        )
+    )
     yield
     unregister_optimizer("HeavyBall")
 

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.forked import run_trainer, tiny_run
@@ -36,18 +35,30 @@ def train(m, optimizer, steps, seed=1):
 
 
 def moment_bytes(container) -> int:
-    return sum(t.numel() * t.element_size() for k, t in container.state_dict().items()
-               if k.endswith(("exp_avg", "exp_avg_sq")))
+    return sum(
+        t.numel() * t.element_size()
+        for k, t in container.state_dict().items()
+        if k.endswith(("exp_avg", "exp_avg_sq"))
+    )
 
 
 @pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
 def test_first_step_is_torchs_adamw_exactly(implementation):
     a, b = model(), model()
     kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    train(a, torch.optim.AdamW(a.parameters(), foreach=implementation == "foreach",
-                               fused=implementation == "fused", **kw), 1)
-    ours = LowPrecisionStateAdam(b.parameters(), decoupled_weight_decay=True,
-                                 implementation=implementation, **kw)
+    train(
+        a,
+        torch.optim.AdamW(
+            a.parameters(),
+            foreach=implementation == "foreach",
+            fused=implementation == "fused",
+            **kw,
+        ),
+        1,
+    )
+    ours = LowPrecisionStateAdam(
+        b.parameters(), decoupled_weight_decay=True, implementation=implementation, **kw
+    )
     train(b, ours, 1)
     # the first update uses the float32 moments before they are rounded: identical
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
@@ -72,16 +83,24 @@ def test_state_bytes_halve():
 def test_loaded_moments_stay_bfloat16_and_continue_bitwise():
     """torch's Optimizer.load_state_dict casts state to the parameters' dtype; the moments
     must come back in bf16, or the resumed updates round differently (and memory doubles)."""
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     batches = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(6)]
 
     def build():
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-        return m, LowPrecisionStateAdam(m.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
-                                        weight_decay=0.1, decoupled_weight_decay=True)
+        return m, LowPrecisionStateAdam(
+            m.parameters(),
+            lr=3e-3,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.1,
+            decoupled_weight_decay=True,
+        )
 
     def step(m, opt, x):
         opt.zero_grad()
@@ -97,8 +116,9 @@ def test_loaded_moments_stay_bfloat16_and_continue_bitwise():
     resumed, opt2 = build()
     resumed.load_state_dict(saved[0])
     set_optimizer_state_dict(resumed, opt2, saved[1])
-    assert all(s[n].dtype == torch.bfloat16 for s in opt2.state.values()
-               for n in ("exp_avg", "exp_avg_sq"))
+    assert all(
+        s[n].dtype == torch.bfloat16 for s in opt2.state.values() for n in ("exp_avg", "exp_avg_sq")
+    )
     for x in batches[3:]:
         step(resumed, opt2, x)
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
@@ -118,8 +138,10 @@ def test_200_steps_stay_close_to_float32_states(tmp_path):
     bf16 = run_trainer(tmp_path / "bf16", 1, [*one_batch, *BF16], deadline_s=300)
     diffs = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(fp32, bf16, strict=True)]
     tail = sum(r["loss"] for r in bf16[-20:]) / 20 - sum(r["loss"] for r in fp32[-20:]) / 20
-    print(f"max relative loss difference {max(diffs):.2e}; mean of the last 20 steps "
-          f"{tail:+.4f} ({fp32[0]['loss']:.3f} -> {sum(r['loss'] for r in fp32[-20:]) / 20:.3f})")
+    print(
+        f"max relative loss difference {max(diffs):.2e}; mean of the last 20 steps "
+        f"{tail:+.4f} ({fp32[0]['loss']:.3f} -> {sum(r['loss'] for r in fp32[-20:]) / 20:.3f})"
+    )
     # measured 5.1e-5 at most (1.7e-5 at batch 8; the moments' rounding barely moves Adam's
     # m / sqrt(v)); the band allows 20x that, per step and for the end of the curve
     assert max(diffs) < 1e-3

@@ -20,10 +20,14 @@ from titan.paths import REPO_ROOT
 
 def pytest_child(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     # without the project's addopts (-ra, --durations): only what each test asks for
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o",
-                           "addopts=", *args],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def summary_counts(stdout: str) -> dict[str, int]:
@@ -40,12 +44,17 @@ def test_without_optional_packages_the_suite_collects_and_their_tests_skip():
     assert counts.get("skipped", 0) >= 20 and set(counts) <= {"skipped", "deselected"}, counts
     reasons = re.findall(r"SKIPPED \[\d+\] [^:]+:\d+: (.*)", proc.stdout)
     assert all(
-        re.fullmatch(r"needs (\w+): pip install -e '\.\[\w+\]' \(or '\.\[test\]', which "
-                     r"installs every optional package\)", r) for r in reasons), reasons
+        re.fullmatch(
+            r"needs (\w+): pip install -e '\.\[\w+\]' \(or '\.\[test\]', which "
+            r"installs every optional package\)",
+            r,
+        )
+        for r in reasons
+    ), reasons
     assert {re.match(r"needs (\w+)", r).group(1) for r in reasons} == set(OPTIONAL)
 
 
-USES = '''
+USES = """
 import subprocess, sys
 import pytest
 
@@ -58,22 +67,24 @@ def test_declares_it_too():
 
 def test_forgets_it():
     subprocess.run([sys.executable, "-c", "import matplotlib.pyplot"], check=True)
-'''
+"""
 
 
 def test_an_optional_import_without_its_mark_fails_the_session(tmp_path):
     test_file = tmp_path / "test_uses.py"
     test_file.write_text(USES)
-    proc = pytest_child(["-q", "-c", "pyproject.toml", "-p", "tests.conftest", str(test_file)],
-                        dict(os.environ), timeout=120)
+    proc = pytest_child(
+        ["-q", "-c", "pyproject.toml", "-p", "tests.conftest", str(test_file)],
+        dict(os.environ),
+        timeout=120,
+    )
     assert summary_counts(proc.stdout) == {"passed": 3}, proc.stdout
     assert proc.returncode == 1, proc.stdout
     section = proc.stdout.split("optional packages used without a needs mark", 1)[1]
     section = section.split("\n=", 1)[0]
     # pytest.importorskip's own import is pytest's, not the test's code: only what the test
     # ran in a process of its own is reported, and the marked one is not
-    assert "test_forgets_it: imports matplotlib without @pytest.mark.needs('matplotlib')" \
-        in section
+    assert "test_forgets_it: imports matplotlib without @pytest.mark.needs('matplotlib')" in section
     assert "test_declares_it" not in section
 
 
@@ -81,7 +92,10 @@ def test_an_unactivated_venv_launches_run_train_sh_with_its_own_python():
     # PATH without this interpreter's folder, as when venv/bin/python is called by its path
     path = os.pathsep.join(p for p in ["/usr/bin", "/bin"] if os.path.isdir(p))
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    proc = pytest_child(["-q", "tests/unit/test_launch_env.py", "-k", "refuses_bad_env"],
-                        {**env, "PATH": path}, timeout=300)
+    proc = pytest_child(
+        ["-q", "tests/unit/test_launch_env.py", "-k", "refuses_bad_env"],
+        {**env, "PATH": path},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert summary_counts(proc.stdout) == {"passed": 6, "deselected": 6}

@@ -9,21 +9,25 @@ from titan.preflight import plan_run
 
 
 def dims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, world_size=8):
-    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp,
-                        world_size=world_size)
+    return ParallelDims(
+        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, world_size=world_size
+    )
 
 
 # ----------------------------------------------------------------------------- ParallelDims
 
 
-@pytest.mark.parametrize("kw,shard", [
-    (dict(world_size=8), 8),
-    (dict(tp=2, world_size=8), 4),
-    (dict(dp_replicate=2, tp=2, world_size=8), 2),
-    (dict(cp=2, pp=2, world_size=8), 2),
-    (dict(tp=8, world_size=8), 1),
-    (dict(world_size=1), 1),
-])
+@pytest.mark.parametrize(
+    "kw,shard",
+    [
+        (dict(world_size=8), 8),
+        (dict(tp=2, world_size=8), 4),
+        (dict(dp_replicate=2, tp=2, world_size=8), 2),
+        (dict(cp=2, pp=2, world_size=8), 2),
+        (dict(tp=8, world_size=8), 1),
+        (dict(world_size=1), 1),
+    ],
+)
 def test_fill_minus_one(kw, shard):
     d = dims(**kw)
     assert d.dp_shard == shard
@@ -61,11 +65,16 @@ def test_product_mismatch():
     assert "= 6" in msg and "world size is 8" in msg
 
 
-@pytest.mark.parametrize("kw,name", [
-    (dict(tp=0), "tp"), (dict(pp=0), "pp"), (dict(cp=-1), "cp"),
-    (dict(dp_replicate=0), "dp_replicate"),
-    (dict(dp_shard=-2), "data_parallel_shard_degree"),
-])
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(tp=0), "tp"),
+        (dict(pp=0), "pp"),
+        (dict(cp=-1), "cp"),
+        (dict(dp_replicate=0), "dp_replicate"),
+        (dict(dp_shard=-2), "data_parallel_shard_degree"),
+    ],
+)
 def test_degree_below_one(kw, name):
     with pytest.raises(ParallelismError, match=name):
         dims(**kw)
@@ -81,8 +90,13 @@ def test_mesh_needs_build():
 
 def check(d, n_heads=32, n_kv=8, n_layers=16, seq_len=2048, local=2, global_=None):
     args = Llama3Args(n_heads=n_heads, n_kv_heads=n_kv, n_layers=n_layers)
-    validate_against_model(d, args, seq_len=seq_len, local_batch_size=local,
-                           global_batch_size=global_ if global_ is not None else local * d.dp)
+    validate_against_model(
+        d,
+        args,
+        seq_len=seq_len,
+        local_batch_size=local,
+        global_batch_size=global_ if global_ is not None else local * d.dp,
+    )
 
 
 def test_model_checks_pass():
@@ -137,15 +151,26 @@ def test_plan_defaults():
 
 
 def test_plan_grad_accum():
-    plan = plan_run(job("--training.local_batch_size", "2", "--training.global_batch_size", "32"),
-                    world_size=4)
+    plan = plan_run(
+        job("--training.local_batch_size", "2", "--training.global_batch_size", "32"), world_size=4
+    )
     assert plan.dims.dp == 4
     assert plan.global_batch_size == 32 and plan.grad_accum_steps == 4
-    plan = plan_run(job("--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree",
-                        "2", "--training.global_batch_size", "12"), world_size=4)
+    plan = plan_run(
+        job(
+            "--training.local_batch_size",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.global_batch_size",
+            "12",
+        ),
+        world_size=4,
+    )
     assert plan.dims.dp == 2 and plan.grad_accum_steps == 3
-    plan = plan_run(job("--training.local_batch_size", "3", "--training.seq_len", "64"),
-                    world_size=2)
+    plan = plan_run(
+        job("--training.local_batch_size", "3", "--training.seq_len", "64"), world_size=2
+    )
     assert plan.global_batch_size == 6 and plan.grad_accum_steps == 1
     assert plan.model_args.max_seq_len == 64
 
@@ -177,26 +202,26 @@ def test_plan_pipeline_errors():
     assert "did you mean 'GPipe'" in msg
     msg = plan_error([*pp2, "--training.local_batch_size", "1"], world_size=2)
     assert "cannot fill 2 pipeline ranks" in msg
-    msg = plan_error([*pp2, "--parallelism.pipeline_parallel_layers_per_stage", "2"],
-                     world_size=2)
+    msg = plan_error([*pp2, "--parallelism.pipeline_parallel_layers_per_stage", "2"], world_size=2)
     assert "3 pipeline stages do not divide evenly" in msg  # 6 layers / 2 per stage
-    msg = plan_error([*pp2, "--parallelism.pipeline_parallel_layers_per_stage", "1"],
-                     world_size=2)
+    msg = plan_error([*pp2, "--parallelism.pipeline_parallel_layers_per_stage", "1"], world_size=2)
     assert "one stage per rank" in msg  # 6 stages on 2 ranks with the single-stage 1F1B
     # the validation batch is independent of training's, but it must fill the pipeline too
-    plan_run(job(*pp2, "--validation.enable", "--validation.local_batch_size", "2"),
-             world_size=2)
-    msg = plan_error([*pp2, "--validation.enable", "--validation.local_batch_size", "1"],
-                     world_size=2)
+    plan_run(job(*pp2, "--validation.enable", "--validation.local_batch_size", "2"), world_size=2)
+    msg = plan_error(
+        [*pp2, "--validation.enable", "--validation.local_batch_size", "1"], world_size=2
+    )
     assert "validation.local_batch_size" in msg
-    msg = plan_error([*pp2, "--parallelism.pipeline_parallel_split_points", "layers.x"],
-                     world_size=2)
+    msg = plan_error(
+        [*pp2, "--parallelism.pipeline_parallel_split_points", "layers.x"], world_size=2
+    )
     assert "must name a layer" in msg
 
 
 def test_plan_context_parallel_seq_len():
-    msg = plan_error(["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
-                     world_size=2)
+    msg = plan_error(
+        ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"], world_size=2
+    )
     assert "2 x context_parallel_degree = 4" in msg
 
 
@@ -211,8 +236,9 @@ def test_plan_parallelism_errors_become_config_errors():
     assert "tensor_parallel_degree 3" in msg
     msg = plan_error(["--parallelism.data_parallel_shard_degree", "3"], world_size=4)
     assert "world size is 4" in msg
-    msg = plan_error(["--training.local_batch_size", "2", "--training.global_batch_size", "6"],
-                     world_size=2)
+    msg = plan_error(
+        ["--training.local_batch_size", "2", "--training.global_batch_size", "6"], world_size=2
+    )
     assert "global_batch_size 6" in msg
 
 
@@ -237,24 +263,36 @@ def test_the_dims_table_drives_mesh_layout_record_planner_and_search(monkeypatch
     # global batch
     plan = plan_run(job("--parallelism.tensor_parallel_degree", "2"), world_size=4)
     assert list(plan.layout()) == ["world_size", *names, "grad_accum_steps", "global_batch_size"]
-    assert plan.layout() == {"world_size": 4, "dp_replicate": 1, "dp_shard": 2, "cp": 1,
-                             "tp": 2, "pp": 1, "grad_accum_steps": 1,
-                             "global_batch_size": plan.global_batch_size}  # as checkpoints hold
+    assert plan.layout() == {
+        "world_size": 4,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "cp": 1,
+        "tp": 2,
+        "pp": 1,
+        "grad_accum_steps": 1,
+        "global_batch_size": plan.global_batch_size,
+    }  # as checkpoints hold
     # each dim's degree is read from its config field
     for row in DIMS:
         section, attr = row.config_field.split(".")
         assert getattr(getattr(job(), section), attr) is not None
-    assert ParallelDims.from_config(job("--parallelism.pipeline_parallel_degree", "2"),
-                                    4).degrees() == {**dict.fromkeys(names, 1), "dp_shard": 2,
-                                                     "pp": 2}
-    assert layout_search.LAYOUT_FIELDS == {**{r.name: r.config_field for r in DIMS},
-                                           "ep": "parallelism.expert_parallel_degree"}
+    assert ParallelDims.from_config(
+        job("--parallelism.pipeline_parallel_degree", "2"), 4
+    ).degrees() == {**dict.fromkeys(names, 1), "dp_shard": 2, "pp": 2}
+    assert layout_search.LAYOUT_FIELDS == {
+        **{r.name: r.config_field for r in DIMS},
+        "ep": "parallelism.expert_parallel_degree",
+    }
     # the mesh's dims follow the table's mesh positions: moving a row moves the dim
     assert [n for n, _ in d.mesh_dims()] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
-    moved = tuple(parallel_dims.Dim(r.name, r.config_field, 9 if r.name == "pp" else
-                                    r.mesh_position, r.fills) for r in DIMS)
-    monkeypatch.setattr(parallel_dims, "MESH_ORDER",
-                        tuple(sorted(moved, key=lambda r: r.mesh_position)))
+    moved = tuple(
+        parallel_dims.Dim(r.name, r.config_field, 9 if r.name == "pp" else r.mesh_position, r.fills)
+        for r in DIMS
+    )
+    monkeypatch.setattr(
+        parallel_dims, "MESH_ORDER", tuple(sorted(moved, key=lambda r: r.mesh_position))
+    )
     assert [n for n, _ in d.mesh_dims()] == ["dp_replicate", "dp_shard", "cp", "tp", "pp"]
     assert dict(d.mesh_dims()) == d.degrees()
     # layout search: one degree per row, the candidates every factorization
@@ -287,18 +325,31 @@ def test_pipeline_stages_balance_unequal_layer_costs():
     assert stage_layer_ranges(6, 2, [], [5, 1, 1, 1, 1, 1]) == [range(0, 1), range(1, 6)]
     assert stage_layer_ranges(7, 3, [], [1] * 6 + [6]) == [range(0, 3), range(3, 6), range(6, 7)]
     # equal costs keep the even split, earlier stages taking the remainder
-    assert stage_layer_ranges(5, 2, [], [2] * 5) == stage_layer_ranges(5, 2, []) == [
-        range(0, 3), range(3, 5)]
+    assert (
+        stage_layer_ranges(5, 2, [], [2] * 5)
+        == stage_layer_ranges(5, 2, [])
+        == [range(0, 3), range(3, 5)]
+    )
     # a family's layer_costs reach the plan: DeepSeek-V3 with 2 wide dense layers, 2 MoE
-    args = get_train_spec("deepseek_v3").flavors["debugmodel"].with_updates(
-        n_dense_layers=2, ffn_hidden_dim=8192)
-    job = parse_args(["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree",
-                      "2"])
+    args = (
+        get_train_spec("deepseek_v3")
+        .flavors["debugmodel"]
+        .with_updates(n_dense_layers=2, ffn_hidden_dim=8192)
+    )
+    job = parse_args(["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree", "2"])
     plan, _ = pipeline_plans(job, args)
     assert plan.layer_ranges == (range(0, 1), range(1, 4))
     # explicit split points still win
-    job = parse_args(["--model.name", "deepseek_v3", "--parallelism.pipeline_parallel_degree",
-                      "2", "--parallelism.pipeline_parallel_split_points", "layers.2"])
+    job = parse_args(
+        [
+            "--model.name",
+            "deepseek_v3",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_split_points",
+            "layers.2",
+        ]
+    )
     assert pipeline_plans(job, args)[0].layer_ranges == (range(0, 2), range(2, 4))
 
 
@@ -314,8 +365,16 @@ def test_layout_search_enumerates_expert_parallel_and_prices_its_all_to_all():
     assert {c["ep"] for c in layout_search._layouts(8, 1)} == {1}
 
     def parts(ep):
-        job = parse_args(["--model.name", "deepseek_v3", "--training.local_batch_size", "2",
-                          "--parallelism.expert_parallel_degree", str(ep)])
+        job = parse_args(
+            [
+                "--model.name",
+                "deepseek_v3",
+                "--training.local_batch_size",
+                "2",
+                "--parallelism.expert_parallel_degree",
+                str(ep),
+            ]
+        )
         return step_time(job, plan_run(job, 4), Hardware(), 4)[1]
 
     one, two, four = parts(1), parts(2), parts(4)

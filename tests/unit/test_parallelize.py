@@ -16,11 +16,24 @@ from titan.parallelisms.activation_checkpoint import apply_ac
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 
 STEPS = 5
-COMMON = ["--training.steps", str(STEPS), "--training.seq_len", "32",
-          "--training.local_batch_size", "4", "--training.mixed_precision_param", "float32",
-          "--training.deterministic", "--lr_scheduler.warmup_steps", "2",
-          "--metrics.log_freq", "1", "--metrics.no_enable_tensorboard",
-          "--metrics.peak_flops", "1e12"]
+COMMON = [
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "4",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.deterministic",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.no_enable_tensorboard",
+    "--metrics.peak_flops",
+    "1e12",
+]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
 
@@ -45,8 +58,12 @@ def test_whole_model_compile_under_tp(one_rank, tmp_path):
     # per-block compile + TP fails in backward on CPU, so titan compiles the whole model there
     # aot_eager: dynamo + AOTAutograd over DTensors (where per-block compile breaks) without
     # inductor's C++ build, which the FSDP compile layouts cover
-    records = run_trainer(tmp_path, 2, [*COMMON, *TP2, "--compile.enable",
-                                        "--compile.backend", "aot_eager"], deadline_s=300)
+    records = run_trainer(
+        tmp_path,
+        2,
+        [*COMMON, *TP2, "--compile.enable", "--compile.backend", "aot_eager"],
+        deadline_s=300,
+    )
     assert_same_losses(one_rank, records)
 
 
@@ -57,10 +74,21 @@ def test_checkpoint_every_nth_block(one_rank, tmp_path):
     apply_ac(model.layers, cfg)
     wrapped = [isinstance(b, CheckpointWrapper) for b in model.layers.values()]
     assert wrapped == [True, False] * 3
-    assert set(model.state_dict()) == set(llama.build_meta(llama.flavors["debugmodel"]).state_dict())
+    assert set(model.state_dict()) == set(
+        llama.build_meta(llama.flavors["debugmodel"]).state_dict()
+    )
 
-    records = run_trainer(tmp_path, 1, [*COMMON, "--activation_checkpoint.mode", "selective",
-                                        "--activation_checkpoint.selective_ac_option", "2"])
+    records = run_trainer(
+        tmp_path,
+        1,
+        [
+            *COMMON,
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "2",
+        ],
+    )
     assert_same_losses(one_rank, records, rtol=1e-6)
 
 

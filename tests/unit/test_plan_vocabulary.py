@@ -31,7 +31,8 @@ def test_a_missing_tokenizer_fails_a_run_but_the_planner_sizes_the_flavor(tmp_pa
     assert run.model_args.vocab_size == LLAMA3_FLAVORS["1B"].vocab_size == 128256
     assert vocabulary_note(planned, run) == (
         f"tokenizer '{tmp_path / 'none'}' not found: planned with the 1B flavor's 128256-token "
-        "vocabulary (training needs the tokenizer)")
+        "vocabulary (training needs the tokenizer)"
+    )
 
 
 def test_a_tokenizer_of_another_size_is_said():
@@ -40,21 +41,40 @@ def test_a_tokenizer_of_another_size_is_said():
     assert run.model_args.vocab_size == 2048
     assert vocabulary_note(other, run) == (
         f"the 1B flavor has a 128256-token vocabulary, the tokenizer '{BUNDLED}' 2048: the "
-        "embedding and output layer are sized for 2048")
+        "embedding and output layer are sized for 2048"
+    )
     same = job()  # the debug model and the bundled tokenizer: 2048 both
     assert vocabulary_note(same, plan_run(same, world_size=1)) is None
 
 
 def test_plan_cli_plans_the_flavor_vocabulary_and_says_so(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "titan.planner", "--json", "--model.flavor", "1B",
-         "--model.tokenizer_path", str(tmp_path / "none"), "--training.seq_len", "64",
-         "--training.local_batch_size", "1"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "titan.planner",
+            "--json",
+            "--model.flavor",
+            "1B",
+            "--model.tokenizer_path",
+            str(tmp_path / "none"),
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "1",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.startswith("titan: note: tokenizer ") and proc.stderr.count("\n") == 1
     report = json.loads(proc.stdout)
     assert report["model"] == {"name": "llama3", "flavor": "1B", "vocab_size": 128256}
     # fp32 weights of Llama 3.2 1B (tied embedding, counted once): 1,235,814,400 parameters
-    assert report["ranks"][0]["params_bytes"] == 4 * LLAMA3_FLAVORS["1B"].num_params() \
+    assert (
+        report["ranks"][0]["params_bytes"]
+        == 4 * LLAMA3_FLAVORS["1B"].num_params()
         == 4 * 1_235_814_400
+    )

@@ -52,14 +52,16 @@ def _check_untraceable(rank, world_size, argv, mode):
 def test_untraced_activations_fail_the_memory_check(tmp_path):
     # 80 GiB: the debug model's states fit many times over; only the activations are unknown
     argv = ["--memory.device_memory_gib", "80"]
-    problem, refused = run_workers(_check_untraceable, 1, tmp_path, argv, "error",
-                                   init_pg=False, barrier=False)[0]
+    problem, refused = run_workers(
+        _check_untraceable, 1, tmp_path, argv, "error", init_pg=False, barrier=False
+    )[0]
     assert problem is not None and refused is not None
     assert "activations could not be traced" in refused and "made_up_op" in refused
     assert "is unknown" in refused and "memory.check" in refused  # why, and the way on
     (tmp_path / "warn").mkdir()
-    problem, refused = run_workers(_check_untraceable, 1, tmp_path / "warn", argv, "warn",
-                                   init_pg=False, barrier=False)[0]
+    problem, refused = run_workers(
+        _check_untraceable, 1, tmp_path / "warn", argv, "warn", init_pg=False, barrier=False
+    )[0]
     assert "could not be traced" in problem and refused is None  # warn: launches anyway
 
 
@@ -101,20 +103,28 @@ def _with_wide_blocks(spec, blocks):
             for i in blocks:
                 self.layers[str(i)].feed_forward = nn.Sequential(
                     nn.Linear(args.dim, 8 * args.dim, bias=False),
-                    nn.Linear(8 * args.dim, args.dim, bias=False))
+                    nn.Linear(8 * args.dim, args.dim, bias=False),
+                )
 
     return dataclasses.replace(spec, model_cls=WideBlocks)
 
 
 # stages of layers 0 | 1-2 | 3-4 | 5: pipeline ranks 1 and 2 hold 2 middle layers each
-SPLIT = ["--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size", "8",
-         "--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5"]
+SPLIT = [
+    "--parallelism.pipeline_parallel_degree",
+    "4",
+    "--training.local_batch_size",
+    "8",
+    "--parallelism.pipeline_parallel_split_points",
+    "layers.1,layers.3,layers.5",
+]
 
 
 @needs_fork
 def test_alike_stages_are_traced_once_and_walk_their_own_schedule(tmp_path):
-    planned, alone, built = run_workers(_pipeline_ranks, 1, tmp_path, SPLIT, (),
-                                        init_pg=False, barrier=False)[0]
+    planned, alone, built = run_workers(
+        _pipeline_ranks, 1, tmp_path, SPLIT, (), init_pg=False, barrier=False
+    )[0]
     assert built == [0, 1, 3]  # rank 2's stage is rank 1's, shifted by two layers
     assert planned == alone
     # 1F1B: the second pipeline rank keeps one microbatch more in flight than the third
@@ -123,8 +133,9 @@ def test_alike_stages_are_traced_once_and_walk_their_own_schedule(tmp_path):
 
 @needs_fork
 def test_stages_of_unlike_blocks_are_not_reused(tmp_path):
-    planned, alone, built = run_workers(_pipeline_ranks, 1, tmp_path, SPLIT, (1, 2),
-                                        init_pg=False, barrier=False)[0]
+    planned, alone, built = run_workers(
+        _pipeline_ranks, 1, tmp_path, SPLIT, (1, 2), init_pg=False, barrier=False
+    )[0]
     assert built == [0, 1, 2, 3]  # same layer counts, other blocks
     assert planned == alone
     assert planned[1]["params_bytes"] > planned[2]["params_bytes"]

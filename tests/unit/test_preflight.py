@@ -15,8 +15,14 @@ def refused(*argv, world_size=1) -> str:
 
 def test_selective_ac_option_is_checked_with_the_config():
     with pytest.raises(ConfigError) as e:
-        parse_args(["--activation_checkpoint.mode", "selective",
-                    "--activation_checkpoint.selective_ac_option", "every2"])
+        parse_args(
+            [
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "every2",
+            ]
+        )
     assert "activation_checkpoint.selective_ac_option = 'every2'" in str(e.value)
     assert "'op'" in str(e.value) and "positive integer" in str(e.value)
     parse_args(["--activation_checkpoint.selective_ac_option", "op"])
@@ -32,9 +38,11 @@ def test_missing_local_dataset_path(tmp_path):
     plan_run(parse_args(["--validation.dataset_path", missing]), world_size=1)  # not enabled
 
 
-@pytest.mark.parametrize("dataset", [["--training.dataset_streaming"],
-                                     ["--training.dataset", "allenai/c4:en"]],
-                         ids=["local_streamed", "hub"])
+@pytest.mark.parametrize(
+    "dataset",
+    [["--training.dataset_streaming"], ["--training.dataset", "allenai/c4:en"]],
+    ids=["local_streamed", "hub"],
+)
 def test_fault_tolerance_refuses_streamed_datasets(dataset):
     msg = refused("--fault_tolerance.enable", "--fault_tolerance.group_size", "2", *dataset)
     assert "fault_tolerance.enable" in msg and "streamed" in msg and "global index" in msg
@@ -60,9 +68,18 @@ def test_cuda_is_picked_when_present(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     assert pick_device().type == "cuda" and pick_device("cpu").type == "cpu"
-    plan_run(parse_args(["--checkpoint.enable", "--checkpoint.async_mode",
-                         "async_with_pinned_mem", "--job.dump_folder", str(tmp_path)]),
-             world_size=1)
+    plan_run(
+        parse_args(
+            [
+                "--checkpoint.enable",
+                "--checkpoint.async_mode",
+                "async_with_pinned_mem",
+                "--job.dump_folder",
+                str(tmp_path),
+            ]
+        ),
+        world_size=1,
+    )
 
 
 # ----------------------------------------------------------------------------- HF starts
@@ -99,6 +116,11 @@ def test_hf_initial_loads_are_checked_against_the_flavor(tmp_path):
     small = tmp_path / "small"
     small.mkdir()
     small_hf = _hf_folder(small, other.with_updates(vocab_size=1000))
-    msg = refused("--checkpoint.initial_load_path", str(small_hf), "--checkpoint.initial_load_in_hf",
-                  "--model.flavor", "from_hf")
+    msg = refused(
+        "--checkpoint.initial_load_path",
+        str(small_hf),
+        "--checkpoint.initial_load_in_hf",
+        "--model.flavor",
+        "from_hf",
+    )
     assert "2048 tokens" in msg and "only 1000" in msg

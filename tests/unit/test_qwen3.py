@@ -27,8 +27,14 @@ COMMON = ["--model.name", "qwen3", "--model.flavor", "debugmodel", *tiny_run(STE
 
 # (total, non-embedding) parameters in billions as the Qwen3 model cards give them; the
 # cards' non-embedding count leaves out the output matrix too
-PUBLISHED = {"0.6B": (0.6, 0.44), "1.7B": (1.7, 1.4), "4B": (4.0, 3.6), "8B": (8.2, 6.95),
-             "14B": (14.8, 13.2), "32B": (32.8, 31.2)}
+PUBLISHED = {
+    "0.6B": (0.6, 0.44),
+    "1.7B": (1.7, 1.4),
+    "4B": (4.0, 3.6),
+    "8B": (8.2, 6.95),
+    "14B": (14.8, 13.2),
+    "32B": (32.8, 31.2),
+}
 
 
 def built(args, seed=0):
@@ -39,8 +45,9 @@ def built(args, seed=0):
 
 
 def tokens(args, seed=1):
-    return torch.randint(0, args.vocab_size, (2, args.max_seq_len),
-                         generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
@@ -61,7 +68,10 @@ def test_published_sizes(flavor):
 def test_debug_model_has_its_own_head_dim():
     assert DEBUG.head_dim != DEBUG.dim // DEBUG.n_heads
     model = built(DEBUG)
-    assert model.layers["0"].attention.wq.weight.shape == (DEBUG.n_heads * DEBUG.head_dim, DEBUG.dim)
+    assert model.layers["0"].attention.wq.weight.shape == (
+        DEBUG.n_heads * DEBUG.head_dim,
+        DEBUG.dim,
+    )
     assert model.layers["0"].attention.q_norm.weight.shape == (DEBUG.head_dim,)
 
 
@@ -72,8 +82,9 @@ def test_hf_config_round_trip_and_refusals():
         back = qwen3_args_from_hf_config(config, args.max_seq_len)
         assert QWEN3.matching_flavor(back) == name
     config = QWEN3.state_dict_adapter(DEBUG).hf_config()
-    with pytest.raises(ValueError, match="use_sliding_window.*attention_bias|attention_bias.*"
-                                         "use_sliding_window"):
+    with pytest.raises(
+        ValueError, match="use_sliding_window.*attention_bias|attention_bias.*use_sliding_window"
+    ):
         qwen3_args_from_hf_config({**config, "use_sliding_window": True, "attention_bias": True})
     with pytest.raises(ValueError, match="rope type 'dynamic'"):
         qwen3_args_from_hf_config({**config, "rope_scaling": {"rope_type": "dynamic", "factor": 2}})
@@ -83,15 +94,20 @@ def test_hf_config_round_trip_and_refusals():
 @pytest.mark.parametrize("yarn", [False, True], ids=["plain", "yarn"])
 def test_logits_and_both_hf_directions_match_transformers(yarn, tmp_path):
     import transformers
-    args = DEBUG.with_updates(rope_scaling_factor=4.0, rope_original_max_len=16,
-                              rope_theta=10000.0) if yarn else DEBUG
+
+    args = (
+        DEBUG.with_updates(rope_scaling_factor=4.0, rope_original_max_len=16, rope_theta=10000.0)
+        if yarn
+        else DEBUG
+    )
     model = built(args, seed=3)
     out = hf_io.save_hf(model.state_dict(), QWEN3, args, tmp_path / "hf")
     assert "lm_head.weight" not in hf_io.load_hf_state(out)  # tied, stored once as HF does
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.Qwen3ForCausalLM.from_pretrained(
-            str(out), dtype=torch.float32, attn_implementation="eager").eval()
+            str(out), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     x = tokens(args)
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf_model(x).logits, rtol=0, atol=1e-4)
@@ -107,8 +123,17 @@ def test_logits_and_both_hf_directions_match_transformers(yarn, tmp_path):
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one")
-    records = run_trainer(tmp, 1, [*COMMON, "--checkpoint.enable", "--checkpoint.interval",
-                                   str(STEPS), "--checkpoint.last_save_model_only"])
+    records = run_trainer(
+        tmp,
+        1,
+        [
+            *COMMON,
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            str(STEPS),
+            "--checkpoint.last_save_model_only",
+        ],
+    )
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[-1]["loss"] < records[0]["loss"]
     return records, tmp / "dump" / "checkpoint" / f"step-{STEPS}"
@@ -116,15 +141,30 @@ def one_rank(tmp_path_factory):
 
 LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
-                    "--parallelism.data_parallel_shard_degree", "2",
-                    "--training.local_batch_size", "2"]),
+    "hsdp2x2": (
+        4,
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+    ),
     # q_norm / k_norm see each rank's heads only: their gradients are summed over the ranks
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    ),
 }
 
 
@@ -155,11 +195,12 @@ def first_step_against_transformers(rank, world_size, port, argv, hf_dir):
         trainer.train()
     finally:
         trainer.close()
-    (inputs, labels), = seen
+    ((inputs, labels),) = seen
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            hf_dir, dtype=torch.float32, attn_implementation="eager")
+            hf_dir, dtype=torch.float32, attn_implementation="eager"
+        )
     with torch.no_grad():
         logits = hf_model(inputs).logits
     expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
@@ -168,28 +209,53 @@ def first_step_against_transformers(rank, world_size, port, argv, hf_dir):
     return expected, read_metrics(trainer.job.job.dump_folder)[0]["loss"]
 
 
-def check_save_pretrained_start(tmp_path, config_cls: str, model_cls: str, args,
-                                family: str = "qwen3", prepare=None) -> None:
+def check_save_pretrained_start(
+    tmp_path, config_cls: str, model_cls: str, args, family: str = "qwen3", prepare=None
+) -> None:
     """A sharded folder that transformers' `model_cls` wrote from `args`' config (after
     `prepare(hf_model)`, if given) starts a from_hf run of `family` whose step-1 loss is
     transformers' cross-entropy on the same batch."""
     import transformers
+
     spec = get_train_spec(family)
-    config = getattr(transformers, config_cls)(**{
-        k: v for k, v in spec.state_dict_adapter(args.with_updates(max_seq_len=32)).hf_config()
-        .items() if k not in ("architectures", "model_type", "torch_dtype")})
+    config = getattr(transformers, config_cls)(
+        **{
+            k: v
+            for k, v in spec.state_dict_adapter(args.with_updates(max_seq_len=32))
+            .hf_config()
+            .items()
+            if k not in ("architectures", "model_type", "torch_dtype")
+        }
+    )
     torch.manual_seed(0)
     hf_model = getattr(transformers, model_cls)(config)
     if prepare is not None:
         prepare(hf_model)
     hf_model.save_pretrained(str(tmp_path / "hf"), max_shard_size="2MB")
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
-    argv = ["--model.name", family, "--model.flavor", "from_hf", *tiny_run(1),
-            "--training.local_batch_size", "8", "--checkpoint.initial_load_path",
-            str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
-            "--job.dump_folder", str(tmp_path / "dump")]
-    (expected, got), = run_workers(first_step_against_transformers, 1, tmp_path, free_port(),
-                                   argv, str(tmp_path / "hf"), init_pg=False)
+    argv = [
+        "--model.name",
+        family,
+        "--model.flavor",
+        "from_hf",
+        *tiny_run(1),
+        "--training.local_batch_size",
+        "8",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "hf"),
+        "--checkpoint.initial_load_in_hf",
+        "--job.dump_folder",
+        str(tmp_path / "dump"),
+    ]
+    ((expected, got),) = run_workers(
+        first_step_against_transformers,
+        1,
+        tmp_path,
+        free_port(),
+        argv,
+        str(tmp_path / "hf"),
+        init_pg=False,
+    )
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)
 
 
@@ -226,9 +292,20 @@ def test_tools_read_the_family_from_the_folder(one_rank, tmp_path, capsys):
     again = checkpoint.load_dcp_model_state(tmp_path / "dcp")
     assert all(torch.equal(again[k], state[k]) for k in state)
 
-    model, args = load_model(step, parse_args(["--training.seq_len", "32"]), QWEN3, 32,
-                             torch.device("cpu"))
+    model, args = load_model(
+        step, parse_args(["--training.seq_len", "32"]), QWEN3, 32, torch.device("cpu")
+    )
     assert args.head_dim == DEBUG.head_dim and model.layers["0"].attention.q_norm is not None
-    generate_main(["--checkpoint", str(step), "--prompt", "In the beginning",
-                   "--max-new-tokens", "4", "--training.seq_len", "32"])
+    generate_main(
+        [
+            "--checkpoint",
+            str(step),
+            "--prompt",
+            "In the beginning",
+            "--max-new-tokens",
+            "4",
+            "--training.seq_len",
+            "32",
+        ]
+    )
     assert capsys.readouterr().out.startswith("In the beginning")

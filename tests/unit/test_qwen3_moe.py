@@ -51,8 +51,10 @@ def test_published_total_and_active_sizes(flavor):
     assert sum(p.numel() for p in QWEN3.build_meta(small).parameters()) == small.num_params()
     # MFU counts what a token computes: its 8 experts, not 128
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * 4096
-    assert args.flops_per_token(4096) == 6 * args.num_params(include_embedding=False,
-                                                             active=True) + attention
+    assert (
+        args.flops_per_token(4096)
+        == 6 * args.num_params(include_embedding=False, active=True) + attention
+    )
 
 
 def test_debug_model_has_dense_and_moe_blocks():
@@ -70,15 +72,19 @@ def test_hf_config_round_trip_and_refusals():
         assert config["model_type"] == "qwen3_moe" and family_of_hf_config(config) == "qwen3"
         assert QWEN3.matching_flavor(qwen3_args_from_hf_config(config, args.max_seq_len)) == name
     config = QWEN3.state_dict_adapter(DEBUG).hf_config()
-    with pytest.raises(ValueError, match=r"top_k 9 must be between 1 and n_experts 8 "
-                                         r"\(num_experts / num_experts_per_tok\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"top_k 9 must be between 1 and n_experts 8 "
+        r"\(num_experts / num_experts_per_tok\)",
+    ):
         qwen3_args_from_hf_config({**config, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match=r"mlp_only_layers \[7\] are not layers of a 4-layer"):
         qwen3_args_from_hf_config({**config, "mlp_only_layers": [7]})
     # transformers 5 writes the expert count as num_local_experts
     renamed = {k: v for k, v in config.items() if k != "num_experts"}
-    assert qwen3_args_from_hf_config({**renamed, "num_local_experts": 8}) == \
-        qwen3_args_from_hf_config(config)
+    assert qwen3_args_from_hf_config(
+        {**renamed, "num_local_experts": 8}
+    ) == qwen3_args_from_hf_config(config)
 
 
 def test_a_routing_bias_is_not_exported_to_a_layout_without_one():
@@ -92,24 +98,30 @@ def test_a_routing_bias_is_not_exported_to_a_layout_without_one():
 @pytest.mark.needs("transformers")
 def test_logits_and_both_hf_directions_match_transformers(tmp_path):
     import transformers
+
     model = built(DEBUG, seed=3)
     out = hf_io.save_hf(model.state_dict(), QWEN3, DEBUG, tmp_path / "hf")
     names = hf_io.load_hf_state(out)
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
-    assert "model.layers.1.mlp.gate.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    assert (
+        "model.layers.1.mlp.gate.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(out), dtype=torch.float32, attn_implementation="eager").eval()
+            str(out), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     assert type(hf_model).__name__ == "Qwen3MoeForCausalLM"
-    x = torch.randint(0, DEBUG.vocab_size, (2, DEBUG.max_seq_len),
-                      generator=torch.Generator().manual_seed(1))
+    x = torch.randint(
+        0, DEBUG.vocab_size, (2, DEBUG.max_seq_len), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf_model(x).logits, rtol=0, atol=1e-4)
     # and back, from what transformers writes (sharded, one tensor per expert)
     hf_model.save_pretrained(str(tmp_path / "from_hf"), max_shard_size="1MB")
     assert "model.layers.2.mlp.experts.0.gate_proj.weight" in hf_io.load_hf_state(
-        tmp_path / "from_hf")
+        tmp_path / "from_hf"
+    )
     assert hf_io.args_from_hf(tmp_path / "from_hf", QWEN3, DEBUG.max_seq_len) == DEBUG
     back = hf_io.load_hf(tmp_path / "from_hf", QWEN3)
     state = model.state_dict()
@@ -127,21 +139,45 @@ def one_rank(tmp_path_factory):
 
 LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2",
-                    "--parallelism.data_parallel_shard_degree", "2",
-                    "--training.local_batch_size", "2"]),
+    "hsdp2x2": (
+        4,
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+    ),
     # router and routed experts on each rank's half of every sequence, gradients summed
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     # ... and without sequence parallelism, every rank on every token
-    "tp2_no_sp": (2, ["--parallelism.tensor_parallel_degree", "2",
-                      "--parallelism.no_enable_sequence_parallel"]),
+    "tp2_no_sp": (
+        2,
+        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.no_enable_sequence_parallel"],
+    ),
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    ),
     # the routing and grouped GEMM saved, the rest recomputed (counted twice: same ratios)
-    "fsdp2_selective_ac": (2, ["--parallelism.data_parallel_shard_degree", "2",
-                               "--activation_checkpoint.mode", "selective"]),
+    "fsdp2_selective_ac": (
+        2,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
+    ),
     # blocks compiled around the host-side split sizes (fullgraph off)
     "compile": (1, ["--compile.enable"]),
     # experts split over 2 ranks, tokens dispatched by all-to-all (softmax routing)
@@ -153,11 +189,19 @@ LAYOUTS = {
 def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
     """Routing is discrete: a layout agrees with one process exactly when no token's k-th and
     (k+1)-th expert scores are closer than the layouts' rounding differences. Over these 10
-    steps (the balancing loss and the bias update on) the closest pair is 3.2e-6 apart; layouts differ by ~1e-8 in the scores (losses by
-    1.2e-7 relative, under 1 and 2 threads), and another CPU moves the gaps by as little."""
+    steps (the balancing loss and the bias update on) the closest pair is 3.2e-6 apart; layouts
+    differ by ~1e-8 in the scores (losses by 1.2e-7 relative, under 1 and 2 threads), and
+    another CPU moves the gaps by as little."""
     world, flags = LAYOUTS[layout]
-    check_layout_like_one_process(one_rank, tmp_path, world, [*COMMON, *BIAS, *CKPT, *flags],
-                                  STEPS, moe_layers=3, layout=layout)
+    check_layout_like_one_process(
+        one_rank,
+        tmp_path,
+        world,
+        [*COMMON, *BIAS, *CKPT, *flags],
+        STEPS,
+        moe_layers=3,
+        layout=layout,
+    )
 
 
 def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
@@ -170,8 +214,9 @@ def test_load_balancing_loss_is_logged_apart_and_trained(one_rank, tmp_path):
     first = one_rank[0][0]
     # balanced, each of 3 MoE layers' losses is top_k = 2; at init they are close to it
     assert first["moe_aux_loss"] == pytest.approx(3 * 0.001 * 2, rel=0.05)
-    off = run_trainer(tmp_path, 1, [*COMMON, *BIAS, "--training.steps", "1",
-                                    "--qwen3.moe_aux_loss_coeff", "0"])
+    off = run_trainer(
+        tmp_path, 1, [*COMMON, *BIAS, "--training.steps", "1", "--qwen3.moe_aux_loss_coeff", "0"]
+    )
     assert off[0]["loss"] == first["loss"] and "moe_aux_loss" not in off[0]
     assert off[0]["grad_norm"] != first["grad_norm"]
 
@@ -181,16 +226,25 @@ GLOBAL = [*COMMON, "--qwen3.moe_aux_loss_scope", "global_batch", "--training.ste
 GLOBAL_LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "fsdp2_tp2_ep2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                          "--parallelism.tensor_parallel_degree", "2",
-                          "--parallelism.expert_parallel_degree", "2"]),
+    "fsdp2_tp2_ep2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+        ],
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def one_forward(tmp_path_factory):
-    return run_trainer(tmp_path_factory.mktemp("global"), 1,
-                       [*GLOBAL, "--training.local_batch_size", "8"])
+    return run_trainer(
+        tmp_path_factory.mktemp("global"), 1, [*GLOBAL, "--training.local_batch_size", "8"]
+    )
 
 
 @pytest.mark.parametrize("layout", list(GLOBAL_LAYOUTS))
@@ -200,8 +254,9 @@ def test_the_global_batch_scope_is_one_loss_on_every_layout(layout, one_forward,
     expert-parallel ranks."""
     world, flags = GLOBAL_LAYOUTS[layout]
     dp = 2 if "fsdp2" in layout else 1
-    got = run_trainer(tmp_path, world, [*GLOBAL, *flags,
-                                        "--training.local_batch_size", str(8 // dp)])
+    got = run_trainer(
+        tmp_path, world, [*GLOBAL, *flags, "--training.local_batch_size", str(8 // dp)]
+    )
     assert one_forward[0]["moe_aux_loss"] == pytest.approx(3 * 0.001 * 2, rel=0.05)
     for a, b in zip(one_forward, got, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (layout, a, b)
@@ -219,8 +274,17 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
     one tensor per expert; the folder and the reloaded model equal the one-process model."""
     world, flags = LAYOUTS[layout]
     argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
-    ranks = run_workers(round_trip, world, tmp_path, free_port(), argv, tmp_path / "hf",
-                        "float32", init_pg=False, deadline_s=120)
+    ranks = run_workers(
+        round_trip,
+        world,
+        tmp_path,
+        free_port(),
+        argv,
+        tmp_path / "hf",
+        "float32",
+        init_pg=False,
+        deadline_s=120,
+    )
     expected = built(DEBUG.with_updates(max_seq_len=32)).state_dict()
     assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())  # read back
     from_folder = hf_io.load_hf(tmp_path / "hf", QWEN3)
@@ -232,26 +296,53 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
         assert all(n <= total / 2 + experts * 0.01 for n, _ in ranks), [n for n, _ in ranks]
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--qwen3.moe_bias_update_rate", "-1"],
-     r"debugmodel_moe, qwen3\.moe_bias_update_rate = -1\.0 \(from command line "
-     r"'--qwen3\.moe_bias_update_rate -1'\): moe: bias_update_rate -1\.0 must be >= 0"),
-    (["--qwen3.moe_bias_update_rate", "0.001", "--checkpoint.enable",
-      "--checkpoint.last_save_in_hf"], r"checkpoint\.last_save_in_hf = True .*no routing bias"),
-    (["--compile.enable", "--parallelism.tensor_parallel_degree", "2"],
-     r"compile\.enable = True .*under tensor parallelism runs eagerly"),
-    (["--qwen3.moe_aux_loss_scope", "global_batch", "--training.local_batch_size", "2"],
-     r"qwen3\.moe_aux_loss_scope = 'global_batch' .*: one loss term over the whole global batch "
-     r"needs each rank's step in one forward, but gradient accumulation splits it into 2 .*set "
-     r"training\.local_batch_size = global_batch_size / dp, or qwen3\.moe_aux_loss_scope = "
-     r"'sequence'"),
-    (["--qwen3.moe_aux_loss_scope", "global_batch", "--parallelism.pipeline_parallel_degree",
-      "2", "--training.local_batch_size", "8"],
-     r"pipeline parallelism splits it into microbatches: use qwen3\.moe_aux_loss_scope = "
-     r"'sequence' with pipeline parallelism"),
-    (["--qwen3.moe_aux_loss_scope", "per_token"],
-     r"qwen3\.moe_aux_loss_scope = 'per_token' .*choose one of sequence, global_batch"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--qwen3.moe_bias_update_rate", "-1"],
+            r"debugmodel_moe, qwen3\.moe_bias_update_rate = -1\.0 \(from command line "
+            r"'--qwen3\.moe_bias_update_rate -1'\): moe: bias_update_rate -1\.0 must be >= 0",
+        ),
+        (
+            [
+                "--qwen3.moe_bias_update_rate",
+                "0.001",
+                "--checkpoint.enable",
+                "--checkpoint.last_save_in_hf",
+            ],
+            r"checkpoint\.last_save_in_hf = True .*no routing bias",
+        ),
+        (
+            ["--compile.enable", "--parallelism.tensor_parallel_degree", "2"],
+            r"compile\.enable = True .*under tensor parallelism runs eagerly",
+        ),
+        (
+            ["--qwen3.moe_aux_loss_scope", "global_batch", "--training.local_batch_size", "2"],
+            r"qwen3\.moe_aux_loss_scope = 'global_batch' .*: one loss term over the whole "
+            r"global batch needs each rank's step in one forward, but gradient accumulation "
+            r"splits it into 2 .*set "
+            r"training\.local_batch_size = global_batch_size / dp, or qwen3\.moe_aux_loss_scope = "
+            r"'sequence'",
+        ),
+        (
+            [
+                "--qwen3.moe_aux_loss_scope",
+                "global_batch",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "8",
+            ],
+            r"pipeline parallelism splits it into microbatches: use qwen3\.moe_aux_loss_scope = "
+            r"'sequence' with pipeline parallelism",
+        ),
+        (
+            ["--qwen3.moe_aux_loss_scope", "per_token"],
+            r"qwen3\.moe_aux_loss_scope = 'per_token' .*choose one of sequence, global_batch",
+        ),
+    ],
+)
 def test_what_an_moe_cannot_do_is_refused_before_launch(flags, message, tmp_path):
     from titan.config import ConfigError, parse_args
     from titan.preflight import plan_run
@@ -292,5 +383,9 @@ def test_a_skipped_step_moves_no_bias():
         fresh(tokens)
     # one step's counts, as if the skipped step had never run
     assert metrics["expert_load_imbalance"] == fresh_hook(True)["expert_load_imbalance"]
-    assert all(torch.equal(v, w) for v, w in zip(state().values(),
-               (v for k, v in fresh.state_dict().items() if "expert_bias" in k)))
+    assert all(
+        torch.equal(v, w)
+        for v, w in zip(
+            state().values(), (v for k, v in fresh.state_dict().items() if "expert_bias" in k)
+        )
+    )

@@ -75,13 +75,17 @@ def test_apply_rope_relative_position():
 
 def test_llama31_scaling():
     plain = Llama3Args(dim=4096, n_heads=32, rope_scaling_factor=None)
-    scaled = plain.with_updates(rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                                rope_high_freq_factor=4.0, rope_original_max_len=8192)
+    scaled = plain.with_updates(
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_len=8192,
+    )
     f0, f1 = rope_frequencies(plain), rope_frequencies(scaled)
     assert f0.shape == f1.shape == (64,)
     wavelen = 2 * math.pi / f0
     high = wavelen < 8192 / 4.0  # short wavelengths: kept
-    low = wavelen > 8192 / 1.0   # long wavelengths: slowed by the factor
+    low = wavelen > 8192 / 1.0  # long wavelengths: slowed by the factor
     mid = ~high & ~low
     assert high.sum() > 10 and low.sum() > 10 and mid.sum() > 0
     assert high[0] and low[-1]  # the first pairs are the fastest

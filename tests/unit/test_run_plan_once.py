@@ -25,6 +25,7 @@ def _count_plan_work() -> collections.Counter:
         def wrapper(*args, **kwargs):
             counts[name] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     preflight.Tokenizer = counted("tokenizer", preflight.Tokenizer)
@@ -71,8 +72,14 @@ def _trainer(rank, world_size, port, argv):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 def test_the_planner_plans_once_over_two_pipeline_ranks(tmp_path):
-    counts = run_workers(_planner, 1, tmp_path, ["--ngpu", "2", "--device-memory", "1GiB",
-                                                 *CONFIG, *PP2], init_pg=False, barrier=False)[0]
+    counts = run_workers(
+        _planner,
+        1,
+        tmp_path,
+        ["--ngpu", "2", "--device-memory", "1GiB", *CONFIG, *PP2],
+        init_pg=False,
+        barrier=False,
+    )[0]
     assert counts == {"tokenizer": 1, "pipeline plans": 1, "plan_run": 1}
 
 
@@ -87,16 +94,27 @@ def test_suggest_reads_the_tokenizer_once(tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 def test_the_launcher_plans_once(tmp_path):
     argv = [*CONFIG, *PP2, "--memory.device_memory_gib", "80"]
-    counts = run_workers(_launcher_checks, 1, tmp_path, argv, str(tmp_path / "dump"),
-                         init_pg=False, barrier=False)[0]
+    counts = run_workers(
+        _launcher_checks, 1, tmp_path, argv, str(tmp_path / "dump"), init_pg=False, barrier=False
+    )[0]
     assert counts == {"tokenizer": 1, "pipeline plans": 1, "plan_run": 1}
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 def test_each_trainer_rank_plans_once(tmp_path):
-    argv = [*tiny_run(1), *PP2, "--validation.enable", "--validation.steps", "1",
-            "--validation.local_batch_size", "2", "--validation.freq", "1",
-            "--job.dump_folder", str(tmp_path / "dump")]
+    argv = [
+        *tiny_run(1),
+        *PP2,
+        "--validation.enable",
+        "--validation.steps",
+        "1",
+        "--validation.local_batch_size",
+        "2",
+        "--validation.freq",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path / "dump"),
+    ]
     per_rank = run_workers(_trainer, 2, tmp_path, free_port(), argv, init_pg=False)
     # pipeline plans: one for training batches, one for validation batches
     assert per_rank == [{"tokenizer": 1, "pipeline plans": 2, "plan_run": 1}] * 2

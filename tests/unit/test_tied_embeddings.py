@@ -49,19 +49,47 @@ LAYOUTS = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     # TP shards both roles on the vocabulary dim, and FSDP then shards that one DTensor
-    "fsdp2_tp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_tp2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    ),
     # first and last stage on two ranks: the copies' gradients are all-reduced
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     # a V schedule puts both on rank 0: the copies' gradients add locally
-    "pp2_zbv": (2, ["--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
-    "fsdp2_pp2": (4, ["--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.pipeline_parallel_degree", "2"]),
+    "pp2_zbv": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
+        ],
+    ),
+    "fsdp2_pp2": (
+        4,
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+        ],
+    ),
     # TP's embedding backward makes a whole (Replicate) gradient, the output copy's is
     # sharded: resharded like the weight, the pair sums alike shards (it once aborted)
-    "tp2_pp2": (4, ["--parallelism.tensor_parallel_degree", "2",
-                    "--parallelism.pipeline_parallel_degree", "2"]),
+    "tp2_pp2": (
+        4,
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+        ],
+    ),
 }
 
 
@@ -94,15 +122,17 @@ def test_hf_round_trip_keeps_the_tie(tmp_path):
 
 @pytest.mark.needs("transformers")
 def test_transformers_reads_a_tied_export(tmp_path):
-    import transformers
     import warnings
+
+    import transformers
 
     model = built(TIED, seed=2).eval()
     out = hf_io.save_hf(model.state_dict(), LLAMA, TIED, tmp_path / "hf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.LlamaForCausalLM.from_pretrained(
-            str(out), dtype=torch.float32, attn_implementation="eager").eval()
+            str(out), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
     assert hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
     tokens = torch.randint(0, TIED.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -119,8 +149,9 @@ def _saved_names(step_dir) -> set[str]:
     return set(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
 
 
-def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(one_rank, tmp_path,
-                                                                         monkeypatch):
+def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(
+    one_rank, tmp_path, monkeypatch
+):
     """Saved by a pipeline (owner on the first stage, copy on the last), the matrix and its
     moments are stored once, under the embedding's name; the run resumes bit for bit, and the
     checkpoint resumes on one rank and on a V schedule (owner and copy on one rank). A
@@ -131,8 +162,11 @@ def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(one_ran
     run_trainer(tmp_path / "saved", 2, [*COMMON, *pp2, *ck, "--training.exit_at_step", "2"])
     step2 = tmp_path / "saved" / "dump" / "checkpoint" / "step-2"
     names = _saved_names(step2)
-    assert {"model.tok_embeddings.weight", "optimizer.state.tok_embeddings.weight.exp_avg",
-            "optimizer.state.tok_embeddings.weight.exp_avg_sq"} <= names
+    assert {
+        "model.tok_embeddings.weight",
+        "optimizer.state.tok_embeddings.weight.exp_avg",
+        "optimizer.state.tok_embeddings.weight.exp_avg_sq",
+    } <= names
     assert not [n for n in names if "output.weight" in n], names
     # the weights alone (convert_to_hf, generate) read as the tied model
     from titan.components.checkpoint import folders as checkpoint
@@ -161,8 +195,8 @@ def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(one_ran
             assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (name, a, b)
 
     # the former format: every name as is, the copy and its moments too
-    from titan.components.optim import optimizer
     from titan.components.checkpoint import train_state
+    from titan.components.optim import optimizer
 
     monkeypatch.setattr(train_state, "saved_form", lambda sd, ties, prefix="": sd)
     monkeypatch.setattr(optimizer, "saved_form", lambda sd, ties, prefix="": sd)
@@ -172,7 +206,8 @@ def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(one_ran
     assert "optimizer.state.output.weight.exp_avg" in _saved_names(old)
     # ... whose marker held no model record: the equal pair tells it from an untied model's
     marker = json.loads((old / ".complete").read_text())
-    (old / ".complete").write_text(json.dumps({k: v for k, v in marker.items()
-                                               if k not in ("model", "files")}))
+    (old / ".complete").write_text(
+        json.dumps({k: v for k, v in marker.items() if k not in ("model", "files")})
+    )
     got = resumed("from_old", 2, pp2, src=old)
     assert [r["loss"] for r in got] == [r["loss"] for r in straight[2:]]

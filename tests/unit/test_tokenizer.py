@@ -79,9 +79,12 @@ def test_missing_file(tmp_path):
     msg = str(e.value)
     assert str(missing) in msg and "does not exist" in msg and "model.tokenizer_path" in msg
     # a model folder the configs name under assets/hf/: fetched from the hub
-    with pytest.raises(TokenizerError, match=r"tokenizer 'assets/hf/Qwen3-8B' does not exist; "
-                       r"fetch the model's tokenizer with `python scripts/download_hf_assets\.py "
-                       r"--repo Qwen/Qwen3-8B`"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"tokenizer 'assets/hf/Qwen3-8B' does not exist; "
+        r"fetch the model's tokenizer with `python scripts/download_hf_assets\.py "
+        r"--repo Qwen/Qwen3-8B`",
+    ):
         Tokenizer("assets/hf/Qwen3-8B")
 
 
@@ -97,8 +100,9 @@ def test_tokenizer_config_names_specials(tmp_path):
     """An HF model folder's tokenizer_config.json decides BOS/EOS."""
     src = json.loads((REPO_ROOT / "assets" / "tokenizer" / "tokenizer.json").read_text())
     (tmp_path / "tokenizer.json").write_text(json.dumps(src))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": {"content": "<|pad|>"}, "eos_token": "<|begin_of_text|>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": "<|pad|>"}, "eos_token": "<|begin_of_text|>"})
+    )
     tok = Tokenizer(str(tmp_path))
     assert (tok.bos_id, tok.eos_id) == (2, 0)
 
@@ -127,6 +131,9 @@ def test_a_long_document_is_encoded_in_pieces_to_the_same_tokens(tokenizer, monk
     assert len(handed) >= 14 and max(handed) <= 2 * 4000
     assert list(split) == whole
     assert [list(x) for x in tokenizer.encode_batch(["a b", text, "c"])] == [
-        tokenizer.encode("a b"), whole, tokenizer.encode("c")]
+        tokenizer.encode("a b"),
+        whole,
+        tokenizer.encode("c"),
+    ]
     # without a space for a piece's length, the cut falls mid-word, still bounded
     assert [len(p) for p in tok_mod.pieces("x" * 10, 4)] == [4, 4, 2]

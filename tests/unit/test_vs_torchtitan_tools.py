@@ -19,10 +19,12 @@ def _script(name):
 
 def test_torchtitan_log_lines_give_step_and_tokens_per_second():
     vs = _script("vs_torchtitan")
-    log = ("[titan] 2026-11-24 21:41:41,533 - root - INFO - step:  1  loss:  8.05533  grad_norm:"
-           "  1.0718  memory:  0.83GiB(3.51%)  tps: 2,111  tflops: 0.08  mfu: 0.02%\n"
-           "[rank0]:[titan] ... - step: 20  loss:  5.1  grad_norm:  0.5  memory:  0.9GiB(3.9%)"
-           "  tps: 4,238  tflops: 0.15  mfu: 0.05%\n")
+    log = (
+        "[titan] 2026-11-24 21:41:41,533 - root - INFO - step:  1  loss:  8.05533  grad_norm:"
+        "  1.0718  memory:  0.83GiB(3.51%)  tps: 2,111  tflops: 0.08  mfu: 0.02%\n"
+        "[rank0]:[titan] ... - step: 20  loss:  5.1  grad_norm:  0.5  memory:  0.9GiB(3.9%)"
+        "  tps: 4,238  tflops: 0.15  mfu: 0.05%\n"
+    )
     assert vs.TT_LOG.findall(log) == [("1", "2,111"), ("20", "4,238")]
     assert vs.STEP1.search(log.splitlines()[0]) and not vs.STEP1.search(log.splitlines()[1])
     # titan's own console line for step 1 is found the same way (start-up time)
@@ -32,14 +34,21 @@ def test_torchtitan_log_lines_give_step_and_tokens_per_second():
 def test_torchtitan_gets_titans_shape_and_the_same_training_settings(tmp_path):
     vs = _script("vs_torchtitan")
     shape = vs.torchtitan_shape("debugmodel")
-    assert shape == dict(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048,
-                         multiple_of=256, ffn_dim_multiplier=None, norm_eps=1e-5,
-                         rope_theta=500000.0)
+    assert shape == dict(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=2048,
+        multiple_of=256,
+        ffn_dim_multiplier=None,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+    )
     with pytest.raises(SystemExit, match="ties its embeddings"):
         vs.torchtitan_shape("debugmodel_tied")
     args = vs.argparse.Namespace(lr=3e-3, batch=8, seq_len=256, steps=40, warmup=10)
-    toml = vs.torchtitan_toml(args, tmp_path / "dump", tmp_path / "tok",
-                              vs.LAYOUTS["tp2"][1])
+    toml = vs.torchtitan_toml(args, tmp_path / "dump", tmp_path / "tok", vs.LAYOUTS["tp2"][1])
     try:
         import tomllib
     except ModuleNotFoundError:  # Python < 3.11
@@ -58,12 +67,15 @@ def test_trace_breakdown_counts_each_ops_own_time_once(tmp_path):
     def op(name, ts, dur, tid=1, cat="cpu_op"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
 
-    events = [op("ProfilerStep#7", 0, 100, cat="user_annotation"),
-              op("aten::linear", 0, 50), op("aten::mm", 5, 40),        # linear's own time: 10
-              op("aten::add", 60, 10),
-              op("FSDP::all_gather (layers.0)", 70, 20, cat="user_annotation"),
-              op("c10d::_allgather_base_", 72, 8),
-              op("aten::mm", 0, 30, tid=2)]                             # backward thread
+    events = [
+        op("ProfilerStep#7", 0, 100, cat="user_annotation"),
+        op("aten::linear", 0, 50),
+        op("aten::mm", 5, 40),  # linear's own time: 10
+        op("aten::add", 60, 10),
+        op("FSDP::all_gather (layers.0)", 70, 20, cat="user_annotation"),
+        op("c10d::_allgather_base_", 72, 8),
+        op("aten::mm", 0, 30, tid=2),
+    ]  # backward thread
     path = tmp_path / "rank0_trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     own, step = tc.self_times(tc.load(str(path)))

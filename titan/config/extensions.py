@@ -76,7 +76,8 @@ def import_plugin(name: str):
         if not path.is_file():
             raise PluginImportError(
                 f"job.custom_import {name!r}: no such file; pass a .py file or a dotted module "
-                "on PYTHONPATH")
+                "on PYTHONPATH"
+            )
         module_name = f"titan_plugin_{path.stem}"
         if module_name in sys.modules:
             return sys.modules[module_name]
@@ -91,7 +92,8 @@ def import_plugin(name: str):
         if e.name and name.startswith(e.name):
             raise PluginImportError(
                 f"job.custom_import {name!r}: no module {e.name!r} on sys.path; add its folder "
-                "to PYTHONPATH or pass the path of its .py file") from None
+                "to PYTHONPATH or pass the path of its .py file"
+            ) from None
         raise
 
 

@@ -33,7 +33,8 @@ def _discover() -> dict[str, type]:
         _discovered = {}
         for path in sorted(_MODELS.glob("*/options.py")):
             spec = importlib.util.spec_from_file_location(
-                f"_titan_family_options_{path.parent.name}", path)
+                f"_titan_family_options_{path.parent.name}", path
+            )
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             _discovered[path.parent.name] = module.Options

@@ -25,9 +25,10 @@ class Job:
     description: str = opt("", "Free-text description of the run, logged at start")
     print_config: bool = opt(False, "Print the merged config (defaults < TOML < CLI) at start")
     custom_import: list[str] = opt(
-        [], "Plugins imported before the config is read, by the launcher and every worker: "
+        [],
+        "Plugins imported before the config is read, by the launcher and every worker: "
         "dotted modules on PYTHONPATH or .py paths; they register families, optimizers, "
-        "metrics writers and config sections"
+        "metrics writers and config sections",
     )
 
 
@@ -42,8 +43,9 @@ class Model:
         [], "Rewrites of the model before the parallelisms: float8 (torchao; see [float8])"
     )
     attn_mask_type: Literal["causal", "block_causal"] = opt(
-        "causal", "causal: attend to every earlier token of the packed window; block_causal: "
-        "only to earlier tokens of the same document (documents start at BOS)"
+        "causal",
+        "causal: attend to every earlier token of the packed window; block_causal: "
+        "only to earlier tokens of the same document (documents start at BOS)",
     )
     document_positions: bool = opt(
         False, "With block_causal: restart RoPE positions at 0 at every document"
@@ -80,22 +82,26 @@ class Training:
     dataset_path: str | None = opt(None, "Local path that overrides where `dataset` is read from")
     dataset_text_field: str = opt("text", "Column holding the document text")
     dataset_mix: list[str] = opt(
-        [], "Weighted sources instead of dataset/dataset_path, as SOURCE=WEIGHT (a local file, "
-        "folder or token-shard folder, or a bundled name), e.g. data/web=0.7,data/code=0.3"
+        [],
+        "Weighted sources instead of dataset/dataset_path, as SOURCE=WEIGHT (a local file, "
+        "folder or token-shard folder, or a bundled name), e.g. data/web=0.7,data/code=0.3",
     )
     dataset_streaming: bool = opt(
-        False, "Stream local files as hub datasets are (each dp rank reads its own shard, no "
-        "tokenized copy in memory); hub names always stream"
+        False,
+        "Stream local files as hub datasets are (each dp rank reads its own shard, no "
+        "tokenized copy in memory); hub names always stream",
     )
     dataset_stream_order: Literal["rank", "global"] = opt(
-        "rank", "Streamed data: rank = each dp rank reads its own shard (resume needs the same dp "
+        "rank",
+        "Streamed data: rank = each dp rank reads its own shard (resume needs the same dp "
         "degree); global = every rank reads the whole stream and keeps its slice of each global "
-        "batch (resumes on any dp degree; each rank tokenizes all the text)"
+        "batch (resumes on any dp degree; each rank tokenizes all the text)",
     )
     dataset_shuffle: bool = opt(True, "Shuffle packed sequences each epoch (local datasets)")
     dataloader_num_workers: int = opt(
-        0, "Processes fetching batches ahead (local and pretokenized data; streamed data is "
-        "read in the trainer's process)"
+        0,
+        "Processes fetching batches ahead (local and pretokenized data; streamed data is "
+        "read in the trainer's process)",
     )
     dataloader_prefetch_factor: int = opt(2, "Batches each dataloader worker keeps ready")
     local_batch_size: int = opt(8, "Sequences per microbatch on each data-parallel rank")
@@ -106,8 +112,9 @@ class Training:
     max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping")
     steps: int = opt(10000, "Optimizer steps to train, >= 1 (the lr schedule spans them)")
     exit_at_step: int = opt(
-        -1, "Stop after this step (saving a checkpoint if enabled) keeping the schedule of "
-        "training.steps, e.g. for time-limited jobs; -1 = train all steps"
+        -1,
+        "Stop after this step (saving a checkpoint if enabled) keeping the schedule of "
+        "training.steps, e.g. for time-limited jobs; -1 = train all steps",
     )
     mixed_precision_param: Literal["bfloat16", "float32"] = opt(
         "bfloat16", "Compute dtype of parameters in forward/backward (master weights stay fp32)"
@@ -115,7 +122,9 @@ class Training:
     mixed_precision_reduce: Literal["float32", "bfloat16"] = opt(
         "float32", "Dtype of gradient reductions across data-parallel ranks"
     )
-    enable_cpu_offload: bool = opt(False, "With FSDP: keep params, grads and optimizer state in host memory")
+    enable_cpu_offload: bool = opt(
+        False, "With FSDP: keep params, grads and optimizer state in host memory"
+    )
     seed: int = opt(0, "Seed for weight init, data order and RNG; same seed -> same weights")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower; for debugging)")
     gc_freq: int = opt(50, "Run a timed gc.collect every N steps (automatic GC is disabled)")
@@ -126,11 +135,13 @@ class Training:
 
 @dataclass
 class ParamGroup:
-    params: str = opt("", "Regex searched in each parameter's name; the first group matching "
-                          "a parameter takes it")
+    params: str = opt(
+        "", "Regex searched in each parameter's name; the first group matching a parameter takes it"
+    )
     lr: float | None = opt(None, "Peak learning rate of the group; None = optimizer.lr")
-    weight_decay: float | None = opt(None, "Weight decay of the group; None = "
-                                           "optimizer.weight_decay")
+    weight_decay: float | None = opt(
+        None, "Weight decay of the group; None = optimizer.weight_decay"
+    )
 
 
 @dataclass
@@ -148,9 +159,10 @@ class Optimizer:
         "float32", "Dtype of Adam's moment estimates between steps (the update runs in float32)"
     )
     param_groups: list[ParamGroup] = opt(
-        [], "Parameters trained with their own lr or weight decay, by name: "
+        [],
+        "Parameters trained with their own lr or weight decay, by name: "
         "[[optimizer.param_groups]] tables (params = regex, lr, weight_decay); on the command "
-        "line in TOML's inline form, '[{params = \"norm\", weight_decay = 0.0}]'"
+        "line in TOML's inline form, '[{params = \"norm\", weight_decay = 0.0}]'",
     )
 
 
@@ -182,7 +194,9 @@ class Parallelism:
     disable_loss_parallel: bool = opt(
         False, "With TP: gather logits instead of computing the loss on vocab shards"
     )
-    context_parallel_degree: int = opt(1, "Context-parallel degree (sequence split, ring attention)")
+    context_parallel_degree: int = opt(
+        1, "Context-parallel degree (sequence split, ring attention)"
+    )
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
         "allgather", "How K/V shards travel in ring attention: all-gather once, or pass round"
     )
@@ -190,20 +204,23 @@ class Parallelism:
         True, "Head-tail sequence sharding so every cp rank gets equal causal-attention work"
     )
     expert_parallel_degree: int = opt(
-        1, "Expert-parallel degree: an MoE's routed experts split over this many ranks, which "
-        "it borrows from data_parallel_shard_degree x context_parallel_degree (1: off)"
+        1,
+        "Expert-parallel degree: an MoE's routed experts split over this many ranks, which "
+        "it borrows from data_parallel_shard_degree x context_parallel_degree (1: off)",
     )
     pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree (layers split into stages)")
     pipeline_parallel_schedule: str = opt(
-        "1F1B", "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble "
-        "or DualPipeV"
+        "1F1B",
+        "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble "
+        "or DualPipeV",
     )
     pipeline_parallel_microbatch_size: int = opt(
         1, "Sequences per pipeline microbatch (local_batch_size must divide by it)"
     )
     pipeline_parallel_layers_per_stage: int | None = opt(
-        None, "Layers per stage (sets the number of stages); None = 1 stage per rank "
-        "(2 for multi-stage schedules)"
+        None,
+        "Layers per stage (sets the number of stages); None = 1 stage per rank "
+        "(2 for multi-stage schedules)",
     )
     pipeline_parallel_split_points: list[str] = opt(
         [], "Explicit stage boundaries: first layer of each later stage, e.g. layers.2,layers.4"
@@ -216,14 +233,17 @@ class ActivationCheckpoint:
         "none", "Recompute activations in backward: none, full (every block) or selective"
     )
     selective_ac_option: str = opt(
-        "2", "Selective AC: 'op' = save matmul/attention outputs per op; an integer N = "
-        "checkpoint every N-th block"
+        "2",
+        "Selective AC: 'op' = save matmul/attention outputs per op; an integer N = "
+        "checkpoint every N-th block",
     )
 
 
 @dataclass
 class Compile:
-    enable: bool = opt(False, "torch.compile the model (per transformer block; whole model with TP on CPU)")
+    enable: bool = opt(
+        False, "torch.compile the model (per transformer block; whole model with TP on CPU)"
+    )
     backend: str = opt("inductor", "torch.compile backend")
 
 
@@ -232,19 +252,23 @@ class Checkpoint:
     enable: bool = opt(False, "Save DCP checkpoints and resume from the newest complete one")
     folder: str = opt("checkpoint", "Checkpoint folder inside the dump folder (step-N subfolders)")
     interval: int = opt(500, "Save every N steps (and after the last step)")
-    keep_latest_k: int = opt(10, "Keep the newest k complete checkpoints, purge older ones; 0 = all")
+    keep_latest_k: int = opt(
+        10, "Keep the newest k complete checkpoints, purge older ones; 0 = all"
+    )
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
         "disabled", "Copy during the next step, write in a background process; pinned needs CUDA"
     )
     enable_first_step_checkpoint: bool = opt(False, "Also save right after step 1")
     load_step: int = opt(-1, "Resume from this step's checkpoint instead of the newest (-1)")
     verify: Literal["full", "fast", "off"] = opt(
-        "full", "Before a resume: full = every file against its checksum (the ranks share the "
-        "reading), fast = file sizes only, off = trust the completion marker"
+        "full",
+        "Before a resume: full = every file against its checksum (the ranks share the "
+        "reading), fast = file sizes only, off = trust the completion marker",
     )
     initial_load_path: str | None = opt(
-        None, "Start from this checkpoint (a step folder) or, with initial_load_in_hf, an HF "
-        "safetensors folder; ignored when the checkpoint folder holds one to resume from"
+        None,
+        "Start from this checkpoint (a step folder) or, with initial_load_in_hf, an HF "
+        "safetensors folder; ignored when the checkpoint folder holds one to resume from",
     )
     initial_load_model_only: bool = opt(True, "From initial_load_path load only the model weights")
     initial_load_in_hf: bool = opt(False, "initial_load_path is an HF folder (safetensors)")
@@ -258,8 +282,9 @@ class Checkpoint:
         "float32", "Dtype of a model-only or HF final save"
     )
     last_save_in_hf: bool = opt(
-        False, "The final save is an HF folder (sharded safetensors, config.json, tokenizer) "
-        "in export_dtype, written by every rank from its shards"
+        False,
+        "The final save is an HF folder (sharded safetensors, config.json, tokenizer) "
+        "in export_dtype, written by every rank from its shards",
     )
     hf_max_shard_size: str = opt("5GB", "Size limit of each safetensors file of an HF save")
     create_seed_checkpoint: bool = opt(
@@ -270,8 +295,9 @@ class Checkpoint:
 @dataclass
 class FaultTolerance:
     enable: bool = opt(
-        False, "torchft replica groups: each group is its own run_train.sh job; needs "
-        "pip install torchft and a lighthouse at TORCHFT_LIGHTHOUSE"
+        False,
+        "torchft replica groups: each group is its own run_train.sh job; needs "
+        "pip install torchft and a lighthouse at TORCHFT_LIGHTHOUSE",
     )
     replica_id: int = opt(0, "This group's id, 0 .. group_size-1")
     group_size: int = opt(1, "Number of replica groups (they average gradients through torchft)")
@@ -282,24 +308,29 @@ class FaultTolerance:
 @dataclass
 class Metrics:
     log_freq: int = opt(10, "Log metrics every N steps")
-    enable_tensorboard: bool = opt(True, "Write TensorBoard events under <dump_folder>/<save_tb_folder>")
+    enable_tensorboard: bool = opt(
+        True, "Write TensorBoard events under <dump_folder>/<save_tb_folder>"
+    )
     save_tb_folder: str = opt("tb", "TensorBoard folder inside the dump folder")
     peak_flops: float = opt(
-        0.0, "Peak FLOP/s of one device for MFU; 0 = the GPU's datasheet peak (an unknown GPU: "
-        "a measured bf16 matmul), and no MFU on CPU, which publishes no peak"
+        0.0,
+        "Peak FLOP/s of one device for MFU; 0 = the GPU's datasheet peak (an unknown GPU: "
+        "a measured bf16 matmul), and no MFU on CPU, which publishes no peak",
     )
     disable_color_printing: bool = opt(False, "Plain console output without ANSI colors")
     enable_wandb: bool = opt(
-        False, "Log the same values as TensorBoard to Weights & Biases (pip install "
-        "'titan[wandb]'; WANDB_MODE=offline keeps the run on disk under the dump folder)"
+        False,
+        "Log the same values as TensorBoard to Weights & Biases (pip install "
+        "'titan[wandb]'; WANDB_MODE=offline keeps the run on disk under the dump folder)",
     )
     wandb_project: str = opt("titan", "W&B project")
     wandb_run_name: str | None = opt(None, "W&B run name; None = the dump folder's name")
     wandb_entity: str | None = opt(None, "W&B entity (team or user); None = the login's default")
     wandb_tags: list[str] = opt([], "W&B run tags")
     per_rank: bool = opt(
-        True, "Every log step, gather each rank's own step time (its wall time less its waits "
-        "for other ranks) and data wait; log the slowest rank and the spread"
+        True,
+        "Every log step, gather each rank's own step time (its wall time less its waits "
+        "for other ranks) and data wait; log the slowest rank and the spread",
     )
     straggler_threshold: float = opt(
         0.2, "Warn when a rank's own step time exceeds the median's by more than this fraction"
@@ -317,8 +348,9 @@ class Profiling:
     profiler_warmup: int = opt(3, "Profiler warmup steps before each traced step")
     profiler_active: int = opt(1, "Steps traced each time")
     enable_memory_snapshot: bool = opt(
-        False, "Record the CUDA caching allocator's history and dump it every profile_freq "
-        "steps and on an out-of-memory error (CUDA only; view at pytorch.org/memory_viz)"
+        False,
+        "Record the CUDA caching allocator's history and dump it every profile_freq "
+        "steps and on an out-of-memory error (CUDA only; view at pytorch.org/memory_viz)",
     )
     memory_snapshot_start_step: int = opt(1, "The step from which the memory snapshot records")
     save_memory_snapshot_folder: str = opt(
@@ -330,13 +362,15 @@ class Profiling:
 class Comm:
     init_timeout_seconds: int = opt(300, "Collective timeout until the first step completes")
     train_timeout_seconds: int = opt(
-        100, "After the first step: collective timeout, and the limit a step (plus its "
-        "checkpoint/validation) may run before the watchdog dumps stacks and exits"
+        100,
+        "After the first step: collective timeout, and the limit a step (plus its "
+        "checkpoint/validation) may run before the watchdog dumps stacks and exits",
     )
     trace_buf_size: int = opt(
-        2000, "NCCL flight recorder: the last N collectives of each rank, dumped under "
+        2000,
+        "NCCL flight recorder: the last N collectives of each rank, dumped under "
         "<dump_folder>/<comm.save_traces_folder> when a collective times out (CUDA/NCCL only; "
-        "0 = off)"
+        "0 = off)",
     )
     save_traces_folder: str = opt("comm_traces", "Flight recorder folder inside the dump folder")
 
@@ -350,25 +384,29 @@ class Validation:
     freq: int = opt(500, "Validate every N steps (and after the last step)")
     steps: int = opt(-1, "Validation batches per validation; -1 = one full pass over the dataset")
     global_batch_size: int = opt(
-        -1, "Sequences per validation batch over all data-parallel ranks, each taking an equal "
+        -1,
+        "Sequences per validation batch over all data-parallel ranks, each taking an equal "
         "share: the same sequences, so the same val_loss, on every layout; -1: "
-        "local_batch_size x dp (then val_loss depends on dp)"
+        "local_batch_size x dp (then val_loss depends on dp)",
     )
     local_batch_size: int = opt(
-        -1, "Sequences per forward on each data-parallel rank (a rank's share of a validation "
-        "batch may take several); -1: its whole share (8 when global_batch_size is -1 too)"
+        -1,
+        "Sequences per forward on each data-parallel rank (a rank's share of a validation "
+        "batch may take several); -1: its whole share (8 when global_batch_size is -1 too)",
     )
 
 
 @dataclass
 class Memory:
     device_memory_gib: float = opt(
-        0.0, "Memory of one device that each rank's planned bytes must fit (python -m "
-        "titan.planner); 0 = the visible GPU's own, no check on CPU"
+        0.0,
+        "Memory of one device that each rank's planned bytes must fit (python -m "
+        "titan.planner); 0 = the visible GPU's own, no check on CPU",
     )
     check: Literal["error", "warn", "off"] = opt(
-        "error", "When a rank's parameters + gradients + optimizer states exceed the device "
-        "memory: refuse before launch, warn, or skip the check"
+        "error",
+        "When a rank's parameters + gradients + optimizer states exceed the device "
+        "memory: refuse before launch, warn, or skip the check",
     )
 
 
@@ -384,12 +422,14 @@ class Debug:
         False, "Test hook: sleep in every step from debug.sleep_at_step on (a straggler)"
     )
     kill_in_checkpoint_step: int = opt(
-        -1, "Test hook: debug.kill_rank SIGKILLs itself while saving this step's checkpoint, "
-        "on the first launch only (-1 = never)"
+        -1,
+        "Test hook: debug.kill_rank SIGKILLs itself while saving this step's checkpoint, "
+        "on the first launch only (-1 = never)",
     )
     kill_in_checkpoint_phase: Literal["written", "writing"] = opt(
-        "written", "Test hook: when it dies: its files written, before the save is marked "
-        "complete; or as it starts writing them (a synchronous save), peers mid-save"
+        "written",
+        "Test hook: when it dies: its files written, before the save is marked "
+        "complete; or as it starts writing them (a synchronous save), peers mid-save",
     )
     kill_rank: int = opt(0, "Test hook: the rank killed by debug.kill_in_checkpoint_step")
 

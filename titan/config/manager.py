@@ -29,8 +29,11 @@ class ConfigError(ValueError):
 
 
 def _sections(cfg: JobConfig) -> dict[str, Any]:
-    own = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-           if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    own = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if dataclasses.is_dataclass(getattr(cfg, f.name))
+    }
     return {**own, **cfg.families, **cfg.extensions}
 
 
@@ -39,13 +42,11 @@ def _field_types(section_obj) -> dict[str, Any]:
 
 
 def _all_keys(cfg: JobConfig) -> list[str]:
-    return [
-        f"{s}.{f.name}" for s, obj in _sections(cfg).items() for f in dataclasses.fields(obj)
-    ]
+    return [f"{s}.{f.name}" for s, obj in _sections(cfg).items() for f in dataclasses.fields(obj)]
 
 
 def did_you_mean(name: str, choices: list[str]) -> str:
-    """"; did you mean 'X'?" for the closest of `choices`, or "" when none is close."""
+    """ "; did you mean 'X'?" for the closest of `choices`, or "" when none is close."""
     # case-insensitive, so 'adamw' suggests 'AdamW' rather than 'Adam'
     lowered = {c.lower(): c for c in choices}
     close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
@@ -81,9 +82,7 @@ def _coerce(value, tp, key: str, source: str):
     from_cli = source.startswith("command line")
 
     def bad(why=""):
-        raise ConfigError(
-            f"{key} = {value!r} (from {source}) is not a valid {_type_name(tp)}{why}"
-        )
+        raise ConfigError(f"{key} = {value!r} (from {source}) is not a valid {_type_name(tp)}{why}")
 
     if value is None or (nullable and value in ("None", "none", "null")):
         if nullable:
@@ -102,8 +101,11 @@ def _coerce(value, tp, key: str, source: str):
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list):
             bad()
-        return [_coerce(v.strip() if isinstance(v, str) else v, elem, key, source)
-                for v in items if not (isinstance(v, str) and not v.strip())]
+        return [
+            _coerce(v.strip() if isinstance(v, str) else v, elem, key, source)
+            for v in items
+            if not (isinstance(v, str) and not v.strip())
+        ]
     if inner is bool:
         if isinstance(value, bool):
             return value
@@ -137,8 +139,7 @@ def _coerce_tables(value, cls, key: str, source: str, bad) -> list:
         try:
             value = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError as e:
-            bad(f" (write it as TOML's inline array of tables, "
-                f"'[{{key = value, ...}}, ...]': {e})")
+            bad(f" (write it as TOML's inline array of tables, '[{{key = value, ...}}, ...]': {e})")
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
@@ -148,10 +149,13 @@ def _coerce_tables(value, cls, key: str, source: str, bad) -> list:
     for i, table in enumerate(value):
         unknown = sorted(set(table) - set(types_))
         if unknown:
-            bad(f": table {i} has unknown key '{unknown[0]}'"
-                f"{did_you_mean(unknown[0], list(types_))} (keys: {', '.join(types_)})")
-        out.append(cls(**{k: _coerce(v, types_[k], f"{key}[{i}].{k}", source)
-                          for k, v in table.items()}))
+            bad(
+                f": table {i} has unknown key '{unknown[0]}'"
+                f"{did_you_mean(unknown[0], list(types_))} (keys: {', '.join(types_)})"
+            )
+        out.append(
+            cls(**{k: _coerce(v, types_[k], f"{key}[{i}].{k}", source) for k, v in table.items()})
+        )
     return out
 
 
@@ -202,7 +206,8 @@ def _apply_toml(cfg: JobConfig, path: str, sources: dict[str, str]) -> None:
                 raise ConfigError(
                     f"job.config_file (from {source}): a config file cannot name another (it "
                     "would be ignored); pass the file with --job.config_file on the command "
-                    "line (CONFIG_FILE=... for run_train.sh)")
+                    "line (CONFIG_FILE=... for run_train.sh)"
+                )
             obj, name, tp = _lookup(cfg, f"{section}.{key}", source)
             setattr(obj, name, _coerce(value, tp, f"{section}.{key}", source))
             sources[f"{section}.{key}"] = source
@@ -296,8 +301,9 @@ def import_plugins(argv: list[str]) -> None:
                 listed = tomllib.load(f).get("job", {}).get("custom_import", [])
         except tomllib.TOMLDecodeError:
             listed = []  # reported, with its line, when the file is read for its values
-        names = [n for n in (listed if isinstance(listed, list) else [listed])
-                 if isinstance(n, str)] + names
+        names = [
+            n for n in (listed if isinstance(listed, list) else [listed]) if isinstance(n, str)
+        ] + names
     for name in names:
         try:
             extensions.import_plugin(name)
@@ -339,72 +345,119 @@ def require(cfg: JobConfig, ok: bool, key: str, why: str) -> None:
 
 def validate(cfg: JobConfig) -> None:
     """Checks that need only the config itself (model/world-size checks come later)."""
-    t, o, s, m, p, c, v = (cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.metrics,
-                           cfg.profiling, cfg.comm, cfg.validation)
+    t, o, s, m, p, c, v = (
+        cfg.training,
+        cfg.optimizer,
+        cfg.lr_scheduler,
+        cfg.metrics,
+        cfg.profiling,
+        cfg.comm,
+        cfg.validation,
+    )
     checks = [
         (t.steps >= 1, "training.steps", "must be >= 1"),
         (t.seq_len >= 1, "training.seq_len", "must be >= 1"),
         (t.local_batch_size >= 1, "training.local_batch_size", "must be >= 1"),
-        (t.global_batch_size == -1 or t.global_batch_size >= 1, "training.global_batch_size",
-         "must be -1 (local x dp) or >= 1"),
+        (
+            t.global_batch_size == -1 or t.global_batch_size >= 1,
+            "training.global_batch_size",
+            "must be -1 (local x dp) or >= 1",
+        ),
         (t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)"),
         (t.gc_freq >= 1, "training.gc_freq", "must be >= 1"),
         (t.dataloader_num_workers >= 0, "training.dataloader_num_workers", "must be >= 0"),
-        (t.dataloader_prefetch_factor >= 1, "training.dataloader_prefetch_factor",
-         "must be >= 1"),
-        (not cfg.model.document_positions or cfg.model.attn_mask_type == "block_causal",
-         "model.document_positions", "needs model.attn_mask_type = \"block_causal\" (with a "
-         "causal mask across documents, positions run through the window)"),
-        (cfg.model.attn_mask_type == "causal" or cfg.parallelism.context_parallel_degree == 1,
-         "model.attn_mask_type",
-         "block_causal is not supported with context parallelism here (torch's ring attention "
-         "runs causal SDPA); set parallelism.context_parallel_degree = 1 or attn_mask_type = "
-         "\"causal\""),
+        (t.dataloader_prefetch_factor >= 1, "training.dataloader_prefetch_factor", "must be >= 1"),
+        (
+            not cfg.model.document_positions or cfg.model.attn_mask_type == "block_causal",
+            "model.document_positions",
+            'needs model.attn_mask_type = "block_causal" (with a '
+            "causal mask across documents, positions run through the window)",
+        ),
+        (
+            cfg.model.attn_mask_type == "causal" or cfg.parallelism.context_parallel_degree == 1,
+            "model.attn_mask_type",
+            "block_causal is not supported with context parallelism here (torch's ring attention "
+            "runs causal SDPA); set parallelism.context_parallel_degree = 1 or attn_mask_type = "
+            '"causal"',
+        ),
         (o.lr >= 0, "optimizer.lr", "must be >= 0"),
         (o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
-        (all(g.params and (g.lr is None or g.lr >= 0) and (g.weight_decay is None
-                                                            or g.weight_decay >= 0)
-             for g in o.param_groups), "optimizer.param_groups",
-         "each group needs params (a regex of parameter names) and lr, weight_decay >= 0"),
-        (_regexes_compile([g.params for g in o.param_groups]), "optimizer.param_groups",
-         "a params regex does not compile (Python re syntax)"),
+        (
+            all(
+                g.params
+                and (g.lr is None or g.lr >= 0)
+                and (g.weight_decay is None or g.weight_decay >= 0)
+                for g in o.param_groups
+            ),
+            "optimizer.param_groups",
+            "each group needs params (a regex of parameter names) and lr, weight_decay >= 0",
+        ),
+        (
+            _regexes_compile([g.params for g in o.param_groups]),
+            "optimizer.param_groups",
+            "a params regex does not compile (Python re syntax)",
+        ),
         (s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0"),
-        (s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio",
-         "must be None or in [0, 1]"),
+        (
+            s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+            "lr_scheduler.decay_ratio",
+            "must be None or in [0, 1]",
+        ),
         (0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", "must be in [0, 1]"),
         (m.log_freq >= 1, "metrics.log_freq", "must be >= 1"),
         (m.peak_flops >= 0, "metrics.peak_flops", "must be >= 0 (0 = automatic)"),
         (p.profile_freq >= 1, "profiling.profile_freq", "must be >= 1"),
         (p.profiler_active >= 1, "profiling.profiler_active", "must be >= 1"),
-        (p.profiler_warmup >= 0 and p.profiler_warmup + p.profiler_active <= p.profile_freq,
-         "profiling.profiler_warmup",
-         f"warmup + active ({p.profiler_active}) steps must fit in profiling.profile_freq "
-         f"({p.profile_freq})"),
+        (
+            p.profiler_warmup >= 0 and p.profiler_warmup + p.profiler_active <= p.profile_freq,
+            "profiling.profiler_warmup",
+            f"warmup + active ({p.profiler_active}) steps must fit in profiling.profile_freq "
+            f"({p.profile_freq})",
+        ),
         (c.init_timeout_seconds >= 1, "comm.init_timeout_seconds", "must be >= 1"),
         (c.train_timeout_seconds >= 1, "comm.train_timeout_seconds", "must be >= 1"),
         (v.freq >= 1, "validation.freq", "must be >= 1"),
-        (cfg.memory.device_memory_gib >= 0, "memory.device_memory_gib",
-         "must be > 0 (a device's memory in GiB), or 0 for the visible GPU's own"),
+        (
+            cfg.memory.device_memory_gib >= 0,
+            "memory.device_memory_gib",
+            "must be > 0 (a device's memory in GiB), or 0 for the visible GPU's own",
+        ),
         (v.steps == -1 or v.steps >= 1, "validation.steps", "must be -1 (full pass) or >= 1"),
-        (v.local_batch_size >= 1 or v.local_batch_size == -1, "validation.local_batch_size",
-         "must be >= 1, or -1 (each rank's whole share of a validation batch)"),
-        (v.global_batch_size >= 1 or v.global_batch_size == -1, "validation.global_batch_size",
-         "must be >= 1, or -1 (local_batch_size x dp)"),
-        (t.exit_at_step == -1 or t.exit_at_step >= 1, "training.exit_at_step",
-         "must be -1 (never) or >= 1"),
+        (
+            v.local_batch_size >= 1 or v.local_batch_size == -1,
+            "validation.local_batch_size",
+            "must be >= 1, or -1 (each rank's whole share of a validation batch)",
+        ),
+        (
+            v.global_batch_size >= 1 or v.global_batch_size == -1,
+            "validation.global_batch_size",
+            "must be >= 1, or -1 (local_batch_size x dp)",
+        ),
+        (
+            t.exit_at_step == -1 or t.exit_at_step >= 1,
+            "training.exit_at_step",
+            "must be -1 (never) or >= 1",
+        ),
         (cfg.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1"),
         (cfg.checkpoint.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0 (0 = all)"),
         (cfg.checkpoint.load_step >= -1, "checkpoint.load_step", "must be -1 (newest) or >= 0"),
-        (set(cfg.checkpoint.exclude_from_loading) <= {"model", "optimizer", "lr_scheduler",
-                                                      "dataloader", "train_state"},
-         "checkpoint.exclude_from_loading",
-         "may list only model, optimizer, lr_scheduler, dataloader, train_state"),
-        (not cfg.checkpoint.initial_load_in_hf or bool(cfg.checkpoint.initial_load_path),
-         "checkpoint.initial_load_in_hf", "needs checkpoint.initial_load_path (an HF folder)"),
-        (_valid_selective_ac(cfg.activation_checkpoint.selective_ac_option),
-         "activation_checkpoint.selective_ac_option",
-         "use 'op' (save matmul/attention outputs) or a positive integer N (checkpoint every "
-         "N-th block)"),
+        (
+            set(cfg.checkpoint.exclude_from_loading)
+            <= {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"},
+            "checkpoint.exclude_from_loading",
+            "may list only model, optimizer, lr_scheduler, dataloader, train_state",
+        ),
+        (
+            not cfg.checkpoint.initial_load_in_hf or bool(cfg.checkpoint.initial_load_path),
+            "checkpoint.initial_load_in_hf",
+            "needs checkpoint.initial_load_path (an HF folder)",
+        ),
+        (
+            _valid_selective_ac(cfg.activation_checkpoint.selective_ac_option),
+            "activation_checkpoint.selective_ac_option",
+            "use 'op' (save matmul/attention outputs) or a positive integer N (checkpoint every "
+            "N-th block)",
+        ),
     ]
     for ok, key, why in checks:
         require(cfg, ok, key, why)
@@ -447,10 +500,13 @@ def help_text(argv: list[str] = ()) -> str:
     hooks = [s for s in sections if s in TEST_HOOK_SECTIONS]
     for section in real:
         lines += _section_help(section, sections[section])
-    lines += ["", "=" * 78,
-              "TESTING HOOKS: fault injection for titan's own tests (NaN losses, hung or killed",
-              "ranks). They break a run on purpose; never set them for training.",
-              "=" * 78]
+    lines += [
+        "",
+        "=" * 78,
+        "TESTING HOOKS: fault injection for titan's own tests (NaN losses, hung or killed",
+        "ranks). They break a run on purpose; never set them for training.",
+        "=" * 78,
+    ]
     for section in hooks:
         lines += _section_help(section, sections[section])
     return "\n".join(lines)
@@ -467,8 +523,15 @@ def _section_help(section: str, obj) -> list[str]:
     return lines
 
 
-_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n",
-                 "\f": "\\f", "\r": "\\r"}
+_TOML_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
 
 
 def _toml_char(c: str) -> str:
@@ -489,9 +552,15 @@ def _toml_value(v) -> str:
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if dataclasses.is_dataclass(v):
         # TOML has no null: an unset key of a table is left out
-        return "{" + ", ".join(f"{f.name} = {_toml_value(getattr(v, f.name))}"
-                               for f in dataclasses.fields(v)
-                               if getattr(v, f.name) is not None) + "}"
+        return (
+            "{"
+            + ", ".join(
+                f"{f.name} = {_toml_value(getattr(v, f.name))}"
+                for f in dataclasses.fields(v)
+                if getattr(v, f.name) is not None
+            )
+            + "}"
+        )
     return repr(v)
 
 

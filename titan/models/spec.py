@@ -99,8 +99,9 @@ class StateDictAdapter(Protocol):
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor],
-                hf_config: dict | None = None) -> dict[str, torch.Tensor]: ...
+    def from_hf(
+        self, hf_state_dict: dict[str, torch.Tensor], hf_config: dict | None = None
+    ) -> dict[str, torch.Tensor]: ...
 
 
 class ParallelizeFn(Protocol):
@@ -125,8 +126,9 @@ class PostOptimizerHook(Protocol):
     at the next log step: numbers in metrics.jsonl and TensorBoard, lists of numbers as
     TensorBoard histograms. Every rank runs it: it may use collectives."""
 
-    def __call__(self, parts: list[nn.Module],
-                 job: JobConfig) -> Callable[[bool], dict | None] | None: ...
+    def __call__(
+        self, parts: list[nn.Module], job: JobConfig
+    ) -> Callable[[bool], dict | None] | None: ...
 
 
 @dataclass(frozen=True)
@@ -162,8 +164,10 @@ class TrainSpec:
     def matching_flavor(self, args: ModelArgs) -> str | None:
         """The registered flavor with this architecture (vocab size and max_seq_len aside)."""
         for name, flavor in self.flavors.items():
-            if flavor.with_updates(vocab_size=args.vocab_size,
-                                   max_seq_len=args.max_seq_len) == args:
+            if (
+                flavor.with_updates(vocab_size=args.vocab_size, max_seq_len=args.max_seq_len)
+                == args
+            ):
                 return name
         return None
 
@@ -174,11 +178,16 @@ _REGISTRY: dict[str, TrainSpec] = {}
 def register_train_spec(spec: TrainSpec) -> None:
     if spec.name in _REGISTRY:
         raise ValueError(f"a train spec named {spec.name!r} is already registered")
-    missing = [m for m in ("init_weights", "cp_buffers", "tied_parameters") if not callable(
-        getattr(spec.model_cls, m, None))]
+    missing = [
+        m
+        for m in ("init_weights", "cp_buffers", "tied_parameters")
+        if not callable(getattr(spec.model_cls, m, None))
+    ]
     if missing:
-        raise TypeError(f"{spec.model_cls.__name__} lacks {', '.join(missing)} of the Model "
-                        "protocol (titan/models/spec.py)")
+        raise TypeError(
+            f"{spec.model_cls.__name__} lacks {', '.join(missing)} of the Model "
+            "protocol (titan/models/spec.py)"
+        )
     bad = [name for name, args in spec.flavors.items() if not isinstance(args, ModelArgs)]
     if bad:
         raise TypeError(f"flavors {bad} of {spec.name!r} do not satisfy the ModelArgs protocol")
@@ -199,7 +208,9 @@ def family_of_hf_config(config: dict) -> str | None:
 
     for name, spec in sorted(_REGISTRY.items()):
         adapter = spec.state_dict_adapter
-        if adapter is not None and config.get("model_type") in getattr(adapter, "hf_model_types", ()):
+        if adapter is not None and config.get("model_type") in getattr(
+            adapter, "hf_model_types", ()
+        ):
             return name
     return None
 

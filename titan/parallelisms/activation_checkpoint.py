@@ -32,8 +32,11 @@ def _op_policy_context():
         key = "recompute" if ctx.is_recompute else "forward"
         if op == _aten.mm.default:
             counts[key] += 1
-            return (CheckpointPolicy.MUST_SAVE if counts[key] % 2 == 0
-                    else CheckpointPolicy.PREFER_RECOMPUTE)
+            return (
+                CheckpointPolicy.MUST_SAVE
+                if counts[key] % 2 == 0
+                else CheckpointPolicy.PREFER_RECOMPUTE
+            )
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
 
     counts = defaultdict(int)
@@ -62,5 +65,6 @@ def apply_ac(layers: nn.ModuleDict, cfg) -> None:
         if i % every:
             continue
         kw = {"context_fn": context_fn} if context_fn else {}
-        layers[name] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                          preserve_rng_state=False, **kw)
+        layers[name] = checkpoint_wrapper(
+            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **kw
+        )

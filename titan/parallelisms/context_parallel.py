@@ -40,8 +40,10 @@ from torch.utils._pytree import tree_map_only
 # internals and is pinned to the version its tests ran with. CUDA runs torch's own CP path,
 # allowed from 2.11 (the lent GPU machines' torch) but not yet run on a GPU by titan.
 _VERSIONS = {"cuda": ((2, 11), (2, 14)), "cpu": ((2, 13), (2, 14))}
-_STATUS = {"cuda": "is allowed (torch's own context_parallel; not yet run on a GPU by titan)",
-           "cpu": "was tested"}
+_STATUS = {
+    "cuda": "is allowed (torch's own context_parallel; not yet run on a GPU by titan)",
+    "cpu": "was tested",
+}
 
 _aten = torch.ops.aten
 _CPU_FWD = _aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -68,9 +70,14 @@ def check_torch_version(device_type: str = "cpu", version: str | None = None) ->
     )
 
 
-def context_parallel_ctx(cp_mesh: DeviceMesh, buffers: list[torch.Tensor], seq_dims: list[int],
-                         no_restore_buffers: set[torch.Tensor], rotate_method: str,
-                         load_balance: bool) -> contextlib.AbstractContextManager:
+def context_parallel_ctx(
+    cp_mesh: DeviceMesh,
+    buffers: list[torch.Tensor],
+    seq_dims: list[int],
+    no_restore_buffers: set[torch.Tensor],
+    rotate_method: str,
+    load_balance: bool,
+) -> contextlib.AbstractContextManager:
     """A context manager for one microbatch's forward+backward under CP.
 
     `buffers` are sharded in place along `seq_dims` on entry and restored on exit, except
@@ -88,21 +95,25 @@ def context_parallel_ctx(cp_mesh: DeviceMesh, buffers: list[torch.Tensor], seq_d
                     f"load-balanced CP needs sequence length {buf.shape[dim]} (a buffer of shape "
                     f"{tuple(buf.shape)}, dim {dim}) divisible by 2 x cp = {2 * cp_mesh.size()}"
                 )
-    return _cp_context(cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method,
-                       load_balance)
+    return _cp_context(cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance)
 
 
 @contextlib.contextmanager
-def _cp_context(cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method,
-                load_balance) -> Iterator[None]:
+def _cp_context(
+    cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance
+) -> Iterator[None]:
     opts = _torch_cp._cp_options
     saved = (opts.rotate_method, opts.enable_load_balance)
     try:
         _torch_cp.set_rotate_method(rotate_method)
         # torch's context_parallel picks the head-tail balancer iff this flag is set
         opts.enable_load_balance = load_balance
-        with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=seq_dims,
-                              no_restore_buffers=no_restore_buffers):
+        with context_parallel(
+            cp_mesh,
+            buffers=buffers,
+            buffer_seq_dims=seq_dims,
+            no_restore_buffers=no_restore_buffers,
+        ):
             # entered after torch's: it swaps in a fresh handler dict, which we extend
             with _cpu_ring_handlers() if cp_mesh.device_type == "cpu" else contextlib.nullcontext():
                 yield
@@ -121,7 +132,8 @@ def _cpu_ring_handlers() -> Iterator[None]:
     handlers.update(_HANDLERS)
     create_rotater = ring._create_rotater
     ring._create_rotater = lambda *args, **kwargs: _OneExchangeInFlight(
-        create_rotater(*args, **kwargs))
+        create_rotater(*args, **kwargs)
+    )
     try:
         yield
     finally:
@@ -193,26 +205,56 @@ class _OneExchangeInFlight:
 
 # The two ring functions mirror the CPU ops' schemas (see native_functions.yaml). They run
 # inside _cpu_ring_handlers, which has imported torch's ring internals.
-def _ring_forward(group, query, key, value, dropout_p=0.0, is_causal=False, *,
-                  attn_mask=None, scale=None):
+def _ring_forward(
+    group, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
+):
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
     if dropout_p or attn_mask is not None:
         raise NotImplementedError("CPU ring attention supports neither dropout nor attn_mask")
     return ring._templated_ring_attention(
-        group, _SEQ_DIM, _aten._scaled_dot_product_flash_attention_for_cpu, query=query,
-        key=key, value=value, is_causal=is_causal, dropout_p=0.0, scale=scale,
+        group,
+        _SEQ_DIM,
+        _aten._scaled_dot_product_flash_attention_for_cpu,
+        query=query,
+        key=key,
+        value=value,
+        is_causal=is_causal,
+        dropout_p=0.0,
+        scale=scale,
     )
 
 
-def _ring_backward(group, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
-                   attn_mask=None, scale=None):
+def _ring_backward(
+    group,
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    dropout_p,
+    is_causal,
+    *,
+    attn_mask=None,
+    scale=None,
+):
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
     return ring._templated_ring_attention_backward(
-        group, _SEQ_DIM, _CPU_BWD, grad_out=grad_out, grad_out_name="grad_out", query=query,
-        key=key, value=value, out=out, logsumexp=logsumexp, is_causal=is_causal,
-        dropout_p=dropout_p, scale=scale,
+        group,
+        _SEQ_DIM,
+        _CPU_BWD,
+        grad_out=grad_out,
+        grad_out_name="grad_out",
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        logsumexp=logsumexp,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
     )
 
 

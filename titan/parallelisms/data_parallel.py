@@ -12,10 +12,19 @@ def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
     return {"always": True, "never": False, "default": not pp_enabled}[policy]
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, units: list[nn.Module],
-               final_unit: list[nn.Module], param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard: bool, cpu_offload: bool, expert_units: list[nn.Module] = (),
-               expert_mesh: DeviceMesh | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    units: list[nn.Module],
+    final_unit: list[nn.Module],
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard: bool,
+    cpu_offload: bool,
+    expert_units: list[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
     """Shard each of `units` (embedding, blocks) as its own FSDP unit, `final_unit` (e.g. the
     last norm and the output layer) as one unit, then the root for what is left. Each of
     `expert_units` (expert-parallel routed experts, inside the blocks) is a unit of its own
@@ -23,8 +32,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, units: list[nn.Module],
 
     A 2-D dp_mesh (dp_replicate, dp_shard_cp) gives HSDP.
     """
-    kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                           reduce_dtype=reduce_dtype))
+    kw = dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    )
     if cpu_offload:
         # pinned memory needs CUDA; on CPU-only machines plain host memory is the only option
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda")

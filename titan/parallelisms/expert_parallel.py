@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.profiler import record_function
 
-
 # the forward's spans in profiler traces (the backward's all-to-alls show as autograd's
 # all_to_all_single nodes)
 DISPATCH, COMBINE = "expert_parallel.dispatch", "expert_parallel.combine"
@@ -47,16 +46,22 @@ class ExpertParallel(ParallelStyle):
         self.tp_grad = Partial() if sum_tp_grads else Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        ep_mesh = device_mesh if device_mesh.ndim == 1 else device_mesh[device_mesh.mesh_dim_names[0]]
+        ep_mesh = (
+            device_mesh if device_mesh.ndim == 1 else device_mesh[device_mesh.mesh_dim_names[0]]
+        )
         ep = ep_mesh.size()
         placements = [Shard(0)] + [Replicate()] * (device_mesh.ndim - 1)
         grad_placements = [Shard(0)] + [self.tp_grad] * (device_mesh.ndim - 1)
         for name, p in list(module.named_parameters(recurse=False)):
             if p.shape[0] % ep:
                 raise ValueError(f"{p.shape[0]} experts do not split over {ep} ep ranks")
-            module.register_parameter(name, nn.Parameter(
-                distribute_tensor(p, device_mesh, placements, src_data_rank=None),
-                requires_grad=p.requires_grad))
+            module.register_parameter(
+                name,
+                nn.Parameter(
+                    distribute_tensor(p, device_mesh, placements, src_data_rank=None),
+                    requires_grad=p.requires_grad,
+                ),
+            )
         routes: list[_Route] = []
         swapped: list[tuple[str, nn.Parameter]] = []
 
@@ -137,17 +142,17 @@ class _Route:
         # received rows are ordered by (source rank, local expert): the grouped GEMM needs them
         # by (local expert, source rank)
         block = torch.arange(ep * n_local, device=counts.device).repeat_interleave(
-            received.reshape(-1), output_size=sum(self.recv_splits))
+            received.reshape(-1), output_size=sum(self.recv_splits)
+        )
         source, expert = block // n_local, block % n_local
         self.order = torch.argsort(expert * ep + source, stable=True)
 
     def send(self, x: torch.Tensor) -> torch.Tensor:
-        rows = funcol.all_to_all_single_autograd(x, self.recv_splits, self.send_splits,
-                                                 self.group)
+        rows = funcol.all_to_all_single_autograd(x, self.recv_splits, self.send_splits, self.group)
         return rows[self.order]
 
     def receive(self, out: torch.Tensor) -> torch.Tensor:
         back = torch.empty_like(out).index_copy(0, self.order, out)
-        return funcol.all_to_all_single_autograd(back, self.send_splits, self.recv_splits,
-                                                 self.group)
-
+        return funcol.all_to_all_single_autograd(
+            back, self.send_splits, self.recv_splits, self.group
+        )

@@ -34,8 +34,11 @@ DIMS = (
 MESH_ORDER = tuple(sorted(DIMS, key=lambda d: d.mesh_position))  # outer to inner
 # dims of the mesh made of several named ones: data loading ("dp"), FSDP ("dp_shard_cp") and
 # loss averaging ("dp_cp")
-FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
-             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
 # with expert parallelism, the ranks of one pipeline stage again as the routed experts see
 # them: replicas, the FSDP shards of each expert ("efsdp"), the ranks holding different experts
 # ("ep") and the tensor-parallel ranks ("etp", the tp ranks, over which experts are whole);
@@ -66,8 +69,7 @@ class ParallelDims:
         for d in DIMS:
             section, attr = d.config_field.split(".")
             degrees[d.name] = getattr(getattr(job, section), attr)
-        return cls(**degrees, world_size=world_size,
-                   ep=job.parallelism.expert_parallel_degree)
+        return cls(**degrees, world_size=world_size, ep=job.parallelism.expert_parallel_degree)
 
     def degrees(self) -> dict[str, int]:
         """{dim name: degree}, in DIMS order."""
@@ -80,16 +82,20 @@ class ParallelDims:
     def __post_init__(self):
         names = [f.name for f in fields(self) if f.init and f.name not in ("world_size", "ep")]
         if names != [d.name for d in DIMS]:
-            raise TypeError(f"ParallelDims' degree fields {names} must be the rows of DIMS "
-                            f"{[d.name for d in DIMS]}, in order")
+            raise TypeError(
+                f"ParallelDims' degree fields {names} must be the rows of DIMS "
+                f"{[d.name for d in DIMS]}, in order"
+            )
         for d in DIMS:
             value = getattr(self, d.name)
             if d.fills and value == -1:
                 continue
             if value < 1:
                 raise ParallelismError(
-                    f"{d.config_field.split('.')[-1]} = {value} must be -1 or >= 1" if d.fills
-                    else f"parallel degree {d.name} = {value} must be >= 1 ({d.config_field})")
+                    f"{d.config_field.split('.')[-1]} = {value} must be -1 or >= 1"
+                    if d.fills
+                    else f"parallel degree {d.name} = {value} must be >= 1 ({d.config_field})"
+                )
         for d in DIMS:
             if not (d.fills and getattr(self, d.name) == -1):
                 continue
@@ -117,7 +123,8 @@ class ParallelDims:
             raise ParallelismError(
                 f"expert_parallel_degree {self.ep} must be >= 1 and divide "
                 f"data_parallel_shard_degree x context_parallel_degree = "
-                f"{self.dp_shard} x {self.cp}: expert parallelism borrows those ranks")
+                f"{self.dp_shard} x {self.cp}: expert parallelism borrows those ranks"
+            )
 
     @property
     def dp(self) -> int:
@@ -160,8 +167,11 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named dims of `mesh_dims()`, plus the FLATTENED ones."""
         dims = self.mesh_dims()
-        mesh = init_device_mesh(device_type, tuple(size for _, size in dims),
-                                mesh_dim_names=tuple(name for name, _ in dims))
+        mesh = init_device_mesh(
+            device_type,
+            tuple(size for _, size in dims),
+            mesh_dim_names=tuple(name for name, _ in dims),
+        )
         # flattened meshes are kept here: slicing them back out of the root is deprecated
         self._flat = {name: mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}
         if self.ep_enabled:
@@ -169,10 +179,16 @@ class ParallelDims:
             # that FSDP can join efsdp to (ep, etp)
             stage = mesh[("dp_replicate", "dp_shard", "cp", "tp")]._flatten("dp_cp_tp")
             experts = stage._unflatten(
-                0, (self.dp_replicate, self.efsdp, self.ep, self.tp), EXPERT_DIMS)
-            self._flat.update({"ep": experts["ep"], "efsdp": experts["efsdp"],
-                               "edp": experts[EXPERT_DIMS[:2]],
-                               "ep_etp": experts[EXPERT_DIMS[2:]]})
+                0, (self.dp_replicate, self.efsdp, self.ep, self.tp), EXPERT_DIMS
+            )
+            self._flat.update(
+                {
+                    "ep": experts["ep"],
+                    "efsdp": experts["efsdp"],
+                    "edp": experts[EXPERT_DIMS[:2]],
+                    "ep_etp": experts[EXPERT_DIMS[2:]],
+                }
+            )
         self._mesh = mesh
         return mesh
 
@@ -199,9 +215,15 @@ class ParallelDims:
         return self._mesh[dims]
 
 
-def validate_against_model(dims: ParallelDims, model_args, *, seq_len: int,
-                           local_batch_size: int, global_batch_size: int,
-                           dp_size: int | None = None) -> None:
+def validate_against_model(
+    dims: ParallelDims,
+    model_args,
+    *,
+    seq_len: int,
+    local_batch_size: int,
+    global_batch_size: int,
+    dp_size: int | None = None,
+) -> None:
     """Model- and batch-dependent checks, run before any process group exists.
 
     `model_args`: a ModelArgs (heads, kv heads, layers). `dp_size`: data-parallel replicas in

@@ -13,13 +13,25 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan.config.manager import did_you_mean
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-             "ZBVZeroBubble", "DualPipeV")
+SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
 # the schedules that run several stages per rank (torch's PipelineScheduleMulti); spelled out
 # so that planning does not import torch.distributed.pipelining (over a second, paid by the
 # launcher's config check); a unit test holds it to torch's classes
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-               "DualPipeV")
+MULTI_STAGE = (
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
@@ -31,8 +43,9 @@ def is_multi_stage(schedule: str) -> bool:
     return schedule in MULTI_STAGE
 
 
-def stage_layer_ranges(n_layers: int, num_stages: int, split_points: list[int],
-                       layer_costs: list[int] | None = None) -> list[range]:
+def stage_layer_ranges(
+    n_layers: int, num_stages: int, split_points: list[int], layer_costs: list[int] | None = None
+) -> list[range]:
     """Contiguous layer ranges per stage: at `split_points` (first layer of each stage after the
     first) if given; else, for layers of unequal `layer_costs`, the split whose costliest stage
     costs least; else as even as possible with earlier stages taking the remainder."""
@@ -40,12 +53,14 @@ def stage_layer_ranges(n_layers: int, num_stages: int, split_points: list[int],
         bounds = [0, *split_points, n_layers]
         if len(bounds) - 1 != num_stages or bounds != sorted(set(bounds)):
             raise PipelineConfigError(
-                f"pipeline_parallel_split_points {split_points} must be {num_stages - 1} increasing "
-                f"layer indices in (0, {n_layers}) to give {num_stages} stages"
+                f"pipeline_parallel_split_points {split_points} must be {num_stages - 1} "
+                f"increasing layer indices in (0, {n_layers}) to give {num_stages} stages"
             )
         return [range(a, b) for a, b in zip(bounds, bounds[1:])]
     if num_stages > n_layers:
-        raise PipelineConfigError(f"{num_stages} pipeline stages exceed the model's {n_layers} layers")
+        raise PipelineConfigError(
+            f"{num_stages} pipeline stages exceed the model's {n_layers} layers"
+        )
     if layer_costs is not None and len(set(layer_costs)) > 1:
         return balanced_layer_ranges(layer_costs, num_stages)
     base, extra = divmod(n_layers, num_stages)
@@ -88,8 +103,9 @@ class PipelinePlan:
     n_microbatches: int
 
 
-def plan_pipelines(cfg, *, n_layers: int, local_batch_size: int,
-                   layer_costs: list[int] | None = None) -> tuple[PipelinePlan, ...]:
+def plan_pipelines(
+    cfg, *, n_layers: int, local_batch_size: int, layer_costs: list[int] | None = None
+) -> tuple[PipelinePlan, ...]:
     """The stages of `cfg` (the parallelism section) for a model of `n_layers` layers (of
     `layer_costs`, if they differ), as seen by each pipeline rank (index: pp rank), for
     batches of `local_batch_size` sequences."""
@@ -138,12 +154,18 @@ def plan_pipelines(cfg, *, n_layers: int, local_batch_size: int,
         )
     if schedule in V_SCHEDULES and n_micro < num_stages:
         raise PipelineConfigError(
-            f"{schedule} needs at least as many microbatches as stages ({num_stages}), got {n_micro}"
+            f"{schedule} needs at least as many microbatches as stages ({num_stages}), "
+            f"got {n_micro}"
         )
-    ranges = tuple(stage_layer_ranges(n_layers, num_stages, points,
-                                      None if layers_per_stage else layer_costs))
-    return tuple(PipelinePlan(schedule, num_stages, _stage_ids(schedule, num_stages, pp, pp_rank),
-                              ranges, n_micro) for pp_rank in range(pp))
+    ranges = tuple(
+        stage_layer_ranges(n_layers, num_stages, points, None if layers_per_stage else layer_costs)
+    )
+    return tuple(
+        PipelinePlan(
+            schedule, num_stages, _stage_ids(schedule, num_stages, pp, pp_rank), ranges, n_micro
+        )
+        for pp_rank in range(pp)
+    )
 
 
 def _stage_ids(schedule: str, num_stages: int, pp: int, pp_rank: int) -> tuple[int, ...]:
@@ -178,9 +200,14 @@ def _stage_class(inference_ctx: Callable):
     return Stage
 
 
-def build_schedule(stages: list[nn.Module], plan: PipelinePlan, pp_mesh: DeviceMesh,
-                   device: torch.device, loss_fn: Callable,
-                   inference_ctx: Callable = contextlib.nullcontext):
+def build_schedule(
+    stages: list[nn.Module],
+    plan: PipelinePlan,
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    loss_fn: Callable,
+    inference_ctx: Callable = contextlib.nullcontext,
+):
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     pipeline_stages = [
@@ -190,7 +217,12 @@ def build_schedule(stages: list[nn.Module], plan: PipelinePlan, pp_mesh: DeviceM
     cls = get_schedule_class(plan.schedule)
     # the loss is already normalized over every token of the step: no extra scaling
     if issubclass(cls, PipelineScheduleSingle):
-        return cls(pipeline_stages[0], n_microbatches=plan.n_microbatches, loss_fn=loss_fn,
-                   scale_grads=False)
-    return cls(pipeline_stages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn,
-               scale_grads=False)
+        return cls(
+            pipeline_stages[0],
+            n_microbatches=plan.n_microbatches,
+            loss_fn=loss_fn,
+            scale_grads=False,
+        )
+    return cls(
+        pipeline_stages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=False
+    )

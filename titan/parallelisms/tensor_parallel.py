@@ -20,8 +20,12 @@ def replicate_modules(modules: list[nn.Module], tp_mesh: DeviceMesh) -> None:
 
 
 def _replicate_inputs(module, inputs, mesh):
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                 if not isinstance(x, DTensor) else x for x in inputs)
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
 
 
 def _local_output(module, output, mesh):

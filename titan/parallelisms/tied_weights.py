@@ -27,8 +27,13 @@ class TiedCopies:
     sharding (`tensor_parallel.shard_grads_like_params`), so the local shards match.
     """
 
-    def __init__(self, parts: list[nn.Module], ties: list[tuple[str, str]],
-                 world_mesh: DeviceMesh, split: bool):
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        ties: list[tuple[str, str]],
+        world_mesh: DeviceMesh,
+        split: bool,
+    ):
         params = {name: p for part in parts for name, p in part.named_parameters()}
         self.pairs = [(params.get(a), params.get(b)) for a, b in ties]
         # `split`: the first and last stage are on different ranks (the same answer on all)
@@ -63,5 +68,4 @@ class TiedCopies:
     def split(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(`params` without the copies, the copies): a gradient norm counts each weight once."""
         copies = {id(c) for _, c in self.pairs if c is not None}
-        return ([p for p in params if id(p) not in copies],
-                [p for p in params if id(p) in copies])
+        return ([p for p in params if id(p) not in copies], [p for p in params if id(p) in copies])

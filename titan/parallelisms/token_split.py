@@ -30,15 +30,23 @@ def _summed_over(meshes: list[DeviceMesh]):
     return total
 
 
-def token_split(dims: ParallelDims, *, sequence_parallel: bool, global_batch_size: int,
-                seq_len: int, data_parallel_size: int) -> TokenSplit:
+def token_split(
+    dims: ParallelDims,
+    *,
+    sequence_parallel: bool,
+    global_batch_size: int,
+    seq_len: int,
+    data_parallel_size: int,
+) -> TokenSplit:
     """For a run whose mesh is built; `data_parallel_size` counts torchft's replica groups."""
     tp_splits = dims.tp_enabled and sequence_parallel
     in_sequence = [dims["cp"]] + ([dims["tp"]] if tp_splits else [])
     return TokenSplit(
-        sequences=global_batch_size, seq_len=seq_len,
+        sequences=global_batch_size,
+        seq_len=seq_len,
         sum_over_sequence=_summed_over(in_sequence),
         sum_over_batch=_summed_over([dims["dp_cp"]] + ([dims["tp"]] if tp_splits else [])),
         grad_scale=data_parallel_size * dims.cp,
         replicas=dims.tp if dims.tp_enabled and not sequence_parallel else 1,
-        stage_ranks=dims.world_size // dims.pp)
+        stage_ranks=dims.world_size // dims.pp,
+    )

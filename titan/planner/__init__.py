@@ -1,1 +1,2 @@
-"""Planning a run before it starts: per-rank memory, activations, layout search; CLI `python -m titan.planner`."""
+"""Planning a run before it starts: per-rank memory, activations, layout search; CLI
+`python -m titan.planner`."""

@@ -20,8 +20,8 @@ gradient, and expert parallelism's reordering buffers of one MoE layer.
 Expert parallelism's dispatch is traced with every rank receiving an even share of the rows
 (balanced routing). Its bound (`worst_routing_bytes` of titan.planner.memory) is a second
 trace in which each rank receives every row of its ep group in every MoE layer: no routing
-can send a rank more. Compiled code is traced eagerly: compile tends to save less, so the figure is an
-upper bound with `compile.enable`.
+can send a rank more. Compiled code is traced eagerly: compile tends to save less, so the figure
+is an upper bound with `compile.enable`.
 """
 
 import logging
@@ -36,8 +36,9 @@ from titan.config import JobConfig
 from titan.dtypes import to_dtype
 
 
-def trace_activations(job: JobConfig, plan, parts: list[nn.Module],
-                      pp_plan) -> tuple[dict, "PipelineHeld | None"]:
+def trace_activations(
+    job: JobConfig, plan, parts: list[nn.Module], pp_plan
+) -> tuple[dict, "PipelineHeld | None"]:
     """({"activations_bytes", "transient_bytes"} of one rank at its peak, what its pipeline
     stages hold (None without pipelining)), from its meta parts built under a fake process
     group (titan.planner.memory.rank_bytes). Materializes them as fake tensors."""
@@ -58,20 +59,28 @@ def trace_activations(job: JobConfig, plan, parts: list[nn.Module],
             if pp_plan is None:
                 t = job.training
                 acts, _ = _forward_held(fb, parts, 0, t.local_batch_size, t.seq_len)
-                logits = _output_bytes(parts[0], t.local_batch_size, t.seq_len // plan.dims.cp,
-                                       fb)
+                logits = _output_bytes(parts[0], t.local_batch_size, t.seq_len // plan.dims.cp, fb)
             else:
                 held, logits = _pipeline_held(fb, parts, pp_plan, plan)
-                acts = held.activations_bytes(plan.dims["pp"].get_local_rank(),
-                                              pp_plan.stage_ids)
+                acts = held.activations_bytes(plan.dims["pp"].get_local_rank(), pp_plan.stage_ids)
     finally:
         fake_log.setLevel(level)
-    return {"activations_bytes": acts, "transient_bytes": fsdp_transient_bytes(parts, job)
-            + logits + dispatch_transient_bytes(job, plan, fb)}, held
+    return {
+        "activations_bytes": acts,
+        "transient_bytes": fsdp_transient_bytes(parts, job)
+        + logits
+        + dispatch_transient_bytes(job, plan, fb),
+    }, held
 
 
-def _forward_held(fb, parts: list[nn.Module], index: int, batch: int, seq_len: int,
-                  hidden: torch.Tensor | None = None) -> tuple[int, int]:
+def _forward_held(
+    fb,
+    parts: list[nn.Module],
+    index: int,
+    batch: int,
+    seq_len: int,
+    hidden: torch.Tensor | None = None,
+) -> tuple[int, int]:
     """(bytes held for backward, bytes of the output) after one forward of parts[index] on
     `batch` sequences: from tokens, or from `hidden` (a later pipeline stage)."""
     part = parts[index]
@@ -113,6 +122,7 @@ class PipelineHeld:
     actions, in order (torch's schedule plans them all). A rank whose stages have the same
     structure holds the same per microbatch, but walks its own actions: 1F1B's ranks keep
     different counts of microbatches in flight."""
+
     per_mb: tuple[int, ...]
     outputs: tuple[int, ...]
     buffers: int
@@ -129,8 +139,11 @@ class PipelineHeld:
         # steady phase ends
         keep_all = {sid for sid in stage_ids if sid == self.num_stages - 1 or self.multi_stage}
         return self.buffers + peak_in_flight(
-            self.orders[pp_rank], dict(zip(stage_ids, self.per_mb)),
-            dict(zip(stage_ids, self.outputs)), keep_all)
+            self.orders[pp_rank],
+            dict(zip(stage_ids, self.per_mb)),
+            dict(zip(stage_ids, self.outputs)),
+            keep_all,
+        )
 
 
 def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[PipelineHeld, int]:
@@ -138,15 +151,15 @@ def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[PipelineHeld, int]:
     mb = t.local_batch_size // pp_plan.n_microbatches
     seq = t.seq_len // dims.cp
     # stages pass local tensors: sequence-parallel ones hold 1/tp of the sequence
-    hidden_seq = seq // dims.tp if dims.tp_enabled and fb.job.parallelism.enable_sequence_parallel \
-        else seq
+    hidden_seq = (
+        seq // dims.tp if dims.tp_enabled and fb.job.parallelism.enable_sequence_parallel else seq
+    )
     hidden_bytes = mb * hidden_seq * args.dim * _act_dtype(fb).itemsize
     per_mb, outputs, buffers, logits = [], [], 0, 0
     for i, sid in enumerate(pp_plan.stage_ids):
         hidden = None
         if sid > 0:
-            hidden = torch.empty(mb, hidden_seq, args.dim, dtype=_act_dtype(fb),
-                                 requires_grad=True)
+            hidden = torch.empty(mb, hidden_seq, args.dim, dtype=_act_dtype(fb), requires_grad=True)
             buffers += pp_plan.n_microbatches * hidden_bytes  # activation receive buffers
         if sid < pp_plan.num_stages - 1:
             buffers += pp_plan.n_microbatches * hidden_bytes  # gradient receive buffers
@@ -155,12 +168,19 @@ def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[PipelineHeld, int]:
         outputs.append(out)
         logits = max(logits, _output_bytes(parts[i], mb, seq, fb))
     orders = {rank: list(_flat(actions)) for rank, actions in fb.schedule.pipeline_order.items()}
-    return PipelineHeld(tuple(per_mb), tuple(outputs), buffers, pp_plan.num_stages,
-                        not isinstance(fb.schedule, PipelineScheduleSingle), orders), logits
+    return PipelineHeld(
+        tuple(per_mb),
+        tuple(outputs),
+        buffers,
+        pp_plan.num_stages,
+        not isinstance(fb.schedule, PipelineScheduleSingle),
+        orders,
+    ), logits
 
 
-def peak_in_flight(actions: list, per_mb: dict[int, int], outputs: dict[int, int],
-                   keep_all: set[int]) -> int:
+def peak_in_flight(
+    actions: list, per_mb: dict[int, int], outputs: dict[int, int], keep_all: set[int]
+) -> int:
     """The most bytes a pipeline rank holds at once, walking its actions in the schedule's
     order: a forward keeps its stage's microbatch, a full or weight backward frees it (an
     input-only backward frees little: the weight gradient still needs the inputs) but for
@@ -200,8 +220,11 @@ def dispatch_transient_bytes(job: JobConfig, plan, fb) -> int:
     d, t = plan.dims, job.training
     if not d.ep_enabled:
         return 0
-    batch = (t.local_batch_size if fb.pp_plan is None
-             else job.parallelism.pipeline_parallel_microbatch_size)
+    batch = (
+        t.local_batch_size
+        if fb.pp_plan is None
+        else job.parallelism.pipeline_parallel_microbatch_size
+    )
     split = d.cp * (d.tp if job.parallelism.enable_sequence_parallel else 1)
     rows = batch * t.seq_len // split * plan.model_args.moe.top_k
     if expert_parallel._worst_case_routing:
@@ -216,8 +239,10 @@ def fsdp_transient_bytes(parts: list[nn.Module], job: JobConfig) -> int:
     from torch.distributed.fsdp import FSDPModule
 
     t = job.training
-    param_size, reduce_size = to_dtype(t.mixed_precision_param).itemsize, \
-        to_dtype(t.mixed_precision_reduce).itemsize
+    param_size, reduce_size = (
+        to_dtype(t.mixed_precision_param).itemsize,
+        to_dtype(t.mixed_precision_reduce).itemsize,
+    )
     resharding, kept, units = [], 0, []
     for part in parts:
         for module in part.modules():
@@ -226,8 +251,10 @@ def fsdp_transient_bytes(parts: list[nn.Module], job: JobConfig) -> int:
             group = module._get_fsdp_state()._fsdp_param_group
             if group is None:
                 continue
-            numel = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params) \
+            numel = (
+                sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
                 * group.mesh_info.shard_mesh_size
+            )
             units.append(numel)
             if group.post_forward_mesh_info is None:
                 kept += numel

@@ -22,10 +22,20 @@ from titan.planner.memory import device_memory_bytes, human_bytes, pipeline_rank
 
 # the largest world the planner builds meshes for (8 MiB a mesh of int64 ranks); no run is
 # larger, and a mesh of 10^9 ranks alone would take 8 GB
-MAX_RANKS = 2 ** 20
+MAX_RANKS = 2**20
 
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -38,14 +48,19 @@ def parse_bytes(text: str) -> int:
 def plan(job, run, device_memory: int | None) -> dict:
     """The report of the job's RunPlan `run`."""
     dims = run.dims
-    ranks = [{"rank": rank, "pp_rank": pp_rank, **b}
-             for rank, pp_rank, b in pipeline_rank_bytes(job, run, worst_routing=True)]
+    ranks = [
+        {"rank": rank, "pp_rank": pp_rank, **b}
+        for rank, pp_rank, b in pipeline_rank_bytes(job, run, worst_routing=True)
+    ]
     worst = max(r["total_bytes"] for r in ranks)
     return {
         "world_size": dims.world_size,
         "layout": {**dims.degrees(), "ep": dims.ep},
-        "model": {"name": job.model.name, "flavor": job.model.flavor,
-                  "vocab_size": run.model_args.vocab_size},
+        "model": {
+            "name": job.model.name,
+            "flavor": job.model.flavor,
+            "vocab_size": run.model_args.vocab_size,
+        },
         "activation_checkpoint": job.activation_checkpoint.mode,
         "ranks": ranks,
         "max_states_bytes": max(r["states_bytes"] for r in ranks),
@@ -61,51 +76,87 @@ _COLUMNS = ("params", "grads", "optimizer", "activations", "transient", "total")
 def render(report: dict) -> str:
     lay = report["layout"]
     model = report["model"]
-    lines = [f"{model['name']} {model['flavor']} (vocabulary {model['vocab_size']}) on "
-             f"{report['world_size']} ranks: " + ", ".join(f"{k} {v}" for k, v in lay.items())
-             + f"; activation checkpointing {report['activation_checkpoint']}",
-             f"{'rank':>6} {'pp':>3} " + " ".join(f"{c:>12}" for c in _COLUMNS)]
+    lines = [
+        f"{model['name']} {model['flavor']} (vocabulary {model['vocab_size']}) on "
+        f"{report['world_size']} ranks: "
+        + ", ".join(f"{k} {v}" for k, v in lay.items())
+        + f"; activation checkpointing {report['activation_checkpoint']}",
+        f"{'rank':>6} {'pp':>3} " + " ".join(f"{c:>12}" for c in _COLUMNS),
+    ]
     for r in report["ranks"]:
         cells = [r[f"{c}_bytes"] for c in _COLUMNS]
-        lines.append(f"{r['rank']:>6} {r['pp_rank']:>3} " + " ".join(
-            f"{'?' if v is None else human_bytes(v):>12}" for v in cells))
+        lines.append(
+            f"{r['rank']:>6} {r['pp_rank']:>3} "
+            + " ".join(f"{'?' if v is None else human_bytes(v):>12}" for v in cells)
+        )
         if r.get("activations_error"):
             lines.append(f"       activations not traced: {r['activations_error']}")
         if r.get("worst_routing_error"):
             lines.append(f"       imbalanced routing not traced: {r['worst_routing_error']}")
     worst = max(report["ranks"], key=lambda r: r.get("worst_routing_bytes") or 0)
     if worst.get("worst_routing_bytes"):
-        lines.append(f"imbalanced routing: at most {human_bytes(worst['worst_routing_bytes'])} "
-                     f"on rank {worst['rank']} if one rank's experts received every token of "
-                     f"its {lay['ep']} ep ranks in every MoE layer (above: balanced)")
+        lines.append(
+            f"imbalanced routing: at most {human_bytes(worst['worst_routing_bytes'])} "
+            f"on rank {worst['rank']} if one rank's experts received every token of "
+            f"its {lay['ep']} ep ranks in every MoE layer (above: balanced)"
+        )
     if report["device_memory_bytes"] is not None:
-        lines.append(f"device memory {human_bytes(report['device_memory_bytes'])}: headroom "
-                     f"{human_bytes(report['headroom_bytes'])} on the fullest rank")
+        lines.append(
+            f"device memory {human_bytes(report['device_memory_bytes'])}: headroom "
+            f"{human_bytes(report['headroom_bytes'])} on the fullest rank"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan.planner", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m titan.planner",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--ngpu", type=int, default=1, help="ranks per node (NGPU of run_train.sh)")
     ap.add_argument("--nnodes", type=int, default=1, help="nodes")
-    ap.add_argument("--device-memory", type=parse_bytes, default=None,
-                    help="memory of one device, e.g. 80GiB: prints the headroom")
+    ap.add_argument(
+        "--device-memory",
+        type=parse_bytes,
+        default=None,
+        help="memory of one device, e.g. 80GiB: prints the headroom",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON (keys: see README)")
-    ap.add_argument("--suggest", action="store_true",
-                    help="rank the layouts of these GPUs that fit (needs --device-memory)")
+    ap.add_argument(
+        "--suggest",
+        action="store_true",
+        help="rank the layouts of these GPUs that fit (needs --device-memory)",
+    )
     ap.add_argument("--top", type=int, default=5, help="--suggest: layouts to show")
-    ap.add_argument("--margin", type=float, default=0.1,
-                    help="--suggest: share of the device memory left free")
+    ap.add_argument(
+        "--margin", type=float, default=0.1, help="--suggest: share of the device memory left free"
+    )
     hw = Hardware()
-    ap.add_argument("--peak-tflops", type=float, default=hw.peak_flops / 1e12,
-                    help="--suggest: dense bf16 peak of one GPU")
-    ap.add_argument("--efficiency", type=float, default=hw.efficiency,
-                    help="--suggest: share of the peak matmuls reach")
-    ap.add_argument("--intra-node-gbps", type=float, default=hw.intra_node_bw / 1e9,
-                    help="--suggest: GB/s per GPU inside a node")
-    ap.add_argument("--inter-node-gbps", type=float, default=hw.inter_node_bw / 1e9,
-                    help="--suggest: GB/s per GPU across nodes")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=hw.peak_flops / 1e12,
+        help="--suggest: dense bf16 peak of one GPU",
+    )
+    ap.add_argument(
+        "--efficiency",
+        type=float,
+        default=hw.efficiency,
+        help="--suggest: share of the peak matmuls reach",
+    )
+    ap.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=hw.intra_node_bw / 1e9,
+        help="--suggest: GB/s per GPU inside a node",
+    )
+    ap.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=hw.inter_node_bw / 1e9,
+        help="--suggest: GB/s per GPU across nodes",
+    )
     args, rest = ap.parse_known_args(argv)
     rest = with_config_file(rest)
     try:
@@ -113,12 +164,15 @@ def main(argv: list[str] | None = None) -> int:
             if value < 1:
                 raise ConfigError(f"{flag} {value}: must be >= 1 ({flag} 1 plans one process)")
         if args.ngpu * args.nnodes > MAX_RANKS:
-            raise ConfigError(f"--ngpu {args.ngpu} x --nnodes {args.nnodes} = "
-                              f"{args.ngpu * args.nnodes} ranks: the planner plans up to "
-                              f"{MAX_RANKS} ranks; pass the sizes of a real cluster")
+            raise ConfigError(
+                f"--ngpu {args.ngpu} x --nnodes {args.nnodes} = "
+                f"{args.ngpu * args.nnodes} ranks: the planner plans up to "
+                f"{MAX_RANKS} ranks; pass the sizes of a real cluster"
+            )
         if args.device_memory is not None and args.device_memory <= 0:
-            raise ConfigError(f"--device-memory {args.device_memory} bytes: must be > 0 "
-                              "(e.g. 80GiB)")
+            raise ConfigError(
+                f"--device-memory {args.device_memory} bytes: must be > 0 (e.g. 80GiB)"
+            )
         job = parse_args(rest)
         job.plan_only = True
         from titan.preflight import plan_run, vocabulary_note
@@ -130,13 +184,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.suggest:
             memory = args.device_memory or device_memory_bytes(job)
             if memory is None:
-                raise ConfigError("--suggest needs the memory of one device: pass "
-                                  "--device-memory (e.g. 80GiB) or memory.device_memory_gib")
-            hw = Hardware(args.peak_tflops * 1e12, args.efficiency, args.intra_node_gbps * 1e9,
-                          args.inter_node_gbps * 1e9, args.ngpu)
+                raise ConfigError(
+                    "--suggest needs the memory of one device: pass "
+                    "--device-memory (e.g. 80GiB) or memory.device_memory_gib"
+                )
+            hw = Hardware(
+                args.peak_tflops * 1e12,
+                args.efficiency,
+                args.intra_node_gbps * 1e9,
+                args.inter_node_gbps * 1e9,
+                args.ngpu,
+            )
             found = suggest(job, run, memory, hw, args.margin, args.top)
-            print(json.dumps(suggestions_json(found, memory), indent=1) if args.json
-                  else render_suggestions(found, memory, args.ngpu * args.nnodes))
+            print(
+                json.dumps(suggestions_json(found, memory), indent=1)
+                if args.json
+                else render_suggestions(found, memory, args.ngpu * args.nnodes)
+            )
             return 0 if found else 1
         report = plan(job, run, args.device_memory)
     except ConfigError as e:
@@ -147,25 +211,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def suggestions_json(found: list, memory: int) -> dict:
-    return {"device_memory_bytes": memory, "layouts": [
-        {"layout": c.layout, "activation_checkpoint": c.ac,
-         "local_batch_size": c.local_batch_size, "grad_accum_steps": c.grad_accum,
-         "peak_bytes": c.peak_bytes, "step_s": c.step_s, "step_parts_s": c.parts,
-         "overrides": c.overrides()} for c in found]}
+    return {
+        "device_memory_bytes": memory,
+        "layouts": [
+            {
+                "layout": c.layout,
+                "activation_checkpoint": c.ac,
+                "local_batch_size": c.local_batch_size,
+                "grad_accum_steps": c.grad_accum,
+                "peak_bytes": c.peak_bytes,
+                "step_s": c.step_s,
+                "step_parts_s": c.parts,
+                "overrides": c.overrides(),
+            }
+            for c in found
+        ],
+    }
 
 
 def render_suggestions(found: list, memory: int, world_size: int) -> str:
     if not found:
-        return (f"no layout of {world_size} ranks fits {human_bytes(memory)} per device with "
-                "the margin: add devices, bf16 optimizer states or a smaller seq_len")
-    lines = [f"layouts of {world_size} ranks that fit {human_bytes(memory)}, fastest first "
-             "(step-time model: python -m titan.planner --help, README):"]
+        return (
+            f"no layout of {world_size} ranks fits {human_bytes(memory)} per device with "
+            "the margin: add devices, bf16 optimizer states or a smaller seq_len"
+        )
+    lines = [
+        f"layouts of {world_size} ranks that fit {human_bytes(memory)}, fastest first "
+        "(step-time model: python -m titan.planner --help, README):"
+    ]
     for i, c in enumerate(found, 1):
         lay = ", ".join(f"{k} {v}" for k, v in c.layout.items() if v > 1) or "1 rank"
         why = ", ".join(f"{k} {v:.3g} s" for k, v in c.parts.items() if v > 0)
-        lines += [f"{i}. {lay}; AC {c.ac}; local batch {c.local_batch_size} "
-                  f"(accumulating {c.grad_accum}); peak {human_bytes(c.peak_bytes)}; "
-                  f"step ~{c.step_s:.3g} s ({why})",
-                  "   " + " ".join(c.overrides())]
+        lines += [
+            f"{i}. {lay}; AC {c.ac}; local batch {c.local_batch_size} "
+            f"(accumulating {c.grad_accum}); peak {human_bytes(c.peak_bytes)}; "
+            f"step ~{c.step_s:.3g} s ({why})",
+            "   " + " ".join(c.overrides()),
+        ]
     return "\n".join(lines)
-

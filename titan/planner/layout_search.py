@@ -51,9 +51,12 @@ LAYOUT_FIELDS = {**{d.name: d.config_field for d in DIMS}, "ep": EP_FIELD}
 def settings(layout: dict, ac: str, local_batch: int, global_batch: int) -> dict:
     """A candidate as config fields (dotted names): the one definition both the planned job
     and the printed overrides are made from."""
-    return {**{LAYOUT_FIELDS[k]: v for k, v in layout.items()},
-            "activation_checkpoint.mode": ac, "training.local_batch_size": local_batch,
-            "training.global_batch_size": global_batch}
+    return {
+        **{LAYOUT_FIELDS[k]: v for k, v in layout.items()},
+        "activation_checkpoint.mode": ac,
+        "training.local_batch_size": local_batch,
+        "training.global_batch_size": global_batch,
+    }
 
 
 def apply_settings(job: JobConfig, fields: dict) -> JobConfig:
@@ -114,8 +117,13 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
     """(seconds, the parts) of one step under the model in the module docstring."""
     t, d, args = job.training, plan.dims, plan.model_args
     tokens = plan.global_batch_size * t.seq_len
-    compute = (args.flops_per_token(t.seq_len) * tokens / world_size
-               / (hw.peak_flops * hw.efficiency) * AC_COST[job.activation_checkpoint.mode])
+    compute = (
+        args.flops_per_token(t.seq_len)
+        * tokens
+        / world_size
+        / (hw.peak_flops * hw.efficiency)
+        * AC_COST[job.activation_checkpoint.mode]
+    )
     parts = {"compute": compute}
     bw, inner = {}, 1
     for name, size in reversed(d.mesh_dims()):  # innermost first
@@ -135,15 +143,18 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
     routed = 3 * args.dim * moe.hidden_dim * moe.n_experts * moe_layers if moe else 0
     # (parameters of this rank's FSDP units, the ranks sharding them): the dense ones split by
     # tp over dp_shard x cp, the routed experts split by ep over efsdp
-    units = [((args.num_params() / d.pp - routed) / d.tp, d.dp_shard * d.cp),
-             (routed / d.ep, d.efsdp)]
+    units = [
+        ((args.num_params() / d.pp - routed) / d.tp, d.dp_shard * d.cp),
+        (routed / d.ep, d.efsdp),
+    ]
     hidden = 0.0
     for params, shard in units:
         if shard > 1:  # all-gather twice (bf16), reduce-scatter once (fp32)
             hidden += params * (2 * 2 + 4) * (shard - 1) / shard / bw["dp_shard"]
         if d.dp_replicate > 1:
-            hidden += (2 * params * 4 / shard * (d.dp_replicate - 1) / d.dp_replicate
-                       / bw["dp_replicate"])
+            hidden += (
+                2 * params * 4 / shard * (d.dp_replicate - 1) / d.dp_replicate / bw["dp_replicate"]
+            )
     parts["data-parallel (exposed)"] = max(0.0, hidden - compute)
     if d.ep > 1:  # each tp rank dispatches its share of the tokens (SP)
         ep_bw = hw.intra_node_bw if d.tp * d.ep <= hw.gpus_per_node else hw.inter_node_bw
@@ -157,8 +168,14 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
     return sum(parts.values()), parts
 
 
-def suggest(job: JobConfig, base: RunPlan, device_memory: int, hw: Hardware,
-            margin: float = 0.1, top: int = 5) -> list[Candidate]:
+def suggest(
+    job: JobConfig,
+    base: RunPlan,
+    device_memory: int,
+    hw: Hardware,
+    margin: float = 0.1,
+    top: int = 5,
+) -> list[Candidate]:
     """The `top` fastest candidates on the world size of `base`, the job's RunPlan."""
     from titan.planner.memory import pipeline_rank_bytes
     from titan.preflight import plan_run

@@ -24,11 +24,9 @@ from titan.preflight import RunPlan
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int):
     """A process group whose collectives do nothing: enough to build meshes and shard."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
     from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     chunk_with_empty = _fsdp_param._chunk_with_empty
@@ -70,11 +68,16 @@ def state_bytes(parts: list, job: JobConfig) -> dict:
     named = list({id(p): (n, p) for part in parts for n, p in part.named_parameters()}.values())
     trainable = [(n, p) for n, p in named if p.requires_grad]
     spec = optimizer_spec(job.optimizer.name)
-    return {"params_bytes": sum(tensor_bytes(p) for _, p in named),
-            "grads_bytes": sum(tensor_bytes(p) for _, p in trainable),
-            "optimizer_bytes": sum(
-                optimizer_state_bytes(spec, n, p.shape, tensor_bytes(p) // p.element_size(),
-                                      job.optimizer, job.extensions) for n, p in trainable)}
+    return {
+        "params_bytes": sum(tensor_bytes(p) for _, p in named),
+        "grads_bytes": sum(tensor_bytes(p) for _, p in trainable),
+        "optimizer_bytes": sum(
+            optimizer_state_bytes(
+                spec, n, p.shape, tensor_bytes(p) // p.element_size(), job.optimizer, job.extensions
+            )
+            for n, p in trainable
+        ),
+    }
 
 
 def rank_bytes(job: JobConfig, plan: RunPlan, rank: int, worst_routing: bool = False) -> dict:
@@ -92,8 +95,8 @@ def _total(out: dict) -> int:
 
 def _rank_figures(job: JobConfig, plan: RunPlan, rank: int, worst_routing: bool = False):
     """(rank_bytes, what its pipeline stages hold: `activations.PipelineHeld`, or None)."""
-    from titan.planner.activations import trace_activations
     from titan.build import meta_parts
+    from titan.planner.activations import trace_activations
 
     job = copy.deepcopy(job)
     job.compile.enable = False  # no state changes; activations are traced eagerly
@@ -110,8 +113,9 @@ def _rank_figures(job: JobConfig, plan: RunPlan, rank: int, worst_routing: bool 
             traced, held = trace_activations(job, plan, parts, pp_plan)
             out.update(traced)
         except Exception as e:  # noqa: BLE001  the states are still worth reporting
-            out.update(activations_bytes=None, transient_bytes=None,
-                       activations_error=_first_line(e))
+            out.update(
+                activations_bytes=None, transient_bytes=None, activations_error=_first_line(e)
+            )
         if worst_routing and plan.dims.ep_enabled and out["activations_bytes"] is not None:
             out.update(_worst_routing_bytes(job, plan))
     out["total_bytes"] = _total(out)
@@ -138,12 +142,15 @@ def _worst_routing_bytes(job: JobConfig, plan: RunPlan) -> dict:
             worst, _ = trace_activations(job, plan, parts, pp_plan)
     except Exception as e:  # noqa: BLE001  the balanced figures stand without the bound
         return {"worst_routing_error": _first_line(e)}
-    return {"worst_routing_activations_bytes": worst["activations_bytes"],
-            "worst_routing_bytes": worst["activations_bytes"] + worst["transient_bytes"]}
+    return {
+        "worst_routing_activations_bytes": worst["activations_bytes"],
+        "worst_routing_bytes": worst["activations_bytes"] + worst["transient_bytes"],
+    }
 
 
-def pipeline_rank_bytes(job: JobConfig, plan: RunPlan,
-                        worst_routing: bool = False) -> list[tuple[int, int, dict]]:
+def pipeline_rank_bytes(
+    job: JobConfig, plan: RunPlan, worst_routing: bool = False
+) -> list[tuple[int, int, dict]]:
     """(rank, pp rank, rank_bytes) for the first rank of every pipeline rank: the others of a
     pipeline rank differ only by an uneven FSDP shard's few elements, the first holding the
     most. Pipeline ranks whose stages have the same structure (`stage_structures`) are built
@@ -164,7 +171,8 @@ def pipeline_rank_bytes(job: JobConfig, plan: RunPlan,
             figures, held = dict(done[key][0]), done[key][1]
             if held is not None:  # traced: the same stages, this rank's order of actions
                 figures["activations_bytes"] = held.activations_bytes(
-                    pp_rank, plan.pipeline(pp_rank).stage_ids)
+                    pp_rank, plan.pipeline(pp_rank).stage_ids
+                )
                 figures["total_bytes"] = _total(figures)
         out.append((rank, pp_rank, figures))
     return out
@@ -185,12 +193,18 @@ def stage_structures(plan: RunPlan) -> list[tuple]:
         for sid in pp_plan.stage_ids:
             stage = plan.spec.pipelining_fn(whole, sid, pp_plan)
             rename = _block_positions(stage)
-            stages.append((
-                sid == 0, sid == pp_plan.num_stages - 1,
-                tuple(name for name, _ in stage.named_children()),
-                tuple((rename(name), type(m).__name__) for name, m in stage.named_modules()),
-                tuple((rename(name), tuple(p.shape), p.dtype)
-                      for name, p in stage.named_parameters(remove_duplicate=False))))
+            stages.append(
+                (
+                    sid == 0,
+                    sid == pp_plan.num_stages - 1,
+                    tuple(name for name, _ in stage.named_children()),
+                    tuple((rename(name), type(m).__name__) for name, m in stage.named_modules()),
+                    tuple(
+                        (rename(name), tuple(p.shape), p.dtype)
+                        for name, p in stage.named_parameters(remove_duplicate=False)
+                    ),
+                )
+            )
         out.append(tuple(stages))
     return out
 
@@ -208,22 +222,23 @@ def _block_positions(stage: torch.nn.Module):
         if len(parts) > 1 and (parts[0], parts[1]) in position:
             parts[1] = position[parts[0], parts[1]]
         return ".".join(parts)
+
     return rename
 
 
 _FIXES = {
-    "activations_bytes": "checkpoint more (activation_checkpoint.mode = \"selective\" or "
-                         "\"full\"), lower training.local_batch_size (global_batch_size "
-                         "then accumulates gradients), or shard the sequence "
-                         "(parallelism.context_parallel_degree, tensor_parallel_degree)",
+    "activations_bytes": 'checkpoint more (activation_checkpoint.mode = "selective" or '
+    '"full"), lower training.local_batch_size (global_batch_size '
+    "then accumulates gradients), or shard the sequence "
+    "(parallelism.context_parallel_degree, tensor_parallel_degree)",
     "transient_bytes": "shard FSDP units over more ranks, or lower training.local_batch_size "
-                       "(the logits' gradient)",
+    "(the logits' gradient)",
     "params_bytes": "shard them over more ranks (parallelism.data_parallel_shard_degree, "
-                    "tensor_parallel_degree or pipeline_parallel_degree)",
+    "tensor_parallel_degree or pipeline_parallel_degree)",
     "grads_bytes": "shard them over more ranks (FSDP: parallelism.data_parallel_shard_degree)",
-    "optimizer_bytes": "keep Adam's moments in bf16 (optimizer.state_dtype = \"bfloat16\"), "
-                       "shard them over more ranks (parallelism.data_parallel_shard_degree), or "
-                       "offload them (training.enable_cpu_offload)",
+    "optimizer_bytes": 'keep Adam\'s moments in bf16 (optimizer.state_dtype = "bfloat16"), '
+    "shard them over more ranks (parallelism.data_parallel_shard_degree), or "
+    "offload them (training.enable_cpu_offload)",
 }
 
 
@@ -248,8 +263,9 @@ def _gpu_total_memory() -> int | None:
 
     code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        ).stdout
         return int(out.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError):
         return None
@@ -264,25 +280,37 @@ def check_fits(job: JobConfig, plan: RunPlan) -> str | None:
         return None
     unknown = None
     for rank, _, b in pipeline_rank_bytes(job, plan):
-        items = {k: b[k] or 0 for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
-                                        "activations_bytes", "transient_bytes")}
+        items = {
+            k: b[k] or 0
+            for k in (
+                "params_bytes",
+                "grads_bytes",
+                "optimizer_bytes",
+                "activations_bytes",
+                "transient_bytes",
+            )
+        }
         if job.training.enable_cpu_offload:  # offloaded states live in host memory
             for k in ("params_bytes", "grads_bytes", "optimizer_bytes"):
                 items[k] = 0
         total = sum(items.values())
         if total > memory:
             biggest = max(items, key=items.get)
-            return (f"rank {rank} would need {human_bytes(total)} (parameters, gradients, "
-                    f"optimizer states, activations and transient buffers), more than the "
-                    f"device's {human_bytes(memory)} (memory.device_memory_gib). The biggest "
-                    f"item: {biggest.removesuffix('_bytes')} {human_bytes(items[biggest])}; "
-                    f"{_FIXES[biggest]}. See python -m titan.planner")
+            return (
+                f"rank {rank} would need {human_bytes(total)} (parameters, gradients, "
+                f"optimizer states, activations and transient buffers), more than the "
+                f"device's {human_bytes(memory)} (memory.device_memory_gib). The biggest "
+                f"item: {biggest.removesuffix('_bytes')} {human_bytes(items[biggest])}; "
+                f"{_FIXES[biggest]}. See python -m titan.planner"
+            )
         if b["activations_bytes"] is None and unknown is None:
             # a rank that surely does not fit, found later, is the better reason
-            unknown = (f"rank {rank}'s activations could not be traced on fake tensors "
-                       f"({b['activations_error']}), so whether it fits the device's "
-                       f"{human_bytes(memory)} is unknown: its parameters, gradients and "
-                       f"optimizer states alone need {human_bytes(total)}. python -m "
-                       "titan.planner shows the same; memory.check = \"off\" skips the "
-                       "check, and a model that should trace is worth reporting")
+            unknown = (
+                f"rank {rank}'s activations could not be traced on fake tensors "
+                f"({b['activations_error']}), so whether it fits the device's "
+                f"{human_bytes(memory)} is unknown: its parameters, gradients and "
+                f"optimizer states alone need {human_bytes(total)}. python -m "
+                'titan.planner shows the same; memory.check = "off" skips the '
+                "check, and a model that should trace is worth reporting"
+            )
     return unknown

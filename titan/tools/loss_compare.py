@@ -59,17 +59,29 @@ def read_metrics(dump_folder: str | Path, name: str = "metrics.jsonl") -> list[d
         except json.JSONDecodeError as e:
             if n == len(lines) and not text.endswith("\n"):
                 break  # the write the run was killed in
-            raise ValueError(f"{path}, line {n}: not a JSON record ({e.msg}); the file is "
-                             "damaged: remove the line or the file") from None
+            raise ValueError(
+                f"{path}, line {n}: not a JSON record ({e.msg}); the file is "
+                "damaged: remove the line or the file"
+            ) from None
     return records
 
 
-def command(nproc: int, overrides: list[str], dump_folder: str | Path, env: dict | None = None,
-            config_file: str | None = None) -> tuple[list[str], dict]:
+def command(
+    nproc: int,
+    overrides: list[str],
+    dump_folder: str | Path,
+    env: dict | None = None,
+    config_file: str | None = None,
+) -> tuple[list[str], dict]:
     """The run_train.sh command line and environment for one run."""
     # run_train.sh starts `$PYTHON`: this interpreter, also when its venv is not activated
-    full_env = {"PYTHON": sys.executable, **os.environ, "NGPU": str(nproc), "LOG_RANK": "0",
-                **(env or {})}
+    full_env = {
+        "PYTHON": sys.executable,
+        **os.environ,
+        "NGPU": str(nproc),
+        "LOG_RANK": "0",
+        **(env or {}),
+    }
     if config_file:
         full_env["CONFIG_FILE"] = config_file
     cmd = [str(REPO_ROOT / "run_train.sh"), *overrides, "--job.dump_folder", str(dump_folder)]
@@ -89,8 +101,11 @@ def find_workers(dump_folder: str | Path, rank: int | None = None) -> list[int]:
             if needle not in cmdline or not any(b"titan" in c for c in cmdline):
                 continue
             if rank is not None:
-                env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0")
-                           if b"=" in kv)
+                env = dict(
+                    kv.split(b"=", 1)
+                    for kv in (proc / "environ").read_bytes().split(b"\0")
+                    if b"=" in kv
+                )
                 if b"titan.train" not in cmdline or env.get(b"RANK") != str(rank).encode():
                     continue
         except OSError:
@@ -111,37 +126,56 @@ def rank_tails(log_dir: str | Path, lines: int = 20) -> str:
     """The last `lines` lines each rank wrote to stderr, from torchrun's per-rank log files
     (the console shows only LOG_RANK's ranks; a crash is often on another one)."""
     out = []
-    for log in sorted(Path(log_dir).glob("*/attempt_*/*/stderr.log"),
-                      key=lambda p: (p.parent.parent.name, int(p.parent.name))):
+    for log in sorted(
+        Path(log_dir).glob("*/attempt_*/*/stderr.log"),
+        key=lambda p: (p.parent.parent.name, int(p.parent.name)),
+    ):
         tail = log.read_text(errors="replace").splitlines()[-lines:]
         out.append(f"--- {log.parent.parent.name}, local rank {log.parent.name} ---")
         out += tail
     return "\n".join(out)
 
 
-def launch(nproc: int, overrides: list[str], dump_folder: str | Path, timeout: float = 600,
-           env: dict | None = None, config_file: str | None = None,
-           check: bool = True) -> subprocess.CompletedProcess:
+def launch(
+    nproc: int,
+    overrides: list[str],
+    dump_folder: str | Path,
+    timeout: float = 600,
+    env: dict | None = None,
+    config_file: str | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     """./run_train.sh with NGPU=nproc; the process group is killed if it outlives `timeout`.
     A failure's message carries every rank's last lines, not only rank 0's."""
     cmd, full_env = command(nproc, overrides, dump_folder, env, config_file)
     with tempfile.TemporaryDirectory(prefix="titan-rank-logs-") as log_dir:
         full_env.setdefault("PET_LOG_DIR", log_dir)  # torchrun's --log-dir
         try:
-            proc = subprocess.run(cmd, env=full_env, cwd=REPO_ROOT, capture_output=True,
-                                  text=True, timeout=timeout, start_new_session=True)
+            proc = subprocess.run(
+                cmd,
+                env=full_env,
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                start_new_session=True,
+            )
         except subprocess.TimeoutExpired:
             kill_workers(dump_folder)
-            raise RunFailed(f"{' '.join(cmd)} (NGPU={nproc}) timed out after {timeout}s; last "
-                            f"lines of every rank:\n{rank_tails(full_env['PET_LOG_DIR'])}"
-                            ) from None
+            raise RunFailed(
+                f"{' '.join(cmd)} (NGPU={nproc}) timed out after {timeout}s; last "
+                f"lines of every rank:\n{rank_tails(full_env['PET_LOG_DIR'])}"
+            ) from None
         if check and proc.returncode != 0:
             ranks = rank_tails(full_env["PET_LOG_DIR"])
             summary = "\n".join(re.findall(r"^ *(?:rank|exitcode) +:.*$", proc.stderr, re.M))
             raise RunFailed(
                 f"{' '.join(cmd)} (NGPU={nproc}) exited {proc.returncode}; "
-                + (f"last lines of every rank:\n{ranks}\n--- torchrun's summary ---\n{summary}"
-                   if ranks else f"no rank started; stderr:\n{proc.stderr[-3000:]}")
+                + (
+                    f"last lines of every rank:\n{ranks}\n--- torchrun's summary ---\n{summary}"
+                    if ranks
+                    else f"no rank started; stderr:\n{proc.stderr[-3000:]}"
+                )
             )
     return proc
 
@@ -172,8 +206,10 @@ def check_keys(keys: list[str], runs: dict[str, Run], common: list[str]) -> None
         return
     for name, run in runs.items():
         if not run_job(run, common).validation.enable:
-            raise ValueError(f"--keys val_loss: the {name} run does not validate; add "
-                             "--validation.enable to --common")
+            raise ValueError(
+                f"--keys val_loss: the {name} run does not validate; add "
+                "--validation.enable to --common"
+            )
 
 
 def global_batch(run: Run, common: list[str]) -> int:
@@ -190,9 +226,11 @@ def check_same_global_batch(runs: dict[str, Run], common: list[str]) -> None:
     if len(set(sizes.values())) > 1:
         each = ", ".join(f"{name} ({runs[name].label().strip()}) {n}" for name, n in sizes.items())
         fix = math.lcm(*sizes.values())
-        raise ValueError(f"the runs train different global batches ({each} sequences), so their "
-                         "losses differ by design; give every run the same one, e.g. --common "
-                         f"\"... --training.global_batch_size {fix}\"")
+        raise ValueError(
+            f"the runs train different global batches ({each} sequences), so their "
+            "losses differ by design; give every run the same one, e.g. --common "
+            f'"... --training.global_batch_size {fix}"'
+        )
 
 
 def compare(base: list[dict], other: list[dict], key: str = "loss") -> list[tuple]:
@@ -205,8 +243,9 @@ def compare(base: list[dict], other: list[dict], key: str = "loss") -> list[tupl
             raise ValueError(f"step {r['step']} is missing from the compared run")
         if key not in r or key not in o:
             known = sorted(k for k, v in r.items() if isinstance(v, (int, float)) and k != "step")
-            raise ValueError(f"--keys {key}: step {r['step']} logged no {key!r}; the runs log "
-                             f"{', '.join(known)}")
+            raise ValueError(
+                f"--keys {key}: step {r['step']} logged no {key!r}; the runs log {', '.join(known)}"
+            )
         a, b = r[key], o[key]
         rows.append((r["step"], a, b, abs(a - b) / max(abs(a), 1e-12)))
     return rows
@@ -221,8 +260,10 @@ def compare_key(base: list[dict], other: list[dict], key: str) -> list[tuple]:
 
 
 def format_table(rows: list[tuple], key: str, base_label: str, other_label: str) -> str:
-    lines = [f"{key} per step — A: {base_label}\n{'':>{len(key) + 12}}B: {other_label}",
-             f"{'step':>6} {'A':>14} {'B':>14} {'rel diff':>10}"]
+    lines = [
+        f"{key} per step — A: {base_label}\n{'':>{len(key) + 12}}B: {other_label}",
+        f"{'step':>6} {'A':>14} {'B':>14} {'rel diff':>10}",
+    ]
     lines += [f"{s:>6} {a:>14.8f} {b:>14.8f} {d:>10.2e}" for s, a, b, d in rows]
     return "\n".join(lines)
 
@@ -232,12 +273,17 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(
         description="Train two configurations (same seed and data) and compare losses per step. "
-                    "Exits 1 if any step differs by more than --rtol (relative), 2 if the runs "
-                    "cannot be compared (a config error, or different global batches: set "
-                    "--training.global_batch_size in --common).")
+        "Exits 1 if any step differs by more than --rtol (relative), 2 if the runs "
+        "cannot be compared (a config error, or different global batches: set "
+        "--training.global_batch_size in --common)."
+    )
     ap.add_argument("--baseline", required=True, help="'NPROC:overrides', e.g. '1:'")
-    ap.add_argument("--candidate", required=True, action="append",
-                    help="'NPROC:overrides', e.g. '4:--parallelism.data_parallel_shard_degree 4'")
+    ap.add_argument(
+        "--candidate",
+        required=True,
+        action="append",
+        help="'NPROC:overrides', e.g. '4:--parallelism.data_parallel_shard_degree 4'",
+    )
     ap.add_argument("--common", default="", help="overrides for every run")
     ap.add_argument("--keys", default="loss", help="comma-separated metrics to compare")
     ap.add_argument("--rtol", type=float, default=1e-5)
@@ -247,8 +293,13 @@ def main(argv: list[str] | None = None) -> int:
 
     common = shlex.split(args.common)
     base = Run.parse(args.baseline)
-    runs = {"baseline": base, **{f"candidate {i}" if len(args.candidate) > 1 else "candidate":
-                                 Run.parse(c) for i, c in enumerate(args.candidate)}}
+    runs = {
+        "baseline": base,
+        **{
+            f"candidate {i}" if len(args.candidate) > 1 else "candidate": Run.parse(c)
+            for i, c in enumerate(args.candidate)
+        },
+    }
     from titan.config import ConfigError
 
     keys = args.keys.split(",")

@@ -14,8 +14,14 @@ from pathlib import Path
 from titan.tools.loss_compare import read_metrics
 
 # (metrics.jsonl key, panel title)
-PANELS = (("loss", "loss"), ("grad_norm", "grad norm"), ("lr", "learning rate"),
-          ("tps", "tokens/s (per device)"), ("mfu", "MFU %"), ("memory_gib", "peak memory GiB"))
+PANELS = (
+    ("loss", "loss"),
+    ("grad_norm", "grad norm"),
+    ("lr", "learning rate"),
+    ("tps", "tokens/s (per device)"),
+    ("mfu", "MFU %"),
+    ("memory_gib", "peak memory GiB"),
+)
 MISSING = "the plot tool needs matplotlib: pip install 'titan[plot]' (or matplotlib)"
 
 
@@ -23,15 +29,22 @@ def find_runs(paths: list[str]) -> dict[str, Path]:
     """{label: dump folder} for the given folders, expanding a folder of dump folders."""
     runs = {}
     for p in map(Path, paths):
-        found = ([p] if (p / "metrics.jsonl").exists()
-                 else sorted(d for d in p.glob("*") if (d / "metrics.jsonl").exists()))
+        found = (
+            [p]
+            if (p / "metrics.jsonl").exists()
+            else sorted(d for d in p.glob("*") if (d / "metrics.jsonl").exists())
+        )
         if not found:
-            raise ValueError(f"{p}: no metrics.jsonl in it or in its subfolders; give a "
-                             "run's dump folder (job.dump_folder)")
+            raise ValueError(
+                f"{p}: no metrics.jsonl in it or in its subfolders; give a "
+                "run's dump folder (job.dump_folder)"
+            )
         for d in found:
             if not read_metrics(d):
-                raise ValueError(f"{d / 'metrics.jsonl'} holds no logged step yet; plot it once "
-                                 "the run has logged one, or leave it out")
+                raise ValueError(
+                    f"{d / 'metrics.jsonl'} holds no logged step yet; plot it once "
+                    "the run has logged one, or leave it out"
+                )
             label = d.name if d.name not in runs else str(d)
             runs[label] = d
     return runs
@@ -55,8 +68,14 @@ def plot_runs(runs: dict[str, Path], out: str | Path):
             if points:
                 ax.plot(*zip(*points), color=color, label=label)
         if val:
-            axes.flat[0].plot([r["step"] for r in val], [r["val_loss"] for r in val],
-                              color=color, linestyle="--", marker=".", label=f"{label} (validation)")
+            axes.flat[0].plot(
+                [r["step"] for r in val],
+                [r["val_loss"] for r in val],
+                color=color,
+                linestyle="--",
+                marker=".",
+                label=f"{label} (validation)",
+            )
     for ax, (key, title) in zip(axes.flat, PANELS):
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -64,18 +83,26 @@ def plot_runs(runs: dict[str, Path], out: str | Path):
         if ax.get_lines():
             ax.legend(fontsize="small")
         else:
-            ax.text(0.5, 0.5, f"no {key} logged" + (" (CPU: no peak FLOP/s)" if key == "mfu"
-                                                    else ""),
-                    ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                f"no {key} logged" + (" (CPU: no peak FLOP/s)" if key == "mfu" else ""),
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="gray",
+            )
     axes.flat[3].ticklabel_format(axis="y", style="plain")
     fig.savefig(out, dpi=100)
     return fig
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 2)[2])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
     ap.add_argument("dumps", nargs="+", help="dump folders, or folders of them")
     ap.add_argument("-o", "--out", default="titan_runs.png", help="the PNG to write")
     args = ap.parse_args(argv)
@@ -95,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"plot: cannot write {args.out}: {e.strerror or e}; pass -o a path in a "
-              "writable folder", file=sys.stderr)
+        print(
+            f"plot: cannot write {args.out}: {e.strerror or e}; pass -o a path in a "
+            "writable folder",
+            file=sys.stderr,
+        )
         return 2
     print(f"plot: {len(runs)} run{'s' if len(runs) > 1 else ''} drawn to {args.out}")
     return 0

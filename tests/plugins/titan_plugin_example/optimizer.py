@@ -15,8 +15,9 @@ class SGDOptions:
 def build(groups, cfg, options):
     import torch
 
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=options.momentum,
-                           nesterov=options.nesterov, foreach=False)
+    return torch.optim.SGD(
+        groups, lr=cfg.lr, momentum=options.momentum, nesterov=options.nesterov, foreach=False
+    )
 
 
 def state_bytes(name, shape, elements, cfg, options) -> int:
@@ -27,9 +28,18 @@ def check(job) -> None:
     from titan.config.manager import require
 
     require(job, 0 <= job.sgd.momentum < 1, "sgd.momentum", "must lie in [0, 1)")
-    require(job, not job.sgd.nesterov or job.sgd.momentum > 0, "sgd.nesterov",
-            "needs sgd.momentum > 0")
+    require(
+        job, not job.sgd.nesterov or job.sgd.momentum > 0, "sgd.nesterov", "needs sgd.momentum > 0"
+    )
 
 
-register_optimizer(OptimizerSpec("SGD", build=f"{__name__}:build", state_bytes=state_bytes,
-                                 check=check, section="sgd", options=SGDOptions))
+register_optimizer(
+    OptimizerSpec(
+        "SGD",
+        build=f"{__name__}:build",
+        state_bytes=state_bytes,
+        check=check,
+        section="sgd",
+        options=SGDOptions,
+    )
+)

@@ -45,6 +45,12 @@ class CsvWriter:
         self.file.close()
 
 
-register_writer(WriterSpec("csv", build=f"{__name__}:CsvWriter",
-                           enabled=lambda cfg, options: options.enable,
-                           section="csv_metrics", options=CsvOptions))
+register_writer(
+    WriterSpec(
+        "csv",
+        build=f"{__name__}:CsvWriter",
+        enabled=lambda cfg, options: options.enable,
+        section="csv_metrics",
+        options=CsvOptions,
+    )
+)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
 
+from titan.components.checkpoint.disk_space import OVERHEAD_BYTES, OVERHEAD_FACTOR, space_problem
 from titan.components.checkpoint.folders import (
     COMPLETE_MARKER,
     CheckpointError,
@@ -44,7 +45,6 @@ from titan.components.checkpoint.integrity import (
     file_problem,
     remove_sidecars,
 )
-from titan.components.checkpoint.disk_space import OVERHEAD_BYTES, OVERHEAD_FACTOR, space_problem
 from titan.components.checkpoint.train_state import ModelState
 from titan.dtypes import to_dtype
 from titan.paths import resolve
@@ -77,9 +77,12 @@ def _shm_fits(state: dict) -> bool:
         logger.warning(
             "async checkpointing stages %.2f GiB per node in /dev/shm%s; saving synchronously "
             "instead. Enlarge /dev/shm (e.g. docker run --shm-size) or set "
-            "checkpoint.async_mode = 'disabled'", need / 2**30,
-            f" but only {free / 2**30:.2f} GiB are free" if free is not None and need > free
-            else " but another node lacks the space")
+            "checkpoint.async_mode = 'disabled'",
+            need / 2**30,
+            f" but only {free / 2**30:.2f} GiB are free"
+            if free is not None and need > free
+            else " but another node lacks the space",
+        )
     return bool(fits)
 
 
@@ -154,8 +157,9 @@ def _says_disk_full(e: BaseException) -> bool:
 def _deterministic(e: BaseException) -> bool:
     """Whether a failed save would fail again after a restart (the disk is full, a folder is
     not writable), rather than because a rank or its connection failed."""
-    return any(isinstance(err, OSError) and err.errno in _DETERMINISTIC_ERRNOS
-               for err in _chain(e)) or _says_disk_full(e)
+    return any(
+        isinstance(err, OSError) and err.errno in _DETERMINISTIC_ERRNOS for err in _chain(e)
+    ) or _says_disk_full(e)
 
 
 def _write_failure(e: BaseException) -> str:
@@ -187,9 +191,19 @@ class Checkpointer:
     and once a save's files are written, before it is marked complete ("written").
     """
 
-    def __init__(self, cfg, *, dump_folder: str, states: dict, rank: int,
-                 layout: dict | None = None, identity=None, save_bytes: int = 0, hf=None,
-                 on_save_phase: Callable[[str, int], None] | None = None):
+    def __init__(
+        self,
+        cfg,
+        *,
+        dump_folder: str,
+        states: dict,
+        rank: int,
+        layout: dict | None = None,
+        identity=None,
+        save_bytes: int = 0,
+        hf=None,
+        on_save_phase: Callable[[str, int], None] | None = None,
+    ):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.states = states
@@ -222,15 +236,25 @@ class Checkpointer:
         distributed = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         t0 = time.perf_counter()
-        mine = next((w for name, expected in files[rank::world]
-                     if (w := file_problem(path, name, expected, full=True))), None)
+        mine = next(
+            (
+                w
+                for name, expected in files[rank::world]
+                if (w := file_problem(path, name, expected, full=True))
+            ),
+            None,
+        )
         if distributed:
             found: list = [None] * world
             dist.all_gather_object(found, mine)
             mine = next((w for w in found if w), None)
         if mine is None and files:
-            logger.info("verified the checksums of %s's %d files in %.2fs", path.name,
-                        len(files), time.perf_counter() - t0)
+            logger.info(
+                "verified the checksums of %s's %d files in %.2fs",
+                path.name,
+                len(files),
+                time.perf_counter() - t0,
+            )
         return mine
 
     def _check_identity(self, path: Path, what: str, fix: str) -> None:
@@ -243,8 +267,7 @@ class Checkpointer:
         the training state (not only the model) was restored."""
         if not self.cfg.enable:
             return self._initial_load()  # nothing to resume from without checkpointing
-        path = resume_candidate(self.root, self.cfg.load_step, self._problem,
-                                warn=logger.warning)
+        path = resume_candidate(self.root, self.cfg.load_step, self._problem, warn=logger.warning)
         if path is None:
             return self._initial_load()
         self._check_identity(path, "cannot resume from", RESUME_FIX)
@@ -252,22 +275,35 @@ class Checkpointer:
         present = saved_keys(path)
         absent = [k for k in keys if k not in present]
         if absent:
-            logger.info("checkpoint %s holds no %s (model-only save): those start fresh",
-                        path.name, ", ".join(absent))
+            logger.info(
+                "checkpoint %s holds no %s (model-only save): those start fresh",
+                path.name,
+                ", ".join(absent),
+            )
         self._dcp_load({k: self.states[k] for k in keys if k in present}, path)
         logger.info("resumed from %s at step %d", path, self.states["train_state"].step)
         saved = saved_layout(path)
         # keys a layout record holds since they were added (an older one lacks the batch size)
-        changed = {k: (saved[k], v) for k, v in (self.layout or {}).items()
-                   if saved is not None and k in saved and saved[k] != v}
+        changed = {
+            k: (saved[k], v)
+            for k, v in (self.layout or {}).items()
+            if saved is not None and k in saved and saved[k] != v
+        }
         if changed:
             batch = changed.get("global_batch_size")
-            data = (f"the data continues at the first sequence not yet trained, in global "
-                    f"batches of {batch[1]} sequences instead of {batch[0]}" if batch else
-                    "the data continues at the same global batch")
-            logger.warning("layout change: %s was saved on another parallel layout (%s); its "
-                           "states were resharded and %s", path.name,
-                           ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), data)
+            data = (
+                f"the data continues at the first sequence not yet trained, in global "
+                f"batches of {batch[1]} sequences instead of {batch[0]}"
+                if batch
+                else "the data continues at the same global batch"
+            )
+            logger.warning(
+                "layout change: %s was saved on another parallel layout (%s); its "
+                "states were resharded and %s",
+                path.name,
+                ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
+                data,
+            )
         return True
 
     def _dcp_load(self, state: dict, path: Path) -> None:
@@ -275,11 +311,13 @@ class Checkpointer:
         md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         if "train_state" in state:
             state["train_state"].saved_keys = {
-                k.split(".", 1)[1] for k in md if k.startswith("train_state.")}
+                k.split(".", 1)[1] for k in md if k.startswith("train_state.")
+            }
         if "dataloader" in state:
             data = state["dataloader"]
             data.load_sizes = {
-                k.split(".", 1)[1]: m.size[0] for k, m in md.items() if k.startswith("dataloader.")}
+                k.split(".", 1)[1]: m.size[0] for k, m in md.items() if k.startswith("dataloader.")
+            }
             saved = sorted(data.load_sizes)
             ranks = [k for k in saved if k.startswith("dp_rank_")]
             if data.key not in data.load_sizes or (ranks and len(ranks) != data.dp_world_size):
@@ -287,11 +325,13 @@ class Checkpointer:
                     f"{path} holds the data positions {saved}, and this run needs {data.key} "
                     f"of {data.dp_world_size} dp ranks: a stream read in 'rank' order is saved "
                     "per dp rank and resumes only on the same data-parallel degree. Train with "
-                    "training.dataset_stream_order = \"global\" to resume on any degree, or "
-                    "set checkpoint.exclude_from_loading = [\"dataloader\"] to restart the data")
+                    'training.dataset_stream_order = "global" to resume on any degree, or '
+                    'set checkpoint.exclude_from_loading = ["dataloader"] to restart the data'
+                )
         try:
-            dcp.load(state, checkpoint_id=str(path),
-                     planner=DefaultLoadPlanner(allow_partial_load=False))
+            dcp.load(
+                state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=False)
+            )
         finally:
             if "dataloader" in state:
                 state["dataloader"].load_sizes = {}
@@ -307,21 +347,32 @@ class Checkpointer:
         t0 = time.perf_counter()
         if cfg.initial_load_in_hf:
             if self.hf is None:
-                raise CheckpointError("checkpoint.initial_load_in_hf: this model family has no "
-                                      "HF state-dict adapter")
+                raise CheckpointError(
+                    "checkpoint.initial_load_in_hf: this model family has no HF state-dict adapter"
+                )
             model = self.states["model"]
             state, nbytes = self.hf.load_into(model.state_dict(), path)
             model.load_state_dict(state)
-            logger.info("initialized the model from the HF weights in %s: %d tensors, %.1f MiB "
-                        "read by this rank (its shards only) in %.2fs", path, len(state),
-                        nbytes / 2**20, time.perf_counter() - t0)
+            logger.info(
+                "initialized the model from the HF weights in %s: %d tensors, %.1f MiB "
+                "read by this rank (its shards only) in %.2fs",
+                path,
+                len(state),
+                nbytes / 2**20,
+                time.perf_counter() - t0,
+            )
             return False
         why = self._problem(path) if path.is_dir() else "does not exist"
         if why:
             raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}")
         self._check_identity(path, "checkpoint.initial_load_path", INITIAL_LOAD_FIX)
-        keys = ["model"] if cfg.initial_load_model_only else [
-            k for k in STATE_KEYS if k not in cfg.exclude_from_loading and k in saved_keys(path)]
+        keys = (
+            ["model"]
+            if cfg.initial_load_model_only
+            else [
+                k for k in STATE_KEYS if k not in cfg.exclude_from_loading and k in saved_keys(path)
+            ]
+        )
         self._dcp_load({k: self.states[k] for k in keys}, path)
         logger.info("initialized %s from the checkpoint %s", ", ".join(keys), path)
         return not cfg.initial_load_model_only
@@ -330,8 +381,9 @@ class Checkpointer:
 
     def due(self, step: int, last: bool) -> bool:
         c = self.cfg
-        return c.enable and (step % c.interval == 0 or last
-                             or (step == 1 and c.enable_first_step_checkpoint))
+        return c.enable and (
+            step % c.interval == 0 or last or (step == 1 and c.enable_first_step_checkpoint)
+        )
 
     def save(self, step: int, model_only: bool = False, blocking: bool = False) -> float:
         """Save `step`; returns the seconds training was blocked."""
@@ -351,8 +403,12 @@ class Checkpointer:
         dist.barrier()
         if model_only and step > 0 and self.cfg.last_save_in_hf:
             with self._writing(path, step):
-                self.hf.save(state["model"].state_dict(), path, state["model"].export_dtype,
-                             self.cfg.hf_max_shard_size)
+                self.hf.save(
+                    state["model"].state_dict(),
+                    path,
+                    state["model"].export_dtype,
+                    self.cfg.hf_max_shard_size,
+                )
             self._phase("written", step)
             self._mark_complete(path, step, model_only, fmt="hf")
             blocked = time.perf_counter() - t0
@@ -375,9 +431,12 @@ class Checkpointer:
             # memory runs on the stager's thread while the next forward/backward does
             with _children_ignore_ctrl_c(starting=_save_process() is None):
                 response = dcp.async_save(
-                    state, checkpoint_id=str(path), async_stager=self._stager(),
+                    state,
+                    checkpoint_id=str(path),
+                    async_stager=self._stager(),
                     storage_writer=ChecksummingWriter(str(path)),
-                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                )
             self._pending = (response.upload_completion, path, step)
             self._staging = (response.staging_completion, step)
         else:
@@ -387,23 +446,32 @@ class Checkpointer:
             self._phase("written", step)
             self._mark_complete(path, step, model_only)
         blocked = time.perf_counter() - t0
-        logger.info("checkpoint step %d %s (%s, training blocked %.2fs)", step,
-                    "staging" if run_async else "saved",
-                    "async" if run_async else "sync", blocked)
+        logger.info(
+            "checkpoint step %d %s (%s, training blocked %.2fs)",
+            step,
+            "staging" if run_async else "saved",
+            "async" if run_async else "sync",
+            blocked,
+        )
         return blocked
 
     def _needed_bytes(self, model_only: bool, export_dtype: torch.dtype | None) -> int:
         """What the save will write: the newest complete save's size when there is one of the
         same kind, else the estimate (a model-only save: the weights in its dtype)."""
         if model_only:
-            elements = sum(math.prod(s) for s in self.identity.shapes.values()) \
-                if self.identity is not None else 0
+            elements = (
+                sum(math.prod(s) for s in self.identity.shapes.values())
+                if self.identity is not None
+                else 0
+            )
             itemsize = (export_dtype or torch.float32).itemsize
             return int(elements * itemsize * OVERHEAD_FACTOR) + OVERHEAD_BYTES
         for _, folder in reversed(step_folders(self.root) if self.root.is_dir() else []):
             files = saved_files(folder)
             if files and not saved_model_only(folder):
-                return int(sum(size for _, size in files.values()) * OVERHEAD_FACTOR) + OVERHEAD_BYTES
+                return (
+                    int(sum(size for _, size in files.values()) * OVERHEAD_FACTOR) + OVERHEAD_BYTES
+                )
         return self.save_bytes
 
     def _check_space(self, path: Path, model_only: bool, export_dtype) -> None:
@@ -429,21 +497,35 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001  DCP wraps each rank's OSError its own way
             if self.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
-            kept = next((p.name for _, p in reversed(step_folders(self.root))
-                         if p != path and (p / COMPLETE_MARKER).is_file()), None)
+            kept = next(
+                (
+                    p.name
+                    for _, p in reversed(step_folders(self.root))
+                    if p != path and (p / COMPLETE_MARKER).is_file()
+                ),
+                None,
+            )
             if not _deterministic(e):
                 raise SaveInterrupted(
                     f"checkpoint step {step} was not written: {_write_failure(e)}; the partial "
                     "folder was removed, "
-                    + (f"{kept} is the newest complete checkpoint" if kept else
-                       "there is no earlier checkpoint")) from e
+                    + (
+                        f"{kept} is the newest complete checkpoint"
+                        if kept
+                        else "there is no earlier checkpoint"
+                    )
+                ) from e
             raise CheckpointError(
                 f"checkpoint step {step} could not be written to {path}: {_write_failure(e)}. "
                 "The partial folder was removed; "
-                + (f"{kept} is the newest complete checkpoint and is kept" if kept else
-                   "there is no earlier checkpoint")
+                + (
+                    f"{kept} is the newest complete checkpoint and is kept"
+                    if kept
+                    else "there is no earlier checkpoint"
+                )
                 + f". Free space under {self.root} (or point job.dump_folder at another disk) "
-                "and resume") from None
+                "and resume"
+            ) from None
 
     def _stager(self):
         """One stager per run: its staging buffers are reused by every save, so only the first
@@ -453,9 +535,14 @@ class Checkpointer:
 
             pinned = self.cfg.async_mode == "async_with_pinned_mem"
             # shared memory hands the staged copy to the saving process without pickling it
-            self._async_stager = DefaultStager(StagingOptions(
-                use_pinned_memory=pinned, use_shared_memory=True, use_async_staging=True,
-                use_non_blocking_copy=pinned))
+            self._async_stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=pinned,
+                    use_shared_memory=True,
+                    use_async_staging=True,
+                    use_non_blocking_copy=pinned,
+                )
+            )
         return self._async_stager
 
     def wait_for_staging(self) -> float:
@@ -495,9 +582,15 @@ class Checkpointer:
         if self.rank != 0:
             return
         files = collect_sidecars(path)
-        write_complete_marker(path, step, model_only, self.layout, fmt,
-                              model=self.identity.record() if self.identity else None,
-                              files=files or None)
+        write_complete_marker(
+            path,
+            step,
+            model_only,
+            self.layout,
+            fmt,
+            model=self.identity.record() if self.identity else None,
+            files=files or None,
+        )
         remove_sidecars(path)
         if self._purger is not None:
             self._purge_queue.put(step)
@@ -509,13 +602,14 @@ class Checkpointer:
                 return
             steps = [(s, p) for s, p in step_folders(self.root) if s <= newest]
             complete = [(s, p) for s, p in steps if (p / COMPLETE_MARKER).is_file()]
-            doomed = [p for _, p in complete[:-self.cfg.keep_latest_k]]
+            doomed = [p for _, p in complete[: -self.cfg.keep_latest_k]]
             # torn saves older than the newest complete one will never be completed
             doomed += [p for s, p in steps if s < newest and not (p / COMPLETE_MARKER).is_file()]
             for p in doomed:
                 shutil.rmtree(p, ignore_errors=True)
-                logger.info("removed old checkpoint %s (keep_latest_k=%d)", p.name,
-                            self.cfg.keep_latest_k)
+                logger.info(
+                    "removed old checkpoint %s (keep_latest_k=%d)", p.name, self.cfg.keep_latest_k
+                )
 
     def close(self) -> None:
         self.wait()

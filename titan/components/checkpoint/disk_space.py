@@ -12,8 +12,9 @@ from titan.components.optim.registry import save_state_bytes
 OVERHEAD_FACTOR, OVERHEAD_BYTES = 1.02, 1 << 20
 
 
-def save_bytes(named_shapes: list[tuple[str, tuple[int, ...]]], optimizer_cfg,
-               sections: dict) -> int:
+def save_bytes(
+    named_shapes: list[tuple[str, tuple[int, ...]]], optimizer_cfg, sections: dict
+) -> int:
     """The size of one training save of the parameters (name, shape): float32 weights, and the
     optimizer's state as its registry entry counts it."""
     weights = 4 * sum(prod(shape) for _, shape in named_shapes)
@@ -23,8 +24,9 @@ def save_bytes(named_shapes: list[tuple[str, tuple[int, ...]]], optimizer_cfg,
 
 def model_save_bytes(model, optimizer_cfg, sections: dict) -> int:
     """save_bytes of a (meta) model's parameters."""
-    return save_bytes([(n, tuple(p.shape)) for n, p in model.named_parameters()],
-                      optimizer_cfg, sections)
+    return save_bytes(
+        [(n, tuple(p.shape)) for n, p in model.named_parameters()], optimizer_cfg, sections
+    )
 
 
 def free_bytes(folder: Path) -> int:
@@ -38,6 +40,8 @@ def space_problem(folder: Path, need: int) -> str | None:
     free = free_bytes(folder)
     if free >= need:
         return None
-    return (f"checkpoint.folder {folder}: a save needs {need / 2**30:.2f} GiB and its disk has "
-            f"{free / 2**30:.2f} GiB free; free space there, lower checkpoint.keep_latest_k, or "
-            "point job.dump_folder at a larger disk")
+    return (
+        f"checkpoint.folder {folder}: a save needs {need / 2**30:.2f} GiB and its disk has "
+        f"{free / 2**30:.2f} GiB free; free space there, lower checkpoint.keep_latest_k, or "
+        "point job.dump_folder at a larger disk"
+    )

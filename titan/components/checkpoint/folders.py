@@ -69,8 +69,8 @@ def check_complete(path: str | Path) -> Path:
         hint = ""
         steps = step_folders(path)
         if steps:
-            hint = (f"; it looks like a checkpoint root holding {', '.join(p.name for _, p in steps[-3:])}"
-                    " - pass one step-N folder")
+            names = ", ".join(p.name for _, p in steps[-3:])
+            hint = f"; it looks like a checkpoint root holding {names} - pass one step-N folder"
         raise CheckpointError(
             f"{str(path)!r} is not a completed checkpoint: no {COMPLETE_MARKER} marker (the save "
             f"was interrupted, is still running, or this is not a step folder){hint}"
@@ -78,18 +78,33 @@ def check_complete(path: str | Path) -> Path:
     return path
 
 
-def write_complete_marker(path: Path, step: int, model_only: bool,
-                          layout: dict | None = None, fmt: str = "dcp",
-                          model: dict | None = None,
-                          files: dict[str, list[int]] | None = None) -> None:
+def write_complete_marker(
+    path: Path,
+    step: int,
+    model_only: bool,
+    layout: dict | None = None,
+    fmt: str = "dcp",
+    model: dict | None = None,
+    files: dict[str, list[int]] | None = None,
+) -> None:
     """Mark `path` complete: write a temp file, fsync it, rename it into place. The marker
     records the step, the format ("dcp", or "hf" for an HF export), the parallel layout that
     saved it, the model it holds (`checkpoint_identity.model_record`) and each file's
     [crc32, size] as written."""
     tmp = path / (COMPLETE_MARKER + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"step": step, "model_only": model_only, "time": time.time(),
-                   "layout": layout, "format": fmt, "model": model, "files": files}, f)
+        json.dump(
+            {
+                "step": step,
+                "model_only": model_only,
+                "time": time.time(),
+                "layout": layout,
+                "format": fmt,
+                "model": model,
+                "files": files,
+            },
+            f,
+        )
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / COMPLETE_MARKER)
@@ -157,8 +172,7 @@ def folder_problem(path: Path, verify: str = "fast") -> str | None:
     return None
 
 
-def resume_candidate(root: Path, load_step: int, problem=folder_problem,
-                     warn=None) -> Path | None:
+def resume_candidate(root: Path, load_step: int, problem=folder_problem, warn=None) -> Path | None:
     """The step folder a resume loads: `load_step`'s, else the newest usable one; None when
     there is none to resume from. `problem(path)` says why a folder is unusable; skipped
     folders are reported through `warn(message)`. Raises CheckpointError when `load_step`'s
@@ -172,21 +186,22 @@ def resume_candidate(root: Path, load_step: int, problem=folder_problem,
             raise CheckpointError(
                 f"checkpoint.load_step = {load_step}: {path} {why}"
                 + (f" (the folder holds {', '.join(have[-5:])})" if have else "")
-                + "; set checkpoint.load_step to one of them, or -1 for the newest usable one")
+                + "; set checkpoint.load_step to one of them, or -1 for the newest usable one"
+            )
         return path
     path, skipped = _newest_usable(root, problem)
     if path is not None:
         for name, reason in skipped:
             if warn:
-                warn(f"checkpoint {name} is unusable ({reason}); resuming from {path.name} "
-                     "instead")
+                warn(f"checkpoint {name} is unusable ({reason}); resuming from {path.name} instead")
         return path
     completed = [(n, r) for n, r in skipped if not r.startswith(("incomplete", HF_EXPORT))]
     if completed:
         details = "; ".join(f"{n}: {r}" for n, r in skipped)
         raise CheckpointError(
             f"no usable checkpoint in {root} ({details}). Fix or remove the damaged "
-            "folders, or point checkpoint.folder / job.dump_folder elsewhere to start fresh")
+            "folders, or point checkpoint.folder / job.dump_folder elsewhere to start fresh"
+        )
     for name, reason in skipped:
         if warn:
             warn(f"ignoring checkpoint {name}: {reason}")
@@ -212,6 +227,7 @@ def intact_folder(path: Path, flag: str, using: str, warn) -> Path:
     folder that is neither, or a root without a completed step, is returned as it is, for the
     caller to say what it lacks. Raises CheckpointError, naming `flag`, when the folder given
     or every step is damaged."""
+
     def problem(folder: Path) -> str | None:
         why = folder_problem(folder, "full")
         return None if why == HF_EXPORT else why
@@ -219,8 +235,10 @@ def intact_folder(path: Path, flag: str, using: str, warn) -> Path:
     if (path / COMPLETE_MARKER).is_file():
         why = problem(path)
         if why:
-            raise CheckpointError(f"{flag} {path} is damaged: {why}; pass another step folder, "
-                                  "or the checkpoint root to use its newest intact step")
+            raise CheckpointError(
+                f"{flag} {path} is damaged: {why}; pass another step folder, "
+                "or the checkpoint root to use its newest intact step"
+            )
         return path
     folder, skipped = _newest_usable(path, problem)
     if folder is not None:
@@ -233,7 +251,8 @@ def intact_folder(path: Path, flag: str, using: str, warn) -> Path:
         f"{flag} {path} holds no intact step folder ("
         + "; ".join(f"{name}: {why}" for name, why in skipped[:3])
         + (f"; and {len(skipped) - 3} more" if len(skipped) > 3 else "")
-        + "): pass an intact step folder or an HF folder")
+        + "): pass an intact step folder or an HF folder"
+    )
 
 
 def saved_keys(path: Path) -> set[str]:
@@ -274,7 +293,7 @@ def dcp_model_metadata(path: str | Path) -> dict[str, tuple[torch.Size, torch.dt
                 continue
             name = fqn[1]
         elif key.startswith(MODEL_KEY + "."):
-            name = key[len(MODEL_KEY) + 1:]
+            name = key[len(MODEL_KEY) + 1 :]
         else:
             continue
         if not isinstance(meta, TensorStorageMetadata):
@@ -296,14 +315,20 @@ def load_dcp_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     exports, whatever sharding they were saved with; no process group needed.
     """
     meta = dcp_model_metadata(path)
-    state = {name: torch.empty(size, dtype=dtype, device="cpu") for name, (size, dtype) in meta.items()}
+    state = {
+        name: torch.empty(size, dtype=dtype, device="cpu") for name, (size, dtype) in meta.items()
+    }
     with _quiet_no_dist():
         dcp.load({MODEL_KEY: state}, checkpoint_id=str(path), no_dist=True)
     return {_canonical(name): t for name, t in state.items()}
 
 
-def save_dcp_model_state(state: dict[str, torch.Tensor], path: str | Path,
-                         overwrite: bool = False, model: dict | None = None) -> Path:
+def save_dcp_model_state(
+    state: dict[str, torch.Tensor],
+    path: str | Path,
+    overwrite: bool = False,
+    model: dict | None = None,
+) -> Path:
     """Write a model-only DCP checkpoint `{"model": state}` and its `.complete` marker.
 
     The result is what `checkpoint.initial_load_path` (and `last_save_model_only`) expect;
@@ -318,8 +343,10 @@ def save_dcp_model_state(state: dict[str, torch.Tensor], path: str | Path,
     problem = None
     if rank0 and path.exists() and any(path.iterdir()):
         if not overwrite:
-            problem = (f"{str(path)!r} exists and is not empty; pass overwrite=True "
-                       "(--overwrite) to replace it")
+            problem = (
+                f"{str(path)!r} exists and is not empty; pass overwrite=True "
+                "(--overwrite) to replace it"
+            )
         else:
             (path / COMPLETE_MARKER).unlink(missing_ok=True)  # incomplete while rewriting
             for old in [path / ".metadata", *path.glob("*.distcp")]:
@@ -340,10 +367,15 @@ def save_dcp_model_state(state: dict[str, torch.Tensor], path: str | Path,
     )
 
     with _quiet_no_dist():
-        dcp.save({MODEL_KEY: tensors}, checkpoint_id=str(path), no_dist=not distributed,
-                 storage_writer=ChecksummingWriter(str(path)))
+        dcp.save(
+            {MODEL_KEY: tensors},
+            checkpoint_id=str(path),
+            no_dist=not distributed,
+            storage_writer=ChecksummingWriter(str(path)),
+        )
     if rank0:  # dcp.save returns once every rank's files and the metadata are written
-        write_complete_marker(path, step=-1, model_only=True, model=model,
-                              files=collect_sidecars(path))
+        write_complete_marker(
+            path, step=-1, model_only=True, model=model, files=collect_sidecars(path)
+        )
         remove_sidecars(path)
     return path

@@ -55,8 +55,13 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base**power)
 
 
-def check_state_matches(state: dict[str, torch.Tensor], spec: TrainSpec, args: ModelArgs,
-                        what: str = "state", partial: bool = False) -> None:
+def check_state_matches(
+    state: dict[str, torch.Tensor],
+    spec: TrainSpec,
+    args: ModelArgs,
+    what: str = "state",
+    partial: bool = False,
+) -> None:
     """Raise a CheckpointError listing missing / unexpected / mis-shaped parameters.
     `partial`: a pipeline stage's share, so absent names are fine."""
     want = spec.state_shapes(args)
@@ -64,8 +69,11 @@ def check_state_matches(state: dict[str, torch.Tensor], spec: TrainSpec, args: M
     copies = {copy for owner, copy in spec.build_meta(args).tied_parameters() if owner in state}
     missing = [] if partial else sorted(set(want) - set(state) - copies)
     extra = sorted(set(state) - set(want))
-    bad = [f"{n}: {tuple(state[n].shape)} vs {tuple(want[n])}" for n in want
-           if n in state and tuple(state[n].shape) != tuple(want[n])]
+    bad = [
+        f"{n}: {tuple(state[n].shape)} vs {tuple(want[n])}"
+        for n in want
+        if n in state and tuple(state[n].shape) != tuple(want[n])
+    ]
     if missing or extra or bad:
         parts = []
         if missing:
@@ -85,16 +93,18 @@ def read_hf_config(hf_dir: str | Path) -> dict:
         config = json.loads(file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         where = f" (line {e.lineno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
-        raise CheckpointError(f"{file} is not valid JSON{where}; fix it or download the model's "
-                              "config.json again") from None
+        raise CheckpointError(
+            f"{file} is not valid JSON{where}; fix it or download the model's config.json again"
+        ) from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{file} holds a JSON {type(config).__name__}, not the object of "
-                              "an HF config; download the model's config.json again")
+        raise CheckpointError(
+            f"{file} holds a JSON {type(config).__name__}, not the object of "
+            "an HF config; download the model's config.json again"
+        )
     return config
 
 
-def args_from_hf_config(spec: TrainSpec, config: dict,
-                        max_seq_len: int | None = None) -> ModelArgs:
+def args_from_hf_config(spec: TrainSpec, config: dict, max_seq_len: int | None = None) -> ModelArgs:
     """The ModelArgs an HF config describes, by the family's adapter."""
     try:
         return adapter_class(spec).args_from_hf_config(config, max_seq_len)
@@ -120,14 +130,17 @@ def hf_model_files(folder: str | Path) -> list[Path]:
     if not folder.is_dir():
         return []
     names = {HF_CONFIG, HF_GENERATION_CONFIG, HF_INDEX_FILE, HF_CHECKSUMS, *HF_TOKENIZER_FILES}
-    return sorted(p for p in folder.iterdir()
-                  if p.is_file() and (p.name in names or p.name.endswith(SUFFIX)))
+    return sorted(
+        p for p in folder.iterdir() if p.is_file() and (p.name in names or p.name.endswith(SUFFIX))
+    )
 
 
 def holds_hf_model(folder: str | Path) -> bool:
     """Whether `folder` already holds an HF model: a config.json, weights or an index."""
-    return any(p.name in (HF_CONFIG, HF_INDEX_FILE) or p.name.endswith(SUFFIX)
-               for p in hf_model_files(folder))
+    return any(
+        p.name in (HF_CONFIG, HF_INDEX_FILE) or p.name.endswith(SUFFIX)
+        for p in hf_model_files(folder)
+    )
 
 
 def remove_hf_model(folder: str | Path) -> list[Path]:
@@ -139,9 +152,11 @@ def remove_hf_model(folder: str | Path) -> list[Path]:
 
 
 def _stale_hf_weights(out_dir: Path) -> list[Path]:
-    return [p for p in out_dir.iterdir()
-            if p.name in (HF_SINGLE_FILE, HF_INDEX_FILE, HF_CHECKSUMS)
-            or _SHARD_NAME.match(p.name)]
+    return [
+        p
+        for p in out_dir.iterdir()
+        if p.name in (HF_SINGLE_FILE, HF_INDEX_FILE, HF_CHECKSUMS) or _SHARD_NAME.match(p.name)
+    ]
 
 
 def _distributed() -> bool:
@@ -164,10 +179,15 @@ def _file_indices(shapes: dict[str, torch.Size], itemsize: int, limit: int) -> d
     return out
 
 
-def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelArgs,
-            out_dir: str | Path, dtype: str | torch.dtype = torch.float32,
-            max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
-            config_extra: dict | None = None) -> Path:
+def save_hf(
+    state_titan: dict[str, torch.Tensor],
+    spec: TrainSpec,
+    args: ModelArgs,
+    out_dir: str | Path,
+    dtype: str | torch.dtype = torch.float32,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+    config_extra: dict | None = None,
+) -> Path:
     """Write an HF folder (config.json and safetensors weights) through the family's adapter.
 
     `state_titan` is this rank's state dict: full tensors in one process, or the DTensor
@@ -191,8 +211,9 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
     check_state_matches(state_titan, spec, args, "titan state dict", partial=distributed)
     hf = {name: t.detach().to(dtype) for name, t in adapter.to_hf(state_titan).items()}
     all_names = adapter.to_hf({n: torch.empty(s, device="meta") for n, s in whole.items()})
-    indices = _file_indices({n: t.shape for n, t in all_names.items()}, dtype.itemsize,
-                            parse_size(max_shard_size))
+    indices = _file_indices(
+        {n: t.shape for n, t in all_names.items()}, dtype.itemsize, parse_size(max_shard_size)
+    )
 
     out_dir = Path(out_dir)
     staging = out_dir / ".sharded"
@@ -206,8 +227,12 @@ def save_hf(state_titan: dict[str, torch.Tensor], spec: TrainSpec, args: ModelAr
     # dcp.save returns on every rank once all ranks' shards are on disk, and the assembly
     # ends with a barrier of its own
     with _quiet_no_dist():
-        dcp.save(hf, storage_writer=HuggingFaceStorageWriter(
-            str(staging), fqn_to_index_mapping=indices, save_distributed=True))
+        dcp.save(
+            hf,
+            storage_writer=HuggingFaceStorageWriter(
+                str(staging), fqn_to_index_mapping=indices, save_distributed=True
+            ),
+        )
         consolidate_safetensors_files_on_every_rank(str(staging), str(out_dir), indices)
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
@@ -234,8 +259,7 @@ def _write_checksums(out_dir: Path, distributed: bool, rank: int) -> None:
         dist.barrier()  # the index (or the single file's rename) is in place
     files = sorted(p.name for p in out_dir.glob(f"*{SUFFIX}"))
     world = dist.get_world_size() if distributed else 1
-    mine = {n: [file_crc32(out_dir / n), (out_dir / n).stat().st_size]
-            for n in files[rank::world]}
+    mine = {n: [file_crc32(out_dir / n), (out_dir / n).stat().st_size] for n in files[rank::world]}
     parts = [mine]
     if distributed:
         parts = [None] * world
@@ -277,18 +301,24 @@ def hf_weight_files(hf_dir: Path, verify: str = "fast") -> list[Path]:
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{index} is not an HF weight index (no readable "
-                                  "weight_map); download or copy the folder again") from None
+            raise CheckpointError(
+                f"{index} is not an HF weight index (no readable "
+                "weight_map); download or copy the folder again"
+            ) from None
         missing = [f for f in files if not (hf_dir / f).is_file()]
         if missing:
-            raise CheckpointError(f"{HF_INDEX_FILE} in {str(hf_dir)!r} names missing shards "
-                                  f"{missing}; download or copy them again")
+            raise CheckpointError(
+                f"{HF_INDEX_FILE} in {str(hf_dir)!r} names missing shards "
+                f"{missing}; download or copy them again"
+            )
         paths = [hf_dir / f for f in files]
     elif (hf_dir / HF_SINGLE_FILE).is_file():
         paths = [hf_dir / HF_SINGLE_FILE]
     else:
-        raise CheckpointError(f"no {HF_SINGLE_FILE} or {HF_INDEX_FILE} in {str(hf_dir)!r} "
-                              "(only safetensors weights are read, never .bin/.pth pickles)")
+        raise CheckpointError(
+            f"no {HF_SINGLE_FILE} or {HF_INDEX_FILE} in {str(hf_dir)!r} "
+            "(only safetensors weights are read, never .bin/.pth pickles)"
+        )
     for path in paths:
         _check_length(path)
     _check_checksums(hf_dir, paths, verify)
@@ -322,17 +352,23 @@ def _check_length(file: Path) -> None:
             if 8 + n > have:
                 raise ValueError("header longer than the file")
             header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                  default=0)
+        end = max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+        )
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-        raise CheckpointError(f"{file} is not a safetensors file (its header is cut off or "
-                              "unreadable); download or copy it again") from None
+        raise CheckpointError(
+            f"{file} is not a safetensors file (its header is cut off or "
+            "unreadable); download or copy it again"
+        ) from None
     if have < 8 + n + end:
-        raise CheckpointError(f"{file} is truncated ({have} of {8 + n + end} bytes): download "
-                              "or copy it again")
+        raise CheckpointError(
+            f"{file} is truncated ({have} of {8 + n + end} bytes): download or copy it again"
+        )
 
 
-def load_hf_state(hf_dir: str | Path, dtype: str | torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_hf_state(
+    hf_dir: str | Path, dtype: str | torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """The raw HF-named tensors of a folder (safetensors only), optionally cast."""
     from safetensors import safe_open
 
@@ -371,8 +407,13 @@ def hf_file_shapes(hf_dir: str | Path) -> dict[str, tuple[torch.Size, torch.dtyp
     return {name: (m.size, m.properties.dtype) for name, m in md.items()}
 
 
-def load_hf_into(state_titan: dict[str, torch.Tensor], hf_dir: str | Path, spec: TrainSpec,
-                 args: ModelArgs, hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], int]:
+def load_hf_into(
+    state_titan: dict[str, torch.Tensor],
+    hf_dir: str | Path,
+    spec: TrainSpec,
+    args: ModelArgs,
+    hf_config: dict | None = None,
+) -> tuple[dict[str, torch.Tensor], int]:
     """Fill a titan state dict from an HF folder through DCP; returns (titan state, bytes read).
 
     `state_titan` holds this rank's tensors: full ones in one process, or the DTensor shards /
@@ -384,16 +425,22 @@ def load_hf_into(state_titan: dict[str, torch.Tensor], hf_dir: str | Path, spec:
     config = hf_config if hf_config is not None else read_hf_config(hf_dir)
     adapter = adapter_class(spec)(args)
     reader = _HFReader(hf_dir)
-    files = {name: (m.size, m.properties.dtype)
-             for name, m in reader.read_metadata().state_dict_metadata.items()}
+    files = {
+        name: (m.size, m.properties.dtype)
+        for name, m in reader.read_metadata().state_dict_metadata.items()
+    }
     odd = sorted(f"{n} ({d})" for n, (_, d) in files.items() if d not in _FLOAT_DTYPES)
     if odd:
-        raise CheckpointError(f"HF weights in {str(hf_dir)!r} are stored as {odd[:3]}: titan "
-                              "reads float32/bfloat16/float16/float64 weights only (dequantize "
-                              "the model first)")
+        raise CheckpointError(
+            f"HF weights in {str(hf_dir)!r} are stored as {odd[:3]}: titan "
+            "reads float32/bfloat16/float16/float64 weights only (dequantize "
+            "the model first)"
+        )
     try:  # names, layouts and shapes, on meta tensors: no weight is read yet
-        planned = adapter.from_hf({n: torch.empty(s, dtype=d, device="meta")
-                                   for n, (s, d) in files.items()}, hf_config=config)
+        planned = adapter.from_hf(
+            {n: torch.empty(s, dtype=d, device="meta") for n, (s, d) in files.items()},
+            hf_config=config,
+        )
     except KeyError as e:  # a tensor the family has no name for
         raise CheckpointError(f"HF weights in {str(hf_dir)!r}: {e.args[0]}") from None
     check_state_matches(planned, spec, args, f"HF weights in {str(hf_dir)!r}")
@@ -407,8 +454,12 @@ def load_hf_into(state_titan: dict[str, torch.Tensor], hf_dir: str | Path, spec:
     return state, reader.bytes_read
 
 
-def load_hf(hf_dir: str | Path, spec: TrainSpec, dtype: str | torch.dtype | None = None,
-            args: ModelArgs | None = None) -> dict[str, torch.Tensor]:
+def load_hf(
+    hf_dir: str | Path,
+    spec: TrainSpec,
+    dtype: str | torch.dtype | None = None,
+    args: ModelArgs | None = None,
+) -> dict[str, torch.Tensor]:
     """An HF folder as a full titan state dict (titan names and layouts), in one process.
 
     `args` default: what the adapter reads from config.json. `dtype` casts; None keeps the
@@ -436,11 +487,17 @@ class HFModelIO:
     def load_into(self, state: dict[str, torch.Tensor], hf_dir: Path) -> tuple[dict, int]:
         return load_hf_into(state, hf_dir, self.spec, self.args)
 
-    def save(self, state: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype,
-             max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    def save(
+        self,
+        state: dict[str, torch.Tensor],
+        out_dir: Path,
+        dtype: torch.dtype,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+    ) -> Path:
         extra = {}
         if self.tokenizer is not None and _rank() == 0:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             extra = self.tokenizer.save_hf(out_dir)
-        return save_hf(state, self.spec, self.args, out_dir, dtype, max_shard_size,
-                       config_extra=extra)
+        return save_hf(
+            state, self.spec, self.args, out_dir, dtype, max_shard_size, config_extra=extra
+        )

@@ -33,10 +33,14 @@ from titan.components.checkpoint.tied_state import saved_form
 
 logger = logging.getLogger(__name__)
 
-RESUME_FIX = ("Resume with the model it was saved from (model.name / model.flavor), or start a "
-              "new run in another job.dump_folder or checkpoint.folder")
-INITIAL_LOAD_FIX = ("Set model.name / model.flavor to the model it was saved from, or point "
-                    "checkpoint.initial_load_path at a checkpoint of this one")
+RESUME_FIX = (
+    "Resume with the model it was saved from (model.name / model.flavor), or start a "
+    "new run in another job.dump_folder or checkpoint.folder"
+)
+INITIAL_LOAD_FIX = (
+    "Set model.name / model.flavor to the model it was saved from, or point "
+    "checkpoint.initial_load_path at a checkpoint of this one"
+)
 # the RoPE table's length is the run's seq_len, not a weight: a resume may change it
 _RUN_SETTINGS = ("max_seq_len",)
 
@@ -73,35 +77,54 @@ class ModelIdentity:
         args = saved.get("args") or {}
         knobs = self.knobs
         theirs_arch, ours_arch = _without(args, knobs), _without(self.args, knobs)
-        diffs = [f"{k} {theirs_arch.get(k)} (checkpoint) vs {v} (this run)"
-                 for k, v in ours_arch.items() if theirs_arch.get(k) != v]
+        diffs = [
+            f"{k} {theirs_arch.get(k)} (checkpoint) vs {v} (this run)"
+            for k, v in ours_arch.items()
+            if theirs_arch.get(k) != v
+        ]
         if diffs:
-            return (f"it was saved from {theirs} and this run builds {self.describe()}: "
-                    + ", ".join(diffs))
-        changed = [f"{name} {_at(args, path)} -> {value}" for name, (path, value) in
-                   knobs.items() if _at(args, path) is not None and _at(args, path) != value]
+            return (
+                f"it was saved from {theirs} and this run builds {self.describe()}: "
+                + ", ".join(diffs)
+            )
+        changed = [
+            f"{name} {_at(args, path)} -> {value}"
+            for name, (path, value) in knobs.items()
+            if _at(args, path) is not None and _at(args, path) != value
+        ]
         if changed:
-            logger.info("training settings changed since the checkpoint was saved (allowed: "
-                        "they are no part of the architecture): %s", ", ".join(changed))
+            logger.info(
+                "training settings changed since the checkpoint was saved (allowed: "
+                "they are no part of the architecture): %s",
+                ", ".join(changed),
+            )
         return None
 
     def _tensor_problem(self, path: Path) -> str | None:
         held = {name: tuple(size) for name, (size, _) in dcp_model_metadata(path).items()}
         missing = [n for n in self.shapes if n not in held]
-        shapes = [f"{n} {list(held[n])} (checkpoint) vs {list(s)} (this run)"
-                  for n, s in self.shapes.items() if n in held and held[n] != s]
+        shapes = [
+            f"{n} {list(held[n])} (checkpoint) vs {list(s)} (this run)"
+            for n, s in self.shapes.items()
+            if n in held and held[n] != s
+        ]
         copies = {copy: owner for owner, copy in self.ties}
         extra = [n for n in held if n not in self.shapes and n not in copies]
         if missing or shapes or extra:
-            parts = [f"lacks {_few(missing)}" if missing else "",
-                     f"holds {_few(extra)} that this model has not" if extra else "",
-                     f"shapes differ: {_few(shapes)}" if shapes else ""]
-            return (f"its weights are not this {self.describe()} model's: "
-                    + "; ".join(p for p in parts if p))
+            parts = [
+                f"lacks {_few(missing)}" if missing else "",
+                f"holds {_few(extra)} that this model has not" if extra else "",
+                f"shapes differ: {_few(shapes)}" if shapes else "",
+            ]
+            return f"its weights are not this {self.describe()} model's: " + "; ".join(
+                p for p in parts if p
+            )
         for copy, owner in copies.items():
             if copy in held and not _equal_tensors(path, owner, copy):
-                return (f"it holds {copy} apart from {owner}: it was saved from a model that "
-                        f"does not tie them, and this {self.describe()} model does")
+                return (
+                    f"it holds {copy} apart from {owner}: it was saved from a model that "
+                    f"does not tie them, and this {self.describe()} model does"
+                )
         return None
 
 
@@ -128,8 +151,9 @@ def model_identity(spec, flavor: str, args) -> ModelIdentity:
     ties = tuple(tuple(pair) for pair in meta.tied_parameters())
     shapes = saved_form({n: tuple(t.shape) for n, t in meta.state_dict().items()}, list(ties))
     knobs = {".".join(path): (path, _at(record, path)) for path in knob_paths(args)}
-    return ModelIdentity(family=spec.name, flavor=flavor, args=record, shapes=shapes,
-                         ties=ties, knobs=knobs)
+    return ModelIdentity(
+        family=spec.name, flavor=flavor, args=record, shapes=shapes, ties=ties, knobs=knobs
+    )
 
 
 def knob_paths(args, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -181,8 +205,11 @@ def family_in(path: Path) -> str | None:
 def args_in_record(spec, record: dict, max_seq_len: int):
     """The ModelArgs a marker's model record describes (any flavor, from_hf's too)."""
     base = next(iter(spec.flavors.values()))
-    known = {k: _from_json(v, _field_type(type(base), k)) for k, v in record["args"].items()
-             if hasattr(base, k)}
+    known = {
+        k: _from_json(v, _field_type(type(base), k))
+        for k, v in record["args"].items()
+        if hasattr(base, k)
+    }
     return base.with_updates(**known, max_seq_len=max_seq_len)
 
 

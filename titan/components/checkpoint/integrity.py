@@ -85,8 +85,9 @@ class ChecksummingWriter(FileSystemWriter):
             self.on_write()
         self.fs.sums.clear()
         future = super().write_data(plan, planner)  # done when it returns: files are closed
-        _write_sidecar(Path(self.path) / f"{plan.storage_data.prefix}{SIDECAR_SUFFIX}",
-                       self.fs.sums)
+        _write_sidecar(
+            Path(self.path) / f"{plan.storage_data.prefix}{SIDECAR_SUFFIX}", self.fs.sums
+        )
         return future
 
     def finish(self, metadata, results) -> None:

@@ -31,7 +31,7 @@ def _renamed(key: str, prefix: str, old: str, new: str) -> str | None:
     """`key` with the parameter name `old` replaced by `new`, or None if it is not old's."""
     head = prefix + old
     if key == head or key.startswith(head + "."):
-        return prefix + new + key[len(head):]
+        return prefix + new + key[len(head) :]
     return None
 
 

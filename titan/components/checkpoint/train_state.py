@@ -57,10 +57,14 @@ class TrainState:
         self.saved_keys: set[str] | None = None
 
     def state_dict(self) -> dict:
-        sd = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
-              "rng_cpu": torch.get_rng_state()}
-        if torch.cuda.is_initialized() and (self.saved_keys is None
-                                            or "rng_cuda" in self.saved_keys):
+        sd = {
+            "step": torch.tensor(self.step),
+            "tokens_seen": torch.tensor(self.tokens_seen),
+            "rng_cpu": torch.get_rng_state(),
+        }
+        if torch.cuda.is_initialized() and (
+            self.saved_keys is None or "rng_cuda" in self.saved_keys
+        ):
             sd["rng_cuda"] = torch.cuda.get_rng_state()
         return sd
 
@@ -71,8 +75,10 @@ class TrainState:
             if torch.cuda.is_initialized():
                 torch.cuda.set_rng_state(sd["rng_cuda"])
         elif torch.cuda.is_initialized():
-            logger.warning("the checkpoint holds no CUDA RNG state (saved without a GPU): the "
-                           "CUDA generator keeps this run's seed")
+            logger.warning(
+                "the checkpoint holds no CUDA RNG state (saved without a GPU): the "
+                "CUDA generator keeps this run's seed"
+            )
 
 
 class DataState:

@@ -60,9 +60,19 @@ class GlobalOrder(Sampler):
     `sizes`: windows per source; `weights`: their mixing weights (any positive scale).
     Finite (validation, one source): one pass over the whole global batches."""
 
-    def __init__(self, sizes: list[int], weights: list[float], *, dp_rank: int, dp_world_size: int,
-                 global_batch_size: int, seed: int, shuffle: bool, infinite: bool = True,
-                 names: list[str] | None = None):
+    def __init__(
+        self,
+        sizes: list[int],
+        weights: list[float],
+        *,
+        dp_rank: int,
+        dp_world_size: int,
+        global_batch_size: int,
+        seed: int,
+        shuffle: bool,
+        infinite: bool = True,
+        names: list[str] | None = None,
+    ):
         self.sizes = list(sizes)
         total = float(sum(weights))
         self.weights = np.asarray(weights, dtype=np.float64) / total
@@ -84,8 +94,7 @@ class GlobalOrder(Sampler):
         """Global batch 0 starts at stream `position`, where the sources had given `counts`
         samples (None: one source, all `position` of them)."""
         self.origin = position
-        self._counts = {0: np.asarray(counts if counts is not None else [position],
-                                      dtype=np.int64)}
+        self._counts = {0: np.asarray(counts if counts is not None else [position], dtype=np.int64)}
 
     def _sources_of_batch(self, b: int) -> np.ndarray:
         """The source of every position of global batch b, from the counts at its start."""
@@ -107,8 +116,7 @@ class GlobalOrder(Sampler):
             known = max(k for k in self._counts if k <= b)
             counts = self._counts[known]
             for k in range(known, b):
-                counts = counts + np.bincount(self._sources_of_batch(k),
-                                              minlength=len(self.sizes))
+                counts = counts + np.bincount(self._sources_of_batch(k), minlength=len(self.sizes))
                 self._counts[k + 1] = counts
             for k in [k for k in self._counts if 0 < k < b - 8]:
                 del self._counts[k]  # keep the cache small on long runs
@@ -147,11 +155,15 @@ class GlobalOrder(Sampler):
                     seen[s] += 1
             s, k = int(sources[i]), int(ranks[i])
             if k and k % self.sizes[s] == 0:  # this sample opens a new epoch of source s
-                logger.info("%s: all %d sequences seen, starting epoch %d",
-                            self.names[s], self.sizes[s], k // self.sizes[s])
+                logger.info(
+                    "%s: all %d sequences seen, starting epoch %d",
+                    self.names[s],
+                    self.sizes[s],
+                    k // self.sizes[s],
+                )
             yield s, self._window(s, k)
             j += 1
 
     def __len__(self) -> int:
         end = self.end()
-        return (end - self.start) if end is not None else 2 ** 62
+        return (end - self.start) if end is not None else 2**62

@@ -31,12 +31,20 @@ class Workers:
 
 
 def _loader(dataset, batch_size: int, workers: Workers, sampler=None) -> StatefulDataLoader:
-    extra = ({"prefetch_factor": workers.prefetch_factor, "multiprocessing_context": "fork"}
-             if workers.num_workers else {})
+    extra = (
+        {"prefetch_factor": workers.prefetch_factor, "multiprocessing_context": "fork"}
+        if workers.num_workers
+        else {}
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata's own call
-        return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                                  num_workers=workers.num_workers, **extra)
+        return StatefulDataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=workers.num_workers,
+            **extra,
+        )
 
 
 class IndexedLoader:
@@ -44,8 +52,9 @@ class IndexedLoader:
 
     global_index = True  # its state is the same on every rank, for any dp degree
 
-    def __init__(self, windows: MixedWindows, order: GlobalOrder, local_batch_size: int,
-                 workers: Workers):
+    def __init__(
+        self, windows: MixedWindows, order: GlobalOrder, local_batch_size: int, workers: Workers
+    ):
         self.windows, self.order = windows, order
         self.local_batch_size, self.workers = local_batch_size, workers
         self.taken = 0  # samples this rank's trainer has taken since first_batch
@@ -56,8 +65,9 @@ class IndexedLoader:
         while True:
             generation = self._generation
             self.order.start = self.taken
-            for inputs, labels in _loader(self.windows, self.local_batch_size, self.workers,
-                                          sampler=self.order):
+            for inputs, labels in _loader(
+                self.windows, self.local_batch_size, self.workers, sampler=self.order
+            ):
                 if generation != self._generation:
                     break
                 self.taken += inputs.shape[0]
@@ -70,10 +80,13 @@ class IndexedLoader:
         `stream_position`: where the next one starts in the global stream (its counts per
         source: `source_counts`), whatever the global batch size was on the way."""
         batches, offset = divmod(self.taken, self.order.per_rank)
-        return {"global_batches": self.first_batch + batches, "offset": offset,
-                "stream_position": self.order.origin + batches * self.order.global_batch_size,
-                "global_batch_size": self.order.global_batch_size,
-                "source_counts": self.order.counts_at(batches).tolist()}
+        return {
+            "global_batches": self.first_batch + batches,
+            "offset": offset,
+            "stream_position": self.order.origin + batches * self.order.global_batch_size,
+            "global_batch_size": self.order.global_batch_size,
+            "source_counts": self.order.counts_at(batches).tolist(),
+        }
 
     def source_tokens(self, seq_len: int) -> dict[str, int] | None:
         """Tokens drawn from each source by the global batches taken so far (all ranks);
@@ -97,10 +110,16 @@ class IndexedLoader:
                 raise DataError(
                     f"the checkpoint stopped {offset} samples into a global batch of {saved_size}"
                     f" sequences, which a global batch of {size} cannot continue: resume with "
-                    f"training.global_batch_size = {saved_size}")
-            logger.info("the data continues at sequence %d of the global stream, the first "
-                        "not yet trained: the global batch changed from %d to %d sequences, "
-                        "none is skipped or repeated", position, saved_size, size)
+                    f"training.global_batch_size = {saved_size}"
+                )
+            logger.info(
+                "the data continues at sequence %d of the global stream, the first "
+                "not yet trained: the global batch changed from %d to %d sequences, "
+                "none is skipped or repeated",
+                position,
+                saved_size,
+                size,
+            )
         self.first_batch = batches
         self.order.start_at(position, state.get("source_counts"))
         self._jump(offset)
@@ -143,56 +162,106 @@ class StreamLoader:
         return None  # one source
 
     def seek_global_batch(self, batches: int) -> None:
-        raise DataError(f"{self.dataset.name} is streamed: it has no global index to seek to "
-                        f"batch {batches}; use a local dataset without dataset_streaming")
+        raise DataError(
+            f"{self.dataset.name} is streamed: it has no global index to seek to "
+            f"batch {batches}; use a local dataset without dataset_streaming"
+        )
 
 
-def build_text_dataloader(*, dataset: str, dataset_path: str | None, tokenizer: Tokenizer,
-                          seq_len: int, local_batch_size: int, global_batch_size: int,
-                          shard: DataShard, seed: int, text_field: str = "text",
-                          shuffle: bool = True, infinite: bool = True, streaming: bool = False,
-                          stream_order: str = "rank", workers: Workers = Workers(),
-                          mix: list[tuple[str, float]] | None = None, section: str = "training"):
+def build_text_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    global_batch_size: int,
+    shard: DataShard,
+    seed: int,
+    text_field: str = "text",
+    shuffle: bool = True,
+    infinite: bool = True,
+    streaming: bool = False,
+    stream_order: str = "rank",
+    workers: Workers = Workers(),
+    mix: list[tuple[str, float]] | None = None,
+    section: str = "training",
+):
     """A restored loader yields exactly the batch an uninterrupted one would have yielded.
     `mix`: (source, weight) pairs read instead of dataset/dataset_path. `section`: the config
     section whose dataset this is, for the errors that name its keys."""
     if global_batch_size % shard.dp_world_size:
-        raise DataError(f"global batch {global_batch_size} is not divisible by the dp degree "
-                        f"{shard.dp_world_size}")
+        raise DataError(
+            f"global batch {global_batch_size} is not divisible by the dp degree "
+            f"{shard.dp_world_size}"
+        )
     sources = mix or [(dataset, 1.0)]
-    files = [local_files(name, dataset_path if not mix else None,
-                         key="training.dataset_mix" if mix else f"{section}.dataset_path")
-             for name, _ in sources]
+    files = [
+        local_files(
+            name,
+            dataset_path if not mix else None,
+            key="training.dataset_mix" if mix else f"{section}.dataset_path",
+        )
+        for name, _ in sources
+    ]
     if not mix and (files[0] is None or streaming):
         if files[0] is not None and len(files[0]) == 1 and files[0][0].is_dir():
-            raise DataError(f"{files[0][0]} holds token shards, which are read indexed: unset "
-                            "dataset_streaming")
-        ds = StreamingPackedDataset(dataset, files[0], tokenizer, seq_len, shard, text_field,
-                                    infinite, order=stream_order,
-                                    global_batch_size=global_batch_size,
-                                    key=f"{section}.dataset")
+            raise DataError(
+                f"{files[0][0]} holds token shards, which are read indexed: unset dataset_streaming"
+            )
+        ds = StreamingPackedDataset(
+            dataset,
+            files[0],
+            tokenizer,
+            seq_len,
+            shard,
+            text_field,
+            infinite,
+            order=stream_order,
+            global_batch_size=global_batch_size,
+            key=f"{section}.dataset",
+        )
         return StreamLoader(ds, local_batch_size)
     for (name, _), f in zip(sources, files):
         if f is None:
-            raise DataError(f"training.dataset_mix source {name!r} is not a local file, folder "
-                            "or bundled name: mixed sources are read indexed; pretokenize a hub "
-                            "dataset first (scripts/pretokenize.py)")
-    windows = [PackedWindows(open_tokens(f, tokenizer, text_field), seq_len, name=name)
-               for (name, _), f in zip(sources, files)]
-    order = GlobalOrder([len(w) for w in windows], [w for _, w in sources],
-                        dp_rank=shard.dp_rank, dp_world_size=shard.dp_world_size,
-                        global_batch_size=global_batch_size, seed=seed, shuffle=shuffle,
-                        infinite=infinite, names=[name for name, _ in sources])
+            raise DataError(
+                f"training.dataset_mix source {name!r} is not a local file, folder "
+                "or bundled name: mixed sources are read indexed; pretokenize a hub "
+                "dataset first (scripts/pretokenize.py)"
+            )
+    windows = [
+        PackedWindows(open_tokens(f, tokenizer, text_field), seq_len, name=name)
+        for (name, _), f in zip(sources, files)
+    ]
+    order = GlobalOrder(
+        [len(w) for w in windows],
+        [w for _, w in sources],
+        dp_rank=shard.dp_rank,
+        dp_world_size=shard.dp_world_size,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        infinite=infinite,
+        names=[name for name, _ in sources],
+    )
     return IndexedLoader(MixedWindows(windows), order, local_batch_size, workers)
 
 
 def build_dataloader(cfg, *, tokenizer: Tokenizer, shard: DataShard, global_batch_size: int):
     """The training loader of `cfg` (the training section): infinite, shuffled per epoch."""
     return build_text_dataloader(
-        dataset=cfg.dataset, dataset_path=cfg.dataset_path, tokenizer=tokenizer,
-        seq_len=cfg.seq_len, local_batch_size=cfg.local_batch_size,
-        global_batch_size=global_batch_size, shard=shard, seed=cfg.seed,
-        text_field=cfg.dataset_text_field, shuffle=cfg.dataset_shuffle,
-        streaming=cfg.dataset_streaming, stream_order=cfg.dataset_stream_order,
+        dataset=cfg.dataset,
+        dataset_path=cfg.dataset_path,
+        tokenizer=tokenizer,
+        seq_len=cfg.seq_len,
+        local_batch_size=cfg.local_batch_size,
+        global_batch_size=global_batch_size,
+        shard=shard,
+        seed=cfg.seed,
+        text_field=cfg.dataset_text_field,
+        shuffle=cfg.dataset_shuffle,
+        streaming=cfg.dataset_streaming,
+        stream_order=cfg.dataset_stream_order,
         workers=Workers(cfg.dataloader_num_workers, cfg.dataloader_prefetch_factor),
-        mix=parse_mix(cfg.dataset_mix) if cfg.dataset_mix else None)
+        mix=parse_mix(cfg.dataset_mix) if cfg.dataset_mix else None,
+    )

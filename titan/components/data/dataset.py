@@ -35,8 +35,9 @@ class DataShard:
     dp_world_size: int = 1
 
 
-def local_files(name: str, path: str | None,
-                key: str = "training.dataset_path") -> list[Path] | None:
+def local_files(
+    name: str, path: str | None, key: str = "training.dataset_path"
+) -> list[Path] | None:
     """Files of a local dataset ([the folder] for a token-shard folder), or None when `name`
     must be a hub dataset. `key`: the config key that set `path` (its section's `dataset`
     key set `name`), for the error message."""
@@ -54,8 +55,10 @@ def local_files(name: str, path: str | None,
     elif path is not None:
         raise DataError(f"dataset path '{path}' does not exist; fix {key}")
     elif _looks_local(name):
-        raise DataError(f"{name_key} '{name}' does not exist (a local path, by its form; a "
-                        "hub dataset is named like allenai/c4); fix the path")
+        raise DataError(
+            f"{name_key} '{name}' does not exist (a local path, by its form; a "
+            "hub dataset is named like allenai/c4); fix the path"
+        )
     else:
         return None
     suffixes = sorted({f.suffix for f in files})
@@ -63,16 +66,19 @@ def local_files(name: str, path: str | None,
         raise DataError(
             f"dataset folder {p} mixes file formats ({', '.join(suffixes)}: e.g. "
             + ", ".join(next(f.name for f in files if f.suffix == s) for s in suffixes)
-            + "); keep one format per dataset, or name the parts in training.dataset_mix")
+            + "); keep one format per dataset, or name the parts in training.dataset_mix"
+        )
     if files[0].suffix not in _FORMATS:
-        raise DataError(f"{files[0]} is a {files[0].suffix or 'suffix-less'} file; datasets are "
-                        f"{', '.join(_FORMATS)} files")
+        raise DataError(
+            f"{files[0]} is a {files[0].suffix or 'suffix-less'} file; datasets are "
+            f"{', '.join(_FORMATS)} files"
+        )
     return files
 
 
 def _looks_local(name: str) -> bool:
     """A name that can only be a path: absolute, relative to here or home, or a data file."""
-    return (name.startswith(("/", "./", "../", "~")) or Path(name).suffix in _FORMATS)
+    return name.startswith(("/", "./", "../", "~")) or Path(name).suffix in _FORMATS
 
 
 def parse_mix(entries: list[str], key: str = "training.dataset_mix") -> list[tuple[str, float]]:
@@ -85,8 +91,9 @@ def parse_mix(entries: list[str], key: str = "training.dataset_mix") -> list[tup
         except ValueError:
             w = None
         if not sep or not source or w is None or not w > 0:
-            raise DataError(f"{key} entry {entry!r} is not SOURCE=WEIGHT with a weight > 0, "
-                            "e.g. data/web=0.7")
+            raise DataError(
+                f"{key} entry {entry!r} is not SOURCE=WEIGHT with a weight > 0, e.g. data/web=0.7"
+            )
         mix.append((source, w))
     if len({s for s, _ in mix}) != len(mix):
         raise DataError(f"{key} names a source twice: {entries}")
@@ -101,8 +108,9 @@ def open_local(files: list[Path]):
     logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
     fmt = _FORMATS[files[0].suffix]
     kwargs = {"sample_by": "paragraph"} if fmt == "text" else {}
-    return load_dataset(fmt, data_files=[str(f) for f in files], split="train", streaming=True,
-                        **kwargs), fmt
+    return load_dataset(
+        fmt, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs
+    ), fmt
 
 
 def text_column(ds, fmt: str, text_field: str, where) -> str:
@@ -130,12 +138,16 @@ def iter_texts(files: list[Path], text_field: str, batch_size: int = 1024):
             for batch in ds.iter(batch_size=batch_size):
                 texts = batch.get(field)
                 if texts is None:
-                    raise DataError(f"{f} has no field '{field}' (fields: {sorted(batch)}); set "
-                                    "training.dataset_text_field")
+                    raise DataError(
+                        f"{f} has no field '{field}' (fields: {sorted(batch)}); set "
+                        "training.dataset_text_field"
+                    )
                 for i, t in enumerate(texts):
                     if not isinstance(t, str):
-                        raise DataError(f"{f}: record {n + i} has no text in field '{field}' "
-                                        f"({type(t).__name__}); fix or drop that record")
+                        raise DataError(
+                            f"{f}: record {n + i} has no text in field '{field}' "
+                            f"({type(t).__name__}); fix or drop that record"
+                        )
                 n += len(texts)
                 yield texts
         except DataError:
@@ -143,11 +155,13 @@ def iter_texts(files: list[Path], text_field: str, batch_size: int = 1024):
         except Exception as e:  # noqa: BLE001  datasets/pyarrow raise many types for bad files
             bad = _bad_jsonl_line(f) if f.suffix == ".jsonl" else None
             if bad is not None:
-                raise DataError(f"{f}, line {bad[0]}: not a JSON record ({bad[1]}); fix or "
-                                "remove that line") from None
+                raise DataError(
+                    f"{f}, line {bad[0]}: not a JSON record ({bad[1]}); fix or remove that line"
+                ) from None
             what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"unreadable as {fmt}"
-            raise DataError(f"{f} is {what} after record {n}: {type(e).__name__}: {e}; fix or "
-                            "remove the file") from None
+            raise DataError(
+                f"{f} is {what} after record {n}: {type(e).__name__}: {e}; fix or remove the file"
+            ) from None
         if n == 0:
             raise DataError(f"{f} holds no records; remove the empty file or fill it")
 

@@ -15,9 +15,15 @@ import torch
 from torch.utils.data import Dataset
 
 from titan.components.data.dataset import DataError, iter_texts
-from titan.components.data.token_shards import (ArrayTokens, ShardError, ShardWriter, TokenShards,
-                                           encode_documents, is_shard_folder,
-                                           tokenizer_fingerprint)
+from titan.components.data.token_shards import (
+    ArrayTokens,
+    ShardError,
+    ShardWriter,
+    TokenShards,
+    encode_documents,
+    is_shard_folder,
+    tokenizer_fingerprint,
+)
 from titan.components.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,15 +32,17 @@ logger = logging.getLogger(__name__)
 class PackedWindows(Dataset):
     """Window i of a token stream: (tokens[i*(L+1) : i*(L+1)+L], the same shifted by one)."""
 
-    def __init__(self, tokens: TokenShards | ArrayTokens | np.ndarray, seq_len: int,
-                 name: str = "dataset"):
+    def __init__(
+        self, tokens: TokenShards | ArrayTokens | np.ndarray, seq_len: int, name: str = "dataset"
+    ):
         self.tokens = ArrayTokens(tokens) if isinstance(tokens, np.ndarray) else tokens
         self.seq_len, self.name = seq_len, name
         self.num_windows = len(self.tokens) // (seq_len + 1)
         if self.num_windows == 0:
             raise DataError(
                 f"{name} has {len(self.tokens)} tokens, fewer than one sequence of seq_len + 1 "
-                f"= {seq_len + 1}; use more data or a smaller training.seq_len")
+                f"= {seq_len + 1}; use more data or a smaller training.seq_len"
+            )
 
     def __len__(self) -> int:
         return self.num_windows
@@ -114,11 +122,18 @@ def cached_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> T
         folder = Path(tempfile.mkdtemp(prefix="titan-tokens-")) / "shards"
         writer = ShardWriter(folder, tokenizer, sources=[str(f) for f in files])
     size = sum(f.stat().st_size for f in files)
-    logger.info("tokenizing %s (%.1f MB) into the token cache %s, once: later runs map it",
-                files[0].name if len(files) == 1 else f"{len(files)} files", size / 1e6, folder)
+    logger.info(
+        "tokenizing %s (%.1f MB) into the token cache %s, once: later runs map it",
+        files[0].name if len(files) == 1 else f"{len(files)} files",
+        size / 1e6,
+        folder,
+    )
     try:
-        docs = (ids for batch in encode_documents(tokenizer, iter_texts(files, text_field))
-                for ids in batch)
+        docs = (
+            ids
+            for batch in encode_documents(tokenizer, iter_texts(files, text_field))
+            for ids in batch
+        )
         writer.add(_with_progress(docs, lambda: writer.tokens))
         return TokenShards(writer.close(), tokenizer)
     except BaseException:

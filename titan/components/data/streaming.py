@@ -24,9 +24,19 @@ logger = logging.getLogger(__name__)
 class StreamingPackedDataset(IterableDataset):
     """Infinite: every pass over the stream is an epoch. Finite (validation): one pass."""
 
-    def __init__(self, name: str, files: list[Path] | None, tokenizer: Tokenizer, seq_len: int,
-                 shard: DataShard, text_field: str, infinite: bool = True, order: str = "rank",
-                 global_batch_size: int | None = None, key: str = "training.dataset"):
+    def __init__(
+        self,
+        name: str,
+        files: list[Path] | None,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        shard: DataShard,
+        text_field: str,
+        infinite: bool = True,
+        order: str = "rank",
+        global_batch_size: int | None = None,
+        key: str = "training.dataset",
+    ):
         from datasets.distributed import split_dataset_by_node
 
         if files is None:
@@ -55,11 +65,12 @@ class StreamingPackedDataset(IterableDataset):
                 if not isinstance(text, str):
                     raise DataError(
                         f"{self.name}: a record has no text in field '{self.text_field}' "
-                        f"(fields: {sorted(sample)}); set training.dataset_text_field")
+                        f"(fields: {sorted(sample)}); set training.dataset_text_field"
+                    )
                 self.buffer.extend(self.tokenizer.encode(text))
                 while len(self.buffer) > self.seq_len:
-                    window = torch.tensor(self.buffer[:self.seq_len + 1])
-                    self.buffer = self.buffer[self.seq_len + 1:]
+                    window = torch.tensor(self.buffer[: self.seq_len + 1])
+                    self.buffer = self.buffer[self.seq_len + 1 :]
                     yield window[:-1], window[1:]
             if not self.infinite:
                 return
@@ -81,8 +92,10 @@ class StreamingPackedDataset(IterableDataset):
             except Exception as e:  # noqa: BLE001  datasets/pyarrow raise many types
                 names = ", ".join(str(f) for f in self.files[:3])
                 more = f" (and {len(self.files) - 3} more)" if len(self.files) > 3 else ""
-                raise DataError(f"{names}{more}: a record is unreadable ({type(e).__name__}: "
-                                f"{e}); fix or remove the file") from None
+                raise DataError(
+                    f"{names}{more}: a record is unreadable ({type(e).__name__}: "
+                    f"{e}); fix or remove the file"
+                ) from None
             yield sample
 
     def __iter__(self):
@@ -109,8 +122,10 @@ class StreamingPackedDataset(IterableDataset):
 
     def state_dict(self) -> dict:
         if self.global_index and self.in_batch:
-            raise DataError(f"{self.name}: the stream position is saved between global "
-                            f"batches only ({self.in_batch} windows into one)")
+            raise DataError(
+                f"{self.name}: the stream position is saved between global "
+                f"batches only ({self.in_batch} windows into one)"
+            )
         return {"ds": self.ds.state_dict(), "buffer": list(self.buffer), "epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:

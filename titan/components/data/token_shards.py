@@ -39,7 +39,7 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 2 ** 16 else np.uint32)
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
 def is_shard_folder(path: Path) -> bool:
@@ -51,19 +51,33 @@ class ShardWriter:
     documents), in a temporary folder renamed into place by `close()`: a folder with a
     meta.json is always complete."""
 
-    def __init__(self, out_dir: Path, tokenizer: Tokenizer, shard_tokens: int = 1 << 28,
-                 sources: list[str] | None = None):
+    def __init__(
+        self,
+        out_dir: Path,
+        tokenizer: Tokenizer,
+        shard_tokens: int = 1 << 28,
+        sources: list[str] | None = None,
+    ):
         self.out_dir = Path(out_dir)
         self.tmp = self.out_dir.with_name(f".{self.out_dir.name}.{os.getpid()}.tmp")
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self.dtype = token_dtype(tokenizer.vocab_size)
         self.shard_tokens = shard_tokens
-        self.meta = {"format": FORMAT, "version": VERSION, "dtype": self.dtype.name,
-                     "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer),
-                                   "path": str(tokenizer.path), "vocab_size": tokenizer.vocab_size,
-                                   "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
-                     "sources": sources or [], "shards": []}
+        self.meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": self.dtype.name,
+            "tokenizer": {
+                "fingerprint": tokenizer_fingerprint(tokenizer),
+                "path": str(tokenizer.path),
+                "vocab_size": tokenizer.vocab_size,
+                "bos_id": tokenizer.bos_id,
+                "eos_id": tokenizer.eos_id,
+            },
+            "sources": sources or [],
+            "shards": [],
+        }
         self._file = None
 
     def add(self, docs: Iterable[list[int]]) -> None:
@@ -139,7 +153,7 @@ class TokenShards:
         while filled < length:
             m, base = self._maps[i], int(self._map_starts[i])
             take = min(length - filled, len(m) - (pos - base))
-            out[filled:filled + take] = m[pos - base:pos - base + take]
+            out[filled : filled + take] = m[pos - base : pos - base + take]
             filled, pos, i = filled + take, pos + take, i + 1
         return out
 
@@ -160,7 +174,7 @@ class ArrayTokens:
         return len(self.tokens)
 
     def read(self, start: int, length: int) -> np.ndarray:
-        return self.tokens[start:start + length].astype(np.int64)
+        return self.tokens[start : start + length].astype(np.int64)
 
 
 def verify(folder: Path, tokenizer: Tokenizer | None = None) -> dict:
@@ -175,7 +189,8 @@ def verify(folder: Path, tokenizer: Tokenizer | None = None) -> dict:
                 f"token shards {folder} were written by the tokenizer {theirs['path']} "
                 f"(fingerprint {theirs['fingerprint']}), not by {tokenizer.path} which this run "
                 "uses: training on them would read the wrong tokens. Set model.tokenizer_path "
-                "to the tokenizer that wrote them, or pretokenize again with this one")
+                "to the tokenizer that wrote them, or pretokenize again with this one"
+            )
     itemsize = np.dtype(meta["dtype"]).itemsize
     for shard in meta["shards"]:
         path = folder / shard["file"]
@@ -185,7 +200,8 @@ def verify(folder: Path, tokenizer: Tokenizer | None = None) -> dict:
             raise ShardError(
                 f"token shard {path} is {'missing' if have < 0 else f'{have} bytes'}, but "
                 f"{folder / META} says {want}: the folder is incomplete or was modified; "
-                "write it again with scripts/pretokenize.py")
+                "write it again with scripts/pretokenize.py"
+            )
     return meta
 
 
@@ -194,20 +210,26 @@ def _read_meta(folder: Path) -> dict:
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ShardError(f"{folder} is not a token-shard folder (no {META}); write one with "
-                         "scripts/pretokenize.py") from None
+        raise ShardError(
+            f"{folder} is not a token-shard folder (no {META}); write one with "
+            "scripts/pretokenize.py"
+        ) from None
     except (OSError, ValueError) as e:
-        raise ShardError(f"cannot read {path}: {e}; write the folder again with "
-                         "scripts/pretokenize.py") from None
+        raise ShardError(
+            f"cannot read {path}: {e}; write the folder again with scripts/pretokenize.py"
+        ) from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ShardError(f"{path} is not a {FORMAT} v{VERSION} index (format "
-                         f"{meta.get('format')!r}, version {meta.get('version')!r}); write the "
-                         "folder again with this titan's scripts/pretokenize.py")
+        raise ShardError(
+            f"{path} is not a {FORMAT} v{VERSION} index (format "
+            f"{meta.get('format')!r}, version {meta.get('version')!r}); write the "
+            "folder again with this titan's scripts/pretokenize.py"
+        )
     return meta
 
 
-def encode_documents(tokenizer: Tokenizer, batches: Iterable[list[str]],
-                     num_proc: int = 1) -> Iterator[list[list[int]]]:
+def encode_documents(
+    tokenizer: Tokenizer, batches: Iterable[list[str]], num_proc: int = 1
+) -> Iterator[list[list[int]]]:
     """Each batch of texts as BOS ... EOS token lists, in order; `num_proc` > 1 tokenizes in
     that many processes."""
     if num_proc <= 1:
@@ -218,8 +240,9 @@ def encode_documents(tokenizer: Tokenizer, batches: Iterable[list[str]],
 
     # forked workers inherit the tokenizer; its own thread pool must not be used across a fork
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    with mp.get_context("fork").Pool(num_proc, initializer=_init_worker,
-                                     initargs=(str(tokenizer.path),)) as pool:
+    with mp.get_context("fork").Pool(
+        num_proc, initializer=_init_worker, initargs=(str(tokenizer.path),)
+    ) as pool:
         yield from pool.imap(_encode, batches, chunksize=1)
 
 

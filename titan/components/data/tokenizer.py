@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.processors import TemplateProcessing
 
@@ -43,21 +42,32 @@ class TokenizerError(ValueError):
 
 
 # the hub organizations of the model folders the bundled configs name under assets/hf/
-_HUB_ORGS = {"Llama": "meta-llama", "Qwen": "Qwen", "DeepSeek": "deepseek-ai",
-             "Moonlight": "moonshotai"}
+_HUB_ORGS = {
+    "Llama": "meta-llama",
+    "Qwen": "Qwen",
+    "DeepSeek": "deepseek-ai",
+    "Moonlight": "moonshotai",
+}
 
 
 def _fetch_hint(path: Path) -> str:
     """How to get the tokenizer `path` names: a model folder under assets/hf/ is fetched
     from the hub; anything else is the user's file to point at."""
-    if len(path.parts) >= 3 and path.parts[-3:-1] == ("assets", "hf") or (
-            len(path.parts) >= 2 and path.parts[-2] == "hf"):
+    if (
+        len(path.parts) >= 3
+        and path.parts[-3:-1] == ("assets", "hf")
+        or (len(path.parts) >= 2 and path.parts[-2] == "hf")
+    ):
         model = path.name
         org = next((o for prefix, o in _HUB_ORGS.items() if model.startswith(prefix)), "ORG")
-        return (f"fetch the model's tokenizer with `python scripts/download_hf_assets.py --repo "
-                f"{org}/{model}` (gated models need `huggingface-cli login` first)")
-    return ("set model.tokenizer_path to a tokenizer.json, or a folder holding one (titan "
-            "bundles assets/tokenizer/tokenizer.json for the debug models)")
+        return (
+            f"fetch the model's tokenizer with `python scripts/download_hf_assets.py --repo "
+            f"{org}/{model}` (gated models need `huggingface-cli login` first)"
+        )
+    return (
+        "set model.tokenizer_path to a tokenizer.json, or a folder holding one (titan "
+        "bundles assets/tokenizer/tokenizer.json for the debug models)"
+    )
 
 
 class Tokenizer:
@@ -71,9 +81,13 @@ class Tokenizer:
             if not file.is_file():
                 raise TokenizerError(
                     f"the folder '{path}' holds no tokenizer.json"
-                    + (f" (it holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''})"
-                       if held else " (it is empty)")
-                    + f"; {_fetch_hint(Path(path))}")
+                    + (
+                        f" (it holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''})"
+                        if held
+                        else " (it is empty)"
+                    )
+                    + f"; {_fetch_hint(Path(path))}"
+                )
         if not file.is_file():
             raise TokenizerError(f"tokenizer '{path}' does not exist; {_fetch_hint(Path(path))}")
         self.path = file
@@ -112,14 +126,19 @@ class Tokenizer:
         head, tail = ([self.bos_id] if bos else []), ([self.eos_id] if eos else [])
         short = [t for t in texts if len(t) <= PIECE_CHARS]
         encs = iter(self._tok.encode_batch(short, add_special_tokens=False) if short else [])
-        return [head + next(encs).ids + tail if len(t) <= PIECE_CHARS
-                else self._encode_long(t, head, tail) for t in texts]
+        return [
+            head + next(encs).ids + tail
+            if len(t) <= PIECE_CHARS
+            else self._encode_long(t, head, tail)
+            for t in texts
+        ]
 
     def _encode_long(self, text: str, head: list[int], tail: list[int]) -> np.ndarray:
         parts = [np.asarray(head, dtype=np.int32)]
         for piece in pieces(text, PIECE_CHARS):
-            parts.append(np.asarray(self._tok.encode(piece, add_special_tokens=False).ids,
-                                    dtype=np.int32))
+            parts.append(
+                np.asarray(self._tok.encode(piece, add_special_tokens=False).ids, dtype=np.int32)
+            )
         parts.append(np.asarray(tail, dtype=np.int32))
         return np.concatenate(parts)
 
@@ -134,12 +153,18 @@ class Tokenizer:
         bos, eos = self._tok.id_to_token(self.bos_id), self._tok.id_to_token(self.eos_id)
         tok = HFTokenizer.from_file(str(self.path))
         # titan prepends BOS to every document; AutoTokenizer(...)(text) then encodes alike
-        tok.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                special_tokens=[(bos, self.bos_id)])
+        tok.post_processor = TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)]
+        )
         tok.save(str(out_dir / "tokenizer.json"))
         special = {"bos_token": bos, "eos_token": eos}
         (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-        config = {**special, "tokenizer_class": "PreTrainedTokenizerFast",
-                  "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+        config = {
+            **special,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        }
         (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         return {"bos_token_id": self.bos_id, "eos_token_id": self.eos_id}

@@ -42,21 +42,29 @@ class FaultInjector:
 
     def _sleep(self, module, args):
         step = self.current_step()
-        due = (step >= self.cfg.sleep_at_step if self.cfg.sleep_every_step
-               else step == self.cfg.sleep_at_step and not self._slept)
+        due = (
+            step >= self.cfg.sleep_at_step
+            if self.cfg.sleep_every_step
+            else step == self.cfg.sleep_at_step and not self._slept
+        )
         if due:
             self._slept = True
-            logger.warning("debug.sleep_at_step: rank %d sleeps %.3gs", self.rank,
-                           self.cfg.sleep_seconds)
+            logger.warning(
+                "debug.sleep_at_step: rank %d sleeps %.3gs", self.rank, self.cfg.sleep_seconds
+            )
             time.sleep(self.cfg.sleep_seconds)
 
     def on_checkpoint_phase(self, phase: str, step: int) -> None:
         """Die as a save starts writing this rank's files, or once they are written before the
         save is marked complete (debug.kill_in_checkpoint_phase; first launch only, so a
         restarted job gets past it)."""
-        if (step == self.cfg.kill_in_checkpoint_step and self.rank == self.cfg.kill_rank
-                and phase == self.cfg.kill_in_checkpoint_phase
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-            logger.warning("debug.kill_in_checkpoint_step: rank %d kills itself now (%s)",
-                           self.rank, phase)
+        if (
+            step == self.cfg.kill_in_checkpoint_step
+            and self.rank == self.cfg.kill_rank
+            and phase == self.cfg.kill_in_checkpoint_phase
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        ):
+            logger.warning(
+                "debug.kill_in_checkpoint_step: rank %d kills itself now (%s)", self.rank, phase
+            )
             os.kill(os.getpid(), signal.SIGKILL)

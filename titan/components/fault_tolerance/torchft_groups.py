@@ -30,12 +30,21 @@ class FaultTolerance:
         from torchft.process_group import ManagedProcessGroup
 
         timeout = datetime.timedelta(seconds=cfg.timeout_seconds)
-        pg = (torchft.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
-              else torchft.ProcessGroupGloo(timeout=timeout))
+        pg = (
+            torchft.ProcessGroupNCCL(timeout=timeout)
+            if device.type == "cuda"
+            else torchft.ProcessGroupGloo(timeout=timeout)
+        )
         self.manager = torchft.Manager(
-            pg=pg, min_replica_size=cfg.min_replica_size, load_state_dict=None, state_dict=None,
-            use_async_quorum=True, replica_id=f"titan_{cfg.replica_id}", timeout=timeout,
-            quorum_timeout=timeout * 3, connect_timeout=timeout,
+            pg=pg,
+            min_replica_size=cfg.min_replica_size,
+            load_state_dict=None,
+            state_dict=None,
+            use_async_quorum=True,
+            replica_id=f"titan_{cfg.replica_id}",
+            timeout=timeout,
+            quorum_timeout=timeout * 3,
+            connect_timeout=timeout,
             # every group starts from the same seeded weights: nothing to sync at step 0
             init_sync=False,
         )
@@ -56,8 +65,9 @@ class FaultTolerance:
         cached_model = states["model"].state_dict()
 
         def state_fn() -> dict:
-            return {k: (cached_model if k == "model" else v.state_dict())
-                    for k, v in states.items()}
+            return {
+                k: (cached_model if k == "model" else v.state_dict()) for k, v in states.items()
+            }
 
         def load_fn(sd: dict) -> None:
             for k, v in states.items():

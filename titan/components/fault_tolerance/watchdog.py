@@ -67,9 +67,11 @@ class StepWatchdog:
         folder = os.path.join(self.dump_folder, "watchdog")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"rank{self.rank}_stacks.txt")
-        msg = (f"rank {self.rank}: no training progress for {idle:.0f}s (80% of "
-               f"comm.train_timeout_seconds) after {self._where}; "
-               f"stacks of all threads follow and are saved in {path}")
+        msg = (
+            f"rank {self.rank}: no training progress for {idle:.0f}s (80% of "
+            f"comm.train_timeout_seconds) after {self._where}; "
+            f"stacks of all threads follow and are saved in {path}"
+        )
         logger.error(msg)
         with open(path, "w") as f:
             f.write(msg + "\n")

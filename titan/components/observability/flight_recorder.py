@@ -26,8 +26,13 @@ def flight_recorder_env(cfg, dump_folder: str) -> dict[str, str]:
     prefix = str(Path(dump_folder).resolve() / cfg.save_traces_folder / "rank_")
     size = str(cfg.trace_buf_size)
     # the dump file's prefix under its current and its older name, as for the buffer
-    return {BUFFER_VAR: size, NCCL_BUFFER_VAR: size, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    return {
+        BUFFER_VAR: size,
+        NCCL_BUFFER_VAR: size,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
 
 
 def configure_flight_recorder(cfg, dump_folder: str, device_type: str) -> None:

@@ -6,10 +6,24 @@ import torch
 
 # dense bf16 tensor-core peaks from vendor datasheets (no sparsity)
 _GPU_PEAK_BF16 = [
-    ("H200", 989e12), ("H200 NVL", 836e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
-    ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("GB200", 2500e12),
-    ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
-    ("A10G", 125e12), ("MI300X", 1307e12), ("MI325X", 1307e12), ("MI250X", 383e12),
+    ("H200", 989e12),
+    ("H200 NVL", 836e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("B200", 2250e12),
+    ("GB200", 2500e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 125e12),
+    ("MI300X", 1307e12),
+    ("MI325X", 1307e12),
+    ("MI250X", 383e12),
 ]
 
 
@@ -19,8 +33,9 @@ def gpu_peak_flops(device_name: str) -> float | None:
     return max(matches)[1] if matches else None
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024,
-                         iters: int = 4, repeats: int = 3) -> float:
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype, n: int = 1024, iters: int = 4, repeats: int = 3
+) -> float:
     """Best achieved FLOP/s of a square matmul: the ceiling on CPUs, which publish no peak."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -41,12 +56,15 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024
 # A CPU publishes no peak, and a matmul timed at start-up is no ceiling either: on a shared
 # or throttled machine it ran slower than the steps that followed (the quick start showed
 # 200-300% MFU). torchtitan reports no meaningful CPU MFU either; a stated figure is used.
-NO_CPU_PEAK = ("not reported on CPU (no datasheet peak; a timed matmul is no ceiling): set "
-               "metrics.peak_flops to the FLOP/s to compare with")
+NO_CPU_PEAK = (
+    "not reported on CPU (no datasheet peak; a timed matmul is no ceiling): set "
+    "metrics.peak_flops to the FLOP/s to compare with"
+)
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype,
-               override: float = 0.0) -> tuple[float | None, str]:
+def peak_flops(
+    device: torch.device, dtype: torch.dtype, override: float = 0.0
+) -> tuple[float | None, str]:
     """(peak FLOP/s or None when MFU is not reported, where the figure came from)."""
     if override > 0:
         return override, "metrics.peak_flops"

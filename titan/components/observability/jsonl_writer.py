@@ -19,21 +19,24 @@ def _truncate_history(path: str, keep_until: int | None) -> None:
 
 class JsonlWriter:
     def __init__(self, cfg, options, context):
-        self.paths = {prefix: os.path.join(context.dump_folder, name)
-                      for prefix, name in (("train/", "metrics.jsonl"),
-                                           ("validation/", "validation.jsonl"))}
+        self.paths = {
+            prefix: os.path.join(context.dump_folder, name)
+            for prefix, name in (("train/", "metrics.jsonl"), ("validation/", "validation.jsonl"))
+        }
         for path in self.paths.values():
             _truncate_history(path, context.resume_step)
         self.train = open(self.paths["train/"], "a")
 
     def scalars(self, step: int, values: dict) -> None:
-        train = {k.removeprefix("train/"): v for k, v in values.items()
-                 if k.startswith("train/")}
+        train = {k.removeprefix("train/"): v for k, v in values.items() if k.startswith("train/")}
         if train:
             self.train.write(json.dumps({"step": step, **train}) + "\n")
             self.train.flush()
-        val = {"val_" + k.removeprefix("validation/"): v for k, v in values.items()
-               if k.startswith("validation/")}
+        val = {
+            "val_" + k.removeprefix("validation/"): v
+            for k, v in values.items()
+            if k.startswith("validation/")
+        }
         if val:
             with open(self.paths["validation/"], "a") as f:
                 f.write(json.dumps({"step": step, **val}) + "\n")

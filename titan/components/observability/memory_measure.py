@@ -27,11 +27,18 @@ def state_bytes(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer])
     """Bytes of this rank's parameters, gradients and optimizer states (local shards; a
     parameter tied to another counts once)."""
     params = list({id(p): p for part in parts for p in part.parameters()}.values())
-    opt_bytes = sum(tensor_bytes(v) for opt in optimizers for state in opt.state.values()
-                    for v in state.values() if isinstance(v, torch.Tensor))
-    return {"params_bytes": sum(tensor_bytes(p) for p in params),
-            "grads_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer_bytes": opt_bytes}
+    opt_bytes = sum(
+        tensor_bytes(v)
+        for opt in optimizers
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return {
+        "params_bytes": sum(tensor_bytes(p) for p in params),
+        "grads_bytes": sum(tensor_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_bytes": opt_bytes,
+    }
 
 
 def write_measured(path: Path, mine: dict, rank: int) -> dict:
@@ -64,8 +71,12 @@ class ActivationTracker(TorchDispatchMode):
         self._states = self._state_storages()
 
     def _state_storages(self) -> set[int]:
-        return {s._cdata for part in self.parts for t in (*part.parameters(), *part.buffers())
-                for s in storages(t)}
+        return {
+            s._cdata
+            for part in self.parts
+            for t in (*part.parameters(), *part.buffers())
+            for s in storages(t)
+        }
 
     def held_bytes(self, above: int = -1) -> int:
         """Bytes of the watched storages alive now. When they come to more than `above`,

@@ -16,8 +16,14 @@ from titan.components.observability.writers import WriterContext, build_writers
 
 logger = logging.getLogger(__name__)
 
-_COLORS = {"step": "\033[36m", "loss": "\033[32m", "mem": "\033[33m", "tps": "\033[34m",
-           "mfu": "\033[35m", "reset": "\033[0m"}
+_COLORS = {
+    "step": "\033[36m",
+    "loss": "\033[32m",
+    "mem": "\033[33m",
+    "tps": "\033[34m",
+    "mfu": "\033[35m",
+    "reset": "\033[0m",
+}
 
 
 def memory_gib(device: torch.device) -> dict[str, float]:
@@ -84,10 +90,21 @@ class MetricsLogger:
     sections, where a registered writer finds its own.
     """
 
-    def __init__(self, cfg, *, dump_folder: str, rank: int, device: torch.device,
-                 flops_per_token: float, peak_flops: float | None, resume_step: int | None = None,
-                 max_over_ranks=None, run_config: dict | None = None, rank_times=None,
-                 sections: dict | None = None):
+    def __init__(
+        self,
+        cfg,
+        *,
+        dump_folder: str,
+        rank: int,
+        device: torch.device,
+        flops_per_token: float,
+        peak_flops: float | None,
+        resume_step: int | None = None,
+        max_over_ranks=None,
+        run_config: dict | None = None,
+        rank_times=None,
+        sections: dict | None = None,
+    ):
         self.log_freq = cfg.log_freq
         self.device = device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -102,14 +119,20 @@ class MetricsLogger:
         if not self.enabled:
             return
         os.makedirs(dump_folder, exist_ok=True)
-        self.writers = build_writers(cfg, sections or {}, WriterContext(
-            dump_folder=dump_folder, resume_step=resume_step, run_config=run_config or {}))
+        self.writers = build_writers(
+            cfg,
+            sections or {},
+            WriterContext(
+                dump_folder=dump_folder, resume_step=resume_step, run_config=run_config or {}
+            ),
+        )
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
 
-    def record_step(self, tokens: int, data_s: float, gc_s: float,
-                    started_ns: int | None = None) -> None:
+    def record_step(
+        self, tokens: int, data_s: float, gc_s: float, started_ns: int | None = None
+    ) -> None:
         """`started_ns`: the step's start (time.time_ns()); it ends now."""
         w = self.window
         if started_ns is not None:
@@ -119,8 +142,9 @@ class MetricsLogger:
         w.gc_s += gc_s
         w.steps += 1
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int,
-            **extra) -> dict:
+    def log(
+        self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int, **extra
+    ) -> dict:
         """Emit one record for the window ending at `step`; every rank must call it.
         `tokens_seen`: training tokens consumed by all ranks so far. An `extra` value that is
         a list of numbers (an MoE layer's expert loads) is a TensorBoard histogram only."""
@@ -130,15 +154,25 @@ class MetricsLogger:
         elapsed = max(time.perf_counter() - w.start - w.excluded_s, 1e-9)
         tps = w.tokens / elapsed
         tflops = tps * self.flops_per_token / 1e12
-        per_rank = (self.rank_times.gather(*w.last_step)
-                    if self.rank_times is not None and w.last_step else {})
+        per_rank = (
+            self.rank_times.gather(*w.last_step)
+            if self.rank_times is not None and w.last_step
+            else {}
+        )
         record = {
-            "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tps": tps,
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tps": tps,
             "tflops": tflops,
             "mfu": None if self.peak_flops is None else 100 * tflops * 1e12 / self.peak_flops,
             **self._memory(),
-            "data_pct": 100 * w.data_s / elapsed, "gc_s": w.gc_s,
-            "step_time_s": elapsed / max(w.steps, 1), "tokens_seen": tokens_seen, **per_rank,
+            "data_pct": 100 * w.data_s / elapsed,
+            "gc_s": w.gc_s,
+            "step_time_s": elapsed / max(w.steps, 1),
+            "tokens_seen": tokens_seen,
+            **per_rank,
             **extra,
         }
         self.window = _Window()

@@ -31,10 +31,15 @@ def maybe_profile(cfg, *, trace_dir: str, rank: int, first_step: int = 1):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_initialized():  # training on a GPU
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    schedule = torch.profiler.schedule(wait=profile_freq - warmup - active, warmup=warmup,
-                                       active=active, skip_first=(first_step - 1) % profile_freq)
-    with torch.profiler.profile(activities=activities, schedule=schedule,
-                                on_trace_ready=on_trace_ready) as prof:
+    schedule = torch.profiler.schedule(
+        wait=profile_freq - warmup - active,
+        warmup=warmup,
+        active=active,
+        skip_first=(first_step - 1) % profile_freq,
+    )
+    with torch.profiler.profile(
+        activities=activities, schedule=schedule, on_trace_ready=on_trace_ready
+    ) as prof:
         original_step = prof.step
 
         def step():

@@ -58,13 +58,17 @@ class RankTimes:
 
     @classmethod
     def build(cls, cfg, *, rank: int, world_size: int) -> "RankTimes | None":
-        return cls(cfg, rank=rank, world_size=world_size) if cfg.per_rank and world_size > 1 \
-            else None
+        return (
+            cls(cfg, rank=rank, world_size=world_size) if cfg.per_rank and world_size > 1 else None
+        )
 
     def _stamps(self, start_ns: int, end_ns: int) -> list[tuple[int, int]]:
         """(slot, issue time in ns) of the collectives issued between start and end."""
-        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(
-            includeCollectives=True, includeStackTraces=False, onlyActive=False))
+        dump = pickle.loads(
+            torch._C._distributed_c10d._dump_fr_trace(
+                includeCollectives=True, includeStackTraces=False, onlyActive=False
+            )
+        )
         out = []
         for e in dump.get("entries", []):
             if not e["is_p2p"] and start_ns <= e["time_created_ns"] <= end_ns:
@@ -89,9 +93,13 @@ class RankTimes:
         own = [float(v[0]) for v in every]
         slowest = max(range(self.world_size), key=own.__getitem__)
         median = statistics.median(own)
-        record = {"slowest_rank": slowest, "slowest_rank_step_time_s": own[slowest],
-                  "median_rank_step_time_s": median, "rank_step_time_spread_s": own[slowest]
-                  - min(own), "data_wait_max_s": max(float(v[1]) for v in every)}
+        record = {
+            "slowest_rank": slowest,
+            "slowest_rank_step_time_s": own[slowest],
+            "median_rank_step_time_s": median,
+            "rank_step_time_spread_s": own[slowest] - min(own),
+            "data_wait_max_s": max(float(v[1]) for v in every),
+        }
         for r, t in enumerate(own):
             self.streak[r] = self.streak[r] + 1 if t > (1 + self.threshold) * median else 0
             if self.streak[r] == self.patience:
@@ -100,6 +108,11 @@ class RankTimes:
                     logger.warning(
                         "straggler: rank %d on %s took %.3fs of its own a step against the "
                         "median's %.3fs (+%.0f%%) for %d log steps; the other ranks wait for it",
-                        r, self.hosts[r], t, median, 100 * (t / median - 1) if median else 0,
-                        self.patience)
+                        r,
+                        self.hosts[r],
+                        t,
+                        median,
+                        100 * (t / median - 1) if median else 0,
+                        self.patience,
+                    )
         return record

@@ -9,8 +9,9 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.tb = SummaryWriter(os.path.join(context.dump_folder, cfg.save_tb_folder, stamp,
-                                             "rank_0"))
+        self.tb = SummaryWriter(
+            os.path.join(context.dump_folder, cfg.save_tb_folder, stamp, "rank_0")
+        )
 
     def scalars(self, step: int, values: dict) -> None:
         for k, v in values.items():
@@ -28,10 +29,16 @@ class TensorBoardWriter:
         counts = np.asarray(values, dtype=np.float64)
         positions = np.arange(n, dtype=np.float64)
         self.tb.add_histogram_raw(
-            name, min=0, max=n - 1, num=counts.sum(),
+            name,
+            min=0,
+            max=n - 1,
+            num=counts.sum(),
             sum=float((positions * counts).sum()),
-            sum_squares=float((positions ** 2 * counts).sum()),
-            bucket_limits=edges[1:].tolist(), bucket_counts=counts.tolist(), global_step=step)
+            sum_squares=float((positions**2 * counts).sum()),
+            bucket_limits=edges[1:].tolist(),
+            bucket_counts=counts.tolist(),
+            global_step=step,
+        )
         self.tb.flush()
 
     def close(self) -> None:

@@ -27,32 +27,41 @@ class WandbWriter:
         folder = Path(context.dump_folder)
         id_file = folder / RUN_ID_FILE
         resumed = context.resume_step is not None
-        run_id = (id_file.read_text().strip() if resumed and id_file.exists()
-                  else uuid.uuid4().hex[:12])
+        run_id = (
+            id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:12]
+        )
         id_file.write_text(run_id + "\n")
         self._wandb = wandb
         # silent: W&B's own banner and closing summary (~40 lines) say nothing the run line
         # below and metrics.jsonl do not
         self.run = wandb.init(
-            project=cfg.wandb_project, entity=cfg.wandb_entity,
-            name=cfg.wandb_run_name or folder.resolve().name, tags=list(cfg.wandb_tags) or None,
-            config=context.run_config, id=run_id, resume="allow", dir=str(folder),
-            settings=wandb.Settings(silent=True))
-        where = (f"offline, in {folder / 'wandb'} (wandb sync to upload)" if self.run.offline
-                 else self.run.url)
-        logger.info("W&B run %s (%s): %s; id kept in %s", self.run.name, self.run.id, where,
-                    id_file)
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity,
+            name=cfg.wandb_run_name or folder.resolve().name,
+            tags=list(cfg.wandb_tags) or None,
+            config=context.run_config,
+            id=run_id,
+            resume="allow",
+            dir=str(folder),
+            settings=wandb.Settings(silent=True),
+        )
+        where = (
+            f"offline, in {folder / 'wandb'} (wandb sync to upload)"
+            if self.run.offline
+            else self.run.url
+        )
+        logger.info(
+            "W&B run %s (%s): %s; id kept in %s", self.run.name, self.run.id, where, id_file
+        )
 
     def scalars(self, step: int, values: dict) -> None:
-        self.run.log({k: v for k, v in values.items() if isinstance(v, (int, float))},
-                     step=step)
+        self.run.log({k: v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
 
     def distribution(self, step: int, tag: str, values: list[float]) -> None:
         """Values indexed by position (an expert's share of a layer's tokens), drawn as a
         histogram over the positions, as TensorBoard's."""
         edges = [i - 0.5 for i in range(len(values) + 1)]
-        self.run.log({tag: self._wandb.Histogram(np_histogram=(list(values), edges))},
-                     step=step)
+        self.run.log({tag: self._wandb.Histogram(np_histogram=(list(values), edges))}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -76,8 +76,11 @@ def build_writers(cfg, sections: dict, context: WriterContext) -> list[MetricsWr
     out = []
     for spec in enabled_writers(cfg, sections):
         module, _, function = spec.build.partition(":")
-        out.append(getattr(importlib.import_module(module), function)(
-            cfg, _options(spec, sections), context))
+        out.append(
+            getattr(importlib.import_module(module), function)(
+                cfg, _options(spec, sections), context
+            )
+        )
     return out
 
 
@@ -90,17 +93,29 @@ def _check(job) -> None:
 def _check_wandb(job) -> None:
     # looked up, not imported: the config is checked before any heavy import
     if importlib.util.find_spec("wandb") is None:
-        from titan.config import ConfigError
         from titan.components.observability.wandb_writer import MISSING
+        from titan.config import ConfigError
 
         raise ConfigError(MISSING)
 
 
 _OWN = "titan.components.observability"
-register_writer(WriterSpec("jsonl", build=f"{_OWN}.jsonl_writer:JsonlWriter",
-                           enabled=lambda cfg, options: True))
-register_writer(WriterSpec("tensorboard", build=f"{_OWN}.tensorboard_writer:TensorBoardWriter",
-                           enabled=lambda cfg, options: cfg.enable_tensorboard))
-register_writer(WriterSpec("wandb", build=f"{_OWN}.wandb_writer:WandbWriter",
-                           enabled=lambda cfg, options: cfg.enable_wandb, check=_check_wandb))
+register_writer(
+    WriterSpec("jsonl", build=f"{_OWN}.jsonl_writer:JsonlWriter", enabled=lambda cfg, options: True)
+)
+register_writer(
+    WriterSpec(
+        "tensorboard",
+        build=f"{_OWN}.tensorboard_writer:TensorBoardWriter",
+        enabled=lambda cfg, options: cfg.enable_tensorboard,
+    )
+)
+register_writer(
+    WriterSpec(
+        "wandb",
+        build=f"{_OWN}.wandb_writer:WandbWriter",
+        enabled=lambda cfg, options: cfg.enable_wandb,
+        check=_check_wandb,
+    )
+)
 extensions.register_check(_check)

@@ -12,13 +12,16 @@ logger = logging.getLogger(__name__)
 
 
 def build(groups: list[dict], cfg, options=None) -> torch.optim.Optimizer:
-    kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-              weight_decay=cfg.weight_decay)
+    kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
     implementation = cfg.implementation
     if cfg.state_dtype != "float32":
-        return LowPrecisionStateAdam(groups, decoupled_weight_decay=cfg.name == "AdamW",
-                                     state_dtype=to_dtype(cfg.state_dtype),
-                                     implementation=implementation, **kw)
+        return LowPrecisionStateAdam(
+            groups,
+            decoupled_weight_decay=cfg.name == "AdamW",
+            state_dtype=to_dtype(cfg.state_dtype),
+            implementation=implementation,
+            **kw,
+        )
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
     if implementation == "fused":
         try:

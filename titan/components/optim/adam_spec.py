@@ -21,5 +21,11 @@ def check_adam(job) -> None:
 
 
 for _name in ("AdamW", "Adam"):
-    register_optimizer(OptimizerSpec(_name, build="titan.components.optim.adam:build",
-                                     state_bytes=adam_state_bytes, check=check_adam))
+    register_optimizer(
+        OptimizerSpec(
+            _name,
+            build="titan.components.optim.adam:build",
+            state_bytes=adam_state_bytes,
+            check=check_adam,
+        )
+    )

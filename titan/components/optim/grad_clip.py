@@ -18,9 +18,12 @@ _CHUNK = 1 << 18
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    extra_group: dist.ProcessGroup | None = None,
-                    uncounted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    extra_group: dist.ProcessGroup | None = None,
+    uncounted: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
     """Clip to `max_norm` (0 = measure only) and return the total 2-norm as a plain tensor.
 
     DTensor norms are reduced over their own mesh; `extra_group` sums squared norms over
@@ -67,12 +70,15 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
             total += _local_sum_of_squares(g)
             continue
         if any(p.is_partial() for p in g.placements):  # a pending sum: squares do not add up
-            g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p
-                                               for p in g.placements])
+            g = g.redistribute(
+                g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements]
+            )
         by_layout.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
     for (mesh, placements), group in by_layout.items():
-        part = sum((_local_sum_of_squares(g.to_local()) for g in group),
-                   torch.zeros((), dtype=torch.float64, device=total.device))
+        part = sum(
+            (_local_sum_of_squares(g.to_local()) for g in group),
+            torch.zeros((), dtype=torch.float64, device=total.device),
+        )
         # shards hold disjoint pieces: their squares add over the dims they are sharded on
         for dim, placement in enumerate(placements):
             # not is_shard(): FSDP over TP shards with _StridedShard, for which it is False

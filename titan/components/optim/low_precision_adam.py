@@ -27,10 +27,19 @@ def _chunks(params: list[torch.Tensor], limit: int):
 
 
 class LowPrecisionStateAdam(torch.optim.Optimizer):
-    def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, decoupled_weight_decay: bool,
-                 state_dtype: torch.dtype = torch.bfloat16, implementation: str = "foreach",
-                 chunk_numel: int = 2**26):
+    def __init__(
+        self,
+        params,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        decoupled_weight_decay: bool,
+        state_dtype: torch.dtype = torch.bfloat16,
+        implementation: str = "foreach",
+        chunk_numel: int = 2**26,
+    ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.decoupled = decoupled_weight_decay
@@ -45,8 +54,9 @@ class LowPrecisionStateAdam(torch.optim.Optimizer):
             device = p.device if self.implementation == "fused" else "cpu"
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device=device)
             for name in _MOMENTS:
-                state[name] = torch.zeros_like(p, dtype=self.state_dtype,
-                                               memory_format=torch.preserve_format)
+                state[name] = torch.zeros_like(
+                    p, dtype=self.state_dtype, memory_format=torch.preserve_format
+                )
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -70,13 +80,24 @@ class LowPrecisionStateAdam(torch.optim.Optimizer):
             for chunk in _chunks(params, self.chunk_numel):
                 states = [self._state(p) for p in chunk]
                 moments = {n: [s[n].float() for s in states] for n in _MOMENTS}
-                adam(chunk, [p.grad for p in chunk], moments["exp_avg"], moments["exp_avg_sq"],
-                     [], [s["step"] for s in states],
-                     foreach=self.implementation == "foreach",
-                     fused=self.implementation == "fused",
-                     decoupled_weight_decay=self.decoupled, amsgrad=False,
-                     beta1=beta1, beta2=beta2, lr=group["lr"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                adam(
+                    chunk,
+                    [p.grad for p in chunk],
+                    moments["exp_avg"],
+                    moments["exp_avg_sq"],
+                    [],
+                    [s["step"] for s in states],
+                    foreach=self.implementation == "foreach",
+                    fused=self.implementation == "fused",
+                    decoupled_weight_decay=self.decoupled,
+                    amsgrad=False,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=False,
+                )
                 for n in _MOMENTS:
                     for s, m in zip(states, moments[n], strict=True):
                         s[n].copy_(m)

@@ -9,8 +9,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float | None,
-              decay_type: str, min_lr_factor: float) -> float:
+def lr_factor(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    decay_ratio: float | None,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
     """Multiplier of the peak lr used by optimizer step `step` (1-based)."""
     warmup = min(warmup_steps, total_steps)
     if step <= warmup:
@@ -37,12 +43,24 @@ class LRSchedulersContainer:
     The schedule is a pure function of the step, so its checkpoint state is one integer.
     """
 
-    def __init__(self, optimizer, total_steps: int, warmup_steps: int,
-                 decay_ratio: float | None, decay_type: str, min_lr_factor: float):
+    def __init__(
+        self,
+        optimizer,
+        total_steps: int,
+        warmup_steps: int,
+        decay_ratio: float | None,
+        decay_type: str,
+        min_lr_factor: float,
+    ):
         self.optimizer = optimizer
-        self.factor = partial(lr_factor, total_steps=total_steps, warmup_steps=warmup_steps,
-                              decay_ratio=decay_ratio, decay_type=decay_type,
-                              min_lr_factor=min_lr_factor)
+        self.factor = partial(
+            lr_factor,
+            total_steps=total_steps,
+            warmup_steps=warmup_steps,
+            decay_ratio=decay_ratio,
+            decay_type=decay_type,
+            min_lr_factor=min_lr_factor,
+        )
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
         self.steps_done = 0
         self._apply()
@@ -71,9 +89,15 @@ class LRSchedulersContainer:
 def build_lr_scheduler(optimizer, cfg, total_steps: int) -> LRSchedulersContainer:
     """The schedule of `cfg` (the lr_scheduler section) over `total_steps` optimizer steps."""
     if cfg.warmup_steps > total_steps:
-        logger.warning("lr_scheduler.warmup_steps %d exceeds training.steps %d: the warmup is "
-                       "cut to %d steps, the lr reaching optimizer.lr at the last step; set "
-                       "lr_scheduler.warmup_steps <= training.steps to keep this schedule in "
-                       "a longer run", cfg.warmup_steps, total_steps, total_steps)
-    return LRSchedulersContainer(optimizer, total_steps, cfg.warmup_steps, cfg.decay_ratio,
-                                 cfg.decay_type, cfg.min_lr_factor)
+        logger.warning(
+            "lr_scheduler.warmup_steps %d exceeds training.steps %d: the warmup is "
+            "cut to %d steps, the lr reaching optimizer.lr at the last step; set "
+            "lr_scheduler.warmup_steps <= training.steps to keep this schedule in "
+            "a longer run",
+            cfg.warmup_steps,
+            total_steps,
+            total_steps,
+        )
+    return LRSchedulersContainer(
+        optimizer, total_steps, cfg.warmup_steps, cfg.decay_ratio, cfg.decay_type, cfg.min_lr_factor
+    )

@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adam import adam
 
 
-
 class _OneGatherIsExact(logging.Filter):
     """A weight sharded by FSDP and TP is gathered in two all-gathers, which torch warns of
     on every call as if it were a reduction that could differ between ranks; a gather has no
@@ -53,8 +52,9 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
 
 def _splits_a_matrix(t: DTensor) -> bool:
     matrix_dims = {t.ndim - 2, t.ndim - 1}
-    return any((p.is_shard() and p.dim % t.ndim in matrix_dims) or p.is_partial()
-               for p in t.placements)
+    return any(
+        (p.is_shard() and p.dim % t.ndim in matrix_dims) or p.is_partial() for p in t.placements
+    )
 
 
 def orthogonalized(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -62,12 +62,16 @@ def orthogonalized(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torc
         return newton_schulz(update, steps, dtype)
     mesh, placements = update.device_mesh, update.placements
     if not _splits_a_matrix(update):  # whole matrices on each rank (experts split by expert)
-        return DTensor.from_local(newton_schulz(update.to_local(), steps, dtype), mesh,
-                                  placements, shape=update.shape, stride=update.stride())
+        return DTensor.from_local(
+            newton_schulz(update.to_local(), steps, dtype),
+            mesh,
+            placements,
+            shape=update.shape,
+            stride=update.stride(),
+        )
     whole = newton_schulz(update.full_tensor(), steps, dtype)
     # from the same whole on every rank, each takes its shard: a local slice, no communication
-    return DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim).redistribute(
-        mesh, placements)
+    return DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, placements)
 
 
 def lr_scale(shape: torch.Size, adjust_lr: str) -> float:
@@ -81,9 +85,18 @@ class Muon(torch.optim.Optimizer):
     """Groups with `muon=True` take Muon's step, the others AdamW's; each keeps its group's
     lr and weight decay (set per group by optimizer.param_groups and the lr schedule)."""
 
-    def __init__(self, groups: list[dict], *, betas: tuple[float, float], eps: float,
-                 momentum: float, nesterov: bool, ns_steps: int, ns_dtype: torch.dtype,
-                 adjust_lr: str):
+    def __init__(
+        self,
+        groups: list[dict],
+        *,
+        betas: tuple[float, float],
+        eps: float,
+        momentum: float,
+        nesterov: bool,
+        ns_steps: int,
+        ns_dtype: torch.dtype,
+        adjust_lr: str,
+    ):
         super().__init__(groups, dict(betas=betas, eps=eps, muon=False))
         self.momentum, self.nesterov = momentum, nesterov
         self.ns_steps, self.ns_dtype, self.adjust_lr = ns_steps, ns_dtype, adjust_lr
@@ -125,11 +138,23 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        adam(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-             [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
-             foreach=False, decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
-             beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-             maximize=False)
+        adam(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            foreach=False,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
 
 def build(groups: list[dict], cfg, options) -> Muon:
@@ -139,12 +164,27 @@ def build(groups: list[dict], cfg, options) -> Muon:
     split = []
     for group in groups:
         for muon in (True, False):
-            picked = [(n, p) for n, p in zip(group["param_names"], group["params"], strict=True)
-                      if (p.ndim >= 2 and not adamw_only.search(n)) == muon]
+            picked = [
+                (n, p)
+                for n, p in zip(group["param_names"], group["params"], strict=True)
+                if (p.ndim >= 2 and not adamw_only.search(n)) == muon
+            ]
             if picked:
-                split.append({**group, "muon": muon, "param_names": [n for n, _ in picked],
-                              "params": [p for _, p in picked]})
-    return Muon(split, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=options.momentum,
-                nesterov=options.nesterov, ns_steps=options.ns_steps,
-                ns_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[
-                    options.ns_dtype], adjust_lr=options.adjust_lr)
+                split.append(
+                    {
+                        **group,
+                        "muon": muon,
+                        "param_names": [n for n, _ in picked],
+                        "params": [p for _, p in picked],
+                    }
+                )
+    return Muon(
+        split,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        momentum=options.momentum,
+        nesterov=options.nesterov,
+        ns_steps=options.ns_steps,
+        ns_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[options.ns_dtype],
+        adjust_lr=options.adjust_lr,
+    )

@@ -16,13 +16,18 @@ class MuonOptions:
     nesterov: bool = opt(True, "Muon: orthogonalize the Nesterov look-ahead of the momentum")
     ns_steps: int = opt(5, "Muon: Newton-Schulz iterations per step")
     ns_dtype: Literal["bfloat16", "float32"] = opt(
-        "bfloat16", "Muon: dtype of the Newton-Schulz iteration (bfloat16 as in the reference)")
+        "bfloat16", "Muon: dtype of the Newton-Schulz iteration (bfloat16 as in the reference)"
+    )
     adjust_lr: Literal["match_rms_adamw", "original"] = opt(
-        "match_rms_adamw", "Muon: scale of a matrix's update: 0.2 x sqrt(max(rows, cols)), "
-        "AdamW's RMS (Moonlight; one lr for both), or sqrt(max(1, rows/cols)) (Keller Jordan)")
+        "match_rms_adamw",
+        "Muon: scale of a matrix's update: 0.2 x sqrt(max(rows, cols)), "
+        "AdamW's RMS (Moonlight; one lr for both), or sqrt(max(1, rows/cols)) (Keller Jordan)",
+    )
     adamw_params: str = opt(
-        r"^(tok_embeddings|output)\.", "Muon: regex of parameter names trained by AdamW though "
-        "they are matrices (embeddings, output head); vectors (norms, biases) always are")
+        r"^(tok_embeddings|output)\.",
+        "Muon: regex of parameter names trained by AdamW though "
+        "they are matrices (embeddings, output head); vectors (norms, biases) always are",
+    )
 
 
 def muon_state_bytes(name, shape, elements, cfg, options) -> int:
@@ -43,10 +48,21 @@ def check_muon(job) -> None:
         re.compile(m.adamw_params)
     except re.error as e:
         require(job, False, "muon.adamw_params", f"is not a regex ({e})")
-    require(job, job.optimizer.state_dtype == "float32", "optimizer.state_dtype",
-            "bfloat16 moments are AdamW's and Adam's option; Muon keeps float32 state")
+    require(
+        job,
+        job.optimizer.state_dtype == "float32",
+        "optimizer.state_dtype",
+        "bfloat16 moments are AdamW's and Adam's option; Muon keeps float32 state",
+    )
 
 
-register_optimizer(OptimizerSpec("Muon", build="titan.components.optim.muon:build",
-                                 state_bytes=muon_state_bytes, check=check_muon,
-                                 section="muon", options=MuonOptions))
+register_optimizer(
+    OptimizerSpec(
+        "Muon",
+        build="titan.components.optim.muon:build",
+        state_bytes=muon_state_bytes,
+        check=check_muon,
+        section="muon",
+        options=MuonOptions,
+    )
+)

@@ -33,17 +33,20 @@ def param_groups(part: nn.Module, cfg) -> list[dict]:
         if not p.requires_grad:
             continue
         name = clean_name(name)
-        rule = next((i for i, (pattern, _) in enumerate(rules) if pattern.search(name)),
-                    len(rules))
-        group = by_key.setdefault((rule, getattr(p, "device_mesh", None)),
-                                  {"params": [], "param_names": []})
+        rule = next((i for i, (pattern, _) in enumerate(rules) if pattern.search(name)), len(rules))
+        group = by_key.setdefault(
+            (rule, getattr(p, "device_mesh", None)), {"params": [], "param_names": []}
+        )
         group["params"].append(p)
         group["param_names"].append(name)
     for (rule, _), group in by_key.items():
         settings = rules[rule][1] if rule < len(rules) else None
         group["lr"] = cfg.lr if settings is None or settings.lr is None else settings.lr
-        group["weight_decay"] = (cfg.weight_decay if settings is None
-                                 or settings.weight_decay is None else settings.weight_decay)
+        group["weight_decay"] = (
+            cfg.weight_decay
+            if settings is None or settings.weight_decay is None
+            else settings.weight_decay
+        )
     return [by_key[k] for k in sorted(by_key, key=lambda k: k[0])]
 
 

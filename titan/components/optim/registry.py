@@ -76,10 +76,12 @@ def options_of(spec: OptimizerSpec, sections: dict):
     return sections[spec.section] if spec.section else None
 
 
-def state_bytes(spec: OptimizerSpec, name: str, shape: tuple[int, ...], elements: int,
-                cfg, sections: dict) -> int:
-    return spec.state_bytes(clean_name(name), tuple(shape), elements, cfg,
-                            options_of(spec, sections))
+def state_bytes(
+    spec: OptimizerSpec, name: str, shape: tuple[int, ...], elements: int, cfg, sections: dict
+) -> int:
+    return spec.state_bytes(
+        clean_name(name), tuple(shape), elements, cfg, options_of(spec, sections)
+    )
 
 
 def save_state_bytes(named_shapes, cfg, sections: dict) -> int:
@@ -92,9 +94,13 @@ def _check(job) -> None:
     from titan.config.manager import did_you_mean, require
 
     name = job.optimizer.name
-    require(job, name in _OPTIMIZERS, "optimizer.name",
-            f"no such optimizer; registered: {', '.join(_OPTIMIZERS)}"
-            f"{did_you_mean(name, list(_OPTIMIZERS))}")
+    require(
+        job,
+        name in _OPTIMIZERS,
+        "optimizer.name",
+        f"no such optimizer; registered: {', '.join(_OPTIMIZERS)}"
+        f"{did_you_mean(name, list(_OPTIMIZERS))}",
+    )
     spec = _OPTIMIZERS[name]
     if spec.check:
         spec.check(job)

@@ -32,18 +32,25 @@ def apply_float8(model: nn.Module, cfg) -> int:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     if cfg.recipe_name == "tensorwise":
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather,
-                                    emulate=cfg.emulate)
+        config = Float8LinearConfig(
+            enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather, emulate=cfg.emulate
+        )
     else:
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.recipe_name),
-                                     emulate=cfg.emulate)
+        config = dataclasses.replace(
+            Float8LinearConfig.from_recipe_name(cfg.recipe_name), emulate=cfg.emulate
+        )
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
     convert_to_float8_training(model, config=config, module_filter_fn=_eligible(cfg.filter_fqns))
     from torchao.float8.float8_linear import Float8Linear
 
     swapped = sum(isinstance(m, Float8Linear) for m in model.modules())
-    logger.info("float8 (%s%s): %d of %d linear layers", cfg.recipe_name,
-                ", emulated" if cfg.emulate else "", swapped, before)
+    logger.info(
+        "float8 (%s%s): %d of %d linear layers",
+        cfg.recipe_name,
+        ", emulated" if cfg.emulate else "",
+        swapped,
+        before,
+    )
     return swapped
 
 

@@ -20,8 +20,9 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reduce_loss(loss: torch.Tensor, *, pp_group: dist.ProcessGroup | None,
-                dp_cp_group: dist.ProcessGroup | None) -> None:
+def reduce_loss(
+    loss: torch.Tensor, *, pp_group: dist.ProcessGroup | None, dp_cp_group: dist.ProcessGroup | None
+) -> None:
     """In place: sum over pipeline stages (only the last one holds the loss), then the mean
     over data-parallel and context-parallel ranks."""
     if pp_group is not None:

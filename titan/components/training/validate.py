@@ -22,8 +22,8 @@ from torch import nn
 
 from titan.components.data.dataloader import DataShard, build_text_dataloader
 from titan.components.data.dataset import DataError
-from titan.components.training.loss import sum_over
 from titan.components.data.tokenizer import Tokenizer
+from titan.components.training.loss import sum_over
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +32,23 @@ LossSum = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
 
 
 class Validator:
-    def __init__(self, cfg, *, global_batch_size: int, local_batch_size: int,
-                 tokenizer: Tokenizer, seq_len: int, text_field: str, seed: int,
-                 shard: DataShard, model_parts: list[nn.Module], loss_sum: LossSum,
-                 sum_groups: list[dist.ProcessGroup | None], device: torch.device, metrics):
+    def __init__(
+        self,
+        cfg,
+        *,
+        global_batch_size: int,
+        local_batch_size: int,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        text_field: str,
+        seed: int,
+        shard: DataShard,
+        model_parts: list[nn.Module],
+        loss_sum: LossSum,
+        sum_groups: list[dist.ProcessGroup | None],
+        device: torch.device,
+        metrics,
+    ):
         """`cfg`: the validation section; the batch sizes as the run plan resolved them.
         `sum_groups`: the process groups over which the loss sums and token counts add up
         (pipeline stages, dp x cp ranks)."""
@@ -46,11 +59,20 @@ class Validator:
         # a rank's forwards per validation batch
         self.forwards = global_batch_size // (local_batch_size * shard.dp_world_size)
         self.loader = build_text_dataloader(
-            dataset=cfg.dataset, dataset_path=cfg.dataset_path, tokenizer=tokenizer,
-            seq_len=seq_len, local_batch_size=local_batch_size,
-            global_batch_size=global_batch_size, shard=shard,
-            seed=seed, text_field=text_field, shuffle=False, infinite=False,
-            streaming=cfg.dataset_streaming, section="validation")
+            dataset=cfg.dataset,
+            dataset_path=cfg.dataset_path,
+            tokenizer=tokenizer,
+            seq_len=seq_len,
+            local_batch_size=local_batch_size,
+            global_batch_size=global_batch_size,
+            shard=shard,
+            seed=seed,
+            text_field=text_field,
+            shuffle=False,
+            infinite=False,
+            streaming=cfg.dataset_streaming,
+            section="validation",
+        )
         self.streamed = not self.loader.global_index
 
     def due(self, step: int, last_step: int) -> bool:

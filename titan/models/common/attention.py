@@ -28,8 +28,15 @@ class Attention(nn.Module):
     """Projections wq, wk, wv, wo (no bias); with `qk_norm_eps`, q_norm and k_norm normalize
     each head's query and key before the rotation."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 qk_norm_eps: float | None = None, interleaved_rope: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        qk_norm_eps: float | None = None,
+        interleaved_rope: bool = True,
+    ):
         super().__init__()
         self.head_dim = head_dim
         self.interleaved_rope = interleaved_rope
@@ -45,14 +52,24 @@ class Attention(nn.Module):
 
     def init_plan(self, out_init) -> dict:
         """Parameter name -> how to fill it; `out_init` for wo, which writes the residual."""
-        plan = {"wq.weight": normal(0.02), "wk.weight": normal(0.02),
-                "wv.weight": normal(0.02), "wo.weight": out_init}
+        plan = {
+            "wq.weight": normal(0.02),
+            "wk.weight": normal(0.02),
+            "wv.weight": normal(0.02),
+            "wo.weight": out_init,
+        }
         if self.q_norm is not None:
             plan.update({"q_norm.weight": ones, "k_norm.weight": ones})
         return plan
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: DecodeCache | None = None,
-                layer: int = 0, mask=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        cache: DecodeCache | None = None,
+        layer: int = 0,
+        mask=None,
+    ) -> torch.Tensor:
         """`mask`: None (causal), a bool (batch, 1, seq, seq) tensor, or a FlexAttention
         BlockMask (see titan.models.common.documents)."""
         bs, seq, _ = x.shape
@@ -75,6 +92,7 @@ class Attention(nn.Module):
         if mask is not None and not isinstance(mask, torch.Tensor):
             out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+            )
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))

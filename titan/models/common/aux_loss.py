@@ -100,7 +100,7 @@ class _AddGradOf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        value, = ctx.saved_tensors
+        (value,) = ctx.saved_tensors
         return grad, torch.full_like(value, ctx.weight), None
 
 
@@ -115,8 +115,9 @@ def attach_aux_loss(out: torch.Tensor, name: str, value: torch.Tensor) -> torch.
     return _AddGradOf.apply(out, value, collector.weight)
 
 
-def attach_group_loss(out: torch.Tensor, name: str, value: torch.Tensor,
-                      groups: int) -> torch.Tensor:
+def attach_group_loss(
+    out: torch.Tensor, name: str, value: torch.Tensor, groups: int
+) -> torch.Tensor:
     """`out` unchanged; within a collected training step, the step's objective gains the mean
     over its `groups` token groups of a per-group loss. `value` (a scalar) is this rank's
     share of the sum over the groups it holds tokens of: the ranks' shares of a group add up to

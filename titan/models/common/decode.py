@@ -33,12 +33,13 @@ class DecodeCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store the new keys/values (batch, seq, heads, head_dim); return all so far."""
         if layer not in self.kv:  # keys and values may differ in width (MLA's do)
-            self.kv[layer] = tuple(t.new_zeros(t.shape[0], self.max_len, *t.shape[2:])
-                                   for t in (k, v))
+            self.kv[layer] = tuple(
+                t.new_zeros(t.shape[0], self.max_len, *t.shape[2:]) for t in (k, v)
+            )
         ck, cv = self.kv[layer]
         end = self.length + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"decoding past the cache's {self.max_len} tokens")
-        ck[:, self.length:end] = k
-        cv[:, self.length:end] = v
+        ck[:, self.length : end] = k
+        cv[:, self.length : end] = v
         return ck[:, :end], cv[:, :end]

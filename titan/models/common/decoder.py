@@ -19,8 +19,14 @@ from titan.models.common.init import normal, ones, seeded_init_
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, dim: int, norm_eps: float, attention: nn.Module,
-                 feed_forward: nn.Module):
+    def __init__(
+        self,
+        layer_id: int,
+        dim: int,
+        norm_eps: float,
+        attention: nn.Module,
+        feed_forward: nn.Module,
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
@@ -28,10 +34,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.feed_forward = feed_forward
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                cache: DecodeCache | None = None, mask=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache=cache, layer=self.layer_id,
-                               mask=mask)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, cache: DecodeCache | None = None, mask=None
+    ) -> torch.Tensor:
+        h = x + self.attention(
+            self.attention_norm(x), rope, cache=cache, layer=self.layer_id, mask=mask
+        )
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_plan(self) -> dict:
@@ -40,8 +48,7 @@ class TransformerBlock(nn.Module):
         deep = normal(0.02 / math.sqrt(2 * (self.layer_id + 1)))
         plan = {"attention_norm.weight": ones, "ffn_norm.weight": ones}
         for name in ("attention", "feed_forward"):
-            plan.update({f"{name}.{k}": v
-                         for k, v in getattr(self, name).init_plan(deep).items()})
+            plan.update({f"{name}.{k}": v for k, v in getattr(self, name).init_plan(deep).items()})
         return plan
 
     def init_weights(self, seed: int, prefix: str) -> None:
@@ -58,8 +65,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): self.build_block(i, args)
-                                     for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): self.build_block(i, args) for i in range(args.n_layers)}
+        )
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
@@ -75,9 +83,13 @@ class Decoder(nn.Module):
         """The (max_seq_len, head_dim/2, 2) RoPE table of titan.models.common.rope."""
         raise NotImplementedError("a Decoder family must define rope_table")
 
-    def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None,
-                doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: DecodeCache | None = None,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits of every position; with `cache`, `tokens` continue the cached ones.
 
         `doc_ids` (batch, seq): attend only within each document (block-causal);
@@ -88,8 +100,15 @@ class Decoder(nn.Module):
             for layer in self.layers.values():
                 h = layer(h, rope, cache=cache)
         else:
-            mask = None if doc_ids is None else (
-                block_causal_block_mask(doc_ids) if doc_ids.is_cuda else block_causal_mask(doc_ids))
+            mask = (
+                None
+                if doc_ids is None
+                else (
+                    block_causal_block_mask(doc_ids)
+                    if doc_ids.is_cuda
+                    else block_causal_mask(doc_ids)
+                )
+            )
             for layer in self.layers.values():
                 h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
@@ -109,7 +128,7 @@ class Decoder(nn.Module):
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Initialize every parameter from (seed, its name), whatever the sharding."""
         self.rope = self.rope_table(self.args, device=buffer_device or self.rope.device)
-        out_init = normal(self.args.dim ** -0.5)
+        out_init = normal(self.args.dim**-0.5)
         tied = self.args.tie_word_embeddings
         if tied and self.tok_embeddings is not None and self.output is not None:
             # to_empty() gives each module its own new parameter: tie them again
@@ -117,13 +136,21 @@ class Decoder(nn.Module):
         if self.tok_embeddings is not None:
             # a tied matrix is scaled for its output role, where a large init would blow up
             # the first logits
-            seeded_init_(self.tok_embeddings.weight, "tok_embeddings.weight", seed,
-                         out_init if tied else normal(1.0, truncate=False))
+            seeded_init_(
+                self.tok_embeddings.weight,
+                "tok_embeddings.weight",
+                seed,
+                out_init if tied else normal(1.0, truncate=False),
+            )
         for layer_id, layer in self.layers.items():
             layer.init_weights(seed, f"layers.{layer_id}")
         if self.norm is not None:
             seeded_init_(self.norm.weight, "norm.weight", seed, ones)
         if self.output is not None and not (tied and self.tok_embeddings is not None):
             # a pipeline's last stage holds a copy of a tied matrix: the same values
-            seeded_init_(self.output.weight, "tok_embeddings.weight" if tied else "output.weight",
-                         seed, out_init)
+            seeded_init_(
+                self.output.weight,
+                "tok_embeddings.weight" if tied else "output.weight",
+                seed,
+                out_init,
+            )

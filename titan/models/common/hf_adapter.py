@@ -68,8 +68,10 @@ def _local_experts(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return isinstance(p, _StridedShard) and p.dim == 0 and p.split_factor == later
 
     if not all(whole_range(i, p) for i, p in enumerate(placements)):
-        raise NotImplementedError(f"experts sharded as {placements}: only whole experts "
-                                  "(Shard(0)) or replicas map to per-expert HF tensors")
+        raise NotImplementedError(
+            f"experts sharded as {placements}: only whole experts "
+            "(Shard(0)) or replicas map to per-expert HF tensors"
+        )
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return t.to_local(), offset[0]
 
@@ -106,8 +108,11 @@ class DecoderHFAdapter:
 
     def __init__(self, args):
         self.args = args
-        self._heads = ({"attention.wq.weight": args.n_heads,
-                        "attention.wk.weight": args.n_kv_heads} if self.interleaved_rope else {})
+        self._heads = (
+            {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads}
+            if self.interleaved_rope
+            else {}
+        )
         # titan name -> (stacked tensor, first expert held) of the last to_hf: from_hf hands
         # back that very tensor when the per-expert views it made were loaded in place
         self._split: dict[str, tuple[torch.Tensor, int]] = {}
@@ -139,8 +144,9 @@ class DecoderHFAdapter:
             out[f"model.layers.{layer}.{self.layer_names[rest]}"] = t
         return out
 
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor],
-                hf_config: dict | None = None) -> dict[str, torch.Tensor]:
+    def from_hf(
+        self, hf_state_dict: dict[str, torch.Tensor], hf_config: dict | None = None
+    ) -> dict[str, torch.Tensor]:
         tied = self.args.tie_word_embeddings
         if tied:  # some tied repos also store lm_head: HF ignores it, and so does titan
             hf_state_dict = {k: v for k, v in hf_state_dict.items() if k != "lm_head.weight"}
@@ -180,20 +186,27 @@ class DecoderHFAdapter:
         split, first = self._split.get(name, (None, 0))
         order = sorted(pieces)
         if order != list(range(first, first + len(order))):
-            raise KeyError(f"HF experts of {name!r}: indices {order[:8]}... are not a "
-                           f"contiguous range from {first}")
+            raise KeyError(
+                f"HF experts of {name!r}: indices {order[:8]}... are not a "
+                f"contiguous range from {first}"
+            )
         if split is not None:
             local, _ = _local_experts(split)
             if len(order) == local.shape[0]:
-                if all(pieces[first + i].data_ptr() == local[i].data_ptr()
-                       for i in range(len(order))):
+                if all(
+                    pieces[first + i].data_ptr() == local[i].data_ptr() for i in range(len(order))
+                ):
                     return split  # loaded in place, through the views to_hf made
                 if local is not split:  # a rank's shard of a DTensor, filled from copies
                     from torch.distributed.tensor import DTensor
 
-                    return DTensor.from_local(torch.stack([pieces[e] for e in order]),
-                                              split.device_mesh, split.placements,
-                                              shape=split.shape, stride=split.stride())
+                    return DTensor.from_local(
+                        torch.stack([pieces[e] for e in order]),
+                        split.device_mesh,
+                        split.placements,
+                        shape=split.shape,
+                        stride=split.stride(),
+                    )
         return torch.stack([pieces[e] for e in order])
 
 

@@ -17,8 +17,9 @@ def param_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def seeded_init_(param: torch.Tensor, name: str, seed: int,
-                 fill: Callable[[torch.Tensor, torch.Generator], None]) -> None:
+def seeded_init_(
+    param: torch.Tensor, name: str, seed: int, fill: Callable[[torch.Tensor, torch.Generator], None]
+) -> None:
     """Fill `param` (plain or DTensor) with fill(full_tensor, generator) computed on CPU."""
     # here, not at the top: model code imports this, and the launcher's config check imports
     # model code; DTensor's import costs it most of a second

@@ -95,14 +95,17 @@ class GroupedExperts(nn.Module):
         """x: (tokens, dim), sorted so that expert e's `counts[e]` tokens are contiguous."""
         if _grouped_mm_fits(x, self.w1):
             offsets = counts.cumsum(0).to(torch.int32)  # no host sync
-            h = (F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
-                 * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets))
+            h = F.silu(
+                torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
+            ) * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
         # the same products one expert at a time, where torch's grouped GEMM cannot run
         sizes = _sizes(counts, x.shape[0])
-        outs = [F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]),
-                         self.w2[e])
-                for e, chunk in enumerate(x.split(sizes)) if sizes[e]]
+        outs = [
+            F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]), self.w2[e])
+            for e, chunk in enumerate(x.split(sizes))
+            if sizes[e]
+        ]
         return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[1])
 
 
@@ -138,8 +141,11 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
-        self.shared_experts = (FeedForward(dim, args.hidden_dim * args.n_shared_experts)
-                               if args.n_shared_experts else None)
+        self.shared_experts = (
+            FeedForward(dim, args.hidden_dim * args.n_shared_experts)
+            if args.n_shared_experts
+            else None
+        )
         # token choices per expert since the last reset, counted in training steps: what the
         # bias update and the load metrics read (titan.models.common.moe_balance). Not model
         # state: a resumed run starts its step at zero anyway
@@ -153,8 +159,12 @@ class MoE(nn.Module):
             plan["router.expert_bias"] = zeros
         plan.update({f"experts.{k}": v for k, v in self.experts.init_plan(out_init).items()})
         if self.shared_experts is not None:
-            plan.update({f"shared_experts.{k}": v
-                         for k, v in self.shared_experts.init_plan(out_init).items()})
+            plan.update(
+                {
+                    f"shared_experts.{k}": v
+                    for k, v in self.shared_experts.init_plan(out_init).items()
+                }
+            )
         return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,13 +181,13 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         a = self.args
         if a.aux_loss != "none" and a.aux_loss_coeff and collecting():
-            share, groups = balance_loss_share(scores, indices, shape[0], a.aux_loss,
-                                               a.aux_loss_scope, token_split())
+            share, groups = balance_loss_share(
+                scores, indices, shape[0], a.aux_loss, a.aux_loss_scope, token_split()
+            )
             out = attach_group_loss(out, AUX_LOSS_NAME, a.aux_loss_coeff * share, groups)
         return out
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor,
-               indices: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Sum over each token's k experts of weight x expert(token)."""
         n_experts, k = self.args.n_experts, indices.shape[1]
         flat_experts = indices.reshape(-1)
@@ -193,6 +203,7 @@ class MoE(nn.Module):
 
 # ---------------------------------------------------------------- load balancing
 
+
 def tokens_per_expert(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
     """How many of the step's token choices each expert got (float32, for summing over
     microbatches and ranks). A recomputed forward (activation checkpointing) counts a layer
@@ -204,7 +215,8 @@ def _count(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     # a scatter, not bincount: its output shape does not depend on the values, so fake
     # tensors (the planner) and compiled graphs take it
     return torch.zeros(n_experts, dtype=torch.int64, device=experts.device).scatter_add_(
-        0, experts, torch.ones_like(experts))
+        0, experts, torch.ones_like(experts)
+    )
 
 
 @torch.no_grad()
@@ -215,8 +227,14 @@ def update_expert_bias_(bias: torch.Tensor, counts: torch.Tensor, rate: float) -
     bias.add_(rate * torch.sign(counts.mean() - counts).to(bias.dtype))
 
 
-def balance_loss_share(scores: torch.Tensor, indices: torch.Tensor, batch: int, kind: str,
-                       scope: str, split: TokenSplit) -> tuple[torch.Tensor, int]:
+def balance_loss_share(
+    scores: torch.Tensor,
+    indices: torch.Tensor,
+    batch: int,
+    kind: str,
+    scope: str,
+    split: TokenSplit,
+) -> tuple[torch.Tensor, int]:
     """One layer's balancing loss, before its coefficient, as this rank's share: (the sum over
     the token groups this rank holds of its part of each group's loss, the number of groups
     in the step). `scores`, `indices`: this rank's (tokens, experts) and (tokens, k), its
@@ -252,17 +270,16 @@ def load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor) -> torch.Te
     group: n_experts x sum over experts of (the share of token choices it got) x (its mean
     softmax score); k when perfectly balanced. transformers pools the counts and scores of all
     layers before multiplying; titan's is per layer, the form a pipeline stage can compute."""
-    return balance_loss_share(scores, indices, 1, "load_balancing", "global_batch",
-                              TokenSplit())[0]
+    return balance_loss_share(scores, indices, 1, "load_balancing", "global_batch", TokenSplit())[0]
 
 
-def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor,
-                          seq_len: int) -> torch.Tensor:
+def sequence_balance_loss(
+    scores: torch.Tensor, indices: torch.Tensor, seq_len: int
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss of one layer, averaged over these tokens'
     sequences of `seq_len`: per sequence, sum over experts of f_i x P_i, with
     f_i = n_experts / (k x seq_len) x the sequence's tokens choosing expert i, and P_i the mean
     over the sequence of expert i's score normalized over all experts. 1 when balanced."""
     seqs = scores.shape[0] // seq_len
-    share, groups = balance_loss_share(scores, indices, seqs, "deepseek", "sequence",
-                                       TokenSplit())
+    share, groups = balance_loss_share(scores, indices, seqs, "deepseek", "sequence", TokenSplit())
     return share / groups

@@ -37,8 +37,12 @@ class MoEArgs:
     # "sequence" (averaged over the global batch), or the whole "global_batch"
     aux_loss_scope: str = "sequence"
     # what a run may change without changing the model (titan.components.checkpoint.identity)
-    training_knobs: ClassVar[tuple[str, ...]] = ("bias_update_rate", "aux_loss",
-                                                 "aux_loss_coeff", "aux_loss_scope")
+    training_knobs: ClassVar[tuple[str, ...]] = (
+        "bias_update_rate",
+        "aux_loss",
+        "aux_loss_coeff",
+        "aux_loss_scope",
+    )
 
     def layer_params(self, dim: int, active: bool = False) -> int:
         """The router, routed and shared experts of one layer; `active`: those one token uses
@@ -58,8 +62,9 @@ class MoEArgs:
         if self.aux_loss_coeff < 0:
             out.append(f"aux_loss_coeff {self.aux_loss_coeff} must be >= 0")
         if self.aux_loss_scope not in AUX_LOSS_SCOPES:
-            out.append(f"aux_loss_scope {self.aux_loss_scope!r} is not one of "
-                       f"{', '.join(AUX_LOSS_SCOPES)}")
+            out.append(
+                f"aux_loss_scope {self.aux_loss_scope!r} is not one of {', '.join(AUX_LOSS_SCOPES)}"
+            )
         if self.score_func not in ("softmax", "sigmoid"):
             out.append(f"score_func {self.score_func!r} is not 'softmax' or 'sigmoid'")
         if not 1 <= self.top_k <= self.n_experts:
@@ -71,9 +76,12 @@ class MoEArgs:
             if per_group < 2:  # a group's score is the sum of its two best experts
                 out.append(f"n_groups {self.n_groups} leaves fewer than 2 experts per group")
             if not 1 <= self.topk_groups <= self.n_groups:
-                out.append(f"topk_groups {self.topk_groups} must be between 1 and n_groups "
-                           f"{self.n_groups}")
+                out.append(
+                    f"topk_groups {self.topk_groups} must be between 1 and n_groups {self.n_groups}"
+                )
             elif self.top_k > self.topk_groups * per_group:
-                out.append(f"top_k {self.top_k} exceeds the {self.topk_groups * per_group} "
-                           "experts of topk_groups groups")
+                out.append(
+                    f"top_k {self.top_k} exceeds the {self.topk_groups * per_group} "
+                    "experts of topk_groups groups"
+                )
         return out

@@ -61,8 +61,10 @@ def moe_balance_hook(parts: list[nn.Module], job) -> Callable[[bool], dict] | No
         rows = counts[moe_rows]
         share = rows / rows.sum(dim=1, keepdim=True).clamp(min=1)
         imbalance = (rows.max(dim=1).values / rows.mean(dim=1).clamp(min=1e-9)).max().item()
-        return {"expert_load_imbalance": imbalance,
-                **{f"expert_load/layer_{i}": share[n].tolist() for n, i in enumerate(moe_rows)}}
+        return {
+            "expert_load_imbalance": imbalance,
+            **{f"expert_load/layer_{i}": share[n].tolist() for n, i in enumerate(moe_rows)},
+        }
 
     return after_step
 

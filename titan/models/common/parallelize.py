@@ -20,12 +20,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan.dtypes import to_dtype
+from titan.models.common.moe import MoE
 from titan.parallelisms.activation_checkpoint import apply_ac
 from titan.parallelisms.compile import compile_blocks, compile_whole
 from titan.parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward
 from titan.parallelisms.expert_parallel import ExpertParallel
 from titan.parallelisms.parallel_dims import ParallelDims
-from titan.models.common.moe import MoE
 from titan.parallelisms.tensor_parallel import LocalTokens, replicate_modules
 
 # between blocks, activations are Shard(1) on the sequence (SP) or Replicate(): a plan of the
@@ -37,8 +37,9 @@ AttentionPlan = Callable[[Shard | Replicate, nn.Module], dict]
 
 def swiglu_ffn_plan(between) -> dict:
     return {
-        "feed_forward": PrepareModuleInput(input_layouts=(between,),
-                                           desired_input_layouts=(Replicate(),)),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),)
+        ),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=between),
         "feed_forward.w3": ColwiseParallel(),
@@ -51,28 +52,34 @@ def moe_plan(between, moe: MoE, *, expert_parallel: bool = False) -> dict:
     summed over the ranks. Expert parallelism, not TP, is what splits routed experts: with it
     on, the routed experts are left to `ExpertParallel` on the (ep, tp) mesh."""
     sequence_parallel = isinstance(between, Shard)
-    plan = {"feed_forward": PrepareModuleInput(input_layouts=(between,),
-                                               desired_input_layouts=(between,),
-                                               use_local_output=True),
-            "feed_forward.router.gate": LocalTokens(sum_grads=sequence_parallel)}
+    plan = {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(between,), desired_input_layouts=(between,), use_local_output=True
+        ),
+        "feed_forward.router.gate": LocalTokens(sum_grads=sequence_parallel),
+    }
     if not expert_parallel:
         plan["feed_forward.experts"] = LocalTokens(sum_grads=sequence_parallel)
     if moe.shared_experts is not None:
-        plan.update({
-            "feed_forward.shared_experts": PrepareModuleInput(
-                input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.shared_experts.w1": ColwiseParallel(),
-            "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=between),
-            "feed_forward.shared_experts.w3": ColwiseParallel(),
-        })
+        plan.update(
+            {
+                "feed_forward.shared_experts": PrepareModuleInput(
+                    input_layouts=(between,), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.shared_experts.w1": ColwiseParallel(),
+                "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=between),
+                "feed_forward.shared_experts.w3": ColwiseParallel(),
+            }
+        )
     return plan
 
 
 def attention_plan(between, attention: nn.Module) -> dict:
     """Grouped-query attention (titan.models.common.attention): heads split over the ranks."""
     plan = {
-        "attention": PrepareModuleInput(input_layouts=(between, None),
-                                        desired_input_layouts=(Replicate(), None)),
+        "attention": PrepareModuleInput(
+            input_layouts=(between, None), desired_input_layouts=(Replicate(), None)
+        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -81,16 +88,25 @@ def attention_plan(between, attention: nn.Module) -> dict:
     if attention.q_norm is not None:
         # each rank normalizes its own heads (dim 2 of (batch, seq, heads, head_dim)); the
         # weight is replicated and its gradient summed over the heads of every rank
-        plan.update({
-            "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+        plan.update(
+            {
+                "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            }
+        )
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
-             loss_parallel: bool, ffn_plan: BlockPlan = swiglu_ffn_plan,
-             attention_plan: AttentionPlan = attention_plan,
-             expert_parallel: bool = False) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    ffn_plan: BlockPlan = swiglu_ffn_plan,
+    attention_plan: AttentionPlan = attention_plan,
+    expert_parallel: bool = False,
+) -> None:
     """Megatron-style TP: heads and FFN width split, norms (and residuals) sequence-split."""
     between = Shard(1) if sequence_parallel else Replicate()
     top = {}
@@ -107,38 +123,66 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        ffn = (moe_plan(between, block.feed_forward, expert_parallel=expert_parallel)
-               if isinstance(block.feed_forward, MoE)
-               else ffn_plan(between))
+        ffn = (
+            moe_plan(between, block.feed_forward, expert_parallel=expert_parallel)
+            if isinstance(block.feed_forward, MoE)
+            else ffn_plan(between)
+        )
         plan = {**attention_plan(between, block.attention), **ffn}
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
     if not sequence_parallel:  # the norms not split above
-        replicate_modules([m for m in model.modules() if isinstance(m, nn.RMSNorm)
-                           and not isinstance(m.weight, DTensor)], tp_mesh)
+        replicate_modules(
+            [
+                m
+                for m in model.modules()
+                if isinstance(m, nn.RMSNorm) and not isinstance(m.weight, DTensor)
+            ],
+            tp_mesh,
+        )
 
 
 def _tied(model: nn.Module) -> bool:
     """Whether this part holds the embedding and the output as one parameter."""
-    return (model.tok_embeddings is not None and model.output is not None
-            and model.output.weight is model.tok_embeddings.weight)
+    return (
+        model.tok_embeddings is not None
+        and model.output is not None
+        and model.output.weight is model.tok_embeddings.weight
+    )
 
 
-def parallelize_decoder(model: nn.Module, dims: ParallelDims, job, *,
-                        ffn_plan: BlockPlan = swiglu_ffn_plan,
-                        attention_plan: AttentionPlan = attention_plan) -> nn.Module:
+def parallelize_decoder(
+    model: nn.Module,
+    dims: ParallelDims,
+    job,
+    *,
+    ffn_plan: BlockPlan = swiglu_ffn_plan,
+    attention_plan: AttentionPlan = attention_plan,
+) -> nn.Module:
     par, training = job.parallelism, job.training
     if dims.tp_enabled:
-        apply_tp(model, dims["tp"], sequence_parallel=par.enable_sequence_parallel,
-                 loss_parallel=not par.disable_loss_parallel, ffn_plan=ffn_plan,
-                 attention_plan=attention_plan, expert_parallel=dims.ep_enabled)
-    experts = [b.feed_forward.experts for b in model.layers.values()
-               if isinstance(b.feed_forward, MoE)] if dims.ep_enabled else []
+        apply_tp(
+            model,
+            dims["tp"],
+            sequence_parallel=par.enable_sequence_parallel,
+            loss_parallel=not par.disable_loss_parallel,
+            ffn_plan=ffn_plan,
+            attention_plan=attention_plan,
+            expert_parallel=dims.ep_enabled,
+        )
+    experts = (
+        [b.feed_forward.experts for b in model.layers.values() if isinstance(b.feed_forward, MoE)]
+        if dims.ep_enabled
+        else []
+    )
     for module in experts:
-        parallelize_module(module, dims["ep_etp" if dims.tp_enabled else "ep"],
-                           ExpertParallel(sum_tp_grads=par.enable_sequence_parallel))
+        parallelize_module(
+            module,
+            dims["ep_etp" if dims.tp_enabled else "ep"],
+            ExpertParallel(sum_tp_grads=par.enable_sequence_parallel),
+        )
     apply_ac(model.layers, job.activation_checkpoint)
     if job.compile.enable:
         # per-block compile + TP breaks in backward on CPU (torch 2.13): compile the whole model
@@ -155,7 +199,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, job, *,
         head = [m for m in (model.norm, None if tied else model.output) if m is not None]
         first = None if tied else model.tok_embeddings
         apply_fsdp(
-            model, dims[mesh_dims],
+            model,
+            dims[mesh_dims],
             units=[m for m in (first, *model.layers.values()) if m is not None],
             final_unit=head,
             param_dtype=to_dtype(training.mixed_precision_param),

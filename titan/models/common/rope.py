@@ -13,8 +13,13 @@ def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
 
 
-def llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float,
-                  high_freq_factor: float, original_max_len: int) -> torch.Tensor:
+def llama3_scaled(
+    freqs: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_len: int,
+) -> torch.Tensor:
     """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between
     blended."""
     low_wavelen = original_max_len / low_freq_factor
@@ -31,15 +36,25 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_scaled(head_dim: int, theta: float, factor: float, original_max_len: int,
-                beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+def yarn_scaled(
+    head_dim: int,
+    theta: float,
+    factor: float,
+    original_max_len: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+) -> torch.Tensor:
     """YaRN (Peng et al. 2023): dimensions that turn fewer than `beta_slow` times over the
     original context are interpolated (divided by `factor`), those that turn more than
     `beta_fast` times are kept, with a linear ramp between. Computed in float32, as the
     published checkpoints' reference implementations do."""
+
     def correction_dim(rotations: float) -> float:
-        return (head_dim * math.log(original_max_len / (rotations * 2 * math.pi))
-                / (2 * math.log(theta)))
+        return (
+            head_dim
+            * math.log(original_max_len / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
     high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
@@ -50,8 +65,7 @@ def yarn_scaled(head_dim: int, theta: float, factor: float, original_max_len: in
     return (1.0 / (factor * powers) * ramp + 1.0 / powers * (1 - ramp)).double()
 
 
-def rope_table(freqs: torch.Tensor, max_len: int, scale: float = 1.0,
-               device=None) -> torch.Tensor:
+def rope_table(freqs: torch.Tensor, max_len: int, scale: float = 1.0, device=None) -> torch.Tensor:
     """(max_len, head_dim/2, 2) of (cos, sin) per position and pair, times `scale` (YaRN's
     attention factor); real-valued, for compile and DTensor."""
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freqs)
@@ -65,7 +79,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor, interleaved: bool = True) ->
     rows of each sequence's positions, (batch, seq, head_dim/2, 2). Pair i is
     (x[2i], x[2i+1]) when `interleaved`, else (x[i], x[i + head_dim/2])."""
     if rope.dim() == 3:
-        rope = rope[:x.shape[1]]
+        rope = rope[: x.shape[1]]
     xf = x.float()
     if interleaved and not torch.compiler.is_compiling():
         # the same arithmetic as the real form below, (x0 cos - x1 sin, x0 sin + x1 cos), as
@@ -73,13 +87,18 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor, interleaved: bool = True) ->
         # kernels in eager. Compiled code takes the real form: inductor fuses it, and
         # generates no complex code
         turn = torch.view_as_complex(rope.float())[..., None, :]
-        return torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * turn
-                                  ).flatten(-2).type_as(x)
+        return (
+            torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * turn)
+            .flatten(-2)
+            .type_as(x)
+        )
     cos = rope[..., None, :, 0]
     sin = rope[..., None, :, 1]
     if interleaved:
         pairs = xf.unflatten(-1, (-1, 2))
         x0, x1 = pairs[..., 0], pairs[..., 1]
-        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).type_as(x)
+        return (
+            torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).type_as(x)
+        )
     x0, x1 = xf.chunk(2, dim=-1)
     return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).type_as(x)

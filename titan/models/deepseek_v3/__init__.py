@@ -15,14 +15,16 @@ def parallelize_deepseek_v3(model, dims, job):
     return parallelize_decoder(model, dims, job, attention_plan=mla_plan)
 
 
-register_train_spec(TrainSpec(
-    name="deepseek_v3",
-    model_cls=DeepSeekV3,
-    flavors=DEEPSEEK_V3_FLAVORS,
-    parallelize_fn=parallelize_deepseek_v3,
-    pipelining_fn=pipeline_decoder,
-    state_dict_adapter=DeepSeekV3StateDictAdapter,
-    post_optimizer_hooks=(moe_balance_hook,),
-))
+register_train_spec(
+    TrainSpec(
+        name="deepseek_v3",
+        model_cls=DeepSeekV3,
+        flavors=DEEPSEEK_V3_FLAVORS,
+        parallelize_fn=parallelize_deepseek_v3,
+        pipelining_fn=pipeline_decoder,
+        state_dict_adapter=DeepSeekV3StateDictAdapter,
+        post_optimizer_hooks=(moe_balance_hook,),
+    )
+)
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepSeekV3Args", "DeepSeekV3", "DeepSeekV3StateDictAdapter"]

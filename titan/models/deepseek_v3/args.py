@@ -29,8 +29,16 @@ class DeepSeekV3Args(DecoderParamCount):
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     moe: MoEArgs | None = MoEArgs(
-        n_experts=256, top_k=8, hidden_dim=2048, score_func="sigmoid", n_groups=8,
-        topk_groups=4, route_scale=2.5, score_bias=True, n_shared_experts=1)
+        n_experts=256,
+        top_k=8,
+        hidden_dim=2048,
+        score_func="sigmoid",
+        n_groups=8,
+        topk_groups=4,
+        route_scale=2.5,
+        score_bias=True,
+        n_shared_experts=1,
+    )
     rope_theta: float = 10000.0
     # YaRN (None: plain RoPE); the softmax scale grows by yarn_mscale(factor,
     # rope_mscale_all_dim)^2 and the rotation by the ratio of the two mscales, as HF does
@@ -72,19 +80,27 @@ class DeepSeekV3Args(DecoderParamCount):
 
     def moe_args(self) -> MoEArgs:
         """The MoE layers' settings with this run's balancing."""
-        return replace(self.moe, bias_update_rate=self.moe_bias_update_rate,
-                       aux_loss="deepseek", aux_loss_coeff=self.moe_aux_loss_coeff,
-                       aux_loss_scope=self.moe_aux_loss_scope)
+        return replace(
+            self.moe,
+            bias_update_rate=self.moe_bias_update_rate,
+            aux_loss="deepseek",
+            aux_loss_coeff=self.moe_aux_loss_coeff,
+            aux_loss_scope=self.moe_aux_loss_scope,
+        )
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, each naming its fields (empty: nothing)."""
         out = [f"moe: {p}" for p in self.moe_args().problems()] if self.moe else []
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            out.append(f"n_dense_layers {self.n_dense_layers} must be between 0 and n_layers "
-                       f"{self.n_layers}")
+            out.append(
+                f"n_dense_layers {self.n_dense_layers} must be between 0 and n_layers "
+                f"{self.n_layers}"
+            )
         if self.q_lora_rank < 0 or self.kv_lora_rank < 1:
-            out.append(f"q_lora_rank {self.q_lora_rank} must be >= 0 (0: no query bottleneck) "
-                       f"and kv_lora_rank {self.kv_lora_rank} >= 1")
+            out.append(
+                f"q_lora_rank {self.q_lora_rank} must be >= 0 (0: no query bottleneck) "
+                f"and kv_lora_rank {self.kv_lora_rank} >= 1"
+            )
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim < 2:
             out.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even (rotated in pairs)")
         return out
@@ -92,15 +108,21 @@ class DeepSeekV3Args(DecoderParamCount):
     def attention_params(self) -> int:
         d, h, q = self.dim, self.n_heads, self.q_lora_rank
         query = d * q + q + q * h * self.head_dim if q else d * h * self.head_dim
-        kv = (d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-              + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim))
+        kv = (
+            d * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank
+            + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        )
         return query + kv + h * self.v_head_dim * d
 
     def layer_params(self, layer_id: int, active: bool = False) -> int:
         """One block's parameters; `active`: those one token uses (top_k routed experts)."""
         d = self.dim
-        ffn = (self.moe.layer_params(d, active) if self.is_moe_layer(layer_id)
-               else 3 * d * self.ffn_hidden_dim)
+        ffn = (
+            self.moe.layer_params(d, active)
+            if self.is_moe_layer(layer_id)
+            else 3 * d * self.ffn_hidden_dim
+        )
         return self.attention_params() + 2 * d + ffn
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -108,27 +130,61 @@ class DeepSeekV3Args(DecoderParamCount):
         (the PaLM / torchtitan convention): scores over query/key heads of head_dim, the
         weighted sum over values of v_head_dim."""
         return 6 * self.num_params(include_embedding=False, active=True) + (
-            6 * self.n_layers * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len)
+            6 * self.n_layers * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
+        )
 
 
 DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     # CPU-sized, with every part of the big one: a query bottleneck, MLA, one dense layer,
     # 8 routed experts in 4 groups (2 of them kept per token), top 2, one shared expert
     "debugmodel": DeepSeekV3Args(
-        dim=256, n_layers=4, n_heads=8, vocab_size=2048, ffn_hidden_dim=768, n_dense_layers=1,
-        q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=128, score_func="sigmoid",
-                                   n_groups=4, topk_groups=2, route_scale=2.5,
-                                   score_bias=True, n_shared_experts=1)),
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        vocab_size=2048,
+        ffn_hidden_dim=768,
+        n_dense_layers=1,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        moe=MoEArgs(
+            n_experts=8,
+            top_k=2,
+            hidden_dim=128,
+            score_func="sigmoid",
+            n_groups=4,
+            topk_groups=2,
+            route_scale=2.5,
+            score_bias=True,
+            n_shared_experts=1,
+        ),
+    ),
     # Moonlight-16B-A3B: DeepSeek-V3's architecture at DeepSeek-V2-Lite's shape (no query
     # bottleneck, 64 experts, 6 per token, 2 shared), in the deepseek_v3 hub layout
     "16B": DeepSeekV3Args(
-        dim=2048, n_layers=27, n_heads=16, vocab_size=163840, norm_eps=1e-5,
-        ffn_hidden_dim=11264, n_dense_layers=1, q_lora_rank=0,
-        moe=MoEArgs(n_experts=64, top_k=6, hidden_dim=1408, score_func="sigmoid",
-                    route_scale=2.446, score_bias=True, n_shared_experts=2),
-        rope_theta=50000.0, context_len=8192),
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        vocab_size=163840,
+        norm_eps=1e-5,
+        ffn_hidden_dim=11264,
+        n_dense_layers=1,
+        q_lora_rank=0,
+        moe=MoEArgs(
+            n_experts=64,
+            top_k=6,
+            hidden_dim=1408,
+            score_func="sigmoid",
+            route_scale=2.446,
+            score_bias=True,
+            n_shared_experts=2,
+        ),
+        rope_theta=50000.0,
+        context_len=8192,
+    ),
     "671B": DeepSeekV3Args(
-        rope_scaling_factor=40.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
-        context_len=163840),
+        rope_scaling_factor=40.0, rope_mscale=1.0, rope_mscale_all_dim=1.0, context_len=163840
+    ),
 }

@@ -31,9 +31,18 @@ class SharedRopeKey(nn.Module):
 
 
 class MLA(nn.Module):
-    def __init__(self, dim: int, n_heads: int, q_lora_rank: int, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-                 softmax_scale: float, interleaved_rope: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        softmax_scale: float,
+        interleaved_rope: bool = True,
+    ):
         super().__init__()
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.kv_lora_rank = kv_lora_rank
@@ -48,31 +57,44 @@ class MLA(nn.Module):
             self.wq = nn.Linear(dim, n_heads * qk, bias=False)
         self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
         self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=LATENT_NORM_EPS)
-        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim),
-                               bias=False)
+        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.rope_key = SharedRopeKey(interleaved_rope)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
 
     def init_plan(self, out_init) -> dict:
-        plan = {f"{name}.weight": normal(0.02)
-                for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b") if hasattr(self, name)}
-        plan.update({f"{name}.weight": ones for name in ("q_norm", "kv_norm")
-                     if hasattr(self, name)})
+        plan = {
+            f"{name}.weight": normal(0.02)
+            for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b")
+            if hasattr(self, name)
+        }
+        plan.update(
+            {f"{name}.weight": ones for name in ("q_norm", "kv_norm") if hasattr(self, name)}
+        )
         return {**plan, "wo.weight": out_init}
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: DecodeCache | None = None,
-                layer: int = 0, mask=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        cache: DecodeCache | None = None,
+        layer: int = 0,
+        mask=None,
+    ) -> torch.Tensor:
         """`mask` as titan.models.common.attention.Attention takes it."""
         bs, seq, _ = x.shape
         rows = rope if cache is None else rope[cache.positions(seq)]
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
         q_nope, q_rope = q.view(bs, seq, -1, self.nope + self.rope_dim).split(
-            [self.nope, self.rope_dim], dim=-1)
+            [self.nope, self.rope_dim], dim=-1
+        )
         q = torch.cat([q_nope, apply_rope(q_rope, rows, self.interleaved_rope)], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_nope, v = self.wkv_b(self.kv_norm(latent)).view(bs, seq, -1, self.nope + self.v_dim
-                                                          ).split([self.nope, self.v_dim], -1)
+        k_nope, v = (
+            self.wkv_b(self.kv_norm(latent))
+            .view(bs, seq, -1, self.nope + self.v_dim)
+            .split([self.nope, self.v_dim], -1)
+        )
         k_rope = self.rope_key(k_rope, rows)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if cache is not None:
@@ -86,6 +108,7 @@ class MLA(nn.Module):
         if mask is not None and not isinstance(mask, torch.Tensor):
             out = flex_attention(q, k, v, block_mask=mask, scale=self.softmax_scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                 scale=self.softmax_scale)
-        return self.wo(out[..., :self.v_dim].transpose(1, 2).reshape(bs, seq, -1))
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale
+            )
+        return self.wo(out[..., : self.v_dim].transpose(1, 2).reshape(bs, seq, -1))

@@ -4,8 +4,7 @@ not per head, whole on every rank over the gathered tokens."""
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from titan.parallelisms.tensor_parallel import LocalTokens, SumInputGrads
 
@@ -16,9 +15,11 @@ def mla_plan(between, attention: nn.Module) -> dict:
     # the colwise projections do for their inputs and SumInputGrads for the shared rotated key
     whole = LocalTokens(sum_grads=False)
     plan = {
-        "attention": PrepareModuleInput(input_layouts=(between, None),
-                                        desired_input_layouts=(Replicate(), None),
-                                        use_local_output=True),
+        "attention": PrepareModuleInput(
+            input_layouts=(between, None),
+            desired_input_layouts=(Replicate(), None),
+            use_local_output=True,
+        ),
         "attention.wkv_a": whole,
         "attention.kv_norm": whole,
         "attention.wkv_b": ColwiseParallel(),
@@ -26,8 +27,13 @@ def mla_plan(between, attention: nn.Module) -> dict:
         "attention.wo": RowwiseParallel(output_layouts=between),
     }
     if hasattr(attention, "wq_a"):
-        plan.update({"attention.wq_a": whole, "attention.q_norm": whole,
-                     "attention.wq_b": ColwiseParallel()})
+        plan.update(
+            {
+                "attention.wq_a": whole,
+                "attention.q_norm": whole,
+                "attention.wq_b": ColwiseParallel(),
+            }
+        )
     else:
         plan["attention.wq"] = ColwiseParallel()
     return plan

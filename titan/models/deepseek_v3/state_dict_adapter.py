@@ -5,8 +5,13 @@ experts are split per expert; the routing bias is HF's e_score_correction_bias."
 
 import re
 
-from titan.models.common.hf_adapter import (BLOCK_NAMES, ROUTER_NAMES, SWIGLU_EXPERT_NAMES,
-                                            DecoderHFAdapter, rope_settings)
+from titan.models.common.hf_adapter import (
+    BLOCK_NAMES,
+    ROUTER_NAMES,
+    SWIGLU_EXPERT_NAMES,
+    DecoderHFAdapter,
+    rope_settings,
+)
 from titan.models.common.moe_args import MoEArgs
 from titan.models.deepseek_v3.args import DeepSeekV3Args
 
@@ -42,46 +47,70 @@ class DeepSeekV3StateDictAdapter(DecoderHFAdapter):
         # the released checkpoints store their multi-token-prediction modules as layers past
         # the decoder's (num_nextn_predict_layers of them); transformers skips them too
         n = self.args.n_layers
-        kept = {k: v for k, v in hf_state_dict.items()
-                if not ((m := _HF_LAYER_ID.match(k)) and int(m[1]) >= n
-                        and (hf_config or {}).get("num_nextn_predict_layers"))}
+        kept = {
+            k: v
+            for k, v in hf_state_dict.items()
+            if not (
+                (m := _HF_LAYER_ID.match(k))
+                and int(m[1]) >= n
+                and (hf_config or {}).get("num_nextn_predict_layers")
+            )
+        }
         return super().from_hf(kept, hf_config)
 
     def hf_config(self) -> dict:
         a = self.args
         m = a.moe or MoEArgs()
         cfg = {
-            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-            "hidden_size": a.dim, "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_heads, "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_heads,
+            "vocab_size": a.vocab_size,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
             "max_position_embeddings": a.context_len or a.max_seq_len,
-            "tie_word_embeddings": a.tie_word_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "torch_dtype": "float32",
-            "q_lora_rank": a.q_lora_rank or None, "kv_lora_rank": a.kv_lora_rank,
-            "qk_nope_head_dim": a.qk_nope_head_dim, "qk_rope_head_dim": a.qk_rope_head_dim,
-            "v_head_dim": a.v_head_dim, "rope_interleave": a.interleaved_rope,
+            "tie_word_embeddings": a.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "torch_dtype": "float32",
+            "q_lora_rank": a.q_lora_rank or None,
+            "kv_lora_rank": a.kv_lora_rank,
+            "qk_nope_head_dim": a.qk_nope_head_dim,
+            "qk_rope_head_dim": a.qk_rope_head_dim,
+            "v_head_dim": a.v_head_dim,
+            "rope_interleave": a.interleaved_rope,
             "first_k_dense_replace": a.n_dense_layers if a.moe else a.n_layers,
-            "n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k,
-            "moe_intermediate_size": m.hidden_dim, "n_shared_experts": m.n_shared_experts,
-            "n_group": m.n_groups, "topk_group": m.topk_groups,
-            "routed_scaling_factor": m.route_scale, "norm_topk_prob": m.norm_topk_prob,
-            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+            "n_routed_experts": m.n_experts,
+            "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.hidden_dim,
+            "n_shared_experts": m.n_shared_experts,
+            "n_group": m.n_groups,
+            "topk_group": m.topk_groups,
+            "routed_scaling_factor": m.route_scale,
+            "norm_topk_prob": m.norm_topk_prob,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "moe_layer_freq": 1,
             "num_nextn_predict_layers": 0,
         }
         if a.rope_scaling_factor is not None:
             cfg["rope_scaling"] = {
-                "rope_type": "yarn", "factor": a.rope_scaling_factor,
+                "rope_type": "yarn",
+                "factor": a.rope_scaling_factor,
                 "original_max_position_embeddings": a.rope_original_max_len,
-                "beta_fast": a.rope_beta_fast, "beta_slow": a.rope_beta_slow,
-                "mscale": a.rope_mscale, "mscale_all_dim": a.rope_mscale_all_dim,
+                "beta_fast": a.rope_beta_fast,
+                "beta_slow": a.rope_beta_slow,
+                "mscale": a.rope_mscale,
+                "mscale_all_dim": a.rope_mscale_all_dim,
             }
         return cfg
 
 
-def deepseek_v3_args_from_hf_config(config: dict,
-                                    max_seq_len: int | None = None) -> DeepSeekV3Args:
+def deepseek_v3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> DeepSeekV3Args:
     """Map an HF DeepSeek-V3 config (transformers 4.x or 5.x layout) to DeepSeekV3Args. Raises
     ValueError naming every field titan's DeepSeek-V3 cannot express.
 
@@ -90,69 +119,99 @@ def deepseek_v3_args_from_hf_config(config: dict,
     c = dict(config)
     problems = []
     model_type, archs = c.get("model_type"), c.get("architectures") or []
-    if (model_type not in DeepSeekV3StateDictAdapter.hf_model_types
-            and "DeepseekV3ForCausalLM" not in archs):
-        problems.append(f"model_type={model_type!r} / architectures={archs} is not a "
-                        "DeepSeek-V3 model")
+    if (
+        model_type not in DeepSeekV3StateDictAdapter.hf_model_types
+        and "DeepseekV3ForCausalLM" not in archs
+    ):
+        problems.append(
+            f"model_type={model_type!r} / architectures={archs} is not a DeepSeek-V3 model"
+        )
     if c.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={c['hidden_act']!r} (titan uses SwiGLU with silu)")
     if c.get("attention_bias"):
         problems.append("attention_bias=true (titan's projections have no bias)")
     n_heads = int(c["num_attention_heads"])
     if int(c.get("num_key_value_heads") or n_heads) != n_heads:
-        problems.append("num_key_value_heads != num_attention_heads (MLA expands a key and "
-                        "value per head)")
+        problems.append(
+            "num_key_value_heads != num_attention_heads (MLA expands a key and value per head)"
+        )
     if c.get("scoring_func", "sigmoid") != "sigmoid":
-        problems.append(f"scoring_func={c['scoring_func']!r} (DeepSeek-V3 scores experts "
-                        "with a sigmoid)")
+        problems.append(
+            f"scoring_func={c['scoring_func']!r} (DeepSeek-V3 scores experts with a sigmoid)"
+        )
     if c.get("topk_method", "noaux_tc") != "noaux_tc":
         problems.append(f"topk_method={c['topk_method']!r} (titan routes as noaux_tc)")
     if int(c.get("moe_layer_freq", 1)) != 1:
-        problems.append(f"moe_layer_freq={c['moe_layer_freq']} (every layer after "
-                        "first_k_dense_replace is an MoE layer)")
+        problems.append(
+            f"moe_layer_freq={c['moe_layer_freq']} (every layer after "
+            "first_k_dense_replace is an MoE layer)"
+        )
     rope_theta, rope_type, rope, rope_problems = rope_settings(c)
     problems += rope_problems
     yarn = {}
     if rope_type == "yarn":
         if rope.get("attention_factor") is not None:
-            problems.append("YaRN attention_factor (titan derives it from mscale and "
-                            "mscale_all_dim)")
-        yarn = {"rope_scaling_factor": float(rope["factor"]),
-                "rope_original_max_len": int(rope.get("original_max_position_embeddings")
-                                             or c.get("max_position_embeddings")),
-                "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
-                "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
-                "rope_mscale": float(rope.get("mscale") or 0.0),
-                "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
+            problems.append(
+                "YaRN attention_factor (titan derives it from mscale and mscale_all_dim)"
+            )
+        yarn = {
+            "rope_scaling_factor": float(rope["factor"]),
+            "rope_original_max_len": int(
+                rope.get("original_max_position_embeddings") or c.get("max_position_embeddings")
+            ),
+            "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+            "rope_mscale": float(rope.get("mscale") or 0.0),
+            "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+        }
     elif rope_type != "default":
-        problems.append(f"rope type {rope_type!r} (titan's DeepSeek-V3 implements plain RoPE "
-                        "and YaRN)")
+        problems.append(
+            f"rope type {rope_type!r} (titan's DeepSeek-V3 implements plain RoPE and YaRN)"
+        )
     n_layers = int(c["num_hidden_layers"])
     n_experts = int(c.get("n_routed_experts") or c.get("num_local_experts") or 0)
     dense = int(c.get("first_k_dense_replace") or 0)
     moe = None
     if n_experts and dense < n_layers:
-        moe = MoEArgs(n_experts=n_experts, top_k=int(c.get("num_experts_per_tok") or 1),
-                      hidden_dim=int(c["moe_intermediate_size"]), score_func="sigmoid",
-                      norm_topk_prob=bool(c.get("norm_topk_prob", True)),
-                      n_groups=int(c.get("n_group") or 1),
-                      topk_groups=int(c.get("topk_group") or 1),
-                      route_scale=float(c.get("routed_scaling_factor") or 1.0),
-                      score_bias=True, n_shared_experts=int(c.get("n_shared_experts") or 0))
-        problems += [f"{p} (n_routed_experts / num_experts_per_tok / n_group / topk_group)"
-                     for p in moe.problems()]
+        moe = MoEArgs(
+            n_experts=n_experts,
+            top_k=int(c.get("num_experts_per_tok") or 1),
+            hidden_dim=int(c["moe_intermediate_size"]),
+            score_func="sigmoid",
+            norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+            n_groups=int(c.get("n_group") or 1),
+            topk_groups=int(c.get("topk_group") or 1),
+            route_scale=float(c.get("routed_scaling_factor") or 1.0),
+            score_bias=True,
+            n_shared_experts=int(c.get("n_shared_experts") or 0),
+        )
+        problems += [
+            f"{p} (n_routed_experts / num_experts_per_tok / n_group / topk_group)"
+            for p in moe.problems()
+        ]
     seq_len = int(max_seq_len or c.get("max_position_embeddings", 4096))
     context = c.get("max_position_embeddings")
     args = DeepSeekV3Args(
-        dim=int(c["hidden_size"]), n_layers=n_layers, n_heads=n_heads,
-        vocab_size=int(c["vocab_size"]), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        ffn_hidden_dim=int(c["intermediate_size"]), n_dense_layers=min(dense, n_layers),
-        q_lora_rank=int(c.get("q_lora_rank") or 0), kv_lora_rank=int(c["kv_lora_rank"]),
+        dim=int(c["hidden_size"]),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        vocab_size=int(c["vocab_size"]),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        ffn_hidden_dim=int(c["intermediate_size"]),
+        n_dense_layers=min(dense, n_layers),
+        q_lora_rank=int(c.get("q_lora_rank") or 0),
+        kv_lora_rank=int(c["kv_lora_rank"]),
         qk_nope_head_dim=int(c["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(c["qk_rope_head_dim"]), v_head_dim=int(c["v_head_dim"]),
-        moe=moe, rope_theta=rope_theta, interleaved_rope=bool(c.get("rope_interleave", True)),
-        max_seq_len=seq_len, context_len=None if context == seq_len else context,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), **yarn)
+        qk_rope_head_dim=int(c["qk_rope_head_dim"]),
+        v_head_dim=int(c["v_head_dim"]),
+        moe=moe,
+        rope_theta=rope_theta,
+        interleaved_rope=bool(c.get("rope_interleave", True)),
+        max_seq_len=seq_len,
+        context_len=None if context == seq_len else context,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        **yarn,
+    )
     problems += [p for p in args.problems() if not p.startswith("moe:")]
     if problems:
         raise ValueError("unsupported HF config for titan's DeepSeek-V3: " + "; ".join(problems))

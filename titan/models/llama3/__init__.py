@@ -13,13 +13,15 @@ def parallelize_llama(model, dims, job):
     return parallelize_decoder(model, dims, job)
 
 
-register_train_spec(TrainSpec(
-    name="llama3",
-    model_cls=Transformer,
-    flavors=LLAMA3_FLAVORS,
-    parallelize_fn=parallelize_llama,
-    pipelining_fn=pipeline_decoder,
-    state_dict_adapter=Llama3StateDictAdapter,
-))
+register_train_spec(
+    TrainSpec(
+        name="llama3",
+        model_cls=Transformer,
+        flavors=LLAMA3_FLAVORS,
+        parallelize_fn=parallelize_llama,
+        pipelining_fn=pipeline_decoder,
+        state_dict_adapter=Llama3StateDictAdapter,
+    )
+)
 
 __all__ = ["LLAMA3_FLAVORS", "Llama3Args", "Transformer", "Llama3StateDictAdapter"]

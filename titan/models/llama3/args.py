@@ -63,24 +63,72 @@ class Llama3Args(DecoderParamCount):
         )
 
 
-_LLAMA31_ROPE = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                     rope_high_freq_factor=4.0, rope_original_max_len=8192, context_len=131072)
+_LLAMA31_ROPE = dict(
+    rope_scaling_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_len=8192,
+    context_len=131072,
+)
 _LLAMA32 = dict(_LLAMA31_ROPE, rope_scaling_factor=32.0, tie_word_embeddings=True)
 
 LLAMA3_FLAVORS: dict[str, Llama3Args] = {
-    "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048,
-                             multiple_of=256),
+    "debugmodel": Llama3Args(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, multiple_of=256
+    ),
     # the debug model with Llama 3.2's tied embedding, to try that path on a laptop
-    "debugmodel_tied": Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=8,
-                                  vocab_size=2048, multiple_of=256, tie_word_embeddings=True),
-    "1B": Llama3Args(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-                     multiple_of=256, **_LLAMA32),
-    "3B": Llama3Args(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
-                     multiple_of=256, **_LLAMA32),
-    "8B": Llama3Args(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                     multiple_of=1024, **_LLAMA31_ROPE),
-    "70B": Llama3Args(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                      multiple_of=4096, **_LLAMA31_ROPE),
-    "405B": Llama3Args(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-                       ffn_dim_multiplier=1.2, multiple_of=4096, **_LLAMA31_ROPE),
+    "debugmodel_tied": Llama3Args(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=2048,
+        multiple_of=256,
+        tie_word_embeddings=True,
+    ),
+    "1B": Llama3Args(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        **_LLAMA32,
+    ),
+    "3B": Llama3Args(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        **_LLAMA32,
+    ),
+    "8B": Llama3Args(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        **_LLAMA31_ROPE,
+    ),
+    "70B": Llama3Args(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        **_LLAMA31_ROPE,
+    ),
+    "405B": Llama3Args(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        **_LLAMA31_ROPE,
+    ),
 }

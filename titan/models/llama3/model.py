@@ -18,8 +18,13 @@ def rope_frequencies(args: Llama3Args) -> torch.Tensor:
     freqs = inverse_frequencies(args.head_dim, args.rope_theta)
     if args.rope_scaling_factor is None:
         return freqs
-    return llama3_scaled(freqs, args.rope_scaling_factor, args.rope_low_freq_factor,
-                         args.rope_high_freq_factor, args.rope_original_max_len)
+    return llama3_scaled(
+        freqs,
+        args.rope_scaling_factor,
+        args.rope_low_freq_factor,
+        args.rope_high_freq_factor,
+        args.rope_original_max_len,
+    )
 
 
 def rope_cache(args: Llama3Args, device=None) -> torch.Tensor:
@@ -30,8 +35,11 @@ def rope_cache(args: Llama3Args, device=None) -> torch.Tensor:
 class Transformer(Decoder):
     def build_block(self, layer_id: int, args: Llama3Args) -> TransformerBlock:
         return TransformerBlock(
-            layer_id, args.dim, args.norm_eps,
+            layer_id,
+            args.dim,
+            args.norm_eps,
             Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim),
-            FeedForward(args.dim, args.ffn_hidden_dim))
+            FeedForward(args.dim, args.ffn_hidden_dim),
+        )
 
     rope_table = staticmethod(rope_cache)

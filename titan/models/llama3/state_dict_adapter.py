@@ -30,19 +30,28 @@ class Llama3StateDictAdapter(DecoderHFAdapter):
     def hf_config(self) -> dict:
         a = self.args
         cfg = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": a.dim, "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
             "max_position_embeddings": a.context_len or a.max_seq_len,
             "tie_word_embeddings": a.tie_word_embeddings,
-            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
             "torch_dtype": "float32",
         }
         if a.rope_scaling_factor is not None:
             cfg["rope_scaling"] = {
-                "rope_type": "llama3", "factor": a.rope_scaling_factor,
+                "rope_type": "llama3",
+                "factor": a.rope_scaling_factor,
                 "low_freq_factor": a.rope_low_freq_factor,
                 "high_freq_factor": a.rope_high_freq_factor,
                 "original_max_position_embeddings": a.rope_original_max_len,
@@ -54,7 +63,10 @@ def _ffn_args(dim: int, intermediate: int) -> dict:
     """(multiple_of, ffn_dim_multiplier) that reproduce HF's intermediate_size exactly."""
     for flavor in LLAMA3_FLAVORS.values():  # the published Llama 3 choices first
         if flavor.dim == dim and flavor.ffn_hidden_dim == intermediate:
-            return {"multiple_of": flavor.multiple_of, "ffn_dim_multiplier": flavor.ffn_dim_multiplier}
+            return {
+                "multiple_of": flavor.multiple_of,
+                "ffn_dim_multiplier": flavor.ffn_dim_multiplier,
+            }
     hidden = int(2 * 4 * dim / 3)
     if intermediate >= hidden:
         for m in (4096, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
@@ -91,11 +103,15 @@ def llama3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> 
         problems.append(f"hidden_size={dim} is not a multiple of num_attention_heads={n_heads}")
     head_dim = c.get("head_dim")
     if head_dim is not None and head_dim != dim // n_heads:
-        problems.append(f"head_dim={head_dim} != hidden_size/num_attention_heads={dim // n_heads} "
-                        "(titan derives head_dim)")
+        problems.append(
+            f"head_dim={head_dim} != hidden_size/num_attention_heads={dim // n_heads} "
+            "(titan derives head_dim)"
+        )
     n_kv = c.get("num_key_value_heads") or n_heads
     if n_heads % n_kv:
-        problems.append(f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}")
+        problems.append(
+            f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}"
+        )
 
     rope_theta, rope_type, rope, rope_problems = rope_settings(c)
     problems += rope_problems
@@ -105,11 +121,14 @@ def llama3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> 
             "rope_scaling_factor": float(rope["factor"]),
             "rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
             "rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
-            "rope_original_max_len": int(rope.get("original_max_position_embeddings",
-                                                  c.get("max_position_embeddings", 8192))),
+            "rope_original_max_len": int(
+                rope.get("original_max_position_embeddings", c.get("max_position_embeddings", 8192))
+            ),
         }
     elif rope_type != "default":
-        problems.append(f"rope type {rope_type!r} (titan implements plain RoPE and 'llama3' scaling)")
+        problems.append(
+            f"rope type {rope_type!r} (titan implements plain RoPE and 'llama3' scaling)"
+        )
     if problems:
         raise ValueError("unsupported HF config for titan's Llama 3: " + "; ".join(problems))
 
@@ -117,11 +136,18 @@ def llama3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> 
     # the length they are trained at
     context = c.get("max_position_embeddings") if scaling else None
     args = Llama3Args(
-        context_len=context, tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        dim=dim, n_layers=c["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=n_kv, vocab_size=c["vocab_size"], norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta), max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 2048)),
-        **_ffn_args(dim, c["intermediate_size"]), **scaling,
+        context_len=context,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        dim=dim,
+        n_layers=c["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        vocab_size=c["vocab_size"],
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 2048)),
+        **_ffn_args(dim, c["intermediate_size"]),
+        **scaling,
     )
     assert args.ffn_hidden_dim == c["intermediate_size"] and args.head_dim == dim // n_heads
     return args

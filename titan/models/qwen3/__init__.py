@@ -14,14 +14,16 @@ def parallelize_qwen3(model, dims, job):
     return parallelize_decoder(model, dims, job)
 
 
-register_train_spec(TrainSpec(
-    name="qwen3",
-    model_cls=Qwen3,
-    flavors=QWEN3_FLAVORS,
-    parallelize_fn=parallelize_qwen3,
-    pipelining_fn=pipeline_decoder,
-    state_dict_adapter=Qwen3StateDictAdapter,
-    post_optimizer_hooks=(moe_balance_hook,),
-))
+register_train_spec(
+    TrainSpec(
+        name="qwen3",
+        model_cls=Qwen3,
+        flavors=QWEN3_FLAVORS,
+        parallelize_fn=parallelize_qwen3,
+        pipelining_fn=pipeline_decoder,
+        state_dict_adapter=Qwen3StateDictAdapter,
+        post_optimizer_hooks=(moe_balance_hook,),
+    )
+)
 
 __all__ = ["QWEN3_FLAVORS", "Qwen3Args", "Qwen3", "Qwen3StateDictAdapter"]

@@ -48,16 +48,23 @@ class Qwen3Args(DecoderParamCount):
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """transformers' rule for Qwen3MoeDecoderLayer."""
-        return (self.moe is not None and layer_id not in self.mlp_only_layers
-                and (layer_id + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.moe is not None
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
 
     def moe_args(self) -> MoEArgs:
         """The MoE layers' settings with this run's balancing."""
         rate = self.moe_bias_update_rate
-        return replace(self.moe, score_bias=self.moe.score_bias or rate > 0,
-                       bias_update_rate=rate, aux_loss="load_balancing",
-                       aux_loss_coeff=self.moe_aux_loss_coeff,
-                       aux_loss_scope=self.moe_aux_loss_scope)
+        return replace(
+            self.moe,
+            score_bias=self.moe.score_bias or rate > 0,
+            bias_update_rate=rate,
+            aux_loss="load_balancing",
+            aux_loss_coeff=self.moe_aux_loss_coeff,
+            aux_loss_scope=self.moe_aux_loss_scope,
+        )
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, each naming its fields (empty: nothing)."""
@@ -75,8 +82,11 @@ class Qwen3Args(DecoderParamCount):
         """One block's parameters; `active`: those one token uses (top_k routed experts)."""
         d, hd = self.dim, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2 + 2 * hd  # + q/k norms
-        ffn = (self.moe.layer_params(d, active) if self.is_moe_layer(layer_id)
-               else 3 * d * self.ffn_hidden_dim)
+        ffn = (
+            self.moe.layer_params(d, active)
+            if self.is_moe_layer(layer_id)
+            else 3 * d * self.ffn_hidden_dim
+        )
         return attn + 2 * d + ffn
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -84,7 +94,8 @@ class Qwen3Args(DecoderParamCount):
         scores over the full causal square (the PaLM / torchtitan convention), with Qwen3's
         own head_dim."""
         return 6 * self.num_params(include_embedding=False, active=True) + (
-            12 * self.n_layers * self.n_heads * self.head_dim * seq_len)
+            12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        )
 
 
 _TIED = dict(tie_word_embeddings=True, context_len=40960)
@@ -92,25 +103,65 @@ _UNTIED = dict(context_len=40960)
 
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {
     # CPU-sized, with head_dim (32) twice dim / n_heads, as the real sizes have it too
-    "debugmodel": Qwen3Args(dim=256, n_layers=4, n_heads=16, n_kv_heads=8, head_dim=32,
-                            ffn_hidden_dim=768, vocab_size=2048, tie_word_embeddings=True),
-    "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=3072, **_TIED),
-    "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=6144, **_TIED),
+    "debugmodel": Qwen3Args(
+        dim=256,
+        n_layers=4,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=32,
+        ffn_hidden_dim=768,
+        vocab_size=2048,
+        tie_word_embeddings=True,
+    ),
+    "0.6B": Qwen3Args(
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=3072, **_TIED
+    ),
+    "1.7B": Qwen3Args(
+        dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=6144, **_TIED
+    ),
     "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=9728, **_TIED),
-    "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=12288, **_UNTIED),
-    "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden_dim=17408, **_UNTIED),
-    "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_hidden_dim=25600, **_UNTIED),
+    "8B": Qwen3Args(
+        dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=12288, **_UNTIED
+    ),
+    "14B": Qwen3Args(
+        dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden_dim=17408, **_UNTIED
+    ),
+    "32B": Qwen3Args(
+        dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_hidden_dim=25600, **_UNTIED
+    ),
     # Qwen3-MoE. The debug model keeps a dense first layer (mlp_only_layers) to exercise both
     # kinds of block; the load-balancing loss is on at Qwen's coefficient, as in the released
     # configs' router_aux_loss_coef
     "debugmodel_moe": Qwen3Args(
-        dim=256, n_layers=4, n_heads=16, n_kv_heads=8, head_dim=32, ffn_hidden_dim=768,
-        vocab_size=2048, moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=128),
-        mlp_only_layers=(0,), moe_aux_loss_coeff=0.001),
-    "30B-A3B": Qwen3Args(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_hidden_dim=6144,
-                         moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768),
-                         moe_aux_loss_coeff=0.001, **_UNTIED),
-    "235B-A22B": Qwen3Args(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_hidden_dim=12288,
-                           moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=1536),
-                           moe_aux_loss_coeff=0.001, **_UNTIED),
+        dim=256,
+        n_layers=4,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=32,
+        ffn_hidden_dim=768,
+        vocab_size=2048,
+        moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=128),
+        mlp_only_layers=(0,),
+        moe_aux_loss_coeff=0.001,
+    ),
+    "30B-A3B": Qwen3Args(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_hidden_dim=6144,
+        moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768),
+        moe_aux_loss_coeff=0.001,
+        **_UNTIED,
+    ),
+    "235B-A22B": Qwen3Args(
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        ffn_hidden_dim=12288,
+        moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=1536),
+        moe_aux_loss_coeff=0.001,
+        **_UNTIED,
+    ),
 }

@@ -10,8 +10,7 @@ from titan.models.common.attention import Attention
 from titan.models.common.decoder import Decoder, TransformerBlock
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.moe import MoE
-from titan.models.common.rope import (inverse_frequencies, rope_table, yarn_mscale,
-                                      yarn_scaled)
+from titan.models.common.rope import inverse_frequencies, rope_table, yarn_mscale, yarn_scaled
 from titan.models.qwen3.args import Qwen3Args
 
 
@@ -19,21 +18,39 @@ def rope_cache(args: Qwen3Args, device=None) -> torch.Tensor:
     """(max_seq_len, head_dim/2, 2) table of (cos, sin); YaRN also scales it by its
     attention temperature."""
     if args.rope_scaling_factor is None:
-        return rope_table(inverse_frequencies(args.head_dim, args.rope_theta), args.max_seq_len,
-                          device=device)
-    freqs = yarn_scaled(args.head_dim, args.rope_theta, args.rope_scaling_factor,
-                        args.rope_original_max_len, args.rope_beta_fast, args.rope_beta_slow)
-    return rope_table(freqs, args.max_seq_len, scale=yarn_mscale(args.rope_scaling_factor),
-                      device=device)
+        return rope_table(
+            inverse_frequencies(args.head_dim, args.rope_theta), args.max_seq_len, device=device
+        )
+    freqs = yarn_scaled(
+        args.head_dim,
+        args.rope_theta,
+        args.rope_scaling_factor,
+        args.rope_original_max_len,
+        args.rope_beta_fast,
+        args.rope_beta_slow,
+    )
+    return rope_table(
+        freqs, args.max_seq_len, scale=yarn_mscale(args.rope_scaling_factor), device=device
+    )
 
 
 class Qwen3(Decoder):
     def build_block(self, layer_id: int, args: Qwen3Args) -> TransformerBlock:
         return TransformerBlock(
-            layer_id, args.dim, args.norm_eps,
-            Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
-                      qk_norm_eps=args.norm_eps, interleaved_rope=False),
-            MoE(args.dim, args.moe_args()) if args.is_moe_layer(layer_id)
-            else FeedForward(args.dim, args.ffn_hidden_dim))
+            layer_id,
+            args.dim,
+            args.norm_eps,
+            Attention(
+                args.dim,
+                args.n_heads,
+                args.n_kv_heads,
+                args.head_dim,
+                qk_norm_eps=args.norm_eps,
+                interleaved_rope=False,
+            ),
+            MoE(args.dim, args.moe_args())
+            if args.is_moe_layer(layer_id)
+            else FeedForward(args.dim, args.ffn_hidden_dim),
+        )
 
     rope_table = staticmethod(rope_cache)

@@ -2,8 +2,13 @@
 `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM`. Both rotate the two halves of each head, so
 weights cross as they are: renamed, not permuted; the routed experts are split per expert."""
 
-from titan.models.common.hf_adapter import (BLOCK_NAMES, ROUTER_NAMES, SWIGLU_EXPERT_NAMES,
-                                            DecoderHFAdapter, rope_settings)
+from titan.models.common.hf_adapter import (
+    BLOCK_NAMES,
+    ROUTER_NAMES,
+    SWIGLU_EXPERT_NAMES,
+    DecoderHFAdapter,
+    rope_settings,
+)
 from titan.models.common.moe_args import MoEArgs
 from titan.models.qwen3.args import Qwen3Args
 
@@ -16,8 +21,10 @@ _LAYER = {
     **BLOCK_NAMES,
     **ROUTER_NAMES,
 }
-_NO_BIAS = ("Qwen3-MoE in the hub layout has no routing bias: export a run trained with "
-            "qwen3.moe_bias_update_rate = 0, or keep the DCP checkpoint")
+_NO_BIAS = (
+    "Qwen3-MoE in the hub layout has no routing bias: export a run trained with "
+    "qwen3.moe_bias_update_rate = 0, or keep the DCP checkpoint"
+)
 
 
 class Qwen3StateDictAdapter(DecoderHFAdapter):
@@ -43,32 +50,49 @@ class Qwen3StateDictAdapter(DecoderHFAdapter):
     def hf_config(self) -> dict:
         a = self.args
         cfg = {
-            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-            "hidden_size": a.dim, "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
             "max_position_embeddings": a.context_len or a.max_seq_len,
-            "tie_word_embeddings": a.tie_word_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "use_sliding_window": False, "torch_dtype": "float32",
+            "tie_word_embeddings": a.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "torch_dtype": "float32",
         }
         if a.rope_scaling_factor is not None:
             cfg["rope_scaling"] = {
-                "rope_type": "yarn", "factor": a.rope_scaling_factor,
+                "rope_type": "yarn",
+                "factor": a.rope_scaling_factor,
                 "original_max_position_embeddings": a.rope_original_max_len,
-                "beta_fast": a.rope_beta_fast, "beta_slow": a.rope_beta_slow,
+                "beta_fast": a.rope_beta_fast,
+                "beta_slow": a.rope_beta_slow,
             }
         if a.moe is not None:
             m = a.moe
-            cfg.update({
-                "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
-                "moe_intermediate_size": m.hidden_dim, "norm_topk_prob": m.norm_topk_prob,
-                "decoder_sparse_step": a.decoder_sparse_step,
-                "mlp_only_layers": list(a.mlp_only_layers),
-                # transformers adds the loss only with output_router_logits, as released
-                "router_aux_loss_coef": a.moe_aux_loss_coeff, "output_router_logits": False,
-            })
+            cfg.update(
+                {
+                    "architectures": ["Qwen3MoeForCausalLM"],
+                    "model_type": "qwen3_moe",
+                    "num_experts": m.n_experts,
+                    "num_experts_per_tok": m.top_k,
+                    "moe_intermediate_size": m.hidden_dim,
+                    "norm_topk_prob": m.norm_topk_prob,
+                    "decoder_sparse_step": a.decoder_sparse_step,
+                    "mlp_only_layers": list(a.mlp_only_layers),
+                    # transformers adds the loss only with output_router_logits, as released
+                    "router_aux_loss_coef": a.moe_aux_loss_coeff,
+                    "output_router_logits": False,
+                }
+            )
         return cfg
 
 
@@ -82,8 +106,9 @@ def qwen3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Q
     model_type, archs = c.get("model_type"), c.get("architectures") or []
     moe = model_type == "qwen3_moe" or "Qwen3MoeForCausalLM" in archs
     if not moe and model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
-        problems.append(f"model_type={model_type!r} / architectures={archs} is not a Qwen3 "
-                        "or Qwen3-MoE model")
+        problems.append(
+            f"model_type={model_type!r} / architectures={archs} is not a Qwen3 or Qwen3-MoE model"
+        )
     if c.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={c['hidden_act']!r} (titan uses SwiGLU with silu)")
     if c.get("attention_bias"):
@@ -93,7 +118,9 @@ def qwen3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Q
     n_heads = c["num_attention_heads"]
     n_kv = c.get("num_key_value_heads") or n_heads
     if n_heads % n_kv:
-        problems.append(f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}")
+        problems.append(
+            f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}"
+        )
     rope_theta, rope_type, rope, rope_problems = rope_settings(c)
     problems += rope_problems
     yarn = {}
@@ -101,11 +128,14 @@ def qwen3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Q
         for key in ("attention_factor", "mscale", "mscale_all_dim"):
             if rope.get(key) is not None:
                 problems.append(f"YaRN {key} (titan uses YaRN's default temperature)")
-        yarn = {"rope_scaling_factor": float(rope["factor"]),
-                "rope_original_max_len": int(rope.get("original_max_position_embeddings")
-                                             or c.get("max_position_embeddings")),
-                "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
-                "rope_beta_slow": float(rope.get("beta_slow") or 1.0)}
+        yarn = {
+            "rope_scaling_factor": float(rope["factor"]),
+            "rope_original_max_len": int(
+                rope.get("original_max_position_embeddings") or c.get("max_position_embeddings")
+            ),
+            "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+        }
     elif rope_type != "default":
         problems.append(f"rope type {rope_type!r} (titan's Qwen3 implements plain RoPE and YaRN)")
     moe_fields = _moe_fields(c, problems) if moe else {}
@@ -113,13 +143,22 @@ def qwen3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Q
         raise ValueError("unsupported HF config for titan's Qwen3: " + "; ".join(problems))
     seq_len = int(max_seq_len or c.get("max_position_embeddings", 4096))
     context = c.get("max_position_embeddings")
-    return Qwen3Args(**moe_fields,
-        dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_kv,
+    return Qwen3Args(
+        **moe_fields,
+        dim=c["hidden_size"],
+        n_layers=c["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
         head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-        ffn_hidden_dim=c["intermediate_size"], vocab_size=c["vocab_size"],
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-        max_seq_len=seq_len, context_len=None if context == seq_len else context,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), **yarn)
+        ffn_hidden_dim=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_seq_len=seq_len,
+        context_len=None if context == seq_len else context,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        **yarn,
+    )
 
 
 def _moe_fields(c: dict, problems: list[str]) -> dict:
@@ -129,9 +168,12 @@ def _moe_fields(c: dict, problems: list[str]) -> dict:
     n_experts = int(c.get("num_experts", c.get("num_local_experts", 0)))
     if n_experts == 0:
         return {}  # every layer dense
-    moe = MoEArgs(n_experts=n_experts, top_k=int(c.get("num_experts_per_tok", 1)),
-                  hidden_dim=int(c["moe_intermediate_size"]),
-                  norm_topk_prob=bool(c.get("norm_topk_prob", False)))
+    moe = MoEArgs(
+        n_experts=n_experts,
+        top_k=int(c.get("num_experts_per_tok", 1)),
+        hidden_dim=int(c["moe_intermediate_size"]),
+        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+    )
     problems += [f"{p} (num_experts / num_experts_per_tok)" for p in moe.problems()]
     n_layers = int(c["num_hidden_layers"])
     only = tuple(int(i) for i in c.get("mlp_only_layers") or ())
@@ -141,5 +183,9 @@ def _moe_fields(c: dict, problems: list[str]) -> dict:
     step = int(c.get("decoder_sparse_step", 1))
     if step < 1:
         problems.append(f"decoder_sparse_step {step} must be >= 1")
-    return {"moe": moe, "decoder_sparse_step": step, "mlp_only_layers": only,
-            "moe_aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.0))}
+    return {
+        "moe": moe,
+        "decoder_sparse_step": step,
+        "mlp_only_layers": only,
+        "moe_aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.0)),
+    }
