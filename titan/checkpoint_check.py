@@ -10,7 +10,12 @@ once here and once there.
 
 from pathlib import Path
 
-from titan.components.checkpoint.disk_space import model_save_bytes, space_problem
+from titan.components.checkpoint.disk_space import (
+    free_bytes,
+    generous_save_bytes,
+    model_save_bytes,
+    space_problem,
+)
 from titan.config import ConfigError, JobConfig
 from titan.paths import resolve
 
@@ -22,7 +27,9 @@ def check_checkpoints(job: JobConfig, plan) -> None:
     resuming = ck.enable and (ck.load_step >= 0 or any(root.glob("step-*")))
     if resuming or (ck.initial_load_path and not ck.initial_load_in_hf):
         _check_loaded_folder(job, plan, root, resuming)
-    if ck.enable:
+    # the exact size needs the meta model (building one imports torch's compiler, a second);
+    # a disk with room for any likely optimizer's save is passed without it
+    if ck.enable and free_bytes(root) < generous_save_bytes(plan.model_args.num_params()):
         need = model_save_bytes(
             plan.spec.build_meta(plan.model_args), job.optimizer, job.extensions
         )

@@ -127,7 +127,7 @@ class GenerateError(ValueError):
 def positions(args) -> int:
     """Positions the model was made for: a long-context flavor's published context, else the
     sequence length it was trained at (an HF folder's max_position_embeddings)."""
-    return getattr(args, "context_len", None) or args.max_seq_len
+    return args.context_len or args.max_seq_len
 
 
 def model_args(path: Path, job, spec):

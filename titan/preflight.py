@@ -185,7 +185,7 @@ def check_moe(
     job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDims, grad_accum: int
 ) -> None:
     """What an MoE model cannot combine with, named before launch."""
-    moe = getattr(args, "moe", None)
+    moe = args.moe_args()
     require(
         job,
         moe is not None or not dims.ep_enabled,
@@ -199,7 +199,7 @@ def check_moe(
         check_expert_parallel(job, moe, dims)
     ck = job.checkpoint
     adapter = spec.state_dict_adapter
-    if ck.last_save_in_hf and adapter is not None and hasattr(adapter, "export_problems"):
+    if ck.last_save_in_hf and adapter is not None:
         problems = adapter.export_problems(args)
         require(job, not problems, "checkpoint.last_save_in_hf", "; ".join(problems))
     require(
@@ -210,11 +210,9 @@ def check_moe(
         "experts swap in local weights per forward, which torch.compile does not trace. "
         "Disable compile or tensor parallelism",
     )
-    # the settings the MoE layers run with (the flavor's, with this run's balancing)
-    moe = args.moe_args() if hasattr(args, "moe_args") else moe
     if moe.aux_loss != "none" and moe.aux_loss_coeff and moe.aux_loss_scope == "global_batch":
         check_global_batch_scope(job, spec.name, dims, grad_accum)
-    rate = getattr(args, "moe_bias_update_rate", 0.0)
+    rate = moe.bias_update_rate
     require(
         job,
         not (rate and job.fault_tolerance.enable),
@@ -352,7 +350,7 @@ def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer | N
             args = args.with_updates(vocab_size=hf.vocab_size)
     overrides = family_overrides(job, spec, args)
     args = args.with_updates(**overrides)
-    problems = args.problems() if hasattr(args, "problems") else []
+    problems = args.problems()
     if problems:
         given = "".join(
             f", {spec.name}.{k} = {v!r} (from {source_of(job, f'{spec.name}.{k}')})"
@@ -449,7 +447,7 @@ def pipeline_plans(
     gives them (ModelArgs.layer_costs)."""
     validation = validation_batch > 0
     batch = validation_batch if validation else job.training.local_batch_size
-    costs = args.layer_costs() if hasattr(args, "layer_costs") else None
+    costs = args.layer_costs()
     try:
         return plan_pipelines(
             job.parallelism, n_layers=args.n_layers, local_batch_size=batch, layer_costs=costs

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from titan.config.family_options import register_family_options, unregister_family_options
 from titan.config.job_config import opt
 from titan.models import spec as spec_registry
+from titan.models.args_base import ModelArgsBase
 from titan.models.common.attention import Attention
 from titan.models.common.aux_loss import attach_aux_loss
 from titan.models.common.decoder import Decoder, TransformerBlock
@@ -33,7 +34,7 @@ NAME = "gelu_llama"
 
 
 @dataclass(frozen=True)
-class GeluLlamaArgs:
+class GeluLlamaArgs(ModelArgsBase):
     dim: int
     n_layers: int
     n_heads: int

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from titan.models.args_base import OPTIONAL_MEMBERS
+
 if TYPE_CHECKING:
     from titan.config import JobConfig
     from titan.models.common.decode import DecodeCache
@@ -28,9 +30,9 @@ if TYPE_CHECKING:
 class ModelArgs(Protocol):
     """The hyper-parameters of one flavor. Immutable: `with_updates` returns a copy.
 
-    Optional: `layer_costs() -> list[int]`, each block's parameters one token uses, which a
-    pipeline split balances when blocks differ (dense and MoE blocks); without it, or when all
-    are equal, stages get equal numbers of blocks."""
+    Beyond these, the members declared with their defaults in titan/models/args_base.py
+    (`ModelArgsBase`: training_knobs, context_len, moe_args(), is_moe_layer(), problems(),
+    layer_costs()), which a family's args class inherits and overrides where it has them."""
 
     dim: int
     n_layers: int
@@ -95,6 +97,11 @@ class StateDictAdapter(Protocol):
 
     def hf_config(self) -> dict:
         """config.json contents for these args (torch_dtype left to the writer)."""
+        ...
+
+    @classmethod
+    def export_problems(cls, args: ModelArgs) -> list[str]:
+        """Why these args cannot be written in the hub layout (empty: they can)."""
         ...
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
@@ -191,6 +198,19 @@ def register_train_spec(spec: TrainSpec) -> None:
     bad = [name for name, args in spec.flavors.items() if not isinstance(args, ModelArgs)]
     if bad:
         raise TypeError(f"flavors {bad} of {spec.name!r} do not satisfy the ModelArgs protocol")
+    for name, args in spec.flavors.items():
+        lacking = [m for m in OPTIONAL_MEMBERS if not hasattr(args, m)]
+        if lacking:
+            raise TypeError(
+                f"flavor {name!r} of {spec.name!r} lacks {', '.join(lacking)}: its args class "
+                "should inherit titan.models.args_base.ModelArgsBase (their defaults)"
+            )
+    adapter = spec.state_dict_adapter
+    if adapter is not None and not callable(getattr(adapter, "export_problems", None)):
+        raise TypeError(
+            f"{adapter.__name__} lacks export_problems: inherit "
+            "titan.models.common.hf_adapter.DecoderHFAdapter or define it"
+        )
     _REGISTRY[spec.name] = spec
 
 

@@ -138,7 +138,7 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
         # keys and values: n_kv_heads x head_dim each (head_dim need not be dim / n_heads)
         kv = 2 * local_tokens * args.n_kv_heads * args.head_dim * act
         parts["cp"] = 3 * layers * kv * (d.cp - 1) / bw["cp"]
-    moe = getattr(args, "moe", None)
+    moe = args.moe_args()
     moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers)) / d.pp if moe else 0
     routed = 3 * args.dim * moe.hidden_dim * moe.n_experts * moe_layers if moe else 0
     # (parameters of this rank's FSDP units, the ranks sharding them): the dense ones split by
@@ -183,7 +183,7 @@ def suggest(
     world_size, global_batch = base.dims.world_size, base.global_batch_size
     budget = device_memory * (1 - margin)
     found = []
-    moe = getattr(base.model_args, "moe", None)
+    moe = base.model_args.moe_args()
     for layout in _layouts(world_size, moe.n_experts if moe else 1):
         dp = ParallelDims(**layout, world_size=world_size).dp
         if global_batch % dp:

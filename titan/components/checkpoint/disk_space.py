@@ -22,6 +22,16 @@ def save_bytes(
     return int((weights + state) * OVERHEAD_FACTOR) + OVERHEAD_BYTES
 
 
+# more than any optimizer titan knows keeps per weight: Adam's two moments, Muon's momentum
+# buffer, even AMSGrad's three float32 states (12 bytes) beside the float32 weight
+GENEROUS_BYTES_PER_PARAM = 16
+
+
+def generous_save_bytes(n_params: int) -> int:
+    """A save's size bound that needs no model: a disk with this much free takes a save."""
+    return int(n_params * GENEROUS_BYTES_PER_PARAM * OVERHEAD_FACTOR) + OVERHEAD_BYTES
+
+
 def model_save_bytes(model, optimizer_cfg, sections: dict) -> int:
     """save_bytes of a (meta) model's parameters."""
     return save_bytes(

@@ -161,6 +161,7 @@ def knob_paths(args, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     `training_knobs`, also inside nested settings (an MoE's)."""
     if not is_dataclass(args):
         return []
+    # nested settings (an MoE's) may declare knobs of their own, or none
     knobs = set(getattr(type(args), "training_knobs", ()))
     out = []
     for f in fields(args):

@@ -19,6 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adam import adam
 
+from titan.dtypes import to_dtype
+
 
 class _OneGatherIsExact(logging.Filter):
     """A weight sharded by FSDP and TP is gathered in two all-gathers, which torch warns of
@@ -185,6 +187,6 @@ def build(groups: list[dict], cfg, options) -> Muon:
         momentum=options.momentum,
         nesterov=options.nesterov,
         ns_steps=options.ns_steps,
-        ns_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[options.ns_dtype],
+        ns_dtype=to_dtype(options.ns_dtype),
         adjust_lr=options.adjust_lr,
     )

@@ -101,6 +101,12 @@ class DecoderHFAdapter:
     family adds `hf_config` and `args_from_hf_config`."""
 
     family = "decoder"  # how error messages name the family
+
+    @classmethod
+    def export_problems(cls, args) -> list[str]:
+        """Why these args cannot be written in the hub layout (empty: they can)."""
+        return []
+
     layer_names: dict[str, str] = {}  # titan name within a block -> HF name within a layer
     # titan's stacked experts within a block -> the HF name of one, with {e} for its index
     expert_names: dict[str, str] = {}

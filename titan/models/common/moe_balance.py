@@ -35,9 +35,9 @@ def moe_balance_hook(parts: list[nn.Module], job) -> Callable[[bool], dict] | No
     metrics: `expert_load_imbalance` (the largest over layers of max / mean tokens per expert)
     and `expert_load/layer_<i>` (each expert's share of the layer's tokens, for TensorBoard)."""
     args = parts[0].args
-    if getattr(args, "moe", None) is None:
+    if args.moe_args() is None:
         return None
-    table_shape = (args.n_layers, args.moe.n_experts)
+    table_shape = (args.n_layers, args.moe_args().n_experts)
     local = _moe_layers(parts)
     moe_rows = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
 

@@ -2,8 +2,10 @@
 a family's args say what one block holds (`layer_params`), and the totals, the active share
 and the per-block costs a pipeline split balances follow from it."""
 
+from titan.models.args_base import ModelArgsBase
 
-class DecoderParamCount:
+
+class DecoderParamCount(ModelArgsBase):
     """Mixin for args with dim, n_layers, vocab_size, tie_word_embeddings and
     `layer_params(layer_id, active)`: one block's parameters (`active`: those one token uses,
     an MoE block's routed experts counted top_k times, not n_experts)."""

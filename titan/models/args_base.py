@@ -1,0 +1,44 @@
+"""The optional members of a family's ModelArgs (titan/models/spec.py), declared once with the
+value generic code takes when a family has no such thing. A family's args class inherits them
+(the common decoder's DecoderParamCount does) and overrides what it has; generic code calls
+them, never asks whether they exist. Torch-free, as args modules are."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from titan.models.common.moe_args import MoEArgs
+
+# what register_train_spec checks each flavor has
+OPTIONAL_MEMBERS = (
+    "training_knobs",
+    "context_len",
+    "moe_args",
+    "is_moe_layer",
+    "problems",
+    "layer_costs",
+)
+
+
+class ModelArgsBase:
+    # fields a run may change without changing the model (titan.components.checkpoint.identity)
+    training_knobs: ClassVar[tuple[str, ...]] = ()
+    # the context the model was published for (HF max_position_embeddings); None: max_seq_len
+    context_len: int | None = None
+
+    def moe_args(self) -> MoEArgs | None:
+        """The MoE layers' settings with this run's balancing; None for a dense model."""
+        return None
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return False
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, each naming its fields (empty: nothing)."""
+        return []
+
+    def layer_costs(self) -> list[int] | None:
+        """Each block's parameters one token uses, which a pipeline split balances when blocks
+        differ (dense and MoE blocks); None: equal blocks."""
+        return None
