@@ -49,7 +49,7 @@ if [[ "$NGPU" =~ ^[0-9]+$ ]] && (( 10#$NGPU >= 1 )); then
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( per_rank > 0 ? per_rank : 1 ))}
 fi
 
-exec "$PYTHON" -m titan.launch \
+exec "$PYTHON" -m titan.launcher \
     "${NODES[@]}" --nproc_per_node="$NGPU" \
     --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
     --max-restarts="${MAX_RESTARTS:-0}" \

@@ -38,10 +38,10 @@ from titan.components.checkpoint.checkpointer import Checkpointer, local_state_b
 from titan.components.checkpoint.train_state import ModelState, TrainState  # noqa: E402
 from titan.components.optim.optimizer import build_optimizer  # noqa: E402
 from titan.config.job_config import Optimizer  # noqa: E402
-from titan.distributed import init_distributed, pick_device  # noqa: E402
-from titan.logging_setup import init_logging  # noqa: E402
 from titan.models.llama3 import LLAMA3_FLAVORS, Transformer  # noqa: E402
 from titan.models.llama3.model import rope_cache  # noqa: E402
+from titan.runtime.distributed import init_distributed, pick_device  # noqa: E402
+from titan.runtime.logging_setup import init_logging  # noqa: E402
 
 
 class TimedCrc:

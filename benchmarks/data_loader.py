@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan.components.data.dataloader import DataShard, Workers, build_text_dataloader  # noqa: E402
 from titan.components.data.tokenizer import Tokenizer  # noqa: E402
-from titan.paths import REPO_ROOT  # noqa: E402
+from titan.runtime.paths import REPO_ROOT  # noqa: E402
 from titan.tools.loss_compare import launch, read_metrics  # noqa: E402
 
 

@@ -54,7 +54,7 @@ import gpu_suite_titan as titan_side  # noqa: E402
 import gpu_suite_torchtitan as peer_side  # noqa: E402
 from gpu_suite_rows import model_args, plan  # noqa: E402
 
-from titan.paths import REPO_ROOT  # noqa: E402
+from titan.runtime.paths import REPO_ROOT  # noqa: E402
 from titan.tools.loss_compare import read_metrics  # noqa: E402
 
 KINDS = ("train", "peer", "checkpoint", "tests")

@@ -1,5 +1,5 @@
 """titan's side of the GPU suite: the trainer command for a row, and the torchrun entry it
-starts, which is `titan.train` plus two things the suite needs:
+starts, which is `titan.trainer.train` plus two things the suite needs:
 
 - shapes named `<flavor>_cut<N>` (a published flavor cut to N layers) are added to the
   model registry before the config is checked, so `--model.flavor 8B_cut8` works;
@@ -145,7 +145,7 @@ def main() -> None:
     sys.path.insert(1, str(REPO))
     _register_cut_flavors(argv)
     _time_checkpoints()
-    from titan.train import main as train
+    from titan.trainer.train import main as train
 
     train(argv)
 

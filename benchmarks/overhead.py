@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titan.paths import REPO_ROOT  # noqa: E402
+from titan.runtime.paths import REPO_ROOT  # noqa: E402
 from titan.tools.loss_compare import launch, read_metrics  # noqa: E402
 
 

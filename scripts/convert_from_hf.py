@@ -63,8 +63,8 @@ def main(argv=None) -> None:
     from titan.components.checkpoint import folders as checkpoint
     from titan.components.checkpoint import hf_io
     from titan.components.checkpoint.identity import model_identity
-    from titan.dtypes import to_dtype
     from titan.models.spec import family_of_hf_config, get_train_spec, registered_names
+    from titan.runtime.dtypes import to_dtype
 
     t0 = time.time()
     mesh = None

@@ -35,7 +35,7 @@ _prepend("PYTHONPATH", _GUARD_DIR)
 import pytest  # noqa: E402
 
 from tests.import_guard import sitecustomize as guard  # noqa: E402
-from titan.paths import REPO_ROOT  # noqa: E402
+from titan.runtime.paths import REPO_ROOT  # noqa: E402
 
 guard.install()
 

@@ -135,8 +135,8 @@ def build_trainer(rank, world_size, port, argv):
     """A Trainer on this forked rank, its process group made from the environment torchrun
     would set."""
     from titan.config import parse_args
-    from titan.preflight import plan_run
-    from titan.train import Trainer
+    from titan.trainer.run_plan import plan_run
+    from titan.trainer.train import Trainer
 
     os.environ.update(
         RANK=str(rank),

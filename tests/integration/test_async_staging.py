@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys, time

@@ -18,7 +18,7 @@ from tests.integration.harness import (
     losses,
     read_metrics,
 )
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 STEPS = 20
 BASE = [*COMMON, "--training.steps", str(STEPS), "--checkpoint.interval", "10"]

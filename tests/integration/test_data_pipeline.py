@@ -19,7 +19,7 @@ from tests.integration.harness import (
 )
 from titan.components.data.token_shards import ShardWriter
 from titan.components.data.tokenizer import Tokenizer
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 BLOCK = ["--model.attn_mask_type", "block_causal", "--model.document_positions"]
 

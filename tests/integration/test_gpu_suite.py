@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 TRAIN_KEYS = {
     "tps",

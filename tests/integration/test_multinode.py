@@ -22,7 +22,7 @@ from tests.integration.harness import (
     losses,
     read_metrics,
 )
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2"]  # replicas across the two nodes
 
@@ -198,7 +198,7 @@ def test_slurm_script_dry_run(tmp_path):
             f"--node-rank={rank}",
             "--rdzv-id=4242",
             "--nproc_per_node=2",
-            "-m titan.train",
+            "-m titan.trainer",
         ):
             assert flag in cmd, (flag, cmd)
     assert not (tmp_path / "d").exists()

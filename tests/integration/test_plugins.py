@@ -39,7 +39,7 @@ def test_titan_does_not_know_the_plugin():
 
 def test_the_plugins_sections_are_in_help_and_checked():
     env = {**os.environ, **ENV}
-    run = [sys.executable, "-m", "titan.train", "--job.custom_import", "titan_plugin_example"]
+    run = [sys.executable, "-m", "titan.trainer", "--job.custom_import", "titan_plugin_example"]
     proc = subprocess.run(
         [*run, "--help"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
     )

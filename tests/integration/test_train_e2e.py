@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.integration.harness import DEVICE, FAST
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "gc_s"}
 
@@ -163,13 +163,13 @@ def test_nonfinite_loss_stop_and_skip(train_run):
 
 
 def test_validation_and_plain_python_entry(tmp_path):
-    """`python -m titan.train` works without torchrun and writes validation.jsonl."""
+    """`python -m titan.trainer` works without torchrun and writes validation.jsonl."""
     dump = tmp_path / "plain"
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
-            "titan.train",
+            "titan.trainer",
             "--job.config_file",
             "train_configs/debug_model.toml",
             *FAST,
@@ -239,7 +239,7 @@ def test_a_two_rank_async_run_and_tp_generation_print_titan_lines_only(tmp_path)
             "--nproc_per_node",
             "2",
             "-m",
-            "titan.generate",
+            "titan.tools.generate",
             "--checkpoint",
             str(dump / "checkpoint"),
             "--prompt",

@@ -15,7 +15,7 @@ from titan.models.spec import (
     register_train_spec,
     registered_names,
 )
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 TITAN = REPO_ROOT / "titan"
 
@@ -110,7 +110,7 @@ def test_the_test_family_builds_on_common_only():
 
 
 def test_one_dtype_name_map():
-    """Only titan/dtypes.py maps dtype names to torch dtypes."""
+    """Only titan/runtime/dtypes.py maps dtype names to torch dtypes."""
 
     def maps_names_to_dtypes(node) -> bool:
         return isinstance(node, ast.Dict) and any(
@@ -126,7 +126,7 @@ def test_one_dtype_name_map():
         for p in TITAN.rglob("*.py")
         if any(maps_names_to_dtypes(n) for n in ast.walk(ast.parse(p.read_text())))
     ]
-    assert found == ["titan/dtypes.py"]
+    assert found == ["titan/runtime/dtypes.py"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -169,12 +169,13 @@ def test_config_check_stays_light(tmp_path):
     import subprocess
     import sys
 
-    # the launcher's own checks (titan.launch.main runs these three before torchrun); the
+    # the launcher's own checks (titan.launcher.launch.main runs these three before torchrun); the
     # memory check once imported DTensor, unseen while this test ran plan_run alone
     code = (
-        "import sys; from titan.config import parse_args; from titan.launch import "
-        "check_memory, validate_world_sizes; from titan.content_check import check_content; "
-        "from titan.checkpoint_check import check_checkpoints; "
+        "import sys; from titan.config import parse_args; from titan.launcher.launch import "
+        "check_memory, validate_world_sizes; "
+        "from titan.launcher.content_check import check_content; "
+        "from titan.launcher.checkpoint_check import check_checkpoints; "
         "job = parse_args(['--parallelism.pipeline_parallel_degree', '2', "
         "'--checkpoint.enable', '--job.dump_folder', sys.argv[1]]); "
         "plan = validate_world_sizes(job, 1, 1, 2); check_content(job, plan.tokenizer); "
@@ -272,3 +273,38 @@ def test_registration_names_the_base_that_declares_the_optional_members():
                 parallelize_fn=llama.parallelize_fn,
             )
         )
+
+
+# ----------------------------------------------------------------------------- the house
+
+# titan's packages from the bottom up: each imports only those below it
+LAYERS = [
+    "runtime",
+    "config",
+    "parallelisms",
+    "models",
+    "components",
+    "trainer",
+    "planner",
+    "launcher",
+    "tools",
+]
+
+
+def test_the_top_level_is_the_packages_and_no_import_points_up():
+    top = sorted(p.name for p in TITAN.iterdir() if p.name != "__pycache__")
+    assert top == sorted(["__init__.py", *LAYERS])
+    upward = []
+    for path in TITAN.rglob("*.py"):
+        mine = path.relative_to(TITAN).parts[0]
+        if mine == "__init__.py":
+            continue
+        for module in imported_modules(path):
+            other = module.split(".")[1] if module.startswith("titan.") else None
+            if other in LAYERS and LAYERS.index(other) > LAYERS.index(mine):
+                upward.append(f"{path.relative_to(REPO_ROOT)} imports {module}")
+    assert upward == []
+    # the scan can see one: parallelisms below models
+    assert "titan.models.common.aux_loss" in imported_modules(
+        TITAN / "models" / "common" / "moe.py"
+    )

@@ -18,7 +18,7 @@ from titan.components.checkpoint.folders import CheckpointError, folder_problem,
 from titan.components.checkpoint.identity import model_identity
 from titan.config import ConfigError, parse_args
 from titan.models.spec import get_train_spec
-from titan.preflight import plan_run
+from titan.trainer.run_plan import plan_run
 
 LLAMA = get_train_spec("llama3")
 
@@ -138,7 +138,7 @@ def run_dir(tmp_path):
 
 
 def launcher_check(*argv):
-    from titan.checkpoint_check import check_checkpoints
+    from titan.launcher.checkpoint_check import check_checkpoints
 
     job = parse_args(list(argv))
     check_checkpoints(job, plan_run(job, world_size=1))

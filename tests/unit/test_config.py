@@ -514,13 +514,16 @@ def test_to_toml_round_trip_control_characters(tmp_path):
 
 
 def test_plain_python_entry_takes_help_and_run_train_sh_default_config(monkeypatch):
-    """`python -m titan.train` prints --help like run_train.sh, and without --job.config_file
+    """`python -m titan.trainer` prints --help like run_train.sh, and without --job.config_file
     starts from the file run_train.sh uses (CONFIG_FILE's, else the debug config), not the
     built-in defaults (seq 2048, lr 8e-4)."""
     from titan.config import with_config_file
 
     proc = subprocess.run(
-        [sys.executable, "-m", "titan.train", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "titan.trainer", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert "--training.steps" in proc.stdout and "--job.config_file" in proc.stdout

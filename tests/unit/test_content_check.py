@@ -1,6 +1,6 @@
 """Bad files are refused by the launcher, before torchrun starts a worker: exit code 2 and
-one line naming the file and the fix (titan/content_check.py). Each case runs the launcher's
-main in this process (run_train.sh only execs it); none gets as far as torchrun."""
+one line naming the file and the fix (titan/launcher/content_check.py). Each case runs the
+launcher's main in this process (run_train.sh only execs it); none gets as far as torchrun."""
 
 import json
 import sys
@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from tests.conftest import TOKENIZER_PATH
-from titan import launch
 from titan.components.data.token_shards import META, ShardWriter
 from titan.components.data.tokenizer import Tokenizer
 from titan.config import parse_args
-from titan.content_check import check_content
-from titan.preflight import plan_run
+from titan.launcher import launch
+from titan.launcher.content_check import check_content
+from titan.trainer.run_plan import plan_run
 
 
 def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:
@@ -23,7 +23,7 @@ def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:
         sys,
         "argv",
         [
-            "titan.launch",
+            "titan.launcher.launch",
             "--standalone",
             "--nnodes=1",
             "--nproc_per_node=2",

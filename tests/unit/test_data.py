@@ -124,7 +124,7 @@ def test_kjv_batches_are_shifted(tokenizer):
 
 
 def test_unshuffled_kjv_is_the_token_stream(tokenizer):
-    from titan.paths import resolve
+    from titan.runtime.paths import resolve
 
     ((x, y),) = take(loader(tokenizer, 2, 2, shuffle=False), 1)
     with open(resolve(dataset_mod.BUNDLED["kjv"])) as f:

@@ -16,7 +16,7 @@ from titan.components.data.dataset import DataError
 from titan.components.data.packed import open_tokens
 from titan.components.data.token_shards import ShardWriter, TokenShards
 from titan.components.data.tokenizer import Tokenizer
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 SEQ = 32
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.forked import run_workers
-from titan.distributed import is_collective_failure, set_collective_timeout
+from titan.runtime.distributed import is_collective_failure, set_collective_timeout
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 

@@ -1,8 +1,8 @@
 """How a worker hands an error a restart would meet again to the launcher
-(titan/final_error.py; the whole path through run_train.sh is in
+(titan/runtime/final_error.py; the whole path through run_train.sh is in
 tests/integration/test_fault_tolerance.py)."""
 
-from titan import final_error
+from titan.runtime import final_error
 
 
 def test_the_first_rank_to_record_wins_in_one_line(monkeypatch, tmp_path):

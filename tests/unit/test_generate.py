@@ -14,8 +14,8 @@ import torch
 from tests.forked import free_port, run_workers
 from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
-from titan.generate import Sampling, generate, load_model, sample
 from titan.models.spec import get_train_spec
+from titan.tools.generate import Sampling, generate, load_model, sample
 
 LLAMA = get_train_spec("llama3")
 ARGS = LLAMA.flavors["debugmodel"].with_updates(vocab_size=2048, max_seq_len=128)
@@ -82,8 +82,8 @@ def _tp_generate(rank, world_size, port, hf_dir, prompts, sampling):
     import os
 
     from titan.config import parse_args
-    from titan.generate import _tp_job
     from titan.parallelisms.parallel_dims import ParallelDims
+    from titan.tools.generate import _tp_job
 
     os.environ.update(
         RANK=str(rank),
@@ -129,7 +129,7 @@ def test_cli_on_dcp_and_hf_checkpoints(model, tmp_path):
 
     def run(*argv):
         return subprocess.run(
-            [sys.executable, "-m", "titan.generate", *argv],
+            [sys.executable, "-m", "titan.tools.generate", *argv],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -182,7 +182,7 @@ def test_damaged_steps_are_skipped_or_refused_and_output_is_pipe_safe(model, tmp
     """Checksums as the trainer checks them: a root's damaged newest step is skipped with a
     warning, a damaged step given by name or a root with no intact step is one line, exit 2;
     and the text piped into a reader that goes away ends quietly (SIGPIPE, no traceback)."""
-    from titan.generate import checkpoint_folder
+    from titan.tools.generate import checkpoint_folder
 
     root = tmp_path / "checkpoint"
     for step in (3, 5):
@@ -191,7 +191,7 @@ def test_damaged_steps_are_skipped_or_refused_and_output_is_pipe_safe(model, tmp
     assert checkpoint_folder(root) == root / "step-3"
     warning = capsys.readouterr().err
     assert (
-        warning.startswith("titan.generate: warning: step-5 is unusable (")
+        warning.startswith("titan.tools.generate: warning: step-5 is unusable (")
         and warning.rstrip().endswith("generating from step-3 instead")
         and warning.count("\n") == 1
     )
@@ -209,7 +209,7 @@ def test_damaged_steps_are_skipped_or_refused_and_output_is_pipe_safe(model, tmp
             [
                 sys.executable,
                 "-m",
-                "titan.generate",
+                "titan.tools.generate",
                 "--checkpoint",
                 str(root),
                 "--prompt",
@@ -228,7 +228,7 @@ def test_damaged_steps_are_skipped_or_refused_and_output_is_pipe_safe(model, tmp
 
     flip_bytes(root / "step-3")
     bad = subprocess.run(
-        [sys.executable, "-m", "titan.generate", "--checkpoint", str(root), "--prompt", "x"],
+        [sys.executable, "-m", "titan.tools.generate", "--checkpoint", str(root), "--prompt", "x"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -236,7 +236,7 @@ def test_damaged_steps_are_skipped_or_refused_and_output_is_pipe_safe(model, tmp
     )
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1, bad.stderr
     assert bad.stderr.startswith(
-        f"titan.generate: --checkpoint {root} holds no intact step folder (step-5: "
+        f"titan.tools.generate: --checkpoint {root} holds no intact step folder (step-5: "
     )
     assert bad.stderr.rstrip().endswith("pass an intact step folder or an HF folder")
 
@@ -252,17 +252,17 @@ def test_damaged_steps_are_skipped_or_refused_and_output_is_pipe_safe(model, tmp
     ],
 )
 def test_out_of_range_options_exit_2_in_one_line(argv, why, capsys):
-    from titan.generate import main
+    from titan.tools.generate import main
 
     with pytest.raises(SystemExit) as e:
         main(["--checkpoint", "nowhere", "--prompt", "x", *argv])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("titan.generate: " + why)
+    assert e.value.code == 2 and err.startswith("titan.tools.generate: " + why)
     assert err.count("\n") == 1
 
 
 def test_prompt_must_fit_the_model_positions():
-    from titan.generate import GenerateError, check_positions
+    from titan.tools.generate import GenerateError, check_positions
 
     check_positions([[1] * 100, [1] * 3], 28, 128)  # 100 + 28 = 128: fits exactly
     with pytest.raises(
@@ -277,7 +277,7 @@ def test_prompt_must_fit_the_model_positions():
 
 def test_checkpoint_of_another_flavor_is_named(model, tmp_path):
     from titan.config import parse_args
-    from titan.generate import GenerateError, model_args, positions
+    from titan.tools.generate import GenerateError, model_args, positions
 
     step = checkpoint.save_dcp_model_state(model.state_dict(), tmp_path / "step-1")
     job = parse_args(["--training.seq_len", "96"])
@@ -312,7 +312,7 @@ def test_cli_refuses_a_long_prompt_and_a_wrong_flavor(model, tmp_path):
 
     def run(*argv):
         return subprocess.run(
-            [sys.executable, "-m", "titan.generate", "--checkpoint", str(step), *argv],
+            [sys.executable, "-m", "titan.tools.generate", "--checkpoint", str(step), *argv],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -321,11 +321,14 @@ def test_cli_refuses_a_long_prompt_and_a_wrong_flavor(model, tmp_path):
 
     long = run("--prompt", "In the beginning " * 40, "--training.seq_len", "64")
     assert long.returncode == 2 and long.stdout == "", long.stderr
-    assert long.stderr.startswith("titan.generate: prompt 0 is ") and long.stderr.count("\n") == 1
+    assert (
+        long.stderr.startswith("titan.tools.generate: prompt 0 is ")
+        and long.stderr.count("\n") == 1
+    )
     assert "the model has 64 positions (max_seq_len)" in long.stderr
     other = run("--prompt", "In", "--model.flavor", "3B")
     assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
-    assert other.stderr.startswith("titan.generate: ") and "Traceback" not in other.stderr
+    assert other.stderr.startswith("titan.tools.generate: ") and "Traceback" not in other.stderr
     assert other.stderr.rstrip().endswith("pass --model.flavor debugmodel")
 
 
@@ -336,7 +339,7 @@ def _tokenizer():
 
 
 def test_streamed_text_never_shows_half_a_character(tokenizer):
-    from titan.generate import TextStream
+    from titan.tools.generate import TextStream
 
     text = "café naïve — 😀 done"
     ids = tokenizer.encode(text, bos=False, eos=False)

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from titan.config import ConfigError
-from titan.launch import check_log_ranks, ranks_per_node
-from titan.paths import REPO_ROOT
+from titan.launcher.launch import check_log_ranks, ranks_per_node
+from titan.runtime.paths import REPO_ROOT
 
 
 def test_ranks_per_node():

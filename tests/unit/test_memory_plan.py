@@ -11,7 +11,7 @@ import pytest
 from tests.forked import run_trainer, run_workers, tiny_run
 from titan.config import parse_args
 from titan.planner.memory import rank_bytes
-from titan.preflight import plan_run
+from titan.trainer.run_plan import plan_run
 
 ONE_STEP = tiny_run(1)
 LAYOUTS = {
@@ -197,7 +197,7 @@ def test_planned_state_bytes_equal_measured(case, tmp_path):
 def test_plan_cli_json_and_errors(tmp_path):
     import subprocess
 
-    from titan.paths import REPO_ROOT
+    from titan.runtime.paths import REPO_ROOT
 
     def plan(*args):
         return subprocess.run(
@@ -245,7 +245,7 @@ def test_launcher_refuses_states_that_cannot_fit():
     import os
     import subprocess
 
-    from titan.paths import REPO_ROOT
+    from titan.runtime.paths import REPO_ROOT
 
     def dry_run(*overrides):
         return subprocess.run(
@@ -273,7 +273,7 @@ def test_launcher_refuses_states_that_cannot_fit():
 def _suggest_in_child(rank, world_size, argv):
     """The suggestions, each put through the launcher's own checks (parse, every world
     size's plan, the memory check against 0.25 GiB)."""
-    from titan.launch import check_memory, validate_world_sizes
+    from titan.launcher.launch import check_memory, validate_world_sizes
     from titan.planner.layout_search import Hardware, suggest
 
     job = parse_args(argv)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from tests.import_guard.sitecustomize import OPTIONAL
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 
 def pytest_child(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:

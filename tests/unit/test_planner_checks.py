@@ -29,9 +29,9 @@ def job(*argv):
 
 def _check_untraceable(rank, world_size, argv, mode):
     import titan.planner.activations as activations
-    from titan.launch import check_memory
+    from titan.launcher.launch import check_memory
     from titan.planner.memory import check_fits
-    from titan.preflight import plan_run
+    from titan.trainer.run_plan import plan_run
 
     def untraceable(*args, **kwargs):
         raise NotImplementedError("aten::made_up_op has no fake-tensor kernel")
@@ -72,7 +72,7 @@ def _pipeline_ranks(rank, world_size, argv, wide_blocks):
     """(the figures of every pipeline rank as the planner gives them, each rank's own
     figures built and traced alone, the ranks built)."""
     import titan.planner.memory as memory
-    from titan.preflight import plan_run
+    from titan.trainer.run_plan import plan_run
 
     j = job(*argv)
     plan = plan_run(j, 4)

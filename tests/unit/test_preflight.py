@@ -4,7 +4,7 @@
 import pytest
 
 from titan.config import ConfigError, parse_args
-from titan.preflight import plan_run
+from titan.trainer.run_plan import plan_run
 
 
 def refused(*argv, world_size=1) -> str:
@@ -63,7 +63,7 @@ def test_cuda_device_needs_a_gpu():
 def test_cuda_is_picked_when_present(tmp_path):
     import torch
 
-    from titan.distributed import pick_device
+    from titan.runtime.distributed import pick_device
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

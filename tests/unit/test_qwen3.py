@@ -16,7 +16,7 @@ from tests.forked import build_trainer, free_port, run_trainer, run_workers, tin
 from titan.components.checkpoint import hf_io
 from titan.models.qwen3.state_dict_adapter import qwen3_args_from_hf_config
 from titan.models.spec import family_of_hf_config, get_train_spec
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 
@@ -276,8 +276,8 @@ def test_tools_read_the_family_from_the_folder(one_rank, tmp_path, capsys):
     it is Qwen3."""
     from titan.components.checkpoint import folders as checkpoint
     from titan.config import parse_args
-    from titan.generate import load_model
-    from titan.generate import main as generate_main
+    from titan.tools.generate import load_model
+    from titan.tools.generate import main as generate_main
 
     step = one_rank[1]
     _script("convert_to_hf").main([str(step), str(tmp_path / "hf"), "--max-seq-len", "32"])

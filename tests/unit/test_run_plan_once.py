@@ -17,7 +17,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 def _count_plan_work() -> collections.Counter:
     """Counts, in this process, the reads of the tokenizer, the pipeline plans made from the
     config and the plan_run calls."""
-    import titan.preflight as preflight
+    import titan.trainer.run_plan as preflight
 
     counts = collections.Counter()
 
@@ -43,10 +43,10 @@ def _planner(rank, world_size, argv):
 
 
 def _launcher_checks(rank, world_size, argv, dump):
-    from titan.checkpoint_check import check_checkpoints
     from titan.config import parse_args
-    from titan.content_check import check_content
-    from titan.launch import check_memory, validate_world_sizes
+    from titan.launcher.checkpoint_check import check_checkpoints
+    from titan.launcher.content_check import check_content
+    from titan.launcher.launch import check_memory, validate_world_sizes
 
     counts = _count_plan_work()
     job = parse_args([*argv, "--job.dump_folder", dump])

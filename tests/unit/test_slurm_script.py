@@ -4,7 +4,7 @@ node come from --nodes / --gpus-per-node, and every node's torchrun command is p
 import os
 import subprocess
 
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 SCRIPT = str(REPO_ROOT / "scripts" / "multinode_trainer.slurm")
 
@@ -45,7 +45,7 @@ def test_dry_run_with_named_nodes_prints_every_command(tmp_path):
         cmd = line.split(": ", 1)[1]
         assert cmd.startswith("torchrun ")
         assert cmd.endswith(
-            f"-m titan.train --job.config_file train_configs/debug_model.toml "
+            f"-m titan.trainer --job.config_file train_configs/debug_model.toml "
             f"--training.steps 3 --job.dump_folder {dump}"
         )
         for flag in (

@@ -171,7 +171,7 @@ def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(
     # the weights alone (convert_to_hf, generate) read as the tied model
     from titan.components.checkpoint import folders as checkpoint
     from titan.config import parse_args
-    from titan.generate import load_model
+    from titan.tools.generate import load_model
 
     state = checkpoint.load_dcp_model_state(step2)
     assert "output.weight" not in state

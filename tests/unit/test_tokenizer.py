@@ -5,7 +5,7 @@ import json
 import pytest
 
 from titan.components.data.tokenizer import Tokenizer, TokenizerError
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 TEXTS = [
     "In the beginning God created the heaven and the earth.",

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 
 def _script(name):

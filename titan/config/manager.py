@@ -21,7 +21,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from titan.config import extensions
 from titan.config.job_config import JobConfig
-from titan.paths import resolve
+from titan.runtime.paths import resolve
 
 
 class ConfigError(ValueError):

@@ -1,7 +1,7 @@
 """Activations and transient buffers of one rank, before the run: the rank's own model parts
-(`titan.build.meta_parts`, under a fake process group) run one microbatch's forward on fake
+(`titan.trainer.build.meta_parts`, under a fake process group) run one microbatch's forward on fake
 tensors (shapes and dtypes, no memory, no data) through the trainer's own forward
-(`titan.microbatch`), and `ActivationTracker` sums what is held for backward when it ends,
+(`titan.trainer.microbatch`), and `ActivationTracker` sums what is held for backward when it ends,
 as it does in the run. So AC mode, sequence and context sharding, TP/SP and loss parallelism,
 mixed precision and float8 act as they will.
 
@@ -33,7 +33,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from titan.components.observability.memory_measure import ActivationTracker, storages
 from titan.config import JobConfig
-from titan.dtypes import to_dtype
+from titan.runtime.dtypes import to_dtype
 
 
 def trace_activations(
@@ -44,7 +44,7 @@ def trace_activations(
     group (titan.planner.memory.rank_bytes). Materializes them as fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from titan.microbatch import ForwardBackward
+    from titan.trainer.microbatch import ForwardBackward
 
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_log.level

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from titan.config import ConfigError, JobConfig
 from titan.config.manager import with_overrides
 from titan.parallelisms.parallel_dims import DIMS, ParallelDims
-from titan.preflight import RunPlan
+from titan.trainer.run_plan import RunPlan
 
 AC_COST = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
 SOURCE = "--suggest"  # where a candidate's settings come from, as the config parser records it
@@ -178,7 +178,7 @@ def suggest(
 ) -> list[Candidate]:
     """The `top` fastest candidates on the world size of `base`, the job's RunPlan."""
     from titan.planner.memory import pipeline_rank_bytes
-    from titan.preflight import plan_run
+    from titan.trainer.run_plan import plan_run
 
     world_size, global_batch = base.dims.world_size, base.global_batch_size
     budget = device_memory * (1 - margin)

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan.paths import REPO_ROOT
+from titan.runtime.paths import REPO_ROOT
 
 
 class RunFailed(RuntimeError):
@@ -106,7 +106,7 @@ def find_workers(dump_folder: str | Path, rank: int | None = None) -> list[int]:
                     for kv in (proc / "environ").read_bytes().split(b"\0")
                     if b"=" in kv
                 )
-                if b"titan.train" not in cmdline or env.get(b"RANK") != str(rank).encode():
+                if b"titan.trainer" not in cmdline or env.get(b"RANK") != str(rank).encode():
                     continue
         except OSError:
             continue
@@ -214,7 +214,7 @@ def check_keys(keys: list[str], runs: dict[str, Run], common: list[str]) -> None
 
 def global_batch(run: Run, common: list[str]) -> int:
     """The sequences per optimizer step of `run`, as the launcher will resolve them."""
-    from titan.preflight import plan_run
+    from titan.trainer.run_plan import plan_run
 
     return plan_run(run_job(run, common), world_size=run.nproc).global_batch_size
 

@@ -1,5 +1,5 @@
 """Saving and restoring a training run: DCP saves (sync or async), resume from the newest
-usable checkpoint, initial loads, retention. Folder rules live in `checkpoint.py`.
+usable checkpoint, initial loads, retention. Folder rules live in `folders.py`.
 
 Async saves hand the state to DCP's saving process through shared memory: the copy runs
 during the next step's forward/backward, and the optimizer step waits for it.
@@ -46,8 +46,8 @@ from titan.components.checkpoint.integrity import (
     remove_sidecars,
 )
 from titan.components.checkpoint.train_state import ModelState
-from titan.dtypes import to_dtype
-from titan.paths import resolve
+from titan.runtime.dtypes import to_dtype
+from titan.runtime.paths import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class Checkpointer:
     checkpoint section.
 
     `layout` describes the parallel layout, recorded with each save and compared on resume.
-    `identity` (a `checkpoint_identity.ModelIdentity`) is the model: recorded with each save,
+    `identity` (an `identity.ModelIdentity`) is the model: recorded with each save,
     and a checkpoint of another model is refused before anything is loaded. `save_bytes`
     estimates a full save before there is one to measure (0: no space check). `hf` (an
     `hf_io.HFModelIO`) reads and writes HF folders through the model's adapter, for

@@ -3,7 +3,7 @@
 Layout: `<dump_folder>/<folder>/step-N/` holds DCP shards, `.metadata`, and a `.complete`
 marker that rank 0 writes (atomically, fsynced) only after every rank's data and the metadata
 are on disk. The marker records the step, the layout, the model the save was made from
-(`checkpoint_identity`) and every file's size and checksum (`checkpoint_integrity`).
+(`identity`) and every file's size and checksum (`integrity`).
 Everything here refuses folders without it. Resume takes the newest folder that is complete
 and whose files match what was written; torn or corrupt ones are skipped with a warning.
 
@@ -89,7 +89,7 @@ def write_complete_marker(
 ) -> None:
     """Mark `path` complete: write a temp file, fsync it, rename it into place. The marker
     records the step, the format ("dcp", or "hf" for an HF export), the parallel layout that
-    saved it, the model it holds (`checkpoint_identity.model_record`) and each file's
+    saved it, the model it holds (`identity.ModelIdentity`'s record) and each file's
     [crc32, size] as written."""
     tmp = path / (COMPLETE_MARKER + ".tmp")
     with open(tmp, "w") as f:

@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from titan.components.checkpoint.folders import CheckpointError, _quiet_no_dist
-from titan.dtypes import dtype_name, to_dtype
 from titan.models.spec import ModelArgs, StateDictAdapter, TrainSpec
+from titan.runtime.dtypes import dtype_name, to_dtype
 
 HF_CONFIG = "config.json"
 HF_GENERATION_CONFIG = "generation_config.json"

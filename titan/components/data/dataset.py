@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan.components.data.token_shards import is_shard_folder
-from titan.paths import resolve
+from titan.runtime.paths import resolve
 
 logger = logging.getLogger(__name__)
 

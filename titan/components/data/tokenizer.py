@@ -8,7 +8,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.processors import TemplateProcessing
 
-from titan.paths import resolve
+from titan.runtime.paths import resolve
 
 # names used by Llama 3, GPT-2 style and SentencePiece-converted tokenizers, in that order
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<|endoftext|>")

@@ -6,7 +6,7 @@ import logging
 import torch
 
 from titan.components.optim.low_precision_adam import LowPrecisionStateAdam
-from titan.dtypes import to_dtype
+from titan.runtime.dtypes import to_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.adam import adam
 
-from titan.dtypes import to_dtype
+from titan.runtime.dtypes import to_dtype
 
 
 class _OneGatherIsExact(logging.Filter):

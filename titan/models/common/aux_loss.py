@@ -19,43 +19,20 @@ Two kinds, so that no layout changes what is trained:
 """
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
+
+from titan.parallelisms.token_split import TokenSplit
 
 _active: "AuxLossCollector | None" = None
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-@dataclass(frozen=True)
-class TokenSplit:
-    """How a layout splits the step's tokens, as a group loss needs to know it. The defaults
-    are one process: nothing split, nothing averaged. Built for a run by
-    titan.parallelisms.token_split."""
-
-    sequences: int = 0  # sequences in the step (the global batch); 0: this forward's
-    seq_len: int = 0  # tokens in each; 0: this forward's
-    # sums (no gradient) of a tensor over the ranks holding the other tokens of this rank's
-    # sequences in this forward (context parallelism, sequence-parallel TP)...
-    sum_over_sequence: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
-    # ... and over the ranks holding the rest of the global batch in this forward (those and
-    # the data-parallel ranks); only valid when each rank's step is one forward
-    sum_over_batch: Callable[[torch.Tensor], torch.Tensor] = field(default=_identity)
-    # ranks whose gradients are averaged (data parallel x context parallel), so a rank's
-    # share counts this many times over
-    grad_scale: int = 1
-    # ranks that compute the same share (tensor-parallel ranks without sequence parallelism)
-    replicas: int = 1
-    # ranks of a pipeline stage: a mean over microbatches is logged as their average
-    stage_ranks: int = 1
+# one process's split (nothing split, nothing averaged); frozen, so one instance serves all
+ONE_PROCESS = TokenSplit()
 
 
 class AuxLossCollector:
-    def __init__(self, microbatch_weight: float, split: TokenSplit = TokenSplit()):
+    def __init__(self, microbatch_weight: float, split: TokenSplit = ONE_PROCESS):
         self.weight = microbatch_weight
         self.split = split
         # the step's values, detached, each rank's share of the run's: summed over all ranks

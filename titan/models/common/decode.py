@@ -1,4 +1,4 @@
-"""The cache a model keeps while generating token by token (see `titan.generate`): any
+"""The cache a model keeps while generating token by token (see `titan.tools.generate`): any
 family's attention can use it, as Llama's does."""
 
 from dataclasses import dataclass, field

@@ -19,7 +19,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan.dtypes import to_dtype
 from titan.models.common.moe import MoE
 from titan.parallelisms.activation_checkpoint import apply_ac
 from titan.parallelisms.compile import compile_blocks, compile_whole
@@ -27,6 +26,7 @@ from titan.parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_afte
 from titan.parallelisms.expert_parallel import ExpertParallel
 from titan.parallelisms.parallel_dims import ParallelDims
 from titan.parallelisms.tensor_parallel import LocalTokens, replicate_modules
+from titan.runtime.dtypes import to_dtype
 
 # between blocks, activations are Shard(1) on the sequence (SP) or Replicate(): a plan of the
 # module names in one block -> its ParallelStyle, given that layout (and, for an attention

@@ -1,9 +1,9 @@
 """Generate text from a titan DCP checkpoint or an HF folder:
 
-    python -m titan.generate --checkpoint outputs/checkpoint --prompt "In the beginning"
-    python -m titan.generate --checkpoint exports/llama_hf --prompt "A" --prompt "B" \\
+    python -m titan.tools.generate --checkpoint outputs/checkpoint --prompt "In the beginning"
+    python -m titan.tools.generate --checkpoint exports/llama_hf --prompt "A" --prompt "B" \\
         --temperature 0.8 --top-p 0.9 --seed 1
-    torchrun --nproc_per_node 2 -m titan.generate --checkpoint ... --prompt ...   # TP 2
+    torchrun --nproc_per_node 2 -m titan.tools.generate --checkpoint ... --prompt ...   # TP 2
 
 A DCP checkpoint (a step folder, or a checkpoint root: its newest complete step) is read
 with the model of the training config (--job.config_file, --model.flavor, ...; any titan
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger("titan.generate")
+logger = logging.getLogger("titan.tools.generate")
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def checkpoint_folder(path: Path) -> Path:
         return path
 
     def warn(message: str) -> None:
-        print(f"titan.generate: warning: {message}", file=sys.stderr, flush=True)
+        print(f"titan.tools.generate: warning: {message}", file=sys.stderr, flush=True)
 
     return checkpoint.intact_folder(path, "--checkpoint", "generating from", warn)
 
@@ -309,7 +309,7 @@ def check_positions(prompts: list[list[int]], max_new_tokens: int, limit: int) -
 
 
 def _fail(why) -> None:
-    print(f"titan.generate: {why}", file=sys.stderr, flush=True)
+    print(f"titan.tools.generate: {why}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -344,10 +344,10 @@ def main(argv: list[str] | None = None) -> None:
     from titan.components.checkpoint.identity import family_in
     from titan.components.data.tokenizer import Tokenizer, TokenizerError
     from titan.config import ConfigError, parse_args
-    from titan.distributed import init_distributed, pick_device
-    from titan.logging_setup import init_logging
     from titan.models.spec import get_train_spec
     from titan.parallelisms.parallel_dims import ParallelDims
+    from titan.runtime.distributed import init_distributed, pick_device
+    from titan.runtime.logging_setup import init_logging
 
     init_logging()
     # every rank checks alike, so with torchrun all of them stop at the same line

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +25,11 @@ from pathlib import Path
 ENV = "TITAN_ERROR_FILE"
 PROCESS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
+
+
+def describe(signum: int) -> str:
+    """A signal as a stop line names it."""
+    return "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
 def record(kind: str, error: BaseException | str, exit_code: int) -> None:
@@ -69,8 +75,6 @@ def run_torchrun(argv: list[str], stopped=None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-
-    from titan.interrupts import describe
 
     args = torchrun.parse_args(argv)
     folder = tempfile.mkdtemp(prefix="titan-launch-")

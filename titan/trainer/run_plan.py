@@ -20,7 +20,7 @@ from titan.config.manager import require, source_of
 from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_names
 from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, validate_against_model
 from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipelines
-from titan.paths import resolve
+from titan.runtime.paths import resolve
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 def init_distributed(device: torch.device, init_timeout_s: int) -> tuple[int, int]:
     """Always a process group, world size 1 included, so one code path serves 1 and N ranks."""
-    if "RANK" not in os.environ:  # started as plain `python -m titan.train`
+    if "RANK" not in os.environ:  # started as plain `python -m titan.trainer`
         os.environ.update(
             RANK="0",
             WORLD_SIZE="1",

@@ -1,6 +1,6 @@
 """Entry point of run_train.sh: validate the job, then hand over to torchrun.
 
-`python -m titan.launch [torchrun args] -- [trainer overrides]`. Validation happens here,
+`python -m titan.launcher [torchrun args] -- [trainer overrides]`. Validation happens here,
 in one process, so a bad config fails in a second with exit code 2 and one message,
 before torchrun starts workers or anything is written to disk. It uses the real world size:
 nodes x ranks per node, for every node count an elastic job (`--nnodes MIN:MAX`) may run on.
@@ -19,8 +19,8 @@ import shlex
 import sys
 
 from titan.config import ConfigError, help_text, parse_args, to_toml
-from titan.console import print_out
-from titan.final_error import run_torchrun
+from titan.runtime.console import print_out
+from titan.runtime.final_error import run_torchrun
 
 
 def rendezvous_id(dump_folder: str) -> str:
@@ -33,7 +33,7 @@ def rendezvous_id(dump_folder: str) -> str:
 def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
     """plan_run for every world size the job may see (returns the last plan); ConfigError
     names the node count."""
-    from titan.preflight import plan_run  # imports torch: only once the config parses
+    from titan.trainer.run_plan import plan_run  # imports torch: only once the config parses
 
     elastic = min_nodes < max_nodes
     if elastic and job.training.global_batch_size == -1:
@@ -135,23 +135,23 @@ def main() -> None:
         job = parse_args(trainer_args)
         from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 
-        ta = get_args_parser().parse_args([*torchrun_args, "-m", "titan.train"])
+        ta = get_args_parser().parse_args([*torchrun_args, "-m", "titan.trainer"])
         min_nodes, max_nodes = node_counts(ta.nnodes, parse_min_max_nnodes)
         check_node_rank(ta.node_rank, max_nodes)
         nproc = ranks_per_node(ta.nproc_per_node)
         check_log_ranks(ta.local_ranks_filter, nproc)
         plan = validate_world_sizes(job, min_nodes, max_nodes, nproc)
-        from titan.content_check import check_content
+        from titan.launcher.content_check import check_content
 
         check_content(job, plan.tokenizer)
-        from titan.checkpoint_check import check_checkpoints
+        from titan.launcher.checkpoint_check import check_checkpoints
 
         check_checkpoints(job, plan)
         check_memory(job, plan)  # validate_world_sizes' last plan: the fewest nodes
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         sys.exit(2)
-    from titan.preflight import vocabulary_note
+    from titan.trainer.run_plan import vocabulary_note
 
     note = vocabulary_note(job, plan)
     if note:
@@ -162,11 +162,11 @@ def main() -> None:
         print(to_toml(job), flush=True)
         # printed once, here: a last override wins over every form (flag, =true, TOML)
         trainer_args = [*trainer_args, "--job.no_print_config"]
-    command = [*torchrun_args, "-m", "titan.train", *trainer_args]
+    command = [*torchrun_args, "-m", "titan.trainer", *trainer_args]
     if os.environ.get("DRY_RUN", "0") not in ("", "0"):
         print_out("torchrun " + shlex.join(command))
         sys.exit(0)
-    from titan import interrupts
+    from titan.trainer import interrupts
 
     run_torchrun(command, stopped=lambda: interrupts.status(job.checkpoint, job.job.dump_folder))
 

@@ -11,7 +11,7 @@ from torch import nn
 from titan.components.quantization.float8 import apply_float8
 from titan.config import JobConfig
 from titan.parallelisms.pipeline import PipelinePlan
-from titan.preflight import RunPlan
+from titan.trainer.run_plan import RunPlan
 
 
 def meta_parts(

@@ -5,7 +5,7 @@ indexes, safetensors headers and the first lines of jsonl files, never a whole d
 worker would otherwise find a bad file N times over, as a traceback per rank, and again on
 every restart). Only the launcher runs it: on a thousand ranks, each reading the heads of
 every file would be a load on shared storage. What only a full read finds (a bad record in
-the middle of a file) is the workers' to report (titan/final_error.py).
+the middle of a file) is the workers' to report (titan/runtime/final_error.py).
 """
 
 import json
@@ -15,7 +15,7 @@ from titan.components.data.dataset import DataError, local_files, parse_mix
 from titan.components.data.token_shards import ShardError, is_shard_folder, verify
 from titan.components.data.tokenizer import Tokenizer
 from titan.config import ConfigError, JobConfig
-from titan.paths import resolve
+from titan.runtime.paths import resolve
 
 # enough to catch a file of the wrong kind, a wrong text field or a broken writer
 FIRST_LINES = 8

@@ -43,10 +43,6 @@ def received() -> int | None:
     return _received
 
 
-def describe(signum: int) -> str:
-    return "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
-
-
 def status(checkpoint_cfg, dump_folder: str) -> str:
     """Where the next run starts, for the line that reports a stop."""
     from titan.components.checkpoint.folders import COMPLETE_MARKER, folder_problem, step_folders

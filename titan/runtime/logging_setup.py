@@ -26,7 +26,7 @@ def init_logging() -> None:
 
 
 def quiet_checkpoint_process() -> None:
-    """In DCP's saving process (spawned from titan.train, which it imports first): its INFO
+    """In DCP's saving process (spawned from titan.trainer.train, which it imports first): its INFO
     lines, in a format of their own, and the warning every staged DTensor's mesh gives as it
     is unpickled before the process's groups exist (harmless: it never compiles)."""
     logging.getLogger().addFilter(_not_library_info)

@@ -16,7 +16,7 @@ from titan.models.common import aux_loss
 from titan.models.common.documents import document_ids, document_positions
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.pipeline import PipelinePlan, build_schedule
-from titan.preflight import RunPlan
+from titan.trainer.run_plan import RunPlan
 
 
 class ForwardBackward:

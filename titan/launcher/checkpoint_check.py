@@ -17,7 +17,7 @@ from titan.components.checkpoint.disk_space import (
     space_problem,
 )
 from titan.config import ConfigError, JobConfig
-from titan.paths import resolve
+from titan.runtime.paths import resolve
 
 
 def check_checkpoints(job: JobConfig, plan) -> None:

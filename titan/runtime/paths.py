@@ -3,7 +3,7 @@ repo checkout, so bundled assets are found wherever run_train.sh is started from
 
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def resolve(path: str) -> Path:

@@ -1,4 +1,4 @@
-"""The trainer: `python -m titan.train [overrides]`, normally started by run_train.sh.
+"""The trainer: `python -m titan.trainer [overrides]`, normally started by run_train.sh.
 
 Read top to bottom: build everything from the config, then loop over steps.
 """
@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from titan import final_error, interrupts
-from titan.build import meta_parts
 from titan.components.checkpoint.checkpointer import (
     Checkpointer,
     SaveInterrupted,
@@ -51,22 +49,25 @@ from titan.components.training.gc import ScheduledGC
 from titan.components.training.loss import reduce_loss
 from titan.components.training.validate import Validator
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
-from titan.console import print_out
-from titan.distributed import (
+from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
+from titan.parallelisms.tensor_parallel import shard_grads_like_params
+from titan.parallelisms.tied_weights import TiedCopies
+from titan.parallelisms.token_split import token_split
+from titan.runtime import final_error
+from titan.runtime.console import print_out
+from titan.runtime.distributed import (
     clean_exit,
     init_distributed,
     is_collective_failure,
     pick_device,
     set_collective_timeout,
 )
-from titan.dtypes import to_dtype
-from titan.logging_setup import init_logging, quiet_checkpoint_process
-from titan.microbatch import ForwardBackward
-from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
-from titan.parallelisms.tensor_parallel import shard_grads_like_params
-from titan.parallelisms.tied_weights import TiedCopies
-from titan.parallelisms.token_split import token_split
-from titan.preflight import RunPlan, plan_run
+from titan.runtime.dtypes import to_dtype
+from titan.runtime.logging_setup import init_logging, quiet_checkpoint_process
+from titan.trainer import interrupts
+from titan.trainer.build import meta_parts
+from titan.trainer.microbatch import ForwardBackward
+from titan.trainer.run_plan import RunPlan, plan_run
 
 logger = logging.getLogger("titan")
 
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> None:
             step = getattr(e, "step", 0)
             logger.warning(
                 "stopped by %s %s; %s",
-                interrupts.describe(signum),
+                final_error.describe(signum),
                 f"during step {step}" if step else "before the first step",
                 interrupts.status(job.checkpoint, job.job.dump_folder),
             )

@@ -1,0 +1,3 @@
+from titan.launcher.launch import main
+
+main()

@@ -1,0 +1,3 @@
+from titan.trainer.train import main
+
+main()
