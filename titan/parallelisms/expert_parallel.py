@@ -64,11 +64,12 @@ class ExpertParallel(ParallelStyle):
             )
         routes: list[_Route] = []
         swapped: list[tuple[str, nn.Parameter]] = []
+        setattr(module, WORST_CASE, False)
 
         def dispatch(mod, args):
             x, counts = args
             with record_function(DISPATCH):
-                route = _Route(counts, ep_mesh, x.shape[0])
+                route = _Route(counts, ep_mesh, x.shape[0], getattr(mod, WORST_CASE))
                 routes.append(route)
                 for name, p in list(mod._parameters.items()):
                     if isinstance(p, DTensor):
@@ -92,19 +93,23 @@ class ExpertParallel(ParallelStyle):
         return module
 
 
-_worst_case_routing = False
+# the experts module's flag that its traced dispatch gives this rank the worst case
+WORST_CASE = "ep_worst_case_routing"
 
 
 @contextlib.contextmanager
-def worst_case_routing():
-    """Within it, a traced (fake) dispatch gives this rank every row its ep group routes: the
-    most an imbalanced routing can send one rank, which the memory planner states as a bound."""
-    global _worst_case_routing
-    _worst_case_routing = True
+def worst_case_routing(parts: list[nn.Module]):
+    """Within it, a traced (fake) dispatch of these parts' experts gives this rank every row
+    its ep group routes: the most an imbalanced routing can send one rank, which the memory
+    planner states as a bound."""
+    experts = [m for part in parts for m in part.modules() if hasattr(m, WORST_CASE)]
+    for m in experts:
+        setattr(m, WORST_CASE, True)
     try:
         yield
     finally:
-        _worst_case_routing = False
+        for m in experts:
+            setattr(m, WORST_CASE, False)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -121,7 +126,7 @@ class _ScaleGrad(torch.autograd.Function):
 class _Route:
     """Where this rank's sorted rows go and where the rows it receives came from."""
 
-    def __init__(self, counts: torch.Tensor, mesh: DeviceMesh, rows: int):
+    def __init__(self, counts: torch.Tensor, mesh: DeviceMesh, rows: int, worst_case: bool):
         self.group = mesh.get_group()
         ep = mesh.size()
         n_local = counts.numel() // ep
@@ -131,8 +136,8 @@ class _Route:
             # evenly, the bytes of a balanced routing; or, for its bound, this rank receives
             # every row of its ep group
             self.send_splits = [rows // ep + (r < rows % ep) for r in range(ep)]
-            received = sent * ep if _worst_case_routing else sent
-            self.recv_splits = [rows] * ep if _worst_case_routing else self.send_splits
+            received = sent * ep if worst_case else sent
+            self.recv_splits = [rows] * ep if worst_case else self.send_splits
         else:
             received = torch.empty_like(sent)
             dist.all_to_all_single(received, sent, group=self.group)

@@ -37,11 +37,13 @@ from titan.runtime.dtypes import to_dtype
 
 
 def trace_activations(
-    job: JobConfig, plan, parts: list[nn.Module], pp_plan
+    job: JobConfig, plan, parts: list[nn.Module], pp_plan, worst_routing: bool = False
 ) -> tuple[dict, "PipelineHeld | None"]:
     """({"activations_bytes", "transient_bytes"} of one rank at its peak, what its pipeline
     stages hold (None without pipelining)), from its meta parts built under a fake process
-    group (titan.planner.memory.rank_bytes). Materializes them as fake tensors."""
+    group (titan.planner.memory.rank_bytes). Materializes them as fake tensors.
+    `worst_routing`: the parts' experts dispatch the worst case (expert_parallel.
+    worst_case_routing), and the dispatch buffers are counted for it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan.trainer.microbatch import ForwardBackward
@@ -69,7 +71,7 @@ def trace_activations(
         "activations_bytes": acts,
         "transient_bytes": fsdp_transient_bytes(parts, job)
         + logits
-        + dispatch_transient_bytes(job, plan, fb),
+        + dispatch_transient_bytes(job, plan, fb, worst_routing),
     }, held
 
 
@@ -211,11 +213,10 @@ def _flat(actions):
             yield a
 
 
-def dispatch_transient_bytes(job: JobConfig, plan, fb) -> int:
+def dispatch_transient_bytes(job: JobConfig, plan, fb, worst_routing: bool = False) -> int:
     """Expert parallelism's buffers in one MoE layer that backward does not keep: the rows as
     received before their reordering, and the experts' outputs reordered before they go back.
     Balanced routing; under `worst_case_routing`, every row of the ep group (ep x as many)."""
-    from titan.parallelisms import expert_parallel
 
     d, t = plan.dims, job.training
     if not d.ep_enabled:
@@ -227,7 +228,7 @@ def dispatch_transient_bytes(job: JobConfig, plan, fb) -> int:
     )
     split = d.cp * (d.tp if job.parallelism.enable_sequence_parallel else 1)
     rows = batch * t.seq_len // split * plan.model_args.moe.top_k
-    if expert_parallel._worst_case_routing:
+    if worst_routing:
         rows *= d.ep
     return 2 * rows * plan.model_args.dim * _act_dtype(fb).itemsize
 

@@ -138,8 +138,8 @@ def _worst_routing_bytes(job: JobConfig, plan: RunPlan) -> dict:
 
     _, parts, pp_plan = meta_parts(job, plan)
     try:
-        with worst_case_routing():
-            worst, _ = trace_activations(job, plan, parts, pp_plan)
+        with worst_case_routing(parts):
+            worst, _ = trace_activations(job, plan, parts, pp_plan, worst_routing=True)
     except Exception as e:  # noqa: BLE001  the balanced figures stand without the bound
         return {"worst_routing_error": _first_line(e)}
     return {

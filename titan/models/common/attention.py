@@ -2,6 +2,8 @@
 width of its own (not necessarily dim / n_heads); SDPA, FlexAttention for document masks, and
 the decode cache for generation."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,16 +14,17 @@ from titan.models.common.rope import apply_rope
 
 
 def flex_attention(q, k, v, block_mask, enable_gqa=False, scale=None):
-    """FlexAttention, compiled once on first use: uncompiled it materializes every score."""
-    global _flex
-    if _flex is None:
-        from torch.nn.attention.flex_attention import flex_attention as eager
-
-        _flex = torch.compile(eager, dynamic=False) if q.is_cuda else eager
-    return _flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
+    """FlexAttention, compiled once per process on CUDA: uncompiled it materializes every
+    score."""
+    kernel = _flex_kernel(q.is_cuda)
+    return kernel(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
 
 
-_flex = None
+@functools.cache
+def _flex_kernel(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention as eager
+
+    return torch.compile(eager, dynamic=False) if compiled else eager
 
 
 class Attention(nn.Module):
