@@ -106,7 +106,30 @@ class Trainer:
         self.faults = FaultInjector.build(job.debug, rank=self.rank, current_step=lambda: self.step)
         if self.faults is not None:
             self.faults.install(self.model_parts)
-        args = plan.model_args
+        self._log_model()
+
+        self.optimizer = build_optimizer(self.model_parts, job.optimizer, job.extensions)
+        self.post_optimizer_hooks = self._post_optimizer_hooks()
+        self.aux_losses: dict[str, float] = {}
+        self.hook_metrics: dict = {}  # what the hooks report of the last step (MoE loads)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
+
+        self.train_state = TrainState()
+        self.checkpointer = self._checkpointer()
+        resumed = self.checkpointer.load()
+        self.step = self.train_state.step
+        self.ft = self._fault_tolerance()
+
+        self.metrics = self._metrics_logger(resumed)
+        self.validator = self._validator() if job.validation.enable else None
+        self.memory_snapshot = MemorySnapshot.build(
+            job.profiling, dump_folder=job.job.dump_folder, rank=self.rank
+        )
+
+    # ------------------------------------------------------------------ building
+
+    def _log_model(self) -> None:
+        job, plan, args, pp = self.job, self.plan, self.plan.model_args, self.pp_plan
         active = args.num_params(active=True)
         logger.info(
             "model %s %s: %.3fM parameters%s, layout %s, grad accumulation %d%s",
@@ -114,31 +137,26 @@ class Trainer:
             job.model.flavor,
             args.num_params() / 1e6,
             f" ({active / 1e6:.3f}M active)" if active != args.num_params() else "",
-            dims,
+            plan.dims,
             plan.grad_accum_steps,
-            f", pipeline stages {self.pp_plan.stage_ids} of {self.pp_plan.num_stages} "
-            f"({self.pp_plan.schedule}, {self.pp_plan.n_microbatches} microbatches)"
-            if self.pp_plan
+            f", pipeline stages {pp.stage_ids} of {pp.num_stages} "
+            f"({pp.schedule}, {pp.n_microbatches} microbatches)"
+            if pp
             else "",
         )
 
-        self.optimizer = build_optimizer(self.model_parts, job.optimizer, job.extensions)
-        # run after every step, in order, told whether the optimizer stepped: float8 scales
-        # of the new weights, then the family's (an MoE's router-bias update, say)
-        self.post_optimizer_hooks = [
-            h
-            for h in (
-                scale_precomputer(self.model_parts, job.float8),
-                *(make(self.model_parts, job) for make in plan.spec.post_optimizer_hooks),
-            )
-            if h
-        ]
-        self.aux_losses: dict[str, float] = {}
-        self.hook_metrics: dict = {}  # what the hooks report of the last step (MoE loads)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
+    def _post_optimizer_hooks(self) -> list:
+        """Run after every step, in order, told whether the optimizer stepped: float8 scales
+        of the new weights, then the family's (an MoE's router-bias update, say)."""
+        made = (
+            scale_precomputer(self.model_parts, self.job.float8),
+            *(make(self.model_parts, self.job) for make in self.plan.spec.post_optimizer_hooks),
+        )
+        return [h for h in made if h]
 
-        self.train_state = TrainState()
-        self.checkpointer = Checkpointer(
+    def _checkpointer(self) -> Checkpointer:
+        job, plan = self.job, self.plan
+        return Checkpointer(
             job.checkpoint,
             dump_folder=job.job.dump_folder,
             rank=self.rank,
@@ -161,22 +179,20 @@ class Trainer:
             else None,
             on_save_phase=self.faults.on_checkpoint_phase if self.faults else None,
         )
-        resumed = self.checkpointer.load()
-        self.step = self.train_state.step
-        self.ft = self._fault_tolerance()
 
-        m = job.metrics
+    def _metrics_logger(self, resumed: bool) -> MetricsLogger:
+        job, m, t = self.job, self.job.metrics, self.job.training
         peak, peak_source = peak_flops(self.device, to_dtype(t.mixed_precision_param), m.peak_flops)
         if peak is None:
             logger.info("MFU %s", peak_source)
         else:
             logger.info("MFU is relative to %.4g TFLOP/s (%s)", peak / 1e12, peak_source)
-        self.metrics = MetricsLogger(
+        return MetricsLogger(
             m,
             dump_folder=job.job.dump_folder,
             rank=self.rank,
             device=self.device,
-            flops_per_token=plan.model_args.flops_per_token(t.seq_len),
+            flops_per_token=self.plan.model_args.flops_per_token(t.seq_len),
             peak_flops=peak,
             max_over_ranks=self._max_over_ranks,
             resume_step=self.step if resumed else None,
@@ -184,12 +200,6 @@ class Trainer:
             rank_times=RankTimes.build(m, rank=self.rank, world_size=self.world_size),
             sections=job.extensions,
         )
-        self.validator = self._validator() if job.validation.enable else None
-        self.memory_snapshot = MemorySnapshot.build(
-            job.profiling, dump_folder=job.job.dump_folder, rank=self.rank
-        )
-
-    # ------------------------------------------------------------------ building
 
     def _data_shard(self) -> DataShard:
         """This rank's slice of each global batch; torchft groups extend the dp dimension."""
@@ -381,14 +391,7 @@ class Trainer:
                     loss, grad_norm, skipped = self.train_step(microbatches)
                 self.skipped_steps += skipped
                 if self.step == first_step:
-                    self._write_memory_measured(tracker)
-                    # start-up and compilation are slow; steady-state steps are not
-                    set_collective_timeout(job.comm.train_timeout_seconds)
-                    logger.info(
-                        "collective timeout now %ds (comm.train_timeout_seconds)",
-                        job.comm.train_timeout_seconds,
-                    )
-                    watchdog.start()
+                    self._after_first_step(tracker, watchdog)
                 elif self.step == first_step + 1 and self.device.type == "cuda":
                     self._write_memory_measured(None, peak_only=True)
                 self.train_state.step = self.step
@@ -401,35 +404,11 @@ class Trainer:
                     started_ns,
                 )
                 if self.metrics.should_log(self.step, t.steps):
-                    extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
-                    # the model's auxiliary losses, beside the cross-entropy `loss`, and what
-                    # its hooks measured (already the same on every rank)
-                    extra.update(reduce_aux_losses(self.aux_losses))
-                    extra.update(self.hook_metrics)
-                    mix = self.dataloader.source_tokens(t.seq_len)
-                    if mix is not None:  # the realized mix of weighted sources
-                        extra["source_tokens"] = mix
-                    self.metrics.log(
-                        self.step,
-                        loss,
-                        grad_norm,
-                        lr,
-                        tokens_seen=self.train_state.tokens_seen,
-                        **extra,
-                    )
+                    self._log_step(loss, grad_norm, lr)
                 if self.validator is not None and self.validator.due(self.step, t.steps):
                     self.metrics.exclude(self.validator.run(self.step))
                 stop = self.step == t.exit_at_step
-                if self.checkpointer.due(self.step, last=self.step == t.steps or stop):
-                    final = self.step == t.steps
-                    ck = job.checkpoint
-                    model_only = final and (ck.last_save_model_only or ck.last_save_in_hf)
-                    with watchdog.paused():
-                        self.metrics.exclude(
-                            self.checkpointer.save(
-                                self.step, model_only=model_only, blocking=final or stop
-                            )
-                        )
+                self._save_if_due(stop, watchdog)
                 watchdog.progress(f"step {self.step}")
                 if prof is not None:
                     prof.step()
@@ -439,6 +418,39 @@ class Trainer:
         watchdog.stop()
         gc_sched.close()
         logger.info("training done after %d steps", self.step)
+
+    def _after_first_step(self, tracker, watchdog: StepWatchdog) -> None:
+        self._write_memory_measured(tracker)
+        # start-up and compilation are slow; steady-state steps are not
+        timeout = self.job.comm.train_timeout_seconds
+        set_collective_timeout(timeout)
+        logger.info("collective timeout now %ds (comm.train_timeout_seconds)", timeout)
+        watchdog.start()
+
+    def _log_step(self, loss: float, grad_norm: float, lr: float) -> None:
+        extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+        # the model's auxiliary losses, beside the cross-entropy `loss`, and what its hooks
+        # measured (already the same on every rank)
+        extra.update(reduce_aux_losses(self.aux_losses))
+        extra.update(self.hook_metrics)
+        mix = self.dataloader.source_tokens(self.job.training.seq_len)
+        if mix is not None:  # the realized mix of weighted sources
+            extra["source_tokens"] = mix
+        self.metrics.log(
+            self.step, loss, grad_norm, lr, tokens_seen=self.train_state.tokens_seen, **extra
+        )
+
+    def _save_if_due(self, stop: bool, watchdog: StepWatchdog) -> None:
+        """The step's checkpoint, if one is due; the last step's and an exit's block."""
+        final = self.step == self.job.training.steps
+        if not self.checkpointer.due(self.step, last=final or stop):
+            return
+        ck = self.job.checkpoint
+        model_only = final and (ck.last_save_model_only or ck.last_save_in_hf)
+        with watchdog.paused():
+            self.metrics.exclude(
+                self.checkpointer.save(self.step, model_only=model_only, blocking=final or stop)
+            )
 
     def _activation_tracker(self) -> ActivationTracker | None:
         # compiled code allocates below the dispatcher, where the tracker cannot see
