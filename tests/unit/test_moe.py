@@ -258,3 +258,78 @@ def test_load_balancing_loss_equals_transformers_for_one_layer():
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
     ours.backward()  # the scores carry the gradient to the router
     assert moe.router.gate.weight.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- parts a family passes in
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.05) -> torch.Tensor:
+    """A family's own activation (GPT-OSS's shape: clamped, sigmoid-gated, up + 1)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(1.702 * gate)
+
+
+def injected(seed: int = 0) -> MoE:
+    from titan.models.common.feed_forward import FeedForward
+    from titan.models.common.moe import GroupedExperts, Router
+
+    args = MoEArgs(n_experts=8, top_k=2, hidden_dim=32)
+    moe = MoE(
+        DIM,
+        args,
+        router=Router(DIM, args, bias=True),
+        experts=GroupedExperts(DIM, 32, 8, activation=clamped_swiglu, bias=True),
+        shared=FeedForward(DIM, 48),
+    )
+    plan = moe.init_plan(normal(0.02))
+    params = {n for n, _ in moe.named_parameters()}
+    assert params <= set(plan), params - set(plan)  # every parameter has its fill
+    for name, fill in plan.items():
+        module, _, attr = name.rpartition(".")
+        seeded_init_(getattr(moe.get_submodule(module), attr), name, seed, fill)
+    with torch.no_grad():  # biases start at zero: make them matter
+        for n, p in moe.named_parameters():
+            if n.endswith(("b1", "b2", "b3", "gate.bias")):
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    return moe
+
+
+def test_injected_router_experts_and_shared_compute_as_written():
+    moe = injected()
+    x = torch.randn(12, DIM, generator=torch.Generator().manual_seed(3))
+    weights, indices, _ = moe.router(x)
+    g = moe.router.gate
+    assert torch.allclose(moe.router.gate(x), x @ g.weight.T + g.bias)
+    e = moe.experts
+    want = moe.shared_experts(x).clone()
+    for t in range(x.shape[0]):
+        for w, i in zip(weights[t], indices[t], strict=True):
+            h = clamped_swiglu(x[t] @ e.w1[i].T + e.b1[i], x[t] @ e.w3[i].T + e.b3[i])
+            want[t] += w * (h @ e.w2[i].T + e.b2[i])
+    got = moe(x[None])[0]
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_grouped_gemm_with_biases_equals_the_per_expert_loop_bit_for_bit(monkeypatch):
+    import titan.models.common.moe as moe_module
+
+    if not moe_module._grouped_mm_fits(torch.zeros(1, 8), torch.zeros(1, 8, 8)):
+        pytest.skip("this torch has no CPU grouped GEMM")
+    experts = injected().experts
+    counts = torch.tensor([5, 0, 7, 1, 2, 9, 0, 6])
+    x = torch.randn(int(counts.sum()), DIM, requires_grad=True)
+    grad = torch.randn(int(counts.sum()), DIM)
+
+    def run():
+        out = experts(x, counts)
+        out.backward(grad)
+        grads = (x.grad.clone(), *(p.grad.clone() for p in experts.parameters()))
+        x.grad = None
+        experts.zero_grad(set_to_none=True)
+        return out.detach(), grads
+
+    grouped = run()
+    monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda x, w: False)
+    loop = run()
+    assert torch.equal(grouped[0], loop[0])
+    assert all(torch.equal(a, b) for a, b in zip(grouped[1], loop[1], strict=True))

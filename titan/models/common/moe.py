@@ -9,6 +9,8 @@ not the weights, and a scaling factor (DeepSeek-V3). transformers' implementatio
 reference for the numerics (tests/unit/test_moe.py compares the two).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,26 +25,28 @@ AUX_LOSS_NAME = "moe_aux_loss"  # how metrics.jsonl and TensorBoard name it
 
 
 class Gate(nn.Linear):
-    """The router's projection; with `float32`, computed in float32 whatever the activations'
-    dtype (DeepSeek's sigmoid scores are). Parallelisms see a Linear module."""
+    """The router's projection (with a bias where the family has one); with `float32`,
+    computed in float32 whatever the activations' dtype (DeepSeek's sigmoid scores are).
+    Parallelisms see a Linear module."""
 
-    def __init__(self, dim: int, n_experts: int, float32: bool):
-        super().__init__(dim, n_experts, bias=False)
+    def __init__(self, dim: int, n_experts: int, float32: bool, bias: bool = False):
+        super().__init__(dim, n_experts, bias=bias)
         self.float32 = float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float32:
-            return F.linear(x.float(), self.weight.float())
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias)
         return super().forward(x)
 
 
 class Router(nn.Module):
     """Scores (tokens, experts) -> the k chosen experts' weights and indices per token."""
 
-    def __init__(self, dim: int, args: MoEArgs):
+    def __init__(self, dim: int, args: MoEArgs, bias: bool = False):
         super().__init__()
         self.args = args
-        self.gate = Gate(dim, args.n_experts, float32=args.score_func == "sigmoid")
+        self.gate = Gate(dim, args.n_experts, float32=args.score_func == "sigmoid", bias=bias)
         if args.score_bias:
             # model state (checkpointed, exported as HF's e_score_correction_bias), not trained
             # by the optimizer: a load-balancing rule moves it after each step
@@ -78,35 +82,73 @@ class Router(nn.Module):
         return weights, indices, scores
 
 
-class GroupedExperts(nn.Module):
-    """n_experts SwiGLU networks as stacked weights: w1 (gate) and w3 (up) are
-    (experts, hidden, dim), w2 (down) is (experts, dim, hidden)."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Llama's, Qwen's and DeepSeek's expert activation: silu(gate) x up."""
+    return F.silu(gate) * up
 
-    def __init__(self, dim: int, hidden: int, n_experts: int):
+
+class GroupedExperts(nn.Module):
+    """n_experts gated FFNs as stacked weights: w1 (gate) and w3 (up) are (experts, hidden,
+    dim), w2 (down) is (experts, dim, hidden); with `bias`, b1 and b3 (experts, hidden) and b2
+    (experts, dim) too. `activation(gate, up)` makes the hidden activations: SwiGLU, or a
+    family's own (a clamped SwiGLU, say), passed in by the family."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+        bias: bool = False,
+    ):
         super().__init__()
+        self.activation = activation
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b2 = nn.Parameter(torch.empty(n_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(n_experts, hidden))
+        else:
+            self.b1 = self.b2 = self.b3 = None
 
     def init_plan(self, out_init) -> dict:
-        return {"w1": normal(0.02), "w2": out_init, "w3": out_init}
+        plan = {"w1": normal(0.02), "w2": out_init, "w3": out_init}
+        if self.b1 is not None:
+            plan.update({"b1": zeros, "b2": zeros, "b3": zeros})
+        return plan
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (tokens, dim), sorted so that expert e's `counts[e]` tokens are contiguous."""
         if _grouped_mm_fits(x, self.w1):
             offsets = counts.cumsum(0).to(torch.int32)  # no host sync
-            h = F.silu(
-                torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets)
-            ) * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+            # each row's expert, for the biases (output_size: no host sync either)
+            rows = None
+            if self.b1 is not None:
+                experts = torch.arange(counts.numel(), device=x.device)
+                rows = experts.repeat_interleave(counts, output_size=x.shape[0])
+
+            def linear(t, w, b):
+                out = torch._grouped_mm(t, w.transpose(-2, -1), offs=offsets)
+                return out if b is None else out + b[rows]
+
+            h = self.activation(linear(x, self.w1, self.b1), linear(x, self.w3, self.b3))
+            return linear(h, self.w2, self.b2)
         # the same products one expert at a time, where torch's grouped GEMM cannot run
         sizes = _sizes(counts, x.shape[0])
-        outs = [
-            F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]), self.w2[e])
-            for e, chunk in enumerate(x.split(sizes))
-            if sizes[e]
-        ]
+        outs = [self._one(e, chunk) for e, chunk in enumerate(x.split(sizes)) if sizes[e]]
         return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[1])
+
+    def _one(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        # biases added after the product, as the grouped path adds them: the two stay equal
+        # bit for bit
+        def linear(t, w, b):
+            out = F.linear(t, w[e])
+            return out if b is None else out + b[e]
+
+        h = self.activation(linear(x, self.w1, self.b1), linear(x, self.w3, self.b3))
+        return linear(h, self.w2, self.b2)
 
 
 def _sizes(counts: torch.Tensor, rows: int) -> list[int]:
@@ -131,21 +173,32 @@ def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 class MoE(nn.Module):
-    """Router + routed experts (+ shared experts), in place of a block's FeedForward."""
+    """Router + routed experts (+ shared experts), in place of a block's FeedForward. Each part
+    is built from `args` (softmax or sigmoid router without bias, SwiGLU experts, one SwiGLU
+    of n_shared_experts x hidden_dim) unless the family passes its own: a `Router` with a bias,
+    `GroupedExperts` with biases or another activation, as `shared` any module on every token
+    that has an `init_plan` (as FeedForward's)."""
 
-    def __init__(self, dim: int, args: MoEArgs):
+    def __init__(
+        self,
+        dim: int,
+        args: MoEArgs,
+        router: Router | None = None,
+        experts: GroupedExperts | None = None,
+        shared: nn.Module | None = None,
+    ):
         super().__init__()
         problems = args.problems()
         if problems:
             raise ValueError("MoE settings: " + "; ".join(problems))
         self.args = args
-        self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
-        self.shared_experts = (
-            FeedForward(dim, args.hidden_dim * args.n_shared_experts)
-            if args.n_shared_experts
-            else None
+        self.router = router if router is not None else Router(dim, args)
+        self.experts = (
+            experts if experts is not None else GroupedExperts(dim, args.hidden_dim, args.n_experts)
         )
+        if shared is None and args.n_shared_experts:
+            shared = FeedForward(dim, args.hidden_dim * args.n_shared_experts)
+        self.shared_experts = shared
         # token choices per expert since the last reset, counted in training steps: what the
         # bias update and the load metrics read (titan.models.common.moe_balance). Not model
         # state: a resumed run starts its step at zero anyway
@@ -155,6 +208,8 @@ class MoE(nn.Module):
         """Parameter (and bias buffer) name -> how to fill it; `out_init` for what writes the
         residual stream."""
         plan = {"router.gate.weight": normal(0.02), "expert_load": zeros}
+        if self.router.gate.bias is not None:
+            plan["router.gate.bias"] = zeros
         if self.router.expert_bias is not None:
             plan["router.expert_bias"] = zeros
         plan.update({f"experts.{k}": v for k, v in self.experts.init_plan(out_init).items()})
