@@ -78,7 +78,7 @@ class GeluMLP(nn.Module):
         self.fc_out = nn.Linear(hidden, dim, bias=False)
         self.aux_loss_coeff = aux_loss_coeff
 
-    def init_plan(self, out_init) -> dict:
+    def param_inits(self, out_init) -> dict:
         return {"fc_in.weight": normal(0.02), "fc_out.weight": out_init}
 
     def forward(self, x):

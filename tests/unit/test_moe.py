@@ -13,7 +13,7 @@ DIM = 64
 
 def built(args: MoEArgs, seed: int = 0) -> MoE:
     moe = MoE(DIM, args)
-    for name, fill in moe.init_plan(normal(0.02)).items():
+    for name, fill in moe.param_inits(normal(0.02)).items():
         module, _, attr = name.rpartition(".")
         seeded_init_(getattr(moe.get_submodule(module), attr), name, seed, fill)
     return moe
@@ -281,10 +281,10 @@ def injected(seed: int = 0) -> MoE:
         experts=GroupedExperts(DIM, 32, 8, activation=clamped_swiglu, bias=True),
         shared=FeedForward(DIM, 48),
     )
-    plan = moe.init_plan(normal(0.02))
+    inits = moe.param_inits(normal(0.02))
     params = {n for n, _ in moe.named_parameters()}
-    assert params <= set(plan), params - set(plan)  # every parameter has its fill
-    for name, fill in plan.items():
+    assert params <= set(inits), params - set(inits)  # every parameter has its fill
+    for name, fill in inits.items():
         module, _, attr = name.rpartition(".")
         seeded_init_(getattr(moe.get_submodule(module), attr), name, seed, fill)
     with torch.no_grad():  # biases start at zero: make them matter

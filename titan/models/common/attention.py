@@ -53,17 +53,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def init_plan(self, out_init) -> dict:
+    def param_inits(self, out_init) -> dict:
         """Parameter name -> how to fill it; `out_init` for wo, which writes the residual."""
-        plan = {
+        inits = {
             "wq.weight": normal(0.02),
             "wk.weight": normal(0.02),
             "wv.weight": normal(0.02),
             "wo.weight": out_init,
         }
         if self.q_norm is not None:
-            plan.update({"q_norm.weight": ones, "k_norm.weight": ones})
-        return plan
+            inits.update({"q_norm.weight": ones, "k_norm.weight": ones})
+        return inits
 
     def forward(
         self,

@@ -42,17 +42,18 @@ class TransformerBlock(nn.Module):
         )
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_plan(self) -> dict:
+    def param_inits(self) -> dict:
         """Parameter name (within the block) -> how to fill it."""
         # depth-scaled std on the projections that write into the residual stream
         deep = normal(0.02 / math.sqrt(2 * (self.layer_id + 1)))
-        plan = {"attention_norm.weight": ones, "ffn_norm.weight": ones}
+        inits = {"attention_norm.weight": ones, "ffn_norm.weight": ones}
         for name in ("attention", "feed_forward"):
-            plan.update({f"{name}.{k}": v for k, v in getattr(self, name).init_plan(deep).items()})
-        return plan
+            part = getattr(self, name).param_inits(deep)
+            inits.update({f"{name}.{k}": v for k, v in part.items()})
+        return inits
 
     def init_weights(self, seed: int, prefix: str) -> None:
-        for name, fill in self.init_plan().items():
+        for name, fill in self.param_inits().items():
             module_path, _, pname = name.rpartition(".")
             param = getattr(self.get_submodule(module_path), pname)
             seeded_init_(param, f"{prefix}.{name}", seed, fill)

@@ -14,7 +14,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
-    def init_plan(self, out_init) -> dict:
+    def param_inits(self, out_init) -> dict:
         # w3 too: it scales what w2 writes into the residual stream
         return {"w1.weight": normal(0.02), "w2.weight": out_init, "w3.weight": out_init}
 

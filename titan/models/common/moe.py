@@ -113,11 +113,11 @@ class GroupedExperts(nn.Module):
         else:
             self.b1 = self.b2 = self.b3 = None
 
-    def init_plan(self, out_init) -> dict:
-        plan = {"w1": normal(0.02), "w2": out_init, "w3": out_init}
+    def param_inits(self, out_init) -> dict:
+        inits = {"w1": normal(0.02), "w2": out_init, "w3": out_init}
         if self.b1 is not None:
-            plan.update({"b1": zeros, "b2": zeros, "b3": zeros})
-        return plan
+            inits.update({"b1": zeros, "b2": zeros, "b3": zeros})
+        return inits
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (tokens, dim), sorted so that expert e's `counts[e]` tokens are contiguous."""
@@ -177,7 +177,7 @@ class MoE(nn.Module):
     is built from `args` (softmax or sigmoid router without bias, SwiGLU experts, one SwiGLU
     of n_shared_experts x hidden_dim) unless the family passes its own: a `Router` with a bias,
     `GroupedExperts` with biases or another activation, as `shared` any module on every token
-    that has an `init_plan` (as FeedForward's)."""
+    that has an `param_inits` (as FeedForward's)."""
 
     def __init__(
         self,
@@ -204,23 +204,23 @@ class MoE(nn.Module):
         # state: a resumed run starts its step at zero anyway
         self.register_buffer("expert_load", torch.zeros(args.n_experts), persistent=False)
 
-    def init_plan(self, out_init) -> dict:
+    def param_inits(self, out_init) -> dict:
         """Parameter (and bias buffer) name -> how to fill it; `out_init` for what writes the
         residual stream."""
-        plan = {"router.gate.weight": normal(0.02), "expert_load": zeros}
+        inits = {"router.gate.weight": normal(0.02), "expert_load": zeros}
         if self.router.gate.bias is not None:
-            plan["router.gate.bias"] = zeros
+            inits["router.gate.bias"] = zeros
         if self.router.expert_bias is not None:
-            plan["router.expert_bias"] = zeros
-        plan.update({f"experts.{k}": v for k, v in self.experts.init_plan(out_init).items()})
+            inits["router.expert_bias"] = zeros
+        inits.update({f"experts.{k}": v for k, v in self.experts.param_inits(out_init).items()})
         if self.shared_experts is not None:
-            plan.update(
+            inits.update(
                 {
                     f"shared_experts.{k}": v
-                    for k, v in self.shared_experts.init_plan(out_init).items()
+                    for k, v in self.shared_experts.param_inits(out_init).items()
                 }
             )
-        return plan
+        return inits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, seq, dim), a rank's own tokens (under sequence or context parallelism,

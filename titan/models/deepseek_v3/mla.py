@@ -61,16 +61,16 @@ class MLA(nn.Module):
         self.rope_key = SharedRopeKey(interleaved_rope)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
 
-    def init_plan(self, out_init) -> dict:
-        plan = {
+    def param_inits(self, out_init) -> dict:
+        inits = {
             f"{name}.weight": normal(0.02)
             for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b")
             if hasattr(self, name)
         }
-        plan.update(
+        inits.update(
             {f"{name}.weight": ones for name in ("q_norm", "kv_norm") if hasattr(self, name)}
         )
-        return {**plan, "wo.weight": out_init}
+        return {**inits, "wo.weight": out_init}
 
     def forward(
         self,
