@@ -1,6 +1,8 @@
 """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm (Qwen3) and a head
 width of its own (not necessarily dim / n_heads); SDPA, FlexAttention for document masks, and
-the decode cache for generation."""
+the decode cache for generation. Options a family sets per layer: biases on the projections, a
+sliding window (each query sees the `sliding_window` latest keys, itself included) and learned
+per-head sinks (a logit per head that joins every query's softmax and attends to nothing)."""
 
 import functools
 
@@ -9,15 +11,45 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan.models.common.decode import DecodeCache
-from titan.models.common.init import normal, ones
+from titan.models.common.init import normal, ones, zeros
 from titan.models.common.rope import apply_rope
 
 
-def flex_attention(q, k, v, block_mask, enable_gqa=False, scale=None):
+def flex_attention(q, k, v, block_mask, enable_gqa=False, scale=None, lse=False):
     """FlexAttention, compiled once per process on CUDA: uncompiled it materializes every
-    score."""
+    score. With `lse`: (output, each row's log-sum-exp of its scores)."""
     kernel = _flex_kernel(q.is_cuda)
-    return kernel(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
+    if not lse:
+        return kernel(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = kernel(
+        q,
+        k,
+        v,
+        block_mask=block_mask,
+        enable_gqa=enable_gqa,
+        scale=scale,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a key lies within the query's window: 0 <= q - k < window."""
+    return q_pos[..., :, None] - k_pos[..., None, :] < window
+
+
+def attention_with_sinks(q, k, v, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over each row's scores and its head's sink logit, the sink's share dropped:
+    q (b, h, s, d); k, v (b, kv_heads, t, d); mask bool, broadcastable to (b, h, s, t)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 @functools.cache
@@ -28,8 +60,10 @@ def _flex_kernel(compiled: bool):
 
 
 class Attention(nn.Module):
-    """Projections wq, wk, wv, wo (no bias); with `qk_norm_eps`, q_norm and k_norm normalize
-    each head's query and key before the rotation."""
+    """Projections wq, wk, wv, wo (with biases when `bias`); with `qk_norm_eps`, q_norm and
+    k_norm normalize each head's query and key before the rotation; `sliding_window` limits
+    each query to that many latest keys; `sinks` adds a learned logit per head to every
+    softmax."""
 
     def __init__(
         self,
@@ -39,19 +73,25 @@ class Attention(nn.Module):
         head_dim: int,
         qk_norm_eps: float | None = None,
         interleaved_rope: bool = True,
+        bias: bool = False,
+        sliding_window: int | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         self.head_dim = head_dim
         self.interleaved_rope = interleaved_rope
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.sliding_window = sliding_window
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         if qk_norm_eps is not None:
             self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # (heads,): a tensor-parallel plan splits it with the heads
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
 
     def param_inits(self, out_init) -> dict:
         """Parameter name -> how to fill it; `out_init` for wo, which writes the residual."""
@@ -63,6 +103,10 @@ class Attention(nn.Module):
         }
         if self.q_norm is not None:
             inits.update({"q_norm.weight": ones, "k_norm.weight": ones})
+        if self.wq.bias is not None:
+            inits.update({f"{w}.bias": zeros for w in ("wq", "wk", "wv", "wo")})
+        if self.sinks is not None:
+            inits["sinks"] = zeros
         return inits
 
     def forward(
@@ -74,7 +118,8 @@ class Attention(nn.Module):
         mask=None,
     ) -> torch.Tensor:
         """`mask`: None (causal), a bool (batch, 1, seq, seq) tensor, or a FlexAttention
-        BlockMask (see titan.models.common.documents)."""
+        BlockMask (see titan.models.common.documents), which for a layer with a sliding window
+        must hold the window already (the decoder builds one per window)."""
         bs, seq, _ = x.shape
         rows = rope if cache is None else rope[cache.positions(seq)]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
@@ -93,9 +138,34 @@ class Attention(nn.Module):
         gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if mask is not None and not isinstance(mask, torch.Tensor):
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-        else:
+            out = self._flex(q, k, v, mask, gqa)
+        elif self.sliding_window is None and self.sinks is None:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
             )
+        else:
+            mask = self._windowed(mask, q.shape[2], k.shape[2], cache)
+            if self.sinks is None:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            else:
+                out = attention_with_sinks(q, k, v, mask, self.sinks)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+    def _flex(self, q, k, v, block_mask, gqa: bool) -> torch.Tensor:
+        if self.sinks is None:
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        out, lse = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, lse=True)
+        # the sink joins the denominator: out x Z / (Z + e^sink), Z = e^lse
+        keep = torch.sigmoid(lse - self.sinks.to(lse.dtype)[None, :, None])
+        return out * keep[..., None].to(out.dtype)
+
+    def _windowed(self, mask, seq: int, keys: int, cache) -> torch.Tensor:
+        """The bool mask (batch or 1, 1, seq, keys) of causal (or `mask`) and the window."""
+        device = self.wq.weight.device
+        k_pos = torch.arange(keys, device=device)
+        q_pos = k_pos[keys - seq :]  # the new tokens are the last `seq` keys
+        if mask is None:
+            mask = (q_pos[:, None] >= k_pos[None, :])[None, None]
+        if self.sliding_window is not None:
+            mask = mask & window_mask(q_pos, k_pos, self.sliding_window)
+        return mask

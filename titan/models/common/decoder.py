@@ -65,6 +65,8 @@ class Decoder(nn.Module):
     def __init__(self, args):
         super().__init__()
         self.args = args
+        # each layer's sliding window (None: full attention), for its document mask
+        self.sliding_windows = [self.layer_window(i, args) for i in range(args.n_layers)]
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
             {str(i): self.build_block(i, args) for i in range(args.n_layers)}
@@ -78,6 +80,12 @@ class Decoder(nn.Module):
 
     def build_block(self, layer_id: int, args) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must define build_block")
+
+    def layer_window(self, layer_id: int, args) -> int | None:
+        """The sliding window of a layer's attention (None: full); a family whose layers
+        alternate (GPT-OSS's, Gemma's) overrides it and builds those layers' Attention with
+        the same `sliding_window`."""
+        return None
 
     @staticmethod
     def rope_table(args, device=None) -> torch.Tensor:
@@ -101,21 +109,25 @@ class Decoder(nn.Module):
             for layer in self.layers.values():
                 h = layer(h, rope, cache=cache)
         else:
-            mask = (
-                None
-                if doc_ids is None
-                else (
-                    block_causal_block_mask(doc_ids)
-                    if doc_ids.is_cuda
-                    else block_causal_mask(doc_ids)
-                )
-            )
-            for layer in self.layers.values():
+            masks = self._masks(doc_ids)
+            for i, layer in self.layers.items():
+                mask = masks.get(self.sliding_windows[int(i)])
                 h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.output(h) if self.output is not None else h
+
+    def _masks(self, doc_ids: torch.Tensor | None) -> dict:
+        """Each layer's document mask by its window: one bool mask for all (a windowed layer
+        applies its window itself), or on CUDA one FlexAttention BlockMask per window."""
+        if doc_ids is None:
+            return {}
+        windows = set(self.sliding_windows)
+        if doc_ids.is_cuda:
+            return {w: block_causal_block_mask(doc_ids, w) for w in windows}
+        mask = block_causal_mask(doc_ids)
+        return dict.fromkeys(windows, mask)
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         # the name a checkpoint or HF file stores first, then the name that shares it

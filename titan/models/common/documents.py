@@ -32,13 +32,15 @@ def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def block_causal_block_mask(doc_ids: torch.Tensor):
+def block_causal_block_mask(doc_ids: torch.Tensor, window: int | None = None):
     """The same mask as a FlexAttention BlockMask, which skips whole blocks that no query of
-    a document reaches (the fast path on CUDA)."""
+    a document reaches (the fast path on CUDA); with `window`, also only the `window` latest
+    keys of each query (a sliding-window layer's)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+        seen = (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+        return seen if window is None else seen & (q_idx - kv_idx < window)
 
     batch, seq = doc_ids.shape
     return create_block_mask(mask_mod, batch, None, seq, seq, device=doc_ids.device)
