@@ -7,14 +7,18 @@ family's q/k projection rows are permuted on the way across. A tied model
 (`tie_word_embeddings`) stores its one matrix as embed_tokens only, as HF does; a pipeline
 stage that holds only the output layer's copy of it reads and writes it under that name too.
 
-Routed experts are one stacked (experts, ...) tensor in titan and one tensor per expert in the
-hub layout (`mlp.experts.{e}.gate_proj.weight`, what transformers' save_pretrained writes):
-`expert_names` maps the one to the other. A rank whose stacked tensor is sharded over experts
-(FSDP's Shard(0)) names only the experts it holds, as views of its shard, so an HF load reads
-only those, straight into the parameter.
+Routed experts are one stacked (experts, ...) tensor in titan and, in the hub layout, either
+one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, what transformers' save_pretrained
+writes for Qwen3-MoE and DeepSeek-V3): `expert_names` maps the one to the other; or one tensor
+for all experts, possibly holding two of titan's interleaved (GPT-OSS's `gate_up_proj`, gate
+and up columns alternating) and each expert's matrix stored as (in, out): `fused_expert_names`.
+A rank whose stacked tensor is sharded over experts (FSDP's Shard(0)) names only the experts it
+holds: per-expert tensors as views of its shard, so an HF load reads only those, straight into
+the parameter; a fused tensor as its rows of the HF tensor, in the same sharding.
 """
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -76,6 +80,48 @@ def _local_experts(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t.to_local(), offset[0]
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """One HF tensor (experts, ...) holding titan's stacked `parts` (names within a block),
+    interleaved along its last dimension when there are several (gate, up, gate, up, ...);
+    `transposed`: HF stores each expert's matrix as (in, out), titan as (out, in)."""
+
+    parts: tuple[str, ...]
+    transposed: bool = False
+
+
+def _global(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` (a rank's experts) as a tensor sharded as `like` over experts, when `like` is a
+    DTensor; as is otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return local
+    shape = torch.Size((like.shape[0], *local.shape[1:]))
+    local = local.contiguous()
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=shape, stride=stride)
+
+
+def _fuse(parts: list[torch.Tensor], spec: FusedExperts) -> torch.Tensor:
+    locals_ = [_local_experts(t)[0] for t in parts]
+    if spec.transposed:
+        locals_ = [t.transpose(-2, -1) if t.ndim == 3 else t for t in locals_]
+    fused = locals_[0] if len(locals_) == 1 else torch.stack(locals_, dim=-1).flatten(-2)
+    return _global(fused, parts[0])
+
+
+def _unfuse(fused: torch.Tensor, spec: FusedExperts) -> list[torch.Tensor]:
+    local, _ = _local_experts(fused)
+    n, out = len(spec.parts), []
+    for i in range(n):
+        piece = local[..., i::n] if n > 1 else local
+        if spec.transposed and piece.ndim == 3:
+            piece = piece.transpose(-2, -1)
+        out.append(_global(piece.contiguous(), fused))
+    return out
+
+
 def _permute_rows(w: torch.Tensor, n_heads: int, to_halves: bool) -> torch.Tensor:
     """Reorder the rows of each head between the interleaved and the two-halves layout.
 
@@ -110,6 +156,8 @@ class DecoderHFAdapter:
     layer_names: dict[str, str] = {}  # titan name within a block -> HF name within a layer
     # titan's stacked experts within a block -> the HF name of one, with {e} for its index
     expert_names: dict[str, str] = {}
+    # HF name within a layer of a tensor holding every expert -> what of titan's it holds
+    fused_expert_names: dict[str, FusedExperts] = {}
     interleaved_rope = False  # True: q/k rows are permuted between the two layouts
 
     def __init__(self, args):
@@ -125,6 +173,8 @@ class DecoderHFAdapter:
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
+        fused_of = {p: hf for hf, f in self.fused_expert_names.items() for p in f.parts}
+        fusing: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         for name, t in state_dict.items():
             m = _TITAN_LAYER.match(name)
             if m is None:
@@ -137,6 +187,9 @@ class DecoderHFAdapter:
                 out[TOP_NAMES[name]] = t
                 continue
             layer, rest = m.groups()
+            if rest in fused_of:
+                fusing.setdefault((layer, fused_of[rest]), {})[rest] = t
+                continue
             if rest in self.expert_names:
                 local, first = _local_experts(t)
                 self._split[name] = (t, first)
@@ -148,6 +201,14 @@ class DecoderHFAdapter:
             if rest in self._heads:
                 t = _permute_rows(t, self._heads[rest], to_halves=True)
             out[f"model.layers.{layer}.{self.layer_names[rest]}"] = t
+        for (layer, hf_name), held in fusing.items():
+            spec = self.fused_expert_names[hf_name]
+            if set(held) != set(spec.parts):
+                raise KeyError(
+                    f"layer {layer} holds {sorted(held)} of the parts of HF {hf_name!r}, "
+                    f"which are {list(spec.parts)}"
+                )
+            out[f"model.layers.{layer}.{hf_name}"] = _fuse([held[p] for p in spec.parts], spec)
         return out
 
     def from_hf(
@@ -170,6 +231,11 @@ class DecoderHFAdapter:
                 out[top[name]] = t
                 continue
             layer, rest = m.groups()
+            if rest in self.fused_expert_names:
+                spec = self.fused_expert_names[rest]
+                for part, piece in zip(spec.parts, _unfuse(t, spec), strict=True):
+                    out[f"layers.{layer}.{part}"] = piece
+                continue
             e = _HF_EXPERT.match(rest)
             if e is not None and f"{e[1]}.{{e}}.{e[3]}" in expert_map:
                 key = f"layers.{layer}.{expert_map[f'{e[1]}.{{e}}.{e[3]}']}"
