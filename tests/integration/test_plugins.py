@@ -1,6 +1,7 @@
 """A plugin from outside the tree (tests/plugins/titan_plugin_example: a family, an optimizer
-and a metrics writer, each with its own config section) trains through ./run_train.sh
---job.custom_import, on 1 rank and FSDP 2, and nothing in titan/ knows its names."""
+and a metrics writer, each with its own config section, and a dataset name) trains through
+./run_train.sh --job.custom_import, on 1 rank and FSDP 2, and nothing in titan/ knows its
+names."""
 
 import csv
 import os
@@ -31,7 +32,14 @@ PLUGIN = [
 
 
 def test_titan_does_not_know_the_plugin():
-    names = ("titan_plugin_example", "gelu_llama", "csv_metrics", "SGDOptions", "CsvWriter")
+    names = (
+        "titan_plugin_example",
+        "gelu_llama",
+        "csv_metrics",
+        "SGDOptions",
+        "CsvWriter",
+        "plugin_corpus",
+    )
     for path in (REPO / "titan").rglob("*.py"):
         text = path.read_text()
         assert not any(n in text for n in names), path
@@ -73,7 +81,14 @@ def test_the_plugins_sections_are_in_help_and_checked():
 
 def test_plugin_trains_on_one_rank_and_fsdp2_alike(tmp_path):
     one, two = tmp_path / "one", tmp_path / "fsdp2"
-    launch(1, [*COMMON, *dp_batch(1), *PLUGIN], one, env=ENV, timeout=300)
+    # the dataset by the name the plugin gives the bundled corpus (the FSDP run reads kjv)
+    launch(
+        1,
+        [*COMMON, *dp_batch(1), *PLUGIN, "--training.dataset", "plugin_corpus"],
+        one,
+        env=ENV,
+        timeout=300,
+    )
     # the plugin's .py file, named in a TOML file rather than on the command line
     config = tmp_path / "plugin.toml"
     plugin_file = PLUGINS / "titan_plugin_example" / "__init__.py"

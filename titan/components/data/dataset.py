@@ -16,10 +16,26 @@ from titan.runtime.paths import resolve
 
 logger = logging.getLogger(__name__)
 
+# dataset names and where they are read from: titan's bundled corpus, and what plugins add
 BUNDLED = {
     "kjv": "assets/corpus/kjv_train.jsonl",
     "kjv_valid": "assets/corpus/kjv_valid.jsonl",
 }
+
+
+def register_dataset(name: str, location: str) -> None:
+    """A name for training.dataset and validation.dataset: `location` is a local file or folder
+    (absolute, or relative to the repo), or a hub dataset (`org/name`, `org/name:subset`)."""
+    if name in BUNDLED and BUNDLED[name] != location:
+        raise ValueError(f"a dataset named {name!r} is already registered ({BUNDLED[name]})")
+    BUNDLED[name] = location
+
+
+def location_of(name: str) -> str:
+    """Where a dataset name is read from: a registered name's location, else the name."""
+    return BUNDLED.get(name, name)
+
+
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -42,7 +58,7 @@ def local_files(
     must be a hub dataset. `key`: the config key that set `path` (its section's `dataset`
     key set `name`), for the error message."""
     name_key = key.removesuffix("_path")
-    candidate = path or BUNDLED.get(name) or name
+    candidate = path or location_of(name)
     p = resolve(candidate)
     if is_shard_folder(p):
         return [p]
@@ -189,7 +205,7 @@ def _bad_jsonl_line(f: Path) -> tuple[int, str] | None:
 def open_hub(name: str, key: str = "training.dataset"):
     from datasets import load_dataset
 
-    repo, _, subset = name.partition(":")  # "allenai/c4:en" names a subset
+    repo, _, subset = location_of(name).partition(":")  # "allenai/c4:en" names a subset
     try:
         return load_dataset(repo, subset or None, split="train", streaming=True)
     except Exception as e:  # noqa: BLE001  any hub failure gets one actionable message
@@ -198,7 +214,7 @@ def open_hub(name: str, key: str = "training.dataset"):
         # the libraries read the switches once, at import: ask them, not os.environ
         offline = hf_config.HF_HUB_OFFLINE
         raise DataError(
-            f"{key} '{name}' is neither a bundled name ({', '.join(BUNDLED)}) nor "
+            f"{key} '{name}' is neither a registered name ({', '.join(BUNDLED)}) nor "
             f"a local path, and loading it from the HF hub failed"
             f"{' (HF offline mode is set)' if offline else ''}: {type(e).__name__}: "
             f"{str(e).rstrip('.')}. Without network access, point {key}_path at local "
