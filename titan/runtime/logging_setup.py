@@ -26,8 +26,8 @@ def init_logging() -> None:
 
 
 def quiet_checkpoint_process() -> None:
-    """In DCP's saving process (spawned from titan.trainer.train, which it imports first): its INFO
-    lines, in a format of their own, and the warning every staged DTensor's mesh gives as it
+    """In DCP's saving process (spawned from titan.trainer.train, which it imports first): its
+    INFO lines, in a format of their own, and the warning every staged DTensor's mesh gives as it
     is unpickled before the process's groups exist (harmless: it never compiles)."""
     logging.getLogger().addFilter(_not_library_info)
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
