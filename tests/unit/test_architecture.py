@@ -308,3 +308,19 @@ def test_the_top_level_is_the_packages_and_no_import_points_up():
     assert "titan.models.common.aux_loss" in imported_modules(
         TITAN / "models" / "common" / "moe.py"
     )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_flavor_answers_the_declared_members(family):
+    """Generic code calls them on any flavor: a dense one's moe_args() is None, not an
+    error."""
+    for name, args in get_train_spec(family).flavors.items():
+        moe = args.moe_args()
+        assert moe is None or moe.n_experts >= 1, name
+        assert isinstance(args.problems(), list), name
+        costs = args.layer_costs()
+        assert costs is None or len(costs) == args.n_layers, name
+        assert isinstance(args.is_moe_layer(0), bool) and (
+            moe is not None or not any(args.is_moe_layer(i) for i in range(args.n_layers))
+        ), name
+        assert isinstance(type(args).training_knobs, tuple), name

@@ -78,8 +78,10 @@ class DeepSeekV3Args(DecoderParamCount):
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id >= self.n_dense_layers
 
-    def moe_args(self) -> MoEArgs:
-        """The MoE layers' settings with this run's balancing."""
+    def moe_args(self) -> MoEArgs | None:
+        """The MoE layers' settings with this run's balancing; None without routed experts."""
+        if self.moe is None:
+            return None
         return replace(
             self.moe,
             bias_update_rate=self.moe_bias_update_rate,

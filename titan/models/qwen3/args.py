@@ -54,8 +54,10 @@ class Qwen3Args(DecoderParamCount):
             and (layer_id + 1) % self.decoder_sparse_step == 0
         )
 
-    def moe_args(self) -> MoEArgs:
-        """The MoE layers' settings with this run's balancing."""
+    def moe_args(self) -> MoEArgs | None:
+        """The MoE layers' settings with this run's balancing; None for a dense flavor."""
+        if self.moe is None:
+            return None
         rate = self.moe_bias_update_rate
         return replace(
             self.moe,
