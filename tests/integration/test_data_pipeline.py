@@ -123,10 +123,12 @@ def test_corpus_larger_than_memory_keeps_resident_memory_flat(tmp_path):
             f" vs {mib['kjv']['memory_gib']:.0f} MiB"
         )
         # what the process holds itself stays put; mapped shard pages are page cache, which
-        # peak RSS counts as they are read (whole folios: ~2 MiB per random window here)
-        # (run-to-run noise of the anonymous figure: +-25 MiB measured on this 2-core VM)
-        assert mib["big"]["memory_anon_gib"] <= mib["kjv"]["memory_anon_gib"] + 64, mib
-        assert mib["big"]["memory_gib"] <= mib["kjv"]["memory_gib"] + 128, mib
+        # peak RSS counts as they are read (whole folios: ~2 MiB per random window here). A
+        # corpus held in memory would add its 2048 MiB; the bound, an eighth of that, sits
+        # above the run-to-run spread of two runs' difference (-15 to +67 MiB measured in CI
+        # runs on this 2-core VM)
+        assert mib["big"]["memory_anon_gib"] <= mib["kjv"]["memory_anon_gib"] + 256, mib
+        assert mib["big"]["memory_gib"] <= mib["kjv"]["memory_gib"] + 256, mib
     finally:
         for f in big.glob("*.bin"):
             f.unlink()
