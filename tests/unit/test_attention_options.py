@@ -10,7 +10,7 @@ import torch
 from titan.models.common.attention import Attention
 from titan.models.common.decode import DecodeCache
 from titan.models.common.documents import block_causal_block_mask, block_causal_mask
-from titan.models.common.init import normal, seeded_init_
+from titan.models.common.init import normal, seeded_init_all
 from titan.models.common.rope import apply_rope, inverse_frequencies, rope_table
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, SEQ = 32, 4, 2, 8, 12
@@ -19,9 +19,7 @@ ROPE = rope_table(inverse_frequencies(HEAD_DIM, 10000.0), 64)
 
 def attention(window=None, sinks=True, bias=True, seed=0) -> Attention:
     a = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, bias=bias, sliding_window=window, sinks=sinks)
-    for name, fill in a.param_inits(normal(0.02)).items():
-        module, _, attr = name.rpartition(".")
-        seeded_init_(getattr(a.get_submodule(module) if module else a, attr), name, seed, fill)
+    seeded_init_all(a, a.param_inits(normal(0.02)), seed)
     with torch.no_grad():  # biases and sinks start at zero: make them matter
         g = torch.Generator().manual_seed(seed + 1)
         for n, p in a.named_parameters():

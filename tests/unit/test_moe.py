@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan.models.common.init import normal, seeded_init_
+from titan.models.common.init import normal, seeded_init_all
 from titan.models.common.moe import MoE, MoEArgs
 
 DIM = 64
@@ -13,9 +13,7 @@ DIM = 64
 
 def built(args: MoEArgs, seed: int = 0) -> MoE:
     moe = MoE(DIM, args)
-    for name, fill in moe.param_inits(normal(0.02)).items():
-        module, _, attr = name.rpartition(".")
-        seeded_init_(getattr(moe.get_submodule(module), attr), name, seed, fill)
+    seeded_init_all(moe, moe.param_inits(normal(0.02)), seed)
     return moe
 
 
@@ -99,12 +97,15 @@ def test_score_bias_steers_the_choice_but_not_the_weights():
     torch.testing.assert_close(weights, scores.gather(1, indices))  # unbiased scores
 
 
-def test_grouped_gemm_equals_the_per_expert_loop_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("kind", ["swiglu", "biases_own_activation"])
+def test_grouped_gemm_equals_the_per_expert_loop_bit_for_bit(monkeypatch, kind):
+    """Also with biases (added after the products on both paths) and a family's activation."""
     import titan.models.common.moe as moe_module
 
     if not moe_module._grouped_mm_fits(torch.zeros(1, 8), torch.zeros(1, 8, 8)):
         pytest.skip("this torch has no CPU grouped GEMM")
-    experts = built(MoEArgs(n_experts=8, top_k=2, hidden_dim=32)).experts
+    moe = built(MoEArgs(n_experts=8, top_k=2, hidden_dim=32)) if kind == "swiglu" else injected()
+    experts = moe.experts
     counts = torch.tensor([5, 0, 7, 1, 2, 9, 0, 6])  # empty experts too
     x = torch.randn(int(counts.sum()), DIM, requires_grad=True)
     grad = torch.randn(int(counts.sum()), DIM)
@@ -121,7 +122,7 @@ def test_grouped_gemm_equals_the_per_expert_loop_bit_for_bit(monkeypatch):
     monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda x, w: False)
     loop = run()
     assert torch.equal(grouped[0], loop[0])
-    assert all(torch.equal(a, b) for a, b in zip(grouped[1], loop[1]))
+    assert all(torch.equal(a, b) for a, b in zip(grouped[1], loop[1], strict=True))
 
 
 @pytest.mark.parametrize(
@@ -284,9 +285,7 @@ def injected(seed: int = 0) -> MoE:
     inits = moe.param_inits(normal(0.02))
     params = {n for n, _ in moe.named_parameters()}
     assert params <= set(inits), params - set(inits)  # every parameter has its fill
-    for name, fill in inits.items():
-        module, _, attr = name.rpartition(".")
-        seeded_init_(getattr(moe.get_submodule(module), attr), name, seed, fill)
+    seeded_init_all(moe, inits, seed)
     with torch.no_grad():  # biases start at zero: make them matter
         for n, p in moe.named_parameters():
             if n.endswith(("b1", "b2", "b3", "gate.bias")):
@@ -308,28 +307,3 @@ def test_injected_router_experts_and_shared_compute_as_written():
             want[t] += w * (h @ e.w2[i].T + e.b2[i])
     got = moe(x[None])[0]
     assert torch.allclose(got, want, atol=1e-6)
-
-
-def test_grouped_gemm_with_biases_equals_the_per_expert_loop_bit_for_bit(monkeypatch):
-    import titan.models.common.moe as moe_module
-
-    if not moe_module._grouped_mm_fits(torch.zeros(1, 8), torch.zeros(1, 8, 8)):
-        pytest.skip("this torch has no CPU grouped GEMM")
-    experts = injected().experts
-    counts = torch.tensor([5, 0, 7, 1, 2, 9, 0, 6])
-    x = torch.randn(int(counts.sum()), DIM, requires_grad=True)
-    grad = torch.randn(int(counts.sum()), DIM)
-
-    def run():
-        out = experts(x, counts)
-        out.backward(grad)
-        grads = (x.grad.clone(), *(p.grad.clone() for p in experts.parameters()))
-        x.grad = None
-        experts.zero_grad(set_to_none=True)
-        return out.detach(), grads
-
-    grouped = run()
-    monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda x, w: False)
-    loop = run()
-    assert torch.equal(grouped[0], loop[0])
-    assert all(torch.equal(a, b) for a, b in zip(grouped[1], loop[1], strict=True))

@@ -65,6 +65,40 @@ def checks() -> list[Callable]:
     return list(_CHECKS)
 
 
+class Registry:
+    """Named entries (optimizers, metrics writers), each with a `name` and optionally its own
+    config section (`section`, the name; `options`, its dataclass), registered with it."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.entries: dict = {}
+
+    def add(self, spec) -> None:
+        if spec.name in self.entries:
+            raise ValueError(f"a {self.kind} named {spec.name!r} is already registered")
+        if (spec.section is None) != (spec.options is None):
+            raise ValueError(f"{self.kind} {spec.name!r}: section and options come together")
+        self.entries[spec.name] = spec
+        if spec.section:
+            register_section(spec.section, spec.options)
+
+    def remove(self, name: str) -> None:
+        spec = self.entries.pop(name, None)
+        if spec and spec.section:
+            unregister_section(spec.section)
+
+    def options_of(self, spec, sections: dict):
+        """The entry's own section among a job's added sections (None without one)."""
+        return sections[spec.section] if spec.section else None
+
+
+def load(path: str) -> Callable:
+    """The function (or class) a "module:name" path names, imported now: entries name their
+    builders so, and the config stays free of what the builders import."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 class PluginImportError(ImportError):
     """A --job.custom_import that names no importable module; the message says which."""
 
@@ -97,13 +131,19 @@ def import_plugin(name: str):
         raise
 
 
-def plugins_in(argv: list[str]) -> list[str]:
-    """The --job.custom_import values of a command line (before it is parsed: the plugins
-    they name may add the sections the rest of it sets)."""
+def flag_values(argv: list[str], key: str) -> list[str]:
+    """The values given to --`key` on a command line, in order, read before it is parsed
+    (what they name may add the sections the rest of it sets)."""
     out = []
     for i, arg in enumerate(argv):
-        if arg.startswith("--job.custom_import="):
-            out += arg.split("=", 1)[1].split(",")
-        elif arg == "--job.custom_import" and i + 1 < len(argv):
-            out += argv[i + 1].split(",")
+        if arg.startswith(f"--{key}="):
+            out.append(arg.split("=", 1)[1])
+        elif arg == f"--{key}" and i + 1 < len(argv):
+            out.append(argv[i + 1])
+    return out
+
+
+def plugins_in(argv: list[str]) -> list[str]:
+    """The --job.custom_import values of a command line (comma-separated or repeated)."""
+    out = [p for value in flag_values(argv, "job.custom_import") for p in value.split(",")]
     return [p.strip() for p in out if p.strip()]

@@ -289,12 +289,7 @@ def import_plugins(argv: list[str]) -> None:
     """Import the plugins named by --job.custom_import on the command line or in the config
     file it names, before anything is parsed: they may add the sections the rest sets."""
     names = extensions.plugins_in(argv)
-    path = None
-    for i, arg in enumerate(argv):
-        if arg.startswith("--job.config_file="):
-            path = arg.split("=", 1)[1]
-        elif arg == "--job.config_file" and i + 1 < len(argv):
-            path = argv[i + 1]
+    path = next(reversed(extensions.flag_values(argv, "job.config_file")), None)
     if path and os.path.isfile(resolve(path)):
         try:
             with open(resolve(path), "rb") as f:

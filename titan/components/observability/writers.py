@@ -8,7 +8,6 @@ and one `register_writer` call (a plugin's through --job.custom_import). Only ra
 Torch-free: a writer's builder is named by module path and imported when a run starts.
 """
 
-import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,44 +43,22 @@ class WriterSpec:
     options: type | None = None
 
 
-_WRITERS: dict[str, WriterSpec] = {}
-
-
-def register_writer(spec: WriterSpec) -> None:
-    if spec.name in _WRITERS:
-        raise ValueError(f"a metrics writer named {spec.name!r} is already registered")
-    if (spec.section is None) != (spec.options is None):
-        raise ValueError(f"writer {spec.name!r}: section and options come together")
-    _WRITERS[spec.name] = spec
-    if spec.section:
-        extensions.register_section(spec.section, spec.options)
-
-
-def unregister_writer(name: str) -> None:
-    spec = _WRITERS.pop(name, None)
-    if spec and spec.section:
-        extensions.unregister_section(spec.section)
-
-
-def _options(spec: WriterSpec, sections: dict):
-    return sections[spec.section] if spec.section else None
+_WRITERS = extensions.Registry("metrics writer")
+register_writer = _WRITERS.add
+unregister_writer = _WRITERS.remove
+_options = _WRITERS.options_of
 
 
 def enabled_writers(cfg, sections: dict) -> list[WriterSpec]:
-    return [s for s in _WRITERS.values() if s.enabled(cfg, _options(s, sections))]
+    return [s for s in _WRITERS.entries.values() if s.enabled(cfg, _options(s, sections))]
 
 
 def build_writers(cfg, sections: dict, context: WriterContext) -> list[MetricsWriter]:
     """The writers this run enables, in registration order (titan's own first)."""
-    out = []
-    for spec in enabled_writers(cfg, sections):
-        module, _, function = spec.build.partition(":")
-        out.append(
-            getattr(importlib.import_module(module), function)(
-                cfg, _options(spec, sections), context
-            )
-        )
-    return out
+    return [
+        extensions.load(spec.build)(cfg, _options(spec, sections), context)
+        for spec in enabled_writers(cfg, sections)
+    ]
 
 
 def _check(job) -> None:

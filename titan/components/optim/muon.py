@@ -17,8 +17,8 @@ import re
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.optim.adam import adam
 
+from titan.components.optim.low_precision_adam import adam_state, adam_update
 from titan.runtime.dtypes import to_dtype
 
 
@@ -131,31 +131,15 @@ class Muon(torch.optim.Optimizer):
             p.add_(update, alpha=-lr * lr_scale(p.shape, self.adjust_lr))
 
     def _adamw_step(self, group: dict, params: list[torch.Tensor]) -> None:
-        for p in params:
-            state = self.state[p]
-            if not state:
-                # as torch's AdamW: a float32 step count on the CPU
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        states = [self.state[p] for p in params]
-        beta1, beta2 = group["betas"]
-        adam(
+        states = [adam_state(self.state[p], p, p.dtype, fused=False) for p in params]
+        adam_update(
             params,
-            [p.grad for p in params],
             [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states],
-            [],
             [s["step"] for s in states],
-            foreach=False,
-            decoupled_weight_decay=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
+            group,
+            implementation="for-loop",
+            decoupled=True,
         )
 
 

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titan.components.checkpoint.tied_state import saved_form, saved_key, tied_names
 from titan.components.optim.registry import clean_name, optimizer_spec, options_of
+from titan.config import extensions
 
 # tensors only (exp_avg, exp_avg_sq, step): hyper-parameters come from the config on resume
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -55,7 +56,7 @@ class OptimizersContainer:
 
     def __init__(self, model_parts: list[nn.Module], cfg, sections: dict):
         spec = optimizer_spec(cfg.name)
-        build, options = spec.builder(), options_of(spec, sections)
+        build, options = extensions.load(spec.build), options_of(spec, sections)
         self.model_parts = model_parts
         self.ties = tied_names(model_parts)
         self.optimizers = [build(param_groups(part, cfg), cfg, options) for part in model_parts]

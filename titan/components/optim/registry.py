@@ -7,7 +7,6 @@ An optimizer is added by a module that calls `register_optimizer` (titan's own a
 by titan/components/optim/builtin.py; a plugin's by --job.custom_import).
 """
 
-import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,41 +38,15 @@ class OptimizerSpec:
     section: str | None = None  # name of its own config section, if any
     options: type | None = None  # that section's dataclass
 
-    def builder(self) -> Callable:
-        module, _, function = self.build.partition(":")
-        return getattr(importlib.import_module(module), function)
 
-
-_OPTIMIZERS: dict[str, OptimizerSpec] = {}
-
-
-def register_optimizer(spec: OptimizerSpec) -> None:
-    if spec.name in _OPTIMIZERS:
-        raise ValueError(f"an optimizer named {spec.name!r} is already registered")
-    if (spec.section is None) != (spec.options is None):
-        raise ValueError(f"optimizer {spec.name!r}: section and options come together")
-    _OPTIMIZERS[spec.name] = spec
-    if spec.section:
-        extensions.register_section(spec.section, spec.options)
-
-
-def unregister_optimizer(name: str) -> None:
-    spec = _OPTIMIZERS.pop(name, None)
-    if spec and spec.section:
-        extensions.unregister_section(spec.section)
+_OPTIMIZERS = extensions.Registry("optimizer")
+register_optimizer = _OPTIMIZERS.add
+unregister_optimizer = _OPTIMIZERS.remove
+options_of = _OPTIMIZERS.options_of
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
-    return _OPTIMIZERS[name]
-
-
-def optimizer_names() -> list[str]:
-    return list(_OPTIMIZERS)
-
-
-def options_of(spec: OptimizerSpec, sections: dict):
-    """The entry's own section among a job's added sections (None without one)."""
-    return sections[spec.section] if spec.section else None
+    return _OPTIMIZERS.entries[name]
 
 
 def state_bytes(
@@ -93,15 +66,14 @@ def save_state_bytes(named_shapes, cfg, sections: dict) -> int:
 def _check(job) -> None:
     from titan.config.manager import did_you_mean, require
 
-    name = job.optimizer.name
+    name, names = job.optimizer.name, list(_OPTIMIZERS.entries)
     require(
         job,
-        name in _OPTIMIZERS,
+        name in names,
         "optimizer.name",
-        f"no such optimizer; registered: {', '.join(_OPTIMIZERS)}"
-        f"{did_you_mean(name, list(_OPTIMIZERS))}",
+        f"no such optimizer; registered: {', '.join(names)}{did_you_mean(name, names)}",
     )
-    spec = _OPTIMIZERS[name]
+    spec = _OPTIMIZERS.entries[name]
     if spec.check:
         spec.check(job)
 

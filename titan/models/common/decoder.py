@@ -15,7 +15,7 @@ from torch import nn
 
 from titan.models.common.decode import DecodeCache
 from titan.models.common.documents import block_causal_block_mask, block_causal_mask
-from titan.models.common.init import normal, ones, seeded_init_
+from titan.models.common.init import normal, ones, seeded_init_, seeded_init_all
 
 
 class TransformerBlock(nn.Module):
@@ -53,10 +53,7 @@ class TransformerBlock(nn.Module):
         return inits
 
     def init_weights(self, seed: int, prefix: str) -> None:
-        for name, fill in self.param_inits().items():
-            module_path, _, pname = name.rpartition(".")
-            param = getattr(self.get_submodule(module_path), pname)
-            seeded_init_(param, f"{prefix}.{name}", seed, fill)
+        seeded_init_all(self, self.param_inits(), seed, prefix)
 
 
 class Decoder(nn.Module):

@@ -38,6 +38,16 @@ def seeded_init_(
         param.copy_(full)
 
 
+def seeded_init_all(module, inits: dict, seed: int, prefix: str = "") -> None:
+    """Fill every parameter `inits` names (its name within `module` -> its fill) with
+    seeded_init_, seeded by its name, after `prefix.` when one is given (a block's place in
+    the model)."""
+    for name, fill in inits.items():
+        path, _, attr = name.rpartition(".")
+        seed_name = f"{prefix}.{name}" if prefix else name
+        seeded_init_(getattr(module.get_submodule(path), attr), seed_name, seed, fill)
+
+
 def normal(std: float, truncate: bool = True):
     if truncate:
         return lambda t, g: torch.nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std, generator=g)
