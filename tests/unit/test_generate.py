@@ -352,7 +352,8 @@ def test_streamed_text_never_shows_half_a_character(tokenizer):
 
 
 @pytest.mark.parametrize(
-    "family,flavor", [("qwen3", "debugmodel_moe"), ("deepseek_v3", "debugmodel")]
+    "family,flavor",
+    [("qwen3", "debugmodel_moe"), ("deepseek_v3", "debugmodel"), ("gpt_oss", "debugmodel")],
 )
 def test_moe_families_generate_from_hf_with_the_cache(family, flavor, tmp_path):
     """Qwen3-MoE and DeepSeek-V3 (MLA: keys and values of two widths in the cache) read from

@@ -92,6 +92,7 @@ LAYOUTS.update(
 # Qwen3-MoE: experts sharded by FSDP, router and experts whole on each TP rank; the routing
 # bias (a buffer) is no parameter; bf16 takes the per-expert loop, float32 the grouped GEMM
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 LAYOUTS.update(
     {
         "moe_fsdp2_tp2_selective_ac": (
@@ -123,6 +124,13 @@ LAYOUTS.update(
                 *AC["selective"],
             ],
         ),
+        # GPT-OSS: sinks split with the heads, biased experts, windowed layers (the mask one
+        # bool tensor for all), softmax over every row and its sink
+        "gpt_oss_fsdp2_tp2_selective_ac": (
+            4,
+            [*GPT_OSS, "--parallelism.tensor_parallel_degree", "2", *AC["selective"]],
+        ),
+        "gpt_oss_pp2": (2, [*GPT_OSS, "--parallelism.pipeline_parallel_degree", "2"]),
         # expert parallelism: each rank holds half the experts (whole, on both tp ranks), the
         # dense weights sharded (the imbalanced-routing bound: tests/unit/test_deepseek_v3.py)
         "deepseek_ep2_tp2": (

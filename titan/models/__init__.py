@@ -1,5 +1,6 @@
 """Model families; importing this package registers their train specs."""
 
 import titan.models.deepseek_v3  # noqa: F401
+import titan.models.gpt_oss  # noqa: F401
 import titan.models.llama3  # noqa: F401
 import titan.models.qwen3  # noqa: F401

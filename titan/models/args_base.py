@@ -18,6 +18,7 @@ OPTIONAL_MEMBERS = (
     "is_moe_layer",
     "problems",
     "layer_costs",
+    "layout_problems",
 )
 
 
@@ -36,6 +37,12 @@ class ModelArgsBase:
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, each naming its fields (empty: nothing)."""
+        return []
+
+    def layout_problems(self, dims) -> list[str]:
+        """What this model cannot do in a parallel layout (`dims`: titan.parallelisms'
+        ParallelDims; its degrees tp, cp, pp, ep, ...), each naming the degree and the fix
+        (empty: it trains in any layout the generic checks accept)."""
         return []
 
     def layer_costs(self) -> list[int] | None:

@@ -104,6 +104,9 @@ def plan_run(
         )
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
+    problems = model_args.layout_problems(dims)
+    if problems:
+        raise ConfigError(f"parallelism: model {m.name} {m.flavor}: {'; '.join(problems)}")
     if dims.cp_enabled:
         from titan.parallelisms.context_parallel import check_torch_version
 

@@ -130,9 +130,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rows, self.interleaved_rope)
         k = apply_rope(k, rows, self.interleaved_rope)
+        first = 0  # the position of the first key (a windowed cache keeps the latest only)
         if cache is not None:
-            mask = cache.mask(seq)
-            k, v = cache.update(layer, k, v)
+            k, v, first = cache.update(layer, k, v, self.sliding_window)
+            mask = cache.mask(seq, first)
         # each K/V head serves n_heads / n_kv_heads query heads inside the kernel: repeating
         # K/V first would copy them, and sum the copies' gradients back, in every layer
         gqa = q.shape[2] != k.shape[2]
@@ -144,7 +145,7 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
             )
         else:
-            mask = self._windowed(mask, q.shape[2], k.shape[2], cache)
+            mask = self._windowed(mask, q.shape[2], k.shape[2], first)
             if self.sinks is None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             else:
@@ -159,10 +160,11 @@ class Attention(nn.Module):
         keep = torch.sigmoid(lse - self.sinks.to(lse.dtype)[None, :, None])
         return out * keep[..., None].to(out.dtype)
 
-    def _windowed(self, mask, seq: int, keys: int, cache) -> torch.Tensor:
-        """The bool mask (batch or 1, 1, seq, keys) of causal (or `mask`) and the window."""
+    def _windowed(self, mask, seq: int, keys: int, first: int) -> torch.Tensor:
+        """The bool mask (batch or 1, 1, seq, keys) of causal (or `mask`) and the window;
+        the keys are positions `first`, first + 1, ..."""
         device = self.wq.weight.device
-        k_pos = torch.arange(keys, device=device)
+        k_pos = torch.arange(first, first + keys, device=device)
         q_pos = k_pos[keys - seq :]  # the new tokens are the last `seq` keys
         if mask is None:
             mask = (q_pos[:, None] >= k_pos[None, :])[None, None]

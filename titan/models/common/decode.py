@@ -23,23 +23,33 @@ class DecodeCache:
         idx = torch.arange(self.length, self.length + seq, device=self.pad.device)
         return (idx[None, :] - self.pad[:, None]).clamp(min=0)
 
-    def mask(self, seq: int) -> torch.Tensor:
-        """(batch, 1, seq, length + seq): which cached and new keys each new token sees."""
-        keys = torch.arange(self.length + seq, device=self.pad.device)
+    def mask(self, seq: int, first: int = 0) -> torch.Tensor:
+        """(batch, 1, seq, length + seq - first): which keys, from cache index `first` on (a
+        windowed layer's kept ones), each new token sees."""
+        keys = torch.arange(first, self.length + seq, device=self.pad.device)
         queries = torch.arange(self.length, self.length + seq, device=self.pad.device)
         causal = keys[None, :] <= queries[:, None]
         return (causal[None] & (keys[None, None, :] >= self.pad[:, None, None]))[:, None]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store the new keys/values (batch, seq, heads, head_dim); return all so far."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
+        """Store the new keys/values (batch, seq, heads, head_dim); return (the keys and
+        values the new tokens attend to, the cache index of the first). A layer with a
+        `window` keeps only its window - 1 latest keys between calls: no later token can
+        see an older one, so its memory stays bounded however long the generation."""
+        end = self.length + k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"decoding past the cache's {self.max_len} tokens")
+        if window is not None:
+            kept_k, kept_v = self.kv.get(layer, (k[:, :0], v[:, :0]))
+            ks, vs = torch.cat([kept_k, k], dim=1), torch.cat([kept_v, v], dim=1)
+            drop = max(ks.shape[1] - (window - 1), 0)
+            self.kv[layer] = (ks[:, drop:], vs[:, drop:])
+            return ks, vs, end - ks.shape[1]
         if layer not in self.kv:  # keys and values may differ in width (MLA's do)
             self.kv[layer] = tuple(
                 t.new_zeros(t.shape[0], self.max_len, *t.shape[2:]) for t in (k, v)
             )
         ck, cv = self.kv[layer]
-        end = self.length + k.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"decoding past the cache's {self.max_len} tokens")
         ck[:, self.length : end] = k
         cv[:, self.length : end] = v
-        return ck[:, :end], cv[:, :end]
+        return ck[:, :end], cv[:, :end], 0

@@ -108,7 +108,8 @@ def _fuse(parts: list[torch.Tensor], spec: FusedExperts) -> torch.Tensor:
     if spec.transposed:
         locals_ = [t.transpose(-2, -1) if t.ndim == 3 else t for t in locals_]
     fused = locals_[0] if len(locals_) == 1 else torch.stack(locals_, dim=-1).flatten(-2)
-    return _global(fused, parts[0])
+    # a file stores it packed (safetensors refuses a transposed view)
+    return _global(fused.contiguous(), parts[0])
 
 
 def _unfuse(fused: torch.Tensor, spec: FusedExperts) -> list[torch.Tensor]:

@@ -43,11 +43,13 @@ def yarn_scaled(
     original_max_len: int,
     beta_fast: float = 32.0,
     beta_slow: float = 1.0,
+    truncate: bool = True,
 ) -> torch.Tensor:
     """YaRN (Peng et al. 2023): dimensions that turn fewer than `beta_slow` times over the
     original context are interpolated (divided by `factor`), those that turn more than
-    `beta_fast` times are kept, with a linear ramp between. Computed in float32, as the
-    published checkpoints' reference implementations do."""
+    `beta_fast` times are kept, with a linear ramp between, its ends rounded outwards to whole
+    dimensions unless `truncate` is off (GPT-OSS's, HF rope_parameters.truncate). Computed in
+    float32, as the published checkpoints' reference implementations do."""
 
     def correction_dim(rotations: float) -> float:
         return (
@@ -56,8 +58,10 @@ def yarn_scaled(
             / (2 * math.log(theta))
         )
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # a ramp of zero width would divide by zero
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -99,7 +99,7 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if cache is not None:
             mask = cache.mask(seq)
-            k, v = cache.update(layer, k, v)
+            k, v, _ = cache.update(layer, k, v)
         # values padded with zeros to the query/key width, their output columns dropped:
         # SDPA's flash kernels (CPU's; CUDA's FlashAttention-2, for which HF pads alike) take
         # one width for all three, and context parallelism's ring attention runs on them only
