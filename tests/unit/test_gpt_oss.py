@@ -384,3 +384,49 @@ def _planned_json(argv) -> str:
         check=True,
     )
     return out.stdout
+
+
+@pytest.mark.parametrize("layout", ["fsdp2_tp2", "ep2"])
+def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
+    """Each rank writes and reads its rows of the fused expert tensors (FSDP, EP: whole
+    experts) and its heads' sinks (TP); the folder and the reloaded model equal the
+    one-process model."""
+    from tests.forked import free_port, run_workers
+    from tests.unit.test_hf_sharded import round_trip
+
+    world, flags = LAYOUTS[layout]
+    argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
+    ranks = run_workers(
+        round_trip,
+        world,
+        tmp_path,
+        free_port(),
+        argv,
+        tmp_path / "hf",
+        "float32",
+        init_pg=False,
+        deadline_s=120,
+    )
+    expected = built(DEBUG.with_updates(max_seq_len=32)).state_dict()
+    assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())
+    from_folder = hf_io.load_hf(tmp_path / "hf", GPT_OSS)
+    assert all(torch.equal(from_folder[k], v) for k, v in expected.items())
+
+
+@pytest.mark.needs("transformers")
+def test_a_trained_checkpoint_exports_to_transformers_with_titan_s_logits(one_rank, tmp_path):
+    import transformers
+
+    state = checkpoint.load_dcp_model_state(one_rank[1] / f"step-{STEPS}")
+    args = DEBUG.with_updates(max_seq_len=32)
+    model = built(args)
+    model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
+    out = hf_io.save_hf(model.state_dict(), GPT_OSS, args, tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(out), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+    x = tokens(2, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf_model(x).logits, rtol=0, atol=1e-4)
