@@ -93,6 +93,7 @@ LAYOUTS.update(
 # bias (a buffer) is no parameter; bf16 takes the per-expert loop, float32 the grouped GEMM
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+MTP = ["--deepseek_v3.mtp_depth", "2"]
 LAYOUTS.update(
     {
         "moe_fsdp2_tp2_selective_ac": (
@@ -131,6 +132,24 @@ LAYOUTS.update(
             [*GPT_OSS, "--parallelism.tensor_parallel_degree", "2", *AC["selective"]],
         ),
         "gpt_oss_pp2": (2, [*GPT_OSS, "--parallelism.pipeline_parallel_degree", "2"]),
+        # DeepSeek-V3 with two multi-token-prediction depths on the last stage
+        "deepseek_mtp_pp2": (
+            2,
+            [
+                "--model.name",
+                "deepseek_v3",
+                "--model.flavor",
+                "debugmodel",
+                "--deepseek_v3.mtp_depth",
+                "2",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ],
+        ),
+        "deepseek_mtp_fsdp2": (
+            2,
+            ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *MTP],
+        ),
         # expert parallelism: each rank holds half the experts (whole, on both tp ranks), the
         # dense weights sharded (the imbalanced-routing bound: tests/unit/test_deepseek_v3.py)
         "deepseek_ep2_tp2": (

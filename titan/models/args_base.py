@@ -19,6 +19,7 @@ OPTIONAL_MEMBERS = (
     "problems",
     "layer_costs",
     "layout_problems",
+    "block_count",
 )
 
 
@@ -44,6 +45,11 @@ class ModelArgsBase:
         ParallelDims; its degrees tp, cp, pp, ep, ...), each naming the degree and the fix
         (empty: it trains in any layout the generic checks accept)."""
         return []
+
+    def block_count(self) -> int:
+        """The blocks the model holds: the main stack's n_layers and any after it (DeepSeek-V3's
+        multi-token-prediction depths), numbered on as layers.<n_layers>, ..."""
+        return self.n_layers
 
     def layer_costs(self) -> list[int] | None:
         """Each block's parameters one token uses, which a pipeline split balances when blocks

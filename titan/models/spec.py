@@ -72,6 +72,10 @@ class Model(Protocol):
         HF files store first; pipeline stages that split a pair keep copies in step."""
         ...
 
+    # whether forward takes the step's labels as `labels=` (the trainer then passes them, to
+    # every pipeline stage): for objectives computed inside forward (multi-token prediction)
+    takes_labels: bool
+
     def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
         """Logits; with a cache (generation), `tokens` continue the cached ones. Auxiliary
         losses (an MoE's load balancing) ride on an activation through

@@ -33,6 +33,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from titan.components.observability.memory_measure import ActivationTracker, storages
 from titan.config import JobConfig
+from titan.models.common.aux_loss import AuxLossCollector
 from titan.runtime.dtypes import to_dtype
 
 
@@ -89,11 +90,13 @@ def _forward_held(
     tokens = torch.randint(0, 2, (batch, seq_len))
     labels = torch.randint(0, 2, (batch, seq_len))
     tracker = ActivationTracker(parts)
-    with tracker, fb.cp_ctx(tokens, labels), fb.loss_parallel_ctx():
+    # as in a training step: auxiliary losses (an MoE's balancing, multi-token prediction)
+    # ride on the activations and keep their graphs for backward
+    with tracker, AuxLossCollector(1.0), fb.cp_ctx(tokens, labels), fb.loss_parallel_ctx():
         if fb.pp_plan is None:
             out = loss = fb.forward_loss(tokens, labels)
         else:
-            out = part(tokens if hidden is None else hidden, **fb.documents(tokens))
+            out = part(tokens if hidden is None else hidden, **fb.model_kwargs(tokens, labels))
             # the schedule keeps each loss (and so its graph) until the step ends
             loss = fb.loss(out, labels) if part.output is not None else None
         held = tracker.held_bytes()

@@ -93,13 +93,16 @@ class ForwardBackward:
             par.context_parallel_load_balance,
         )
 
-    def documents(self, inputs: torch.Tensor) -> dict:
-        """The model's document arguments for a batch: none unless attention is block-causal."""
+    def model_kwargs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:
+        """The model's arguments beside the tokens: the documents when attention is
+        block-causal, the labels when the model trains on them in forward (`takes_labels`)."""
         m = self.job.model
+        out = {"labels": labels} if self.parts[0].takes_labels else {}
         if m.attn_mask_type != "block_causal":
-            return {}
+            return out
         doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
         return {
+            **out,
             "doc_ids": doc_ids,
             **({"positions": document_positions(doc_ids)} if m.document_positions else {}),
         }
@@ -108,7 +111,7 @@ class ForwardBackward:
         """The loss of one microbatch, ready for backward; call inside cp_ctx and
         loss_parallel_ctx."""
         with self.amp():
-            logits = self.parts[0](inputs, **self.documents(inputs))
+            logits = self.parts[0](inputs, **self.model_kwargs(inputs, labels))
         return self.loss(logits, labels)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -126,10 +129,10 @@ class ForwardBackward:
         has_first, has_last = 0 in self.pp_plan.stage_ids, last in self.pp_plan.stage_ids
         losses = [] if has_last else None
         run = schedule.step if train else schedule.eval
-        documents = self.documents(inputs)  # every stage's attention needs them
+        kwargs = self.model_kwargs(inputs, labels)  # every stage's attention needs them
         inputs, labels = (inputs if has_first else None), (labels if has_last else None)
         with self.cp_ctx(inputs, labels), self.loss_parallel_ctx():
-            run(*((inputs,) if has_first else ()), target=labels, losses=losses, **documents)
+            run(*((inputs,) if has_first else ()), target=labels, losses=losses, **kwargs)
         total = torch.zeros((), device=self.device)
         for loss in losses or []:
             total += plain(loss.detach())
@@ -153,5 +156,7 @@ class ForwardBackward:
             loss = self.run_pipeline(self.eval_schedule, inputs, labels, train=False)
             return loss, tokens if has_last else 0
         with self.cp_ctx(inputs, labels), self.loss_parallel_ctx(), self.amp():
-            loss = cross_entropy_sum(self.parts[0](inputs, **self.documents(inputs)), labels)
+            loss = cross_entropy_sum(
+                self.parts[0](inputs, **self.model_kwargs(inputs, labels)), labels
+            )
         return plain(loss), tokens

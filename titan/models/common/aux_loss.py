@@ -81,15 +81,17 @@ class _AddGradOf(torch.autograd.Function):
         return grad, torch.full_like(value, ctx.weight), None
 
 
-def attach_aux_loss(out: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+def attach_aux_loss(
+    out: torch.Tensor, name: str, value: torch.Tensor, weight: float = 1.0
+) -> torch.Tensor:
     """`out` unchanged; within a collected training step, backward also differentiates
-    `value` (a scalar: a mean over this microbatch's tokens), weighted like one microbatch's
-    share of the step."""
+    `weight` x `value` (a scalar: a mean over this microbatch's tokens), weighted like one
+    microbatch's share of the step; `value` is logged as `name`, without `weight`."""
     collector = _active
     if collector is None or not torch.is_grad_enabled():
         return out
     collector.add(name, value, collector.weight / collector.split.stage_ranks)
-    return _AddGradOf.apply(out, value, collector.weight)
+    return _AddGradOf.apply(out, value, collector.weight * weight)
 
 
 def attach_group_loss(

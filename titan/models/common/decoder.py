@@ -89,31 +89,52 @@ class Decoder(nn.Module):
         """The (max_seq_len, head_dim/2, 2) RoPE table of titan.models.common.rope."""
         raise NotImplementedError("a Decoder family must define rope_table")
 
+    # whether forward takes the step's `labels` (the trainer passes them then): a family that
+    # trains on targets inside forward (DeepSeek-V3's multi-token prediction) sets it
+    takes_labels = False
+
     def forward(
         self,
         tokens: torch.Tensor,
         cache: DecodeCache | None = None,
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of every position; with `cache`, `tokens` continue the cached ones.
 
         `doc_ids` (batch, seq): attend only within each document (block-causal);
-        `positions` (batch, seq): each token's RoPE position, when not 0, 1, 2, ..."""
+        `positions` (batch, seq): each token's RoPE position, when not 0, 1, 2, ...;
+        `labels` (batch, seq): the targets, when `takes_labels`."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope if positions is None else self.rope[positions]
+        masks = {}
         if cache is not None:
-            for layer in self.layers.values():
+            for _, layer in self.trunk():
                 h = layer(h, rope, cache=cache)
         else:
             masks = self._masks(doc_ids)
-            for i, layer in self.layers.items():
-                mask = masks.get(self.sliding_windows[int(i)])
+            for i, layer in self.trunk():
+                mask = masks.get(self.sliding_windows[i])
                 h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         if cache is not None:
             cache.length += tokens.shape[1]
-        return self.output(h) if self.output is not None else h
+            return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.head(h, rope, masks.get(None), labels)
+
+    def trunk(self) -> list[tuple[int, nn.Module]]:
+        """(index, block) of the main stack's blocks this part holds, in order: layers 0 ..
+        n_layers - 1. Blocks past them (DeepSeek-V3's multi-token prediction) are the
+        family's `head`'s to run."""
+        return [(int(i), b) for i, b in self.layers.items() if int(i) < self.args.n_layers]
+
+    def head(self, h: torch.Tensor, rope: torch.Tensor, mask, labels) -> torch.Tensor:
+        """The logits of the final hidden states `h` (normalized); a family may add training
+        objectives on them here (`mask`: the full-attention document mask, or None)."""
+        return self.output(h)
 
     def _masks(self, doc_ids: torch.Tensor | None) -> dict:
         """Each layer's document mask by its window: one bool mask for all (a windowed layer

@@ -37,9 +37,9 @@ def moe_balance_hook(parts: list[nn.Module], job) -> Callable[[bool], dict] | No
     args = parts[0].args
     if args.moe_args() is None:
         return None
-    table_shape = (args.n_layers, args.moe_args().n_experts)
+    table_shape = (args.block_count(), args.moe_args().n_experts)
     local = _moe_layers(parts)
-    moe_rows = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
+    moe_rows = [i for i in range(args.block_count()) if args.is_moe_layer(i)]
 
     def after_step(taken: bool) -> dict:
         if not taken:  # a skipped step's routing moves nothing

@@ -33,6 +33,9 @@ from titan.runtime.dtypes import to_dtype
 # plan, the block's attention module)
 BlockPlan = Callable[[Shard | Replicate], dict]
 AttentionPlan = Callable[[Shard | Replicate, nn.Module], dict]
+# a family's plan for modules the common ones do not name (module paths within the model part,
+# e.g. DeepSeek-V3's prediction depths' merging projection), given the part and the layout
+PartPlan = Callable[[nn.Module, Shard | Replicate], dict]
 
 
 def swiglu_ffn_plan(between) -> dict:
@@ -105,6 +108,7 @@ def apply_tp(
     loss_parallel: bool,
     ffn_plan: BlockPlan = swiglu_ffn_plan,
     attention_plan: AttentionPlan = attention_plan,
+    part_plan: PartPlan | None = None,
     expert_parallel: bool = False,
 ) -> None:
     """Megatron-style TP: heads and FFN width split, norms (and residuals) sequence-split."""
@@ -133,6 +137,9 @@ def apply_tp(
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+    extra = part_plan(model, between) if part_plan is not None else {}
+    if extra:
+        parallelize_module(model, tp_mesh, extra)
     if not sequence_parallel:  # the norms not split above
         replicate_modules(
             [
@@ -153,6 +160,14 @@ def _tied(model: nn.Module) -> bool:
     )
 
 
+def _embedding_used_late(model: nn.Module) -> bool:
+    """Whether the model uses its embedding again after the blocks (tied to the output, or
+    shared with later modules such as DeepSeek-V3's prediction depths)."""
+    return model.tok_embeddings is not None and any(
+        owner == "tok_embeddings.weight" for owner, _ in model.tied_parameters()
+    )
+
+
 def parallelize_decoder(
     model: nn.Module,
     dims: ParallelDims,
@@ -160,6 +175,7 @@ def parallelize_decoder(
     *,
     ffn_plan: BlockPlan = swiglu_ffn_plan,
     attention_plan: AttentionPlan = attention_plan,
+    part_plan: PartPlan | None = None,
 ) -> nn.Module:
     par, training = job.parallelism, job.training
     if dims.tp_enabled:
@@ -170,6 +186,7 @@ def parallelize_decoder(
             loss_parallel=not par.disable_loss_parallel,
             ffn_plan=ffn_plan,
             attention_plan=attention_plan,
+            part_plan=part_plan,
             expert_parallel=dims.ep_enabled,
         )
     experts = (
@@ -197,7 +214,7 @@ def parallelize_decoder(
         # a tied matrix is used first and last: the root unit holds it for the whole step
         tied = _tied(model)
         head = [m for m in (model.norm, None if tied else model.output) if m is not None]
-        first = None if tied else model.tok_embeddings
+        first = None if _embedding_used_late(model) else model.tok_embeddings
         apply_fsdp(
             model,
             dims[mesh_dims],

@@ -1,3 +1,5 @@
+import copy
+
 from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
@@ -10,9 +12,27 @@ def parallelize_deepseek_v3(model, dims, job):
     # imported when a model is parallelized: the launcher's config check registers every
     # family and needs none of DTensor/FSDP
     from titan.models.common.parallelize import parallelize_decoder
-    from titan.models.deepseek_v3.parallelize import mla_plan
+    from titan.models.deepseek_v3.parallelize import mla_plan, mtp_plan
 
-    return parallelize_decoder(model, dims, job, attention_plan=mla_plan)
+    return parallelize_decoder(model, dims, job, attention_plan=mla_plan, part_plan=mtp_plan)
+
+
+def pipeline_deepseek_v3(whole, stage_id, plan):
+    """The common split, with the prediction depths (layers past n_layers) and their copy of
+    the embedding on the last stage only."""
+    stage = pipeline_decoder(whole, stage_id, plan)
+    n = whole.args.n_layers
+    last = stage_id == plan.num_stages - 1
+    for i in list(stage.layers.keys()):
+        if int(i) >= n and not last:
+            del stage.layers[i]
+    if last:
+        for i, block in whole.layers.items():
+            if int(i) >= n:
+                stage.layers[i] = copy.deepcopy(block)
+    else:
+        stage.mtp_embeddings = None
+    return stage
 
 
 register_train_spec(
@@ -21,7 +41,7 @@ register_train_spec(
         model_cls=DeepSeekV3,
         flavors=DEEPSEEK_V3_FLAVORS,
         parallelize_fn=parallelize_deepseek_v3,
-        pipelining_fn=pipeline_decoder,
+        pipelining_fn=pipeline_deepseek_v3,
         state_dict_adapter=DeepSeekV3StateDictAdapter,
         post_optimizer_hooks=(moe_balance_hook,),
     )

@@ -60,8 +60,13 @@ class DeepSeekV3Args(DecoderParamCount):
     moe_aux_loss_coeff: float = 0.0001
     moe_bias_update_rate: float = 0.001
     moe_aux_loss_scope: str = "sequence"  # the sequence-wise loss (MoEArgs.aux_loss_scope)
+    # multi-token prediction (titan.models.deepseek_v3.mtp): this many extra depths, each
+    # one more block predicting one token further (HF num_nextn_predict_layers; 0: off),
+    # their mean loss weighted by mtp_loss_weight (DeepSeek-V3: 0.3 early, 0.1 later)
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     # what a run may change without changing the model (titan.components.checkpoint.identity)
-    training_knobs: ClassVar[tuple[str, ...]] = BALANCING_KNOBS
+    training_knobs: ClassVar[tuple[str, ...]] = (*BALANCING_KNOBS, "mtp_loss_weight")
 
     def with_updates(self, **kw) -> "DeepSeekV3Args":
         return replace(self, **kw)
@@ -105,7 +110,31 @@ class DeepSeekV3Args(DecoderParamCount):
             )
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim < 2:
             out.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even (rotated in pairs)")
+        if self.mtp_depth < 0:
+            out.append(f"mtp_depth {self.mtp_depth} must be >= 0 (0: no multi-token prediction)")
+        if self.mtp_loss_weight < 0:
+            out.append(f"mtp_loss_weight {self.mtp_loss_weight} must be >= 0")
         return out
+
+    def layout_problems(self, dims) -> list[str]:
+        if self.mtp_depth and dims.cp > 1:
+            return [
+                f"context_parallel_degree {dims.cp} with mtp_depth {self.mtp_depth}: a "
+                "prediction depth reads the tokens after each position, which context "
+                "parallelism puts on other ranks; set deepseek_v3.mtp_depth = 0 or "
+                "parallelism.context_parallel_degree = 1"
+            ]
+        return []
+
+    def block_count(self) -> int:
+        return self.n_layers + self.mtp_depth
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """The main model's, plus each prediction depth's block, merging projection and two
+        norms (its embedding and output head are the main model's)."""
+        d = self.dim
+        depth = self.layer_params(self.n_layers, active) + 2 * d * d + 3 * d
+        return super().num_params(include_embedding, active) + self.mtp_depth * depth
 
     def attention_params(self) -> int:
         d, h, q = self.dim, self.n_heads, self.q_lora_rank
@@ -131,8 +160,18 @@ class DeepSeekV3Args(DecoderParamCount):
         """6 x the matmul parameters a token uses plus attention over the full causal square
         (the PaLM / torchtitan convention): scores over query/key heads of head_dim, the
         weighted sum over values of v_head_dim."""
-        return 6 * self.num_params(include_embedding=False, active=True) + (
-            6 * self.n_layers * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
+        # each prediction depth: its block (in num_params) and one more pass of the output head
+        return (
+            6
+            * (
+                self.num_params(include_embedding=False, active=True)
+                + self.mtp_depth * self.vocab_size * self.dim
+            )
+            + 6
+            * (self.n_layers + self.mtp_depth)
+            * self.n_heads
+            * (self.head_dim + self.v_head_dim)
+            * seq_len
         )
 
 

@@ -1,5 +1,6 @@
-"""DeepSeek-V3's own config section, [deepseek_v3]: the balancing of the experts and YaRN
-context extension. Torch-free: the config parser loads it (titan.config.family_options)."""
+"""DeepSeek-V3's own config section, [deepseek_v3]: the balancing of the experts, YaRN
+context extension and multi-token prediction. Torch-free: the config parser loads it
+(titan.config.family_options)."""
 
 from dataclasses import dataclass
 from typing import Literal
@@ -29,4 +30,15 @@ class Options:
         None,
         "YaRN: stretch RoPE by this factor (671B's: 40, for 163840 positions); None: "
         "plain RoPE; unset: the flavor's",
+    )
+    mtp_depth: int = opt(
+        0,
+        "multi-token prediction: this many extra depths, each predicting one token further "
+        "with its own block, sharing the embedding and output head (DeepSeek-V3: 1; 0: off; "
+        "unset: the flavor's, or an HF folder's num_nextn_predict_layers)",
+    )
+    mtp_loss_weight: float = opt(
+        0.3,
+        "weight of the multi-token-prediction loss, the mean of its depths' (logged as "
+        "mtp_loss; DeepSeek-V3: 0.3, then 0.1 for the last 2.5T tokens)",
     )

@@ -1,10 +1,18 @@
-"""The tensor-parallel plan of multi-head latent attention (titan.models.deepseek_v3.mla):
+"""The tensor-parallel plans of multi-head latent attention (titan.models.deepseek_v3.mla):
 heads split over the ranks as in Megatron; the latent projections and norms, whose width is
-not per head, whole on every rank over the gathered tokens."""
+not per head, whole on every rank over the gathered tokens. And of the multi-token-prediction
+depths' own parts (titan.models.deepseek_v3.mtp): norms sequence-split like the blocks', the
+merging projection whole on each rank's tokens; a pipeline stage's own copy of the embedding
+split like the embedding."""
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from titan.parallelisms.tensor_parallel import LocalTokens, SumInputGrads
 
@@ -36,4 +44,21 @@ def mla_plan(between, attention: nn.Module) -> dict:
         )
     else:
         plan["attention.wq"] = ColwiseParallel()
+    return plan
+
+
+def mtp_plan(model: nn.Module, between) -> dict:
+    sequence_parallel = isinstance(between, Shard)
+    plan = {}
+    if model.tok_embeddings is None and model.mtp_embeddings is not None:
+        plan["mtp_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    for i in model.layers:
+        if int(i) < model.args.n_layers:
+            continue
+        # each rank merges its own tokens' two halves with the whole projection
+        plan[f"layers.{i}.eh_proj"] = LocalTokens(sum_grads=sequence_parallel)
+        if sequence_parallel:
+            plan[f"layers.{i}.enorm"] = SequenceParallel(use_local_output=True)
+            plan[f"layers.{i}.hnorm"] = SequenceParallel(use_local_output=True)
+            plan[f"layers.{i}.head_norm"] = SequenceParallel()
     return plan

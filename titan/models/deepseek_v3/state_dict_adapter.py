@@ -29,7 +29,14 @@ _LAYER = {
     "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    # a multi-token-prediction depth's own parts (titan.models.deepseek_v3.mtp)
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "head_norm.weight": "shared_head.norm.weight",
 }
+# what the hub stores in every prediction depth's layer as a copy of the main model's
+_MTP_COPIES = {"embed_tokens.weight": "mtp_embeddings.weight", "shared_head.head.weight": None}
 _HF_LAYER_ID = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -43,20 +50,51 @@ class DeepSeekV3StateDictAdapter(DecoderHFAdapter):
     def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> DeepSeekV3Args:
         return deepseek_v3_args_from_hf_config(config, max_seq_len)
 
+    def to_hf(self, state_dict):
+        """The hub layout; each prediction depth's layer also gets the copies of the embedding
+        and output head the released checkpoints store in it (copied: a file holds no two
+        names of one storage; read back, from_hf keeps one of them)."""
+        state = dict(state_dict)
+        # a checkpoint's state names the depths' copy as its owner (the embedding)
+        embedding = state.pop("mtp_embeddings.weight", state.get("tok_embeddings.weight"))
+        out = super().to_hf(state)
+        for k in range(self.args.mtp_depth):
+            layer = f"model.layers.{self.args.n_layers + k}"
+            if embedding is not None:
+                out[f"{layer}.embed_tokens.weight"] = embedding.detach().clone()
+            if "output.weight" in state:
+                out[f"{layer}.shared_head.head.weight"] = state["output.weight"].detach().clone()
+        return out
+
     def from_hf(self, hf_state_dict, hf_config=None):
-        # the released checkpoints store their multi-token-prediction modules as layers past
-        # the decoder's (num_nextn_predict_layers of them); transformers skips them too
-        n = self.args.n_layers
-        kept = {
-            k: v
-            for k, v in hf_state_dict.items()
-            if not (
-                (m := _HF_LAYER_ID.match(k))
-                and int(m[1]) >= n
-                and (hf_config or {}).get("num_nextn_predict_layers")
-            )
-        }
-        return super().from_hf(kept, hf_config)
+        # the hub stores the multi-token-prediction depths as layers past the decoder's
+        # (num_nextn_predict_layers of them): titan reads as many as mtp_depth asks (none:
+        # skipped, as transformers skips them), each depth's copies of the shared embedding
+        # and head once
+        n, depth = self.args.n_layers, self.args.mtp_depth
+        kept, embedding = {}, None
+        for name, t in hf_state_dict.items():
+            m = _HF_LAYER_ID.match(name)
+            if m is None or int(m[1]) < n:
+                kept[name] = t
+                continue
+            if int(m[1]) >= n + depth:
+                if depth or (hf_config or {}).get("num_nextn_predict_layers"):
+                    continue
+                kept[name] = t  # a layer of neither: let the renaming name it
+                continue
+            rest = name[m.end() :]
+            if rest in _MTP_COPIES:
+                if _MTP_COPIES[rest] is not None and embedding is None:
+                    embedding = t
+                continue
+            kept[name] = t
+        out = super().from_hf(kept, hf_config)
+        if embedding is not None:
+            # one matrix: the main embedding where this state holds it (a pipeline's last
+            # stage holds only the depths' copy)
+            out["mtp_embeddings.weight"] = out.get("tok_embeddings.weight", embedding)
+        return out
 
     def hf_config(self) -> dict:
         a = self.args
@@ -95,7 +133,7 @@ class DeepSeekV3StateDictAdapter(DecoderHFAdapter):
             "scoring_func": "sigmoid",
             "topk_method": "noaux_tc",
             "moe_layer_freq": 1,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": a.mtp_depth,
         }
         if a.rope_scaling_factor is not None:
             cfg["rope_scaling"] = {
@@ -210,6 +248,7 @@ def deepseek_v3_args_from_hf_config(config: dict, max_seq_len: int | None = None
         max_seq_len=seq_len,
         context_len=None if context == seq_len else context,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        mtp_depth=int(c.get("num_nextn_predict_layers") or 0),
         **yarn,
     )
     problems += [p for p in args.problems() if not p.startswith("moe:")]
