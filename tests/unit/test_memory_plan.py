@@ -132,6 +132,8 @@ LAYOUTS.update(
             [*GPT_OSS, "--parallelism.tensor_parallel_degree", "2", *AC["selective"]],
         ),
         "gpt_oss_pp2": (2, [*GPT_OSS, "--parallelism.pipeline_parallel_degree", "2"]),
+        # every rank's keys and values gathered in each layer, masked by position
+        "gpt_oss_cp2": (2, [*GPT_OSS, "--parallelism.context_parallel_degree", "2"]),
         # DeepSeek-V3 with two multi-token-prediction depths on the last stage
         "deepseek_mtp_pp2": (
             2,

@@ -36,6 +36,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental import context_parallel
 from torch.utils._pytree import tree_map_only
 
+from titan.parallelisms.sequence_shard import SequenceShard, activated
+
 # Allowed (major, minor) ranges, [low, high). CPU relies on torch's private ring-attention
 # internals and is pinned to the version its tests ran with. CUDA runs torch's own CP path,
 # allowed from 2.11 (the lent GPU machines' torch) but not yet run on a GPU by titan.
@@ -104,18 +106,24 @@ def _cp_context(
 ) -> Iterator[None]:
     opts = _torch_cp._cp_options
     saved = (opts.rotate_method, opts.enable_load_balance)
+    # each token's position, sharded as the batch is: what attention with other masks than
+    # ring attention's causal one needs (titan.parallelisms.sequence_shard)
+    positions = torch.arange(buffers[0].shape[seq_dims[0]], device=buffers[0].device)
     try:
         _torch_cp.set_rotate_method(rotate_method)
         # torch's context_parallel picks the head-tail balancer iff this flag is set
         opts.enable_load_balance = load_balance
         with context_parallel(
             cp_mesh,
-            buffers=buffers,
-            buffer_seq_dims=seq_dims,
-            no_restore_buffers=no_restore_buffers,
+            buffers=[*buffers, positions],
+            buffer_seq_dims=[*seq_dims, 0],
+            no_restore_buffers={*no_restore_buffers, positions},
         ):
             # entered after torch's: it swaps in a fresh handler dict, which we extend
-            with _cpu_ring_handlers() if cp_mesh.device_type == "cpu" else contextlib.nullcontext():
+            ring = (
+                _cpu_ring_handlers() if cp_mesh.device_type == "cpu" else contextlib.nullcontext()
+            )
+            with ring, activated(SequenceShard(cp_mesh.get_group(), positions)):
                 yield
     finally:
         # process-global options: leave them as found

@@ -13,6 +13,7 @@ from torch import nn
 from titan.models.common.decode import DecodeCache
 from titan.models.common.init import normal, ones, zeros
 from titan.models.common.rope import apply_rope
+from titan.parallelisms import sequence_shard
 
 
 def flex_attention(q, k, v, block_mask, enable_gqa=False, scale=None, lse=False):
@@ -145,12 +146,25 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
             )
         else:
-            mask = self._windowed(mask, q.shape[2], k.shape[2], first)
+            q_pos, k_pos, k, v = self._keys(q.shape[2], k, v, first)
+            mask = self._windowed(mask, q_pos, k_pos)
             if self.sinks is None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             else:
                 out = attention_with_sinks(q, k, v, mask, self.sinks)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+    def _keys(self, seq: int, k, v, first: int):
+        """(query positions, key positions, keys, values) for a masked attention: this
+        rank's own, or under context parallelism every rank's keys and values (a window and
+        sinks need every key of a row: ring attention's causal SDPA has neither)."""
+        shard = sequence_shard.active()
+        if shard is not None:
+            k, v = shard.gather(k, dim=2), shard.gather(v, dim=2)
+            return shard.positions, shard.all_positions(), k, v
+        keys = k.shape[2]
+        k_pos = torch.arange(first, first + keys, device=k.device)
+        return k_pos[keys - seq :], k_pos, k, v  # the new tokens are the last `seq` keys
 
     def _flex(self, q, k, v, block_mask, gqa: bool) -> torch.Tensor:
         if self.sinks is None:
@@ -160,12 +174,9 @@ class Attention(nn.Module):
         keep = torch.sigmoid(lse - self.sinks.to(lse.dtype)[None, :, None])
         return out * keep[..., None].to(out.dtype)
 
-    def _windowed(self, mask, seq: int, keys: int, first: int) -> torch.Tensor:
-        """The bool mask (batch or 1, 1, seq, keys) of causal (or `mask`) and the window;
-        the keys are positions `first`, first + 1, ..."""
-        device = self.wq.weight.device
-        k_pos = torch.arange(first, first + keys, device=device)
-        q_pos = k_pos[keys - seq :]  # the new tokens are the last `seq` keys
+    def _windowed(self, mask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """The bool mask (batch or 1, 1, queries, keys) of causal (or `mask`) and the
+        window, from the positions of the queries and keys."""
         if mask is None:
             mask = (q_pos[:, None] >= k_pos[None, :])[None, None]
         if self.sliding_window is not None:

@@ -85,15 +85,6 @@ class GptOssArgs(DecoderParamCount):
             out.append(f"swiglu_limit {self.swiglu_limit} must be > 0")
         return out
 
-    def layout_problems(self, dims) -> list[str]:
-        if dims.cp > 1:
-            return [
-                f"context_parallel_degree {dims.cp}: titan's ring attention runs causal SDPA, "
-                "which has neither GPT-OSS's sliding windows nor its attention sinks; set "
-                "parallelism.context_parallel_degree = 1"
-            ]
-        return []
-
     def layer_params(self, layer_id: int, active: bool = False) -> int:
         """Attention (with biases and a sink per head), two norms and the experts: router
         weight and bias, each expert's three matrices and three biases."""

@@ -1,0 +1,55 @@
+"""The part of each sequence this rank holds under context parallelism, as attention that ring
+attention cannot run sees it: the positions of its own tokens, and every rank's keys and
+values gathered (all-gather forward, their gradients summed back to the ranks that made them
+in backward) with their positions, so that any mask defined on positions (a sliding window,
+a sink's extra logit in every row's softmax) is applied exactly as on one rank.
+
+Ring attention (titan.parallelisms.context_parallel) runs causal SDPA with the keys moving
+round the ring; attention with other masks asks `active()` for this instead: Llama 3's
+all-gather form of context parallelism, K and V whole on every rank for the layer's duration.
+Outside a context-parallel step `active()` is None.
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+_active: "SequenceShard | None" = None
+
+
+class SequenceShard:
+    def __init__(self, group: dist.ProcessGroup, positions: torch.Tensor):
+        self.group = group
+        self.positions = positions  # (local tokens,) int64: this rank's, in its order
+        self._all: torch.Tensor | None = None
+
+    def all_positions(self) -> torch.Tensor:
+        """The positions of the gathered keys, every rank's in rank order."""
+        if self._all is None:
+            parts = [torch.empty_like(self.positions) for _ in range(self.group.size())]
+            dist.all_gather(parts, self.positions.contiguous(), group=self.group)
+            self._all = torch.cat(parts)
+        return self._all
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `t`, concatenated along its sequence dim `dim` in rank order."""
+        # here, not at the top: model code imports this module, the launcher model code
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(t, group=self.group), dim=dim)
+
+
+def active() -> SequenceShard | None:
+    return _active
+
+
+@contextlib.contextmanager
+def activated(shard: SequenceShard) -> Iterator[None]:
+    global _active
+    outer, _active = _active, shard
+    try:
+        yield
+    finally:
+        _active = outer
