@@ -11,6 +11,7 @@ Outside a context-parallel step `active()` is None.
 """
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -38,7 +39,12 @@ class SequenceShard:
         # here, not at the top: model code imports this module, the launcher model code
         from torch.distributed.nn.functional import all_gather
 
-        return torch.cat(all_gather(t, group=self.group), dim=dim)
+        # the synchronous all-gather (its backward a synchronous all-to-all), not the
+        # functional one it is deprecated for: two collectives in flight on one gloo group
+        # corrupt memory now and then (scripts/gloo_overlap_check.py)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*nn.functional.all_gather is deprecated")
+            return torch.cat(all_gather(t, group=self.group), dim=dim)
 
 
 def active() -> SequenceShard | None:
