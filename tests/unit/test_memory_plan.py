@@ -134,6 +134,17 @@ LAYOUTS.update(
         "gpt_oss_pp2": (2, [*GPT_OSS, "--parallelism.pipeline_parallel_degree", "2"]),
         # every rank's keys and values gathered in each layer, masked by position
         "gpt_oss_cp2": (2, [*GPT_OSS, "--parallelism.context_parallel_degree", "2"]),
+        # documents under CP: every rank's keys gathered, the mask by document and position
+        "cp2_block_causal": (
+            2,
+            [
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--model.attn_mask_type",
+                "block_causal",
+                "--model.document_positions",
+            ],
+        ),
         # DeepSeek-V3 with two multi-token-prediction depths on the last stage
         "deepseek_mtp_pp2": (
             2,

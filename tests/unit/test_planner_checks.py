@@ -156,9 +156,9 @@ def test_suggested_settings_go_through_the_config_parser():
     assert {source_of(candidate, k) for k in fields} == {"--suggest"}
     assert source_of(base, "parallelism.tensor_parallel_degree") == "the default"  # a copy
     assert source_of(candidate, "model.attn_mask_type").startswith("command line")
-    # the parser's cross-field checks: block-causal masks are refused under CP
-    with pytest.raises(ConfigError, match="block_causal is not supported with context"):
-        apply_settings(base, settings(layout(cp=2, dp_shard=2), "none", 4, 32))
+    # the parser's cross-field checks: document positions need block-causal masks
+    with pytest.raises(ConfigError, match='needs model.attn_mask_type = "block_causal"'):
+        apply_settings(job(), {"model.document_positions": True})
     # and its field checks, naming the source
     with pytest.raises(ConfigError, match=r"'sometimes' \(from --suggest\)"):
         apply_settings(base, {"activation_checkpoint.mode": "sometimes"})

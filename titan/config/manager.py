@@ -368,13 +368,6 @@ def validate(cfg: JobConfig) -> None:
             'needs model.attn_mask_type = "block_causal" (with a '
             "causal mask across documents, positions run through the window)",
         ),
-        (
-            cfg.model.attn_mask_type == "causal" or cfg.parallelism.context_parallel_degree == 1,
-            "model.attn_mask_type",
-            "block_causal is not supported with context parallelism here (torch's ring attention "
-            "runs causal SDPA); set parallelism.context_parallel_degree = 1 or attn_mask_type = "
-            '"causal"',
-        ),
         (o.lr >= 0, "optimizer.lr", "must be >= 0"),
         (o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
         (

@@ -11,7 +11,6 @@ Outside a context-parallel step `active()` is None.
 """
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -36,15 +35,31 @@ class SequenceShard:
 
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's `t`, concatenated along its sequence dim `dim` in rank order."""
-        # here, not at the top: model code imports this module, the launcher model code
-        from torch.distributed.nn.functional import all_gather
+        return _Gather.apply(t, self.group, dim)
 
-        # the synchronous all-gather (its backward a synchronous all-to-all), not the
-        # functional one it is deprecated for: two collectives in flight on one gloo group
-        # corrupt memory now and then (scripts/gloo_overlap_check.py)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*nn.functional.all_gather is deprecated")
-            return torch.cat(all_gather(t, group=self.group), dim=dim)
+
+class _Gather(torch.autograd.Function):
+    """All-gather along `dim`; backward sums the gradient over the ranks and keeps this rank's
+    part. Written here rather than torch.distributed.nn's all_gather, whose gloo backward
+    receives into tensors shaped like the incoming gradient's strides (a transposed gradient,
+    as attention's key gradient can be, came back scrambled) and runs a collective per rank.
+    Both directions are one synchronous collective: two in flight on one gloo group corrupt
+    memory now and then (scripts/gloo_overlap_check.py)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.length = group, dim, t.shape[dim]
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(group.size())]
+        dist.all_gather(parts, t, group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rank = dist.get_rank(group=ctx.group)
+        return grad.narrow(ctx.dim, rank * ctx.length, ctx.length), None, None
 
 
 def active() -> SequenceShard | None:

@@ -92,11 +92,17 @@ def _forward_held(
     tracker = ActivationTracker(parts)
     # as in a training step: auxiliary losses (an MoE's balancing, multi-token prediction)
     # ride on the activations and keep their graphs for backward
-    with tracker, AuxLossCollector(1.0), fb.cp_ctx(tokens, labels), fb.loss_parallel_ctx():
+    kwargs = fb.model_kwargs(tokens, labels)
+    with (
+        tracker,
+        AuxLossCollector(1.0),
+        fb.cp_ctx(tokens, labels, kwargs=kwargs),
+        fb.loss_parallel_ctx(),
+    ):
         if fb.pp_plan is None:
-            out = loss = fb.forward_loss(tokens, labels)
+            out = loss = fb.forward_loss(tokens, labels, kwargs)
         else:
-            out = part(tokens if hidden is None else hidden, **fb.model_kwargs(tokens, labels))
+            out = part(tokens if hidden is None else hidden, **kwargs)
             # the schedule keeps each loss (and so its graph) until the step ends
             loss = fb.loss(out, labels) if part.output is not None else None
         held = tracker.held_bytes()

@@ -76,14 +76,22 @@ class ForwardBackward:
             else contextlib.nullcontext()
         )
 
-    def cp_ctx(self, *batch: torch.Tensor | None):
-        """Shard the batch and every part's CP buffers along the sequence for ring attention."""
+    def cp_ctx(self, *batch: torch.Tensor | None, kwargs: dict | None = None):
+        """Shard the batch, the model's batch-shaped arguments (documents and their positions)
+        and every part's CP buffers along the sequence. With document positions the RoPE
+        table stays whole: its rows are picked by position, not by place."""
         dims = self.plan.dims
         if not dims.cp_enabled:
             return contextlib.nullcontext()
         par = self.job.parallelism
         batch = [b for b in batch if b is not None]
-        buffers = [pair for part in self.parts for pair in part.cp_buffers()]
+        kwargs = kwargs or {}
+        batch += [t for t in kwargs.values() if all(t is not b for b in batch)]
+        buffers = (
+            []
+            if "positions" in kwargs
+            else [pair for part in self.parts for pair in part.cp_buffers()]
+        )
         return context_parallel_ctx(
             dims["cp"],
             batch + [b for b, _ in buffers],
@@ -107,17 +115,22 @@ class ForwardBackward:
             **({"positions": document_positions(doc_ids)} if m.document_positions else {}),
         }
 
-    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict | None = None
+    ) -> torch.Tensor:
         """The loss of one microbatch, ready for backward; call inside cp_ctx and
-        loss_parallel_ctx."""
+        loss_parallel_ctx. `kwargs`: model_kwargs of the batch, made before cp_ctx shards it."""
+        if kwargs is None:
+            kwargs = self.model_kwargs(inputs, labels)
         with self.amp():
-            logits = self.parts[0](inputs, **self.model_kwargs(inputs, labels))
+            logits = self.parts[0](inputs, **kwargs)
         return self.loss(logits, labels)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Loss of one microbatch (already divided by the step's token count), after backward."""
-        with self.cp_ctx(inputs, labels), self.loss_parallel_ctx():
-            loss = self.forward_loss(inputs, labels)
+        kwargs = self.model_kwargs(inputs, labels)  # documents of the whole sequences
+        with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx():
+            loss = self.forward_loss(inputs, labels, kwargs)
             loss.backward()
         return plain(loss.detach())
 
@@ -131,7 +144,7 @@ class ForwardBackward:
         run = schedule.step if train else schedule.eval
         kwargs = self.model_kwargs(inputs, labels)  # every stage's attention needs them
         inputs, labels = (inputs if has_first else None), (labels if has_last else None)
-        with self.cp_ctx(inputs, labels), self.loss_parallel_ctx():
+        with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx():
             run(*((inputs,) if has_first else ()), target=labels, losses=losses, **kwargs)
         total = torch.zeros((), device=self.device)
         for loss in losses or []:
@@ -155,8 +168,7 @@ class ForwardBackward:
             has_last = self.pp_plan.num_stages - 1 in self.pp_plan.stage_ids
             loss = self.run_pipeline(self.eval_schedule, inputs, labels, train=False)
             return loss, tokens if has_last else 0
-        with self.cp_ctx(inputs, labels), self.loss_parallel_ctx(), self.amp():
-            loss = cross_entropy_sum(
-                self.parts[0](inputs, **self.model_kwargs(inputs, labels)), labels
-            )
+        kwargs = self.model_kwargs(inputs, labels)
+        with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx(), self.amp():
+            loss = cross_entropy_sum(self.parts[0](inputs, **kwargs), labels)
         return plain(loss), tokens

@@ -41,13 +41,17 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     return q_pos[..., :, None] - k_pos[..., None, :] < window
 
 
-def attention_with_sinks(q, k, v, mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """softmax over each row's scores and its head's sink logit, the sink's share dropped:
-    q (b, h, s, d); k, v (b, kv_heads, t, d); mask bool, broadcastable to (b, h, s, t)."""
+def masked_attention(q, k, v, mask: torch.Tensor, sinks=None, scale=None) -> torch.Tensor:
+    """Attention written out: softmax over each row's scores (and, with `sinks`, its head's
+    sink logit, whose share is dropped): q (b, h, s, d); k, v (b, kv_heads, t, d); mask bool,
+    broadcastable to (b, h, s, t); `scale` default 1/sqrt(d). What runs where SDPA cannot: a
+    sink, or context parallelism (under which torch makes SDPA ring attention)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return scores.softmax(dim=-1).to(v.dtype) @ v
     sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
     return probs.to(v.dtype) @ v
@@ -139,26 +143,29 @@ class Attention(nn.Module):
         # K/V first would copy them, and sum the copies' gradients back, in every layer
         gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # under context parallelism: ring attention for a causal mask, else every rank's keys
+        shard = sequence_shard.active()
+        plain = self.sliding_window is None and self.sinks is None
         if mask is not None and not isinstance(mask, torch.Tensor):
             out = self._flex(q, k, v, mask, gqa)
-        elif self.sliding_window is None and self.sinks is None:
+        elif plain and (shard is None or mask is None):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
             )
         else:
-            q_pos, k_pos, k, v = self._keys(q.shape[2], k, v, first)
+            q_pos, k_pos, k, v = self._keys(q.shape[2], k, v, first, shard)
             mask = self._windowed(mask, q_pos, k_pos)
-            if self.sinks is None:
+            if self.sinks is None and shard is None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             else:
-                out = attention_with_sinks(q, k, v, mask, self.sinks)
+                out = masked_attention(q, k, v, mask, self.sinks)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
-    def _keys(self, seq: int, k, v, first: int):
+    def _keys(self, seq: int, k, v, first: int, shard):
         """(query positions, key positions, keys, values) for a masked attention: this
-        rank's own, or under context parallelism every rank's keys and values (a window and
-        sinks need every key of a row: ring attention's causal SDPA has neither)."""
-        shard = sequence_shard.active()
+        rank's own, or under context parallelism (`shard`) every rank's keys and values (a
+        window, sinks or documents need every key of a row: ring attention's causal SDPA has
+        none of them)."""
         if shard is not None:
             k, v = shard.gather(k, dim=2), shard.gather(v, dim=2)
             return shard.positions, shard.all_positions(), k, v

@@ -14,8 +14,13 @@ import torch
 from torch import nn
 
 from titan.models.common.decode import DecodeCache
-from titan.models.common.documents import block_causal_block_mask, block_causal_mask
+from titan.models.common.documents import (
+    block_causal_block_mask,
+    block_causal_mask,
+    block_causal_mask_between,
+)
 from titan.models.common.init import normal, ones, seeded_init_, seeded_init_all
+from titan.parallelisms import sequence_shard
 
 
 class TransformerBlock(nn.Module):
@@ -142,6 +147,11 @@ class Decoder(nn.Module):
         if doc_ids is None:
             return {}
         windows = set(self.sliding_windows)
+        shard = sequence_shard.active()
+        if shard is not None:  # context parallelism: this rank's queries, every rank's keys
+            keys = shard.gather(doc_ids, dim=1)
+            mask = block_causal_mask_between(doc_ids, keys, shard.positions, shard.all_positions())
+            return dict.fromkeys(windows, mask)
         if doc_ids.is_cuda:
             return {w: block_causal_block_mask(doc_ids, w) for w in windows}
         mask = block_causal_mask(doc_ids)

@@ -32,6 +32,15 @@ def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def block_causal_mask_between(
+    q_docs: torch.Tensor, k_docs: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+) -> torch.Tensor:
+    """The same for queries and keys given apart, each with its document (batch, n) and
+    window position (n,): a context-parallel rank's queries against every rank's keys."""
+    causal = q_pos[:, None] >= k_pos[None, :]
+    return ((q_docs[:, :, None] == k_docs[:, None, :]) & causal)[:, None]
+
+
 def block_causal_block_mask(doc_ids: torch.Tensor, window: int | None = None):
     """The same mask as a FlexAttention BlockMask, which skips whole blocks that no query of
     a document reaches (the fast path on CUDA); with `window`, also only the `window` latest

@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan.models.common.attention import flex_attention
+from titan.models.common.attention import flex_attention, masked_attention
 from titan.models.common.decode import DecodeCache
 from titan.models.common.init import normal, ones
 from titan.models.common.rope import apply_rope
+from titan.parallelisms import sequence_shard
 
 # the latent norms of DeepSeek's checkpoints (transformers' default epsilon, whatever the
 # model's rms_norm_eps)
@@ -105,8 +106,13 @@ class MLA(nn.Module):
         # one width for all three, and context parallelism's ring attention runs on them only
         v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        shard = sequence_shard.active()
         if mask is not None and not isinstance(mask, torch.Tensor):
             out = flex_attention(q, k, v, block_mask=mask, scale=self.softmax_scale)
+        elif shard is not None and mask is not None:
+            # context parallelism with documents: every rank's keys, the mask by position
+            k, v = shard.gather(k, dim=2), shard.gather(v, dim=2)
+            out = masked_attention(q, k, v, mask, scale=self.softmax_scale)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale
