@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
-from tests.moe_checks import check_run_like_one_process
+from tests.moe_checks import check_resume_is_bitwise, check_run_like_one_process
 from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
@@ -341,15 +341,7 @@ def test_layouts_train_like_one_process(layout, one_rank, tmp_path):
 
 
 def test_resume_is_bitwise(one_rank, tmp_path):
-    import shutil
-
-    records, saved = one_rank
-    dump = tmp_path / "dump" / "checkpoint"
-    shutil.copytree(saved / "step-5", dump / "step-5")
-    got = run_trainer(tmp_path, 1, [*COMMON, *CKPT])
-    assert [(r["loss"], r["grad_norm"]) for r in got] == [
-        (r["loss"], r["grad_norm"]) for r in records[5:]
-    ]
+    check_resume_is_bitwise(one_rank, tmp_path, [*COMMON, *CKPT], STEPS, at=5)
 
 
 def test_balancing_loss_is_logged_apart(one_rank):

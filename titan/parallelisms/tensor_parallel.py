@@ -59,26 +59,38 @@ class LocalTokens(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh)  # every parameter replicated
-        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-
-        def to_local(mod, args):
-            for sub in mod.modules():
-                for name, p in list(sub._parameters.items()):
-                    if isinstance(p, DTensor):
-                        swapped.append((sub, name, p))
-                        # a plain tensor in the parameter's slot for this forward, the way
-                        # FSDP swaps in its unsharded parameters
-                        sub._parameters[name] = p.to_local(grad_placements=self.grad_placements)
-
-        def restore(mod, args, output):
-            while swapped:
-                sub, name, p = swapped.pop()
-                sub._parameters[name] = p
-
-        # outside torch.compile's graphs: they rewrite the module's parameter slots
-        module.register_forward_pre_hook(torch.compiler.disable(to_local))
-        module.register_forward_hook(torch.compiler.disable(restore))
+        local_in_forward(module, grad_placements=self.grad_placements)
         return module
+
+
+def local_in_forward(
+    module: nn.Module, names: tuple[str, ...] | None = None, grad_placements=None
+) -> None:
+    """Within `module`'s forward, its DTensor parameters (those of it and its submodules, or
+    with `names` those of its own) are their local tensors in the parameter's slot, the way
+    FSDP swaps in its unsharded parameters; `grad_placements` as DTensor.to_local takes it.
+    The parameter is read from its slot at each call: FSDP swaps its own in and out too."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+    def held(mod):
+        if names is not None:
+            return [(mod, n, mod._parameters[n]) for n in names]
+        return [(sub, n, p) for sub in mod.modules() for n, p in list(sub._parameters.items())]
+
+    def to_local(mod, args):
+        for sub, name, p in held(mod):
+            if isinstance(p, DTensor):
+                swapped.append((sub, name, p))
+                sub._parameters[name] = p.to_local(grad_placements=grad_placements)
+
+    def restore(mod, args, output):
+        while swapped:
+            sub, name, p = swapped.pop()
+            sub._parameters[name] = p
+
+    # outside torch.compile's graphs: they rewrite the module's parameter slots
+    module.register_forward_pre_hook(torch.compiler.disable(to_local))
+    module.register_forward_hook(torch.compiler.disable(restore))
 
 
 class SumInputGrads(ParallelStyle):

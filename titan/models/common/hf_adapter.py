@@ -295,3 +295,32 @@ def rope_settings(config: dict) -> tuple[float, str, dict, list[str]]:
         problems.append("partial_rotary_factor != 1")
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     return float(theta), rope.get("rope_type", rope.get("type", "default")), rope, problems
+
+
+def yarn_fields(rope: dict, config: dict, problems: list[str]) -> dict:
+    """The YaRN fields of a family's args (rope_scaling_factor, rope_original_max_len,
+    rope_beta_fast, rope_beta_slow) from an HF config's YaRN parameters, for a family that
+    takes YaRN's default temperature; what it cannot express goes to `problems`."""
+    for key in ("attention_factor", "mscale", "mscale_all_dim"):
+        if rope.get(key) is not None:
+            problems.append(f"YaRN {key} (titan uses YaRN's default temperature)")
+    return {
+        "rope_scaling_factor": float(rope["factor"]),
+        "rope_original_max_len": int(
+            rope.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+        ),
+        "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+    }
+
+
+def gqa_heads(config: dict, problems: list[str]) -> tuple[int, int]:
+    """(num_attention_heads, num_key_value_heads, all heads when absent) of an HF config; a
+    query head count the key/value heads do not divide goes to `problems`."""
+    n_heads = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_heads
+    if n_heads % n_kv:
+        problems.append(
+            f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}"
+        )
+    return n_heads, n_kv

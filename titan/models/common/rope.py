@@ -106,3 +106,22 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor, interleaved: bool = True) ->
         )
     x0, x1 = xf.chunk(2, dim=-1)
     return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).type_as(x)
+
+
+def yarn_rope_table(
+    head_dim: int,
+    theta: float,
+    max_len: int,
+    factor: float | None,
+    original_max_len: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+    device=None,
+) -> torch.Tensor:
+    """The rope_table of plain RoPE (`factor` None) or of YaRN stretched by `factor`, scaled by
+    YaRN's attention temperature (Qwen3's and GPT-OSS's; DeepSeek-V3 scales by a ratio)."""
+    if factor is None:
+        return rope_table(inverse_frequencies(head_dim, theta), max_len, device=device)
+    freqs = yarn_scaled(head_dim, theta, factor, original_max_len, beta_fast, beta_slow, truncate)
+    return rope_table(freqs, max_len, scale=yarn_mscale(factor), device=device)

@@ -1,5 +1,3 @@
-import copy
-
 from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
@@ -18,19 +16,10 @@ def parallelize_deepseek_v3(model, dims, job):
 
 
 def pipeline_deepseek_v3(whole, stage_id, plan):
-    """The common split, with the prediction depths (layers past n_layers) and their copy of
-    the embedding on the last stage only."""
+    """The common split (the prediction depths go to the last stage), their copy of the
+    embedding with them."""
     stage = pipeline_decoder(whole, stage_id, plan)
-    n = whole.args.n_layers
-    last = stage_id == plan.num_stages - 1
-    for i in list(stage.layers.keys()):
-        if int(i) >= n and not last:
-            del stage.layers[i]
-    if last:
-        for i, block in whole.layers.items():
-            if int(i) >= n:
-                stage.layers[i] = copy.deepcopy(block)
-    else:
+    if stage_id != plan.num_stages - 1:
         stage.mtp_embeddings = None
     return stage
 

@@ -10,7 +10,7 @@ import torch
 from titan.models.common.attention import Attention
 from titan.models.common.decoder import Decoder, TransformerBlock
 from titan.models.common.moe import GroupedExperts, MoE, Router
-from titan.models.common.rope import inverse_frequencies, rope_table, yarn_mscale, yarn_scaled
+from titan.models.common.rope import yarn_rope_table
 from titan.models.gpt_oss.args import GptOssArgs
 
 
@@ -27,21 +27,16 @@ def clamped_swiglu(
 def rope_cache(args: GptOssArgs, device=None) -> torch.Tensor:
     """(max_seq_len, head_dim/2, 2) table of (cos, sin), YaRN-stretched and scaled by its
     attention temperature as released."""
-    if args.rope_scaling_factor is None:
-        return rope_table(
-            inverse_frequencies(args.head_dim, args.rope_theta), args.max_seq_len, device=device
-        )
-    freqs = yarn_scaled(
+    return yarn_rope_table(
         args.head_dim,
         args.rope_theta,
+        args.max_seq_len,
         args.rope_scaling_factor,
         args.rope_original_max_len,
         args.rope_beta_fast,
         args.rope_beta_slow,
         truncate=args.rope_truncate,
-    )
-    return rope_table(
-        freqs, args.max_seq_len, scale=yarn_mscale(args.rope_scaling_factor), device=device
+        device=device,
     )
 
 

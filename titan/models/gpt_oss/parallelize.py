@@ -1,13 +1,13 @@
 """GPT-OSS's tensor-parallel attention plan: the common one (heads split over the ranks,
 biases with their rows) with each head's sink logit on the rank that holds the head."""
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from titan.models.common.parallelize import attention_plan
+from titan.parallelisms.tensor_parallel import local_in_forward
 
 
 class SinksWithHeads(PrepareModuleInput):
@@ -18,19 +18,7 @@ class SinksWithHeads(PrepareModuleInput):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)
         module.sinks = nn.Parameter(distribute_tensor(module.sinks.data, device_mesh, [Shard(0)]))
-        swapped = []
-
-        def to_local(mod, args):
-            # the parameter in the slot now (FSDP swaps its own in and out around forward)
-            swapped.append(mod._parameters["sinks"])
-            mod._parameters["sinks"] = swapped[-1].to_local()
-
-        def restore(mod, args, output):
-            mod._parameters["sinks"] = swapped.pop()
-
-        # outside torch.compile's graphs: they rewrite the module's parameter slot
-        module.register_forward_pre_hook(torch.compiler.disable(to_local))
-        module.register_forward_hook(torch.compiler.disable(restore))
+        local_in_forward(module, names=("sinks",))
         return module
 
 

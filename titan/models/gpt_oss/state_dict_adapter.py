@@ -9,7 +9,9 @@ from titan.models.common.hf_adapter import (
     BLOCK_NAMES,
     DecoderHFAdapter,
     FusedExperts,
+    gqa_heads,
     rope_settings,
+    yarn_fields,
 )
 from titan.models.common.moe_args import MoEArgs
 from titan.models.gpt_oss.args import FULL, SLIDING, GptOssArgs
@@ -108,24 +110,13 @@ def gpt_oss_args_from_hf_config(config: dict, max_seq_len: int | None = None) ->
         problems.append(f"quantization_config.quant_method={quant!r}: {how}")
     if c.get("attention_bias", True) is not True:
         problems.append("attention_bias=false (GPT-OSS's projections have biases)")
-    n_heads = c["num_attention_heads"]
-    n_kv = c.get("num_key_value_heads") or n_heads
-    if n_heads % n_kv:
-        problems.append(
-            f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}"
-        )
+    n_heads, n_kv = gqa_heads(c, problems)
     rope_theta, rope_type, rope, rope_problems = rope_settings(c)
     problems += rope_problems
     yarn = {"rope_scaling_factor": None}
     if rope_type == "yarn":
-        for key in ("attention_factor", "mscale", "mscale_all_dim"):
-            if rope.get(key) is not None:
-                problems.append(f"YaRN {key} (titan uses YaRN's default temperature)")
         yarn = {
-            "rope_scaling_factor": float(rope["factor"]),
-            "rope_original_max_len": int(rope["original_max_position_embeddings"]),
-            "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
-            "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+            **yarn_fields(rope, c, problems),
             "rope_truncate": bool(rope.get("truncate", True)),
         }
     elif rope_type != "default":

@@ -6,7 +6,7 @@ so q/k projection rows are permuted on the way across (titan.models.common.hf_ad
 
 import math
 
-from titan.models.common.hf_adapter import BLOCK_NAMES, DecoderHFAdapter, rope_settings
+from titan.models.common.hf_adapter import BLOCK_NAMES, DecoderHFAdapter, gqa_heads, rope_settings
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
 _LAYER = {
@@ -107,11 +107,7 @@ def llama3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> 
             f"head_dim={head_dim} != hidden_size/num_attention_heads={dim // n_heads} "
             "(titan derives head_dim)"
         )
-    n_kv = c.get("num_key_value_heads") or n_heads
-    if n_heads % n_kv:
-        problems.append(
-            f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}"
-        )
+    _, n_kv = gqa_heads(c, problems)
 
     rope_theta, rope_type, rope, rope_problems = rope_settings(c)
     problems += rope_problems

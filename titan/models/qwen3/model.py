@@ -10,27 +10,22 @@ from titan.models.common.attention import Attention
 from titan.models.common.decoder import Decoder, TransformerBlock
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.moe import MoE
-from titan.models.common.rope import inverse_frequencies, rope_table, yarn_mscale, yarn_scaled
+from titan.models.common.rope import yarn_rope_table
 from titan.models.qwen3.args import Qwen3Args
 
 
 def rope_cache(args: Qwen3Args, device=None) -> torch.Tensor:
     """(max_seq_len, head_dim/2, 2) table of (cos, sin); YaRN also scales it by its
     attention temperature."""
-    if args.rope_scaling_factor is None:
-        return rope_table(
-            inverse_frequencies(args.head_dim, args.rope_theta), args.max_seq_len, device=device
-        )
-    freqs = yarn_scaled(
+    return yarn_rope_table(
         args.head_dim,
         args.rope_theta,
+        args.max_seq_len,
         args.rope_scaling_factor,
         args.rope_original_max_len,
         args.rope_beta_fast,
         args.rope_beta_slow,
-    )
-    return rope_table(
-        freqs, args.max_seq_len, scale=yarn_mscale(args.rope_scaling_factor), device=device
+        device=device,
     )
 
 

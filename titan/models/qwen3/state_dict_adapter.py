@@ -7,7 +7,9 @@ from titan.models.common.hf_adapter import (
     ROUTER_NAMES,
     SWIGLU_EXPERT_NAMES,
     DecoderHFAdapter,
+    gqa_heads,
     rope_settings,
+    yarn_fields,
 )
 from titan.models.common.moe_args import MoEArgs
 from titan.models.qwen3.args import Qwen3Args
@@ -115,27 +117,12 @@ def qwen3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Q
         problems.append("attention_bias=true (titan's projections have no bias)")
     if c.get("use_sliding_window"):
         problems.append("use_sliding_window=true (titan's Qwen3 attends to the whole context)")
-    n_heads = c["num_attention_heads"]
-    n_kv = c.get("num_key_value_heads") or n_heads
-    if n_heads % n_kv:
-        problems.append(
-            f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}"
-        )
+    n_heads, n_kv = gqa_heads(c, problems)
     rope_theta, rope_type, rope, rope_problems = rope_settings(c)
     problems += rope_problems
     yarn = {}
     if rope_type == "yarn":
-        for key in ("attention_factor", "mscale", "mscale_all_dim"):
-            if rope.get(key) is not None:
-                problems.append(f"YaRN {key} (titan uses YaRN's default temperature)")
-        yarn = {
-            "rope_scaling_factor": float(rope["factor"]),
-            "rope_original_max_len": int(
-                rope.get("original_max_position_embeddings") or c.get("max_position_embeddings")
-            ),
-            "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
-            "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
-        }
+        yarn = yarn_fields(rope, c, problems)
     elif rope_type != "default":
         problems.append(f"rope type {rope_type!r} (titan's Qwen3 implements plain RoPE and YaRN)")
     moe_fields = _moe_fields(c, problems) if moe else {}
