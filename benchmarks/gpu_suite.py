@@ -21,8 +21,10 @@ reported as such and the suite goes on; the exit code is 1 if any did.
 
 On the lent GPU machine (Python 3.12, torch 2.11, no network): here, once,
 `bash scripts/gpu_wheels.sh` (titan's data stack, torchao, torchtitan 0.2.2: 0.3.0 needs a
-newer torch than 2.11), then one device-tool call (carry [".whl"]; not yet timed on a GPU,
-planned for under 10 minutes):
+newer torch than 2.11), then one device-tool call (carry [".whl"]). On an H200 each row takes
+30-60 s (the compiled ones included), about 8 minutes for all 12; rows run in order of
+importance, and `--budget` stops the suite in time, reporting the rest as skipped (the JSON is
+written after every row):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; \
       PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py --out $OUT/gpu_suite.json
@@ -140,6 +142,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="seconds one row may take before it is killed (default 300; tiny 180)",
     )
     ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated parts of row names: run only the rows whose name holds one, "
+        "e.g. 'DeepSeek,save' (default every row of --rows)",
+    )
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds the whole suite may take: a row still running then is stopped, later "
+        "rows are reported as skipped (rows run in order of importance; default no limit)",
+    )
+    ap.add_argument(
         "--keep",
         action="store_true",
         help="keep the rows' dump folders (logs, metrics, checkpoints)",
@@ -231,7 +246,7 @@ def peer_inputs(work: Path) -> tuple[Path, Path]:
     return tok, data
 
 
-def run_row(row, ctx: dict) -> dict:
+def run_row(row, ctx: dict, timeout: float) -> dict:
     res = {**row.as_dict(), "status": "ok"}
     dump = ctx["work"] / f"{len(ctx['done']):02d}_{row.kind}"
     env, args, peaks = ctx["env"], ctx["args"], ctx["peaks"]
@@ -243,10 +258,10 @@ def run_row(row, ctx: dict) -> dict:
             titan_side.command(row, dump, peak, args.device),
             env,
             dump / "console.log",
-            args.timeout,
+            timeout,
         )
         if code != 0:
-            res["status"], res["log_tail"] = failure(code, tail, args.timeout), tail
+            res["status"], res["log_tail"] = failure(code, tail, timeout), tail
         elif row.kind == "train":
             res.update(
                 report.training_figures(
@@ -267,9 +282,9 @@ def run_row(row, ctx: dict) -> dict:
                 row, margs, args.device, *ctx["peer_inputs"], dump, args.peer_attention
             )
             cmd, extra_env = peer_side.command(spec, shlex.split(args.peer_args))
-            code, tail = run(cmd, {**env, **extra_env}, dump / "console.log", args.timeout)
+            code, tail = run(cmd, {**env, **extra_env}, dump / "console.log", timeout)
             if code != 0:
-                res["status"], res["log_tail"] = failure(code, tail, args.timeout), tail
+                res["status"], res["log_tail"] = failure(code, tail, timeout), tail
             else:
                 res.update(
                     report.training_figures(
@@ -283,13 +298,13 @@ def run_row(row, ctx: dict) -> dict:
     else:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *row.pytest_args]
         code, tail = run(
-            cmd, {**env, "TITAN_TEST_DEVICE": args.device}, dump / "console.log", args.timeout
+            cmd, {**env, "TITAN_TEST_DEVICE": args.device}, dump / "console.log", timeout
         )
         counts = re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|deselected)", tail)
         res["counts"] = {k: int(n) for n, k in counts}
         res["summary"] = ", ".join(f"{n} {k}" for n, k in counts) or "no summary"
         if code != 0:
-            res["status"], res["log_tail"] = failure(code, tail, args.timeout), tail
+            res["status"], res["log_tail"] = failure(code, tail, timeout), tail
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -305,6 +320,8 @@ def main(argv=None) -> int:
         args.kinds,
         shlex.split(args.tests) if args.tests is not None else None,
     )
+    if args.only:
+        rows = [r for r in rows if any(part in r.name for part in args.only.split(","))]
     started = time.perf_counter()
     # the orchestrator holds no CUDA context: the peak is measured in a process of its own
     n, dtype = (8192, "bfloat16") if args.device == "cuda" else (512, "float32")
@@ -363,16 +380,37 @@ def main(argv=None) -> int:
         f"{len(rows)} rows",
         flush=True,
     )
+    deadline = started + args.budget if args.budget else float("inf")
     for row in rows:
-        try:
-            res = run_row(row, ctx)
-        except Exception as e:  # noqa: BLE001  one row's surprise must not lose the others
-            res = {**row.as_dict(), "status": f"failed: {type(e).__name__}: {e}", "wall_s": 0.0}
+        left = deadline - time.perf_counter()
+        if left < 30:  # no row does anything useful in less
+            res = {**row.as_dict(), "status": "skipped: over the suite's --budget", "wall_s": 0.0}
+        else:
+            try:
+                res = run_row(row, ctx, min(args.timeout, left))
+            except Exception as e:  # noqa: BLE001  one row's surprise must not lose the others
+                res = {**row.as_dict(), "status": f"failed: {type(e).__name__}: {e}", "wall_s": 0}
         ctx["done"].append(res)
         print(
             f"  {row.kind:<10} {row.name:<40} {res['status'][:70]:<20} {res['wall_s']:6.1f} s",
             flush=True,
         )
+        # written after every row: a lease that ends early still leaves the figures so far
+        write_out(args.out, info, args, ctx, started)
+    results = ctx["done"]
+    meta = write_out(args.out, info, args, ctx, started)
+    print(
+        f"\n{info['device_name']}, torch {info['torch']}, {meta['date']}, "
+        f"{meta['wall_s']:.0f} s\n\n{report.table(results)}"
+    )
+    print(f"\nwritten: {args.out}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if any(r["status"].startswith("failed") for r in results) else 0
+
+
+def write_out(out: Path, info: dict, args, ctx: dict, started: float) -> dict:
+    """The figures so far (with their ratios and checks) as JSON; returns the meta block."""
     results = ctx["done"]
     report.compare(results)
     meta = {
@@ -385,18 +423,11 @@ def main(argv=None) -> int:
         "torchtitan_status": ctx["peer_status"] or "ok",
         "vocab_size": ctx["vocab"],
         "wall_s": time.perf_counter() - started,
-        "work_dir": str(work) if args.keep else None,
+        "work_dir": str(ctx["work"]) if args.keep else None,
     }
-    print(
-        f"\n{info['device_name']}, torch {info['torch']}, {meta['date']}, "
-        f"{meta['wall_s']:.0f} s\n\n{report.table(results)}"
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
-    print(f"\nwritten: {args.out}")
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    return 1 if any(r["status"].startswith("failed") for r in results) else 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1) + "\n")
+    return meta
 
 
 def _flops(v) -> str:

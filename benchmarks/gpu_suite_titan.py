@@ -34,6 +34,9 @@ def overrides(row, peak_flops: float, device: str) -> list[str]:
         str(row.steps),
         "--training.mixed_precision_param",
         row.dtype,
+        # torchtitan's default learning rate: the debug config's 3e-3 diverges at 8B width
+        "--optimizer.lr",
+        "8e-4",
         "--lr_scheduler.warmup_steps",
         "2",
         "--metrics.log_freq",

@@ -30,6 +30,15 @@ SCRIPT = textwrap.dedent("""
 
     if __name__ == "__main__":
         DefaultStager._stage = _stage
+        if sys.argv[2] == "stager_closed":  # torch 2.11: async_save closes the stager given
+            real_async_save = dcp.async_save
+
+            def async_save(*args, async_stager, **kw):
+                response = real_async_save(*args, async_stager=async_stager, **kw)
+                response.upload_completion.add_done_callback(lambda _: async_stager.close())
+                return response
+
+            dcp.async_save = async_save
         if sys.argv[2] == "small_shm":
             full = os.statvfs
             os.statvfs = lambda p: SimpleNamespace(f_bavail=1, f_frsize=4096) \
@@ -50,12 +59,20 @@ SCRIPT = textwrap.dedent("""
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)  # what the optimizer step does next
+        after = {k: v.clone() for k, v in model.state_dict().items()}
+        second = None
+        if sys.argv[2] == "stager_closed":  # a second save through the same stager
+            ck.save(2)
+            ck.wait()
+            loaded = {"model": {k: torch.zeros_like(v) for k, v in after.items()}}
+            dcp.load(loaded, checkpoint_id=os.path.join(sys.argv[1], "ck", "step-2"))
+            second = all(torch.equal(loaded["model"][k], v) for k, v in after.items())
         ck.close()
         loaded = {"model": {k: torch.zeros_like(v) for k, v in before.items()}}
         dcp.load(loaded, checkpoint_id=step1)
         same = all(torch.equal(loaded["model"][k], v) for k, v in before.items())
         print(json.dumps({"blocked": blocked, "waited": waited, "same": same,
-                          "complete_at_return": complete_at_return,
+                          "complete_at_return": complete_at_return, "second": second,
                           "complete": os.path.isfile(os.path.join(step1, ".complete"))}))
         dist.destroy_process_group()
 """)
@@ -88,3 +105,10 @@ def test_too_small_dev_shm_falls_back_to_a_sync_save(tmp_path):
     out, log = run(tmp_path, "small_shm")
     assert "saving synchronously instead" in log and "--shm-size" in log
     assert out["complete_at_return"] and out["same"] and out["waited"] == 0.0
+
+
+def test_a_stager_closed_by_async_save_still_saves_again(tmp_path):
+    """torch 2.11's async_save closed the stager it was given after each upload; the next
+    save then failed on the GPU machine (KeyError: <class 'type'>) and lost the checkpoint."""
+    out, _ = run(tmp_path, "stager_closed")
+    assert out["same"] and out["complete"] and out["second"] is True, out

@@ -77,8 +77,11 @@ def test_dry_run_takes_every_path(tmp_path):
     assert abs(f8["loss_last"] - ref["loss_last"]) < 0.02 * ref["loss_last"], (f8, ref)
     assert f8["loss_last"] < f8["loss_first"]
 
-    for train, peer in zip(by_kind["train"], by_kind["peer"]):
-        assert peer["name"] == train["name"] and peer["shape"] == train["shape"]
+    for peer in by_kind["peer"]:
+        # each peer row runs right after the titan row of its name (the same shape)
+        train = rows[rows.index(peer) - 1]
+        assert train["kind"] == "train" and peer["name"] == train["name"]
+        assert peer["shape"] == train["shape"]
         if peer["status"] == "ok":  # torchtitan importable here
             assert peer["tps"] > 0 and peer["peak_memory_gib"] > 0
             assert finite(peer["mfu_matmul_pct"]) and finite(peer["loss_last"])
@@ -101,3 +104,34 @@ def test_dry_run_takes_every_path(tmp_path):
 
     (tests,) = by_kind["tests"]
     assert tests["status"] == "ok" and tests["counts"].get("passed", 0) >= 1, tests
+
+
+def test_budget_skips_what_it_cannot_start(tmp_path):
+    """--budget: rows that would start past it are reported skipped, and the JSON is written."""
+    out = tmp_path / "suite.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gpu_suite.py",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--rows",
+            "train,checkpoint",
+            "--only",
+            "SAC,save",
+            "--budget",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    # --only: the rows named SAC (not the full-AC one) and the saves
+    assert sorted(r["kind"] for r in rows) == ["checkpoint"] * 2 + ["train"] * 4
+    assert {r["status"] for r in rows} == {"skipped: over the suite's --budget"}

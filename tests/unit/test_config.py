@@ -409,7 +409,10 @@ def test_negative_steps_toml(tmp_path):
         (["--optimizer.beta2", "1.0"], "optimizer.beta2"),
         (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio"),
         (["--training.global_batch_size", "0"], "training.global_batch_size"),
-        (["--profiling.profile_freq", "3"], "profiling.profiler_warmup"),
+        (
+            ["--profiling.enable_profiling", "--profiling.profile_freq", "3"],
+            "profiling.profiler_warmup",
+        ),
     ],
 )
 def test_validation_errors_name_key(argv, key):
@@ -419,8 +422,12 @@ def test_validation_errors_name_key(argv, key):
 def test_validation_error_default_source():
     # the offending key comes from its default; the message says so
     assert_config_error(
-        ["--profiling.profile_freq", "2"], "profiling.profiler_warmup", "the default"
+        ["--profiling.enable_profiling", "--profiling.profile_freq", "2"],
+        "profiling.profiler_warmup",
+        "the default",
     )
+    # without the trace, the warm-up window is not checked: memory snapshots every 2 steps
+    parse_args(["--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2"])
 
 
 def test_value_missing():

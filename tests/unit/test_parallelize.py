@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.forked import run_trainer
 from titan.config.job_config import ActivationCheckpoint
@@ -105,3 +106,21 @@ def test_checkpointed_blocks_recompute_in_backward():
         inner.register_forward_pre_hook(lambda m, a, n=name: calls.__setitem__(n, calls[n] + 1))
     model(torch.randint(0, 64, (1, 8))).sum().backward()
     assert calls == {"0": 2, "1": 1, "2": 1, "3": 2, "4": 1, "5": 1}  # forward + recompute
+
+
+def test_op_policy_counts_each_region_apart():
+    """Blocks recompute in reverse order; torch <= 2.12 asks the policy again then, so each
+    region's recompute must repeat its own forward's save/recompute choices (an odd matmul
+    count in one block once shifted the next block's: a wrong saved output on torch 2.11)."""
+    from types import SimpleNamespace
+
+    from titan.parallelisms.activation_checkpoint import op_policy
+
+    mm = torch.ops.aten.mm.default
+    fwd, rec = SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    regions = [op_policy() for _ in range(3)]
+    counts = [7, 8, 3]  # a dense block (odd), an MoE block, another
+    forward = [[p(fwd, mm) for _ in range(n)] for p, n in zip(regions, counts)]
+    for i in reversed(range(3)):
+        assert [regions[i](rec, mm) for _ in range(counts[i])] == forward[i]
+    assert forward[0][:2] == [CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE]

@@ -397,7 +397,9 @@ def validate(cfg: JobConfig) -> None:
         (p.profile_freq >= 1, "profiling.profile_freq", "must be >= 1"),
         (p.profiler_active >= 1, "profiling.profiler_active", "must be >= 1"),
         (
-            p.profiler_warmup >= 0 and p.profiler_warmup + p.profiler_active <= p.profile_freq,
+            # the trace's window; memory snapshots alone keep only profile_freq
+            not p.enable_profiling
+            or (p.profiler_warmup >= 0 and p.profiler_warmup + p.profiler_active <= p.profile_freq),
             "profiling.profiler_warmup",
             f"warmup + active ({p.profiler_active}) steps must fit in profiling.profile_freq "
             f"({p.profile_freq})",

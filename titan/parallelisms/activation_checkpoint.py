@@ -26,11 +26,20 @@ _SAVE_LIST = {
 }
 
 
-def _op_policy_context():
-    # save every other matmul: halves the stored matmul outputs at a fraction of the recompute
+def op_policy():
+    """A policy for one checkpointed region: save every other matmul (halves the stored
+    matmul outputs at a fraction of the recompute) and the ops of _SAVE_LIST.
+
+    Each region counts its own matmuls, in forward and in recompute alike: torch <= 2.12 asks
+    the policy again during recompute, and a count carried over from another region (blocks
+    recompute in reverse order) would pop another matmul's saved output: a wrong-shaped
+    tensor (seen on CUDA with torch 2.11, DeepSeek-V3) or, with equal shapes, a silently wrong
+    gradient."""
+    counts = defaultdict(int)
+
     def policy(ctx, op, *args, **kwargs):
-        key = "recompute" if ctx.is_recompute else "forward"
         if op == _aten.mm.default:
+            key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1
             return (
                 CheckpointPolicy.MUST_SAVE
@@ -39,13 +48,11 @@ def _op_policy_context():
             )
         return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
 
-    counts = defaultdict(int)
+    return policy
 
-    def context_fn():
-        counts.clear()
-        return create_selective_checkpoint_contexts(policy)
 
-    return context_fn
+def _op_policy_context():
+    return create_selective_checkpoint_contexts(op_policy())
 
 
 def apply_ac(layers: nn.ModuleDict, cfg) -> None:
@@ -58,7 +65,7 @@ def apply_ac(layers: nn.ModuleDict, cfg) -> None:
     context_fn = None
     if cfg.mode == "selective":
         if cfg.selective_ac_option == "op":
-            context_fn = _op_policy_context()
+            context_fn = _op_policy_context
         else:
             every = int(cfg.selective_ac_option)
     for i, (name, block) in enumerate(list(layers.items())):

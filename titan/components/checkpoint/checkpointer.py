@@ -533,9 +533,19 @@ class Checkpointer:
         if self._async_stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+            class KeptStager(DefaultStager):
+                # torch 2.11's async_save closes the stager it is given once a save is
+                # uploaded (later versions close only their own), which broke the next save
+                # with "KeyError: <class 'type'>": titan closes it itself, in close()
+                def close(self) -> None:
+                    pass
+
+                def release(self) -> None:
+                    DefaultStager.close(self)
+
             pinned = self.cfg.async_mode == "async_with_pinned_mem"
             # shared memory hands the staged copy to the saving process without pickling it
-            self._async_stager = DefaultStager(
+            self._async_stager = KeptStager(
                 StagingOptions(
                     use_pinned_memory=pinned,
                     use_shared_memory=True,
@@ -614,7 +624,7 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         if self._async_stager is not None:
-            self._async_stager.close()
+            self._async_stager.release()
             self._async_stager = None
             stop_save_process()
         if self._purger is not None:
