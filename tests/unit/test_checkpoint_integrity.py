@@ -115,6 +115,23 @@ def test_another_flavor_is_named_field_by_field(tmp_path):
     assert identity("debugmodel")[0].problem(step) is None
 
 
+def test_rope_changes_load_only_when_asked(tmp_path):
+    """A long-context phase changes RoPE's settings: refused by default with the flag named,
+    allowed with checkpoint.allow_rope_change, and any other difference still refused."""
+    step = save_model(tmp_path / "step-1", "debugmodel")
+    _, args = identity()
+    stretched = args.with_updates(rope_scaling_factor=8.0, rope_theta=1e6)
+    ident = model_identity(LLAMA, "debugmodel", stretched)
+    why = ident.problem(step)
+    assert "rope_scaling_factor None (checkpoint) vs 8.0 (this run)" in why
+    assert "--checkpoint.allow_rope_change" in why
+    assert ident.problem(step, allow_rope_change=True) is None
+    other = model_identity(LLAMA, "debugmodel", stretched.with_updates(norm_eps=1e-6))
+    why = other.problem(step, allow_rope_change=True)
+    assert "norm_eps" in why and "rope" not in why and "allow_rope_change" not in why
+    assert "allow_rope_change" not in other.problem(step)  # not a RoPE change alone
+
+
 def test_without_a_record_names_and_shapes_decide(tmp_path):
     """Saves from before the record: an untied model's output matrix differs from its
     embedding and is refused by a tied model; the former tied format (the pair stored equal)
@@ -291,3 +308,10 @@ def test_every_flavor_comes_back_from_its_record(family):
         )
         back = args_in_record(spec, record, args.max_seq_len)
         assert back == args.with_updates(n_layers=1), name
+
+
+def test_llama3_rope_options_override_the_flavor():
+    job = parse_args(["--llama3.rope_scaling_factor", "8", "--llama3.rope_original_max_len", "64"])
+    args = plan_run(job, world_size=1).model_args
+    assert (args.rope_scaling_factor, args.rope_original_max_len) == (8.0, 64)
+    assert args.rope_theta == LLAMA.flavors["debugmodel"].rope_theta  # unset: the flavor's

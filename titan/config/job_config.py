@@ -260,6 +260,12 @@ class Checkpoint:
     )
     enable_first_step_checkpoint: bool = opt(False, "Also save right after step 1")
     load_step: int = opt(-1, "Resume from this step's checkpoint instead of the newest (-1)")
+    allow_rope_change: bool = opt(
+        False,
+        "A long-context phase: a resume (or initial load) may change the model's RoPE "
+        "settings (rope_*: scaling factor, original length, theta) and seq_len; every other "
+        "architecture field must still match",
+    )
     verify: Literal["full", "fast", "off"] = opt(
         "full",
         "Before a resume: full = every file against its checksum (the ranks share the "

@@ -58,13 +58,13 @@ def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> No
         path = None
         if resuming:
             path = resume_candidate(root, ck.load_step, lambda p: folder_problem(p, mode))
-            if path is not None and (why := identity.problem(path)):
+            if path is not None and (why := identity.problem(path, ck.allow_rope_change)):
                 raise CheckpointError(f"cannot resume from {path}: {why}. {RESUME_FIX}")
         if path is None and ck.initial_load_path and not ck.initial_load_in_hf:
             path = resolve(ck.initial_load_path)
             why = folder_problem(path, mode) if path.is_dir() else "does not exist"
             if why is None:
-                why = identity.problem(path)
+                why = identity.problem(path, ck.allow_rope_change)
             if why:
                 raise CheckpointError(
                     f"checkpoint.initial_load_path {path}: {why}. {INITIAL_LOAD_FIX}"

@@ -258,7 +258,11 @@ class Checkpointer:
         return mine
 
     def _check_identity(self, path: Path, what: str, fix: str) -> None:
-        why = self.identity.problem(path) if self.identity is not None else None
+        why = (
+            self.identity.problem(path, self.cfg.allow_rope_change)
+            if self.identity is not None
+            else None
+        )
         if why:
             raise CheckpointError(f"{what} {path}: {why}. {fix}")
 

@@ -43,6 +43,14 @@ INITIAL_LOAD_FIX = (
 )
 # the RoPE table's length is the run's seq_len, not a weight: a resume may change it
 _RUN_SETTINGS = ("max_seq_len",)
+# RoPE's settings are the args named rope_*: no weight depends on them (qk_rope_head_dim is
+# a shape, interleaved_rope a layout; neither is named so), and a long-context phase changes
+# them on purpose (checkpoint.allow_rope_change)
+ROPE_PREFIX = "rope_"
+ROPE_FIX = (
+    "If this is a long-context phase that changes RoPE on purpose, add "
+    "--checkpoint.allow_rope_change"
+)
 
 
 @dataclass(frozen=True)
@@ -61,31 +69,41 @@ class ModelIdentity:
     def describe(self) -> str:
         return f"{self.family} {self.flavor}"
 
-    def problem(self, path: Path) -> str | None:
-        """Why the checkpoint folder `path` does not hold this model (None if it does)."""
+    def problem(self, path: Path, allow_rope_change: bool = False) -> str | None:
+        """Why the checkpoint folder `path` does not hold this model (None if it does).
+        `allow_rope_change`: differences in RoPE's settings are logged, not refused."""
         saved = saved_model(path)
         if saved is not None:
-            why = self._record_problem(saved)
+            why = self._record_problem(saved, allow_rope_change)
             if why:
                 return why
         return self._tensor_problem(path)
 
-    def _record_problem(self, saved: dict) -> str | None:
+    def _record_problem(self, saved: dict, allow_rope_change: bool) -> str | None:
         theirs = f"{saved.get('family')} {saved.get('flavor')}"
         if saved.get("family") != self.family:
             return f"it holds a {theirs} model and this run builds {self.describe()}"
         args = saved.get("args") or {}
         knobs = self.knobs
         theirs_arch, ours_arch = _without(args, knobs), _without(self.args, knobs)
-        diffs = [
-            f"{k} {theirs_arch.get(k)} (checkpoint) vs {v} (this run)"
+        diffs = {
+            k: f"{k} {theirs_arch.get(k)} (checkpoint) vs {v} (this run)"
             for k, v in ours_arch.items()
             if theirs_arch.get(k) != v
-        ]
+        }
+        rope = [k for k in diffs if k.startswith(ROPE_PREFIX)]
+        if allow_rope_change and rope:
+            logger.info(
+                "RoPE changed since the checkpoint was saved (checkpoint.allow_rope_change): %s",
+                ", ".join(f"{k} {theirs_arch.get(k)} -> {ours_arch[k]}" for k in rope),
+            )
+            diffs = {k: v for k, v in diffs.items() if k not in rope}
         if diffs:
+            only_rope = not allow_rope_change and set(diffs) == set(rope)
             return (
                 f"it was saved from {theirs} and this run builds {self.describe()}: "
-                + ", ".join(diffs)
+                + ", ".join(diffs.values())
+                + (f". {ROPE_FIX}" if only_rope else "")
             )
         changed = [
             f"{name} {_at(args, path)} -> {value}"

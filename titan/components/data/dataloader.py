@@ -86,6 +86,7 @@ class IndexedLoader:
             "stream_position": self.order.origin + batches * self.order.global_batch_size,
             "global_batch_size": self.order.global_batch_size,
             "source_counts": self.order.counts_at(batches).tolist(),
+            "seq_len": self.windows.sources[0].seq_len,
         }
 
     def source_tokens(self, seq_len: int) -> dict[str, int] | None:
@@ -119,6 +120,20 @@ class IndexedLoader:
                 position,
                 saved_size,
                 size,
+            )
+        saved_seq, seq = state.get("seq_len"), self.windows.sources[0].seq_len
+        if saved_seq is not None and saved_seq != seq:
+            # a long-context phase: no window of the new length is one of the old ones
+            logger.info(
+                "training.seq_len changed from %d to %d: the corpus is cut into windows of %d "
+                "tokens, and the data continues at sequence %d of their shuffled order (the "
+                "new windows overlap tokens trained at %d: a change of window has no exact "
+                "continuation)",
+                saved_seq,
+                seq,
+                seq,
+                position,
+                saved_seq,
             )
         self.first_batch = batches
         self.order.start_at(position, state.get("source_counts"))
