@@ -145,6 +145,23 @@ LAYOUTS.update(
                 "--model.document_positions",
             ],
         ),
+        # a chunked loss: one chunk's logits at a time, none kept for backward
+        "chunked_loss": (1, ["--training.loss_chunk_tokens", "40"]),
+        "fsdp2_chunked_loss_mtp": (
+            2,
+            [
+                "--model.name",
+                "deepseek_v3",
+                "--model.flavor",
+                "debugmodel",
+                "--deepseek_v3.mtp_depth",
+                "1",
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--training.loss_chunk_tokens",
+                "40",
+            ],
+        ),
         # DeepSeek-V3 with two multi-token-prediction depths on the last stage
         "deepseek_mtp_pp2": (
             2,

@@ -110,6 +110,11 @@ class Training:
     )
     seq_len: int = opt(2048, "Tokens per training sequence")
     max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping")
+    loss_chunk_tokens: int = opt(
+        0,
+        "Compute the cross-entropy this many tokens at a time, so the whole logits never "
+        "exist (one output-layer matmul more per chunk in backward); 0: off",
+    )
     steps: int = opt(10000, "Optimizer steps to train, >= 1 (the lr schedule spans them)")
     exit_at_step: int = opt(
         -1,

@@ -111,11 +111,14 @@ def _forward_held(
 
 
 def _output_bytes(part: nn.Module, batch: int, seq_len: int, fb) -> int:
-    """The logits this part makes (their gradient is as big), or 0."""
+    """The logits this part makes at once (their gradient is as big), or 0: the whole
+    microbatch's, or one chunk's under a chunked loss."""
     if part.output is None:
         return 0
     vocab = fb.plan.model_args.vocab_size // (fb.plan.dims.tp if fb.loss_parallel else 1)
-    return batch * seq_len * vocab * _act_dtype(fb).itemsize
+    tokens = batch * seq_len
+    chunk = fb.job.training.loss_chunk_tokens
+    return (min(tokens, chunk) if chunk else tokens) * vocab * _act_dtype(fb).itemsize
 
 
 def _act_dtype(fb) -> torch.dtype:

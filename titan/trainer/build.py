@@ -1,5 +1,6 @@
 """The model parts of a run, on the meta device, as every rank builds them: the family's meta
-model -> converters (float8) -> this rank's pipeline stages -> parallelisms.
+model -> converters (float8, the chunked loss's output) -> this rank's pipeline stages ->
+parallelisms.
 
 The trainer materializes and initializes them; the memory planner (titan.planner.memory) reads
 their local shard shapes under a fake process group. One function for both keeps the plan's
@@ -9,6 +10,7 @@ parameter bytes equal to the run's.
 from torch import nn
 
 from titan.components.quantization.float8 import apply_float8
+from titan.components.training.chunked_loss import apply_chunked_loss
 from titan.config import JobConfig
 from titan.parallelisms.pipeline import PipelinePlan
 from titan.trainer.run_plan import RunPlan
@@ -23,6 +25,8 @@ def meta_parts(
     whole = spec.build_meta(plan.model_args)
     if "float8" in job.model.converters:  # model converters run before any parallelism
         apply_float8(whole, job.float8)
+    if job.training.loss_chunk_tokens:  # before the split: the last stage keeps the output
+        apply_chunked_loss(whole, job.training.loss_chunk_tokens)
     pp_plan = plan.pipeline(dims["pp"].get_local_rank()) if dims.pp_enabled else None
     parts = [whole]
     if pp_plan is not None:

@@ -103,9 +103,12 @@ class ForwardBackward:
 
     def model_kwargs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:
         """The model's arguments beside the tokens: the documents when attention is
-        block-causal, the labels when the model trains on them in forward (`takes_labels`)."""
+        block-causal, the labels when the model trains on them in forward (`takes_labels`) or
+        its output layer computes the loss (a chunked loss)."""
         m = self.job.model
-        out = {"labels": labels} if self.parts[0].takes_labels else {}
+        part = self.parts[0]
+        chunked = getattr(getattr(part, "output", None), "takes_labels", False)
+        out = {"labels": labels} if part.takes_labels or chunked else {}
         if m.attn_mask_type != "block_causal":
             return out
         doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)

@@ -12,6 +12,10 @@ from torch.distributed.tensor import DTensor
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed token cross-entropy of (batch, seq, vocab) logits; a 0-d tensor is that sum
+    already (a chunked loss's output layer computes it: titan.components.training.chunked_loss)."""
+    if logits.dim() == 0:
+        return logits
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
 
 

@@ -138,7 +138,10 @@ class Decoder(nn.Module):
 
     def head(self, h: torch.Tensor, rope: torch.Tensor, mask, labels) -> torch.Tensor:
         """The logits of the final hidden states `h` (normalized); a family may add training
-        objectives on them here (`mask`: the full-attention document mask, or None)."""
+        objectives on them here (`mask`: the full-attention document mask, or None). An
+        output layer that takes the labels (a chunked loss) returns the loss sum instead."""
+        if labels is not None and getattr(self.output, "takes_labels", False):
+            return self.output(h, labels)
         return self.output(h)
 
     def _masks(self, doc_ids: torch.Tensor | None) -> dict:

@@ -92,7 +92,7 @@ class DeepSeekV3(Decoder):
             if collecting():
                 # on the hidden states, not the logits: an FSDP root must not return a view
                 h = attach_mtp_loss(h, loss, self.args.mtp_loss_weight)
-        return self.output(h)
+        return super().head(h, rope, mask, labels)
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         ties = super().tied_parameters()

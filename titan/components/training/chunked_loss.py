@@ -1,0 +1,52 @@
+"""Cross-entropy over chunks of tokens, so that the logits of a long sequence never exist whole
+(`training.loss_chunk_tokens`).
+
+The output layer becomes a `ChunkedLossOutput`: the same weight (and tie, and state-dict name),
+but given the labels it returns the summed cross-entropy instead of the logits. Each chunk's
+logits are made, reduced to their loss and dropped; backward makes them again, one chunk at a
+time (activation checkpointing of the chunk), so the step holds one chunk's logits where it
+held the whole sequence's, for one more output-layer matmul per chunk. The loss runs inside the
+model's forward, where FSDP holds the weight unsharded. Without labels (validation, generation,
+a family's extra heads) it is the plain linear layer.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from titan.components.training.loss import cross_entropy_sum
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # (1, tokens, ...): cross_entropy_sum's (batch, seq) form, its float32 upcast included
+    return cross_entropy_sum(F.linear(h, weight)[None], labels[None])
+
+
+class ChunkedLossOutput(nn.Linear):
+    """An output projection that, given `labels`, returns the cross-entropy sum of its
+    logits, computed `chunk_tokens` tokens at a time."""
+
+    takes_labels = True
+    chunk_tokens: int = 0
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        h, labels = h.flatten(0, 1), labels.flatten(0, 1)
+        total = None
+        for start in range(0, h.shape[0], self.chunk_tokens):
+            part = slice(start, start + self.chunk_tokens)
+            loss = checkpoint(_chunk_loss, h[part], self.weight, labels[part], use_reentrant=False)
+            total = loss if total is None else total + loss
+        return total
+
+
+def apply_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
+    """Make `model.output` (an nn.Linear, on any device) a ChunkedLossOutput of `chunk_tokens`
+    tokens per chunk, in place: same parameters, so ties and checkpoints are untouched."""
+    output = model.output
+    if type(output) is not nn.Linear:
+        raise TypeError(f"training.loss_chunk_tokens needs a plain nn.Linear output, got {output}")
+    output.__class__ = ChunkedLossOutput
+    output.chunk_tokens = chunk_tokens
