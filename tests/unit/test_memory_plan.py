@@ -145,6 +145,17 @@ LAYOUTS.update(
                 "--model.document_positions",
             ],
         ),
+        # all-to-all CP: a head group's whole-sequence q, k, v inside attention
+        "cp2_alltoall_gpt_oss": (
+            2,
+            [
+                *GPT_OSS,
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.context_parallel_type",
+                "alltoall",
+            ],
+        ),
         # a chunked loss: one chunk's logits at a time, none kept for backward
         "chunked_loss": (1, ["--training.loss_chunk_tokens", "40"]),
         "fsdp2_chunked_loss_mtp": (

@@ -200,10 +200,16 @@ class Parallelism:
         False, "With TP: gather logits instead of computing the loss on vocab shards"
     )
     context_parallel_degree: int = opt(
-        1, "Context-parallel degree (sequence split, ring attention)"
+        1, "Context-parallel degree (each sequence split over this many ranks)"
+    )
+    context_parallel_type: Literal["ring", "alltoall"] = opt(
+        "ring",
+        "How CP attention sees the whole sequence: ring (K/V chunks go round the ranks) or "
+        "alltoall (Ulysses: each rank takes 1/cp of the heads for every token; heads and "
+        "kv heads per TP rank must divide by cp)",
     )
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
-        "allgather", "How K/V shards travel in ring attention: all-gather once, or pass round"
+        "allgather", "Ring CP: how K/V shards travel, all-gathered once or passed round"
     )
     context_parallel_load_balance: bool = opt(
         True, "Head-tail sequence sharding so every cp rank gets equal causal-attention work"

@@ -79,12 +79,14 @@ def context_parallel_ctx(
     no_restore_buffers: set[torch.Tensor],
     rotate_method: str,
     load_balance: bool,
+    by_heads: bool = False,
 ) -> contextlib.AbstractContextManager:
     """A context manager for one microbatch's forward+backward under CP.
 
     `buffers` are sharded in place along `seq_dims` on entry and restored on exit, except
-    those in `no_restore_buffers`. `rotate_method` is "allgather" or "alltoall";
-    `load_balance` turns on head-tail reordering (needs seq_len divisible by 2 x cp).
+    those in `no_restore_buffers`. `rotate_method` is "allgather" or "alltoall" (ring's);
+    `load_balance` turns on head-tail reordering (needs seq_len divisible by 2 x cp);
+    `by_heads`: all-to-all attention (sequence_shard.SequenceShard.heads_in) instead of ring.
     """
     check_torch_version(cp_mesh.device_type)
     if cp_mesh.ndim != 1:
@@ -97,12 +99,14 @@ def context_parallel_ctx(
                     f"load-balanced CP needs sequence length {buf.shape[dim]} (a buffer of shape "
                     f"{tuple(buf.shape)}, dim {dim}) divisible by 2 x cp = {2 * cp_mesh.size()}"
                 )
-    return _cp_context(cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance)
+    return _cp_context(
+        cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance, by_heads
+    )
 
 
 @contextlib.contextmanager
 def _cp_context(
-    cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance
+    cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance, by_heads
 ) -> Iterator[None]:
     opts = _torch_cp._cp_options
     saved = (opts.rotate_method, opts.enable_load_balance)
@@ -120,10 +124,14 @@ def _cp_context(
             no_restore_buffers={*no_restore_buffers, positions},
         ):
             # entered after torch's: it swaps in a fresh handler dict, which we extend
+            # all-to-all attention calls no SDPA on shards: the ring handlers stay out
             ring = (
-                _cpu_ring_handlers() if cp_mesh.device_type == "cpu" else contextlib.nullcontext()
+                _cpu_ring_handlers()
+                if cp_mesh.device_type == "cpu" and not by_heads
+                else contextlib.nullcontext()
             )
-            with ring, activated(SequenceShard(cp_mesh.get_group(), positions)):
+            shard = SequenceShard(cp_mesh.get_group(), positions, by_heads=by_heads)
+            with ring, activated(shard):
                 yield
     finally:
         # process-global options: leave them as found

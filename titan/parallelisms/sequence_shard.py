@@ -8,6 +8,11 @@ Ring attention (titan.parallelisms.context_parallel) runs causal SDPA with the k
 round the ring; attention with other masks asks `active()` for this instead: Llama 3's
 all-gather form of context parallelism, K and V whole on every rank for the layer's duration.
 Outside a context-parallel step `active()` is None.
+
+All-to-all context parallelism (DeepSpeed-Ulysses; `by_heads`) trades the sequence split for a
+head split inside attention: `heads_in` sends each rank's tokens of head group r to rank r,
+which then holds every token of its 1/cp of the heads, in sequence order, and attends as one
+rank would (any mask, the common kernels: `plain_sdpa`); `heads_out` sends the outputs back.
 """
 
 import contextlib
@@ -15,15 +20,22 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 _active: "SequenceShard | None" = None
+# SDPA as torch defines it: torch's context_parallel replaces F.scaled_dot_product_attention
+# with ring attention while it is active, which all-to-all attention (whole sequences) must not
+# run
+plain_sdpa = F.scaled_dot_product_attention
 
 
 class SequenceShard:
-    def __init__(self, group: dist.ProcessGroup, positions: torch.Tensor):
+    def __init__(self, group: dist.ProcessGroup, positions: torch.Tensor, by_heads: bool = False):
         self.group = group
         self.positions = positions  # (local tokens,) int64: this rank's, in its order
+        self.by_heads = by_heads  # all-to-all attention (Ulysses) rather than ring/gather
         self._all: torch.Tensor | None = None
+        self._order: torch.Tensor | None = None
 
     def all_positions(self) -> torch.Tensor:
         """The positions of the gathered keys, every rank's in rank order."""
@@ -36,6 +48,66 @@ class SequenceShard:
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's `t`, concatenated along its sequence dim `dim` in rank order."""
         return _Gather.apply(t, self.group, dim)
+
+    def order(self) -> torch.Tensor:
+        """The gathered tokens' indices in sequence order (load balancing deals chunks out
+        head and tail: rank order is not sequence order)."""
+        if self._order is None:
+            self._order = torch.argsort(self.all_positions())
+        return self._order
+
+    def whole(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `t` along `dim`, in sequence order: the whole sequence's."""
+        return self.gather(t, dim).index_select(dim, self.order())
+
+    def heads_in(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, local tokens, d) -> (batch, heads / cp, every token in sequence
+        order, d): this rank's group of heads for the whole sequence."""
+        b, h, s, d = t.shape
+        cp = self.group.size()
+        if h % cp:
+            raise ValueError(f"all-to-all context parallelism: {h} heads on a rank, cp {cp}")
+        sent = t.reshape(b, cp, h // cp, s, d).transpose(0, 1)
+        got = _AllToAll.apply(sent, self.group)  # [r]: rank r's tokens of my heads
+        whole = got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+        return whole.index_select(2, self.order())
+
+    def heads_out(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of heads_in: (batch, heads / cp, every token, d) -> (batch, heads,
+        local tokens, d)."""
+        b, hl, seq, d = t.shape
+        cp = self.group.size()
+        ranked = t.index_select(2, self.all_positions()).reshape(b, hl, cp, seq // cp, d)
+        got = _AllToAll.apply(ranked.permute(2, 0, 1, 3, 4), self.group)  # [r]: head group r
+        return got.transpose(0, 1).reshape(b, cp * hl, seq // cp, d)
+
+    def head_slice(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's group of a per-head tensor (heads on dim 0), e.g. attention sinks."""
+        if t is None:
+            return None
+        n = t.shape[0] // self.group.size()
+        return t.narrow(0, dist.get_rank(group=self.group) * n, n)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Exchange of the first dim's cp blocks: block r to rank r, rank r's block for me into
+    r. Its own inverse, so backward exchanges the gradient the same way; one synchronous
+    collective each way (as _Gather)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
 
 
 class _Gather(torch.autograd.Function):

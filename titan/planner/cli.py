@@ -240,7 +240,14 @@ def render_suggestions(found: list, memory: int, world_size: int) -> str:
         "(step-time model: python -m titan.planner --help, README):"
     ]
     for i, c in enumerate(found, 1):
-        lay = ", ".join(f"{k} {v}" for k, v in c.layout.items() if v > 1) or "1 rank"
+        lay = (
+            ", ".join(
+                f"{k} {v}" if k != "cp" else f"cp {v} ({c.layout['cp_type']})"
+                for k, v in c.layout.items()
+                if k != "cp_type" and v > 1
+            )
+            or "1 rank"
+        )
         why = ", ".join(f"{k} {v:.3g} s" for k, v in c.parts.items() if v > 0)
         lines += [
             f"{i}. {lay}; AC {c.ac}; local batch {c.local_batch_size} "

@@ -2,7 +2,7 @@
 
 Candidates: every choice of the degrees of `parallel_dims.DIMS` (dp_replicate x dp_shard x cp
 x tp x pp today) whose product is N, for an MoE also every expert-parallel degree that divides
-dp_shard x cp, that the config validation accepts
+dp_shard x cp, with CP both ring and all-to-all, that the config validation accepts
 (the launcher's own `plan_run`), at the configured global batch, each with the cheapest
 activation checkpointing (none, then selective, then full) and the largest local batch
 (then halved, accumulating gradients) whose planned peak (`titan.planner.memory`) leaves
@@ -14,12 +14,13 @@ Step time, per rank, the documented model (for ranking, not a promise):
 - pipeline bubble = compute x (pp - 1) / (microbatches x stages per rank);
 - communication, bytes over the link of each mesh dim (NVLink inside a node, the network
   across; the mesh's dims innermost first: tp, cp, dp_shard, dp_replicate, pp): TP all-gathers
-  and reduce-scatters of activations (4 per layer, forward and backward) and CP's ring of K and
-  V are exposed; FSDP's all-gathers and reduce-scatter and HSDP's all-reduce are hidden
-  behind compute up to the compute time; pipeline sends are exposed. An MoE's routed experts
-  are whole on the tp ranks and split over ep, so their FSDP traffic is over efsdp =
-  dp_shard x cp / ep; expert parallelism's all-to-alls (dispatch and combine, forward and
-  backward: 4 a MoE layer, top_k rows a token, (ep-1)/ep of them leaving the rank) are exposed.
+  and reduce-scatters of activations (4 per layer, forward and backward), CP's ring of K and
+  V (or, all-to-all CP, q, k, v and the output exchanged, forward and backward) are exposed;
+  FSDP's all-gathers and reduce-scatter and HSDP's all-reduce are hidden behind compute up to
+  the compute time; pipeline sends are exposed. An MoE's routed experts are whole on the tp
+  ranks and split over ep, so their FSDP traffic is over efsdp = dp_shard x cp / ep; expert
+  parallelism's all-to-alls (dispatch and combine, forward and backward: 4 a MoE layer, top_k
+  rows a token, (ep-1)/ep of them leaving the rank) are exposed.
 """
 
 import itertools
@@ -44,8 +45,10 @@ class Hardware:
 
 
 EP_FIELD = "parallelism.expert_parallel_degree"
-# a candidate's degrees: the mesh dims and expert parallelism (a split of dp_shard x cp)
-LAYOUT_FIELDS = {**{d.name: d.config_field for d in DIMS}, "ep": EP_FIELD}
+CP_TYPE_FIELD = "parallelism.context_parallel_type"
+# a candidate's degrees: the mesh dims and expert parallelism (a split of dp_shard x cp); and
+# how CP attends (ring or all-to-all)
+LAYOUT_FIELDS = {**{d.name: d.config_field for d in DIMS}, "ep": EP_FIELD, "cp_type": CP_TYPE_FIELD}
 
 
 def settings(layout: dict, ac: str, local_batch: int, global_batch: int) -> dict:
@@ -110,7 +113,8 @@ def _layouts(world_size: int, n_experts: int):
         borrowable = mesh["dp_shard"] * mesh["cp"]
         for ep in range(1, borrowable + 1):
             if borrowable % ep == 0 and n_experts % ep == 0:
-                yield {**mesh, "ep": ep}
+                for cp_type in ("ring", "alltoall") if mesh["cp"] > 1 else ("ring",):
+                    yield {**mesh, "ep": ep, "cp_type": cp_type}
 
 
 def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[float, dict]:
@@ -134,9 +138,15 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
     layers = args.n_layers / d.pp
     if d.tp > 1:  # 4 collectives a layer, forward and backward, of (tp-1)/tp of a hidden
         parts["tp"] = 8 * layers * local_tokens * args.dim * act * (d.tp - 1) / d.tp / bw["tp"]
-    if d.cp > 1:  # K and V around the ring, forward; and their gradients, backward
+    kv_heads = getattr(args, "n_kv_heads", None) or args.n_heads
+    if d.cp > 1 and job.parallelism.context_parallel_type == "alltoall":
+        # q, k, v in and the output back, forward and backward, (cp-1)/cp of each leaving;
+        # each tp rank exchanges its own heads
+        width = (2 * args.n_heads + 2 * kv_heads) * args.head_dim / d.tp
+        parts["cp"] = 2 * layers * local_tokens * width * act * (d.cp - 1) / d.cp / bw["cp"]
+    elif d.cp > 1:  # K and V around the ring, forward; and their gradients, backward
         # keys and values: n_kv_heads x head_dim each (head_dim need not be dim / n_heads)
-        kv = 2 * local_tokens * args.n_kv_heads * args.head_dim * act
+        kv = 2 * local_tokens * kv_heads * args.head_dim * act
         parts["cp"] = 3 * layers * kv * (d.cp - 1) / bw["cp"]
     moe = args.moe_args()
     moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers)) / d.pp if moe else 0
@@ -185,7 +195,8 @@ def suggest(
     found = []
     moe = base.model_args.moe_args()
     for layout in _layouts(world_size, moe.n_experts if moe else 1):
-        dp = ParallelDims(**layout, world_size=world_size).dp
+        degrees = {k: v for k, v in layout.items() if k != "cp_type"}
+        dp = ParallelDims(**degrees, world_size=world_size).dp
         if global_batch % dp:
             continue
         per_rank = global_batch // dp

@@ -99,6 +99,7 @@ class ForwardBackward:
             set(batch),
             par.context_parallel_rotate_method,
             par.context_parallel_load_balance,
+            by_heads=par.context_parallel_type == "alltoall",
         )
 
     def model_kwargs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:

@@ -104,6 +104,17 @@ def plan_run(
         )
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
+    if dims.cp_enabled and job.parallelism.context_parallel_type == "alltoall":
+        heads = {"heads": model_args.n_heads, "kv heads": getattr(model_args, "n_kv_heads", None)}
+        for name, n in heads.items():
+            require(
+                job,
+                not n or n % (dims.tp * dims.cp) == 0,
+                "parallelism.context_parallel_type",
+                f"'alltoall' splits each TP rank's {name} over the cp ranks: model {m.name} "
+                f"{m.flavor} has {n} {name}, which tp {dims.tp} x cp {dims.cp} does not divide; "
+                "use 'ring', or a cp (and tp) that divides them",
+            )
     problems = model_args.layout_problems(dims)
     if problems:
         raise ConfigError(f"parallelism: model {m.name} {m.flavor}: {'; '.join(problems)}")

@@ -143,23 +143,32 @@ class Attention(nn.Module):
         # K/V first would copy them, and sum the copies' gradients back, in every layer
         gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        # under context parallelism: ring attention for a causal mask, else every rank's keys
         shard = sequence_shard.active()
-        plain = self.sliding_window is None and self.sinks is None
-        if mask is not None and not isinstance(mask, torch.Tensor):
-            out = self._flex(q, k, v, mask, gqa)
-        elif plain and (shard is None or mask is None):
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
-            )
+        if shard is not None and shard.by_heads:
+            # all-to-all CP: every token of 1/cp of the heads here, attended as on one rank
+            q, k, v = shard.heads_in(q), shard.heads_in(k), shard.heads_in(v)
+            sinks = shard.head_slice(self.sinks)
+            out = self._attend(q, k, v, mask, first, gqa, None, sinks, sequence_shard.plain_sdpa)
+            out = shard.heads_out(out)
         else:
-            q_pos, k_pos, k, v = self._keys(q.shape[2], k, v, first, shard)
-            mask = self._windowed(mask, q_pos, k_pos)
-            if self.sinks is None and shard is None:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-            else:
-                out = masked_attention(q, k, v, mask, self.sinks)
+            sdpa = F.scaled_dot_product_attention  # ring attention while CP is active
+            out = self._attend(q, k, v, mask, first, gqa, shard, self.sinks, sdpa)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+    def _attend(self, q, k, v, mask, first: int, gqa: bool, shard, sinks, sdpa):
+        """Attention of (batch, heads, seq, d) q, k, v: SDPA where it can, FlexAttention for
+        a BlockMask, else written out; under ring/gather context parallelism (`shard`) ring
+        attention for a causal mask, else every rank's keys."""
+        plain = self.sliding_window is None and sinks is None
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return self._flex(q, k, v, mask, gqa, sinks)
+        if plain and (shard is None or mask is None):
+            return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        q_pos, k_pos, k, v = self._keys(q.shape[2], k, v, first, shard)
+        mask = self._windowed(mask, q_pos, k_pos)
+        if sinks is None and shard is None:
+            return sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return masked_attention(q, k, v, mask, sinks)
 
     def _keys(self, seq: int, k, v, first: int, shard):
         """(query positions, key positions, keys, values) for a masked attention: this
@@ -173,12 +182,12 @@ class Attention(nn.Module):
         k_pos = torch.arange(first, first + keys, device=k.device)
         return k_pos[keys - seq :], k_pos, k, v  # the new tokens are the last `seq` keys
 
-    def _flex(self, q, k, v, block_mask, gqa: bool) -> torch.Tensor:
-        if self.sinks is None:
+    def _flex(self, q, k, v, block_mask, gqa: bool, sinks) -> torch.Tensor:
+        if sinks is None:
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
         out, lse = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa, lse=True)
         # the sink joins the denominator: out x Z / (Z + e^sink), Z = e^lse
-        keep = torch.sigmoid(lse - self.sinks.to(lse.dtype)[None, :, None])
+        keep = torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])
         return out * keep[..., None].to(out.dtype)
 
     def _windowed(self, mask, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,9 @@ class Decoder(nn.Module):
             return {}
         windows = set(self.sliding_windows)
         shard = sequence_shard.active()
+        if shard is not None and shard.by_heads:
+            # all-to-all CP: attention sees the whole sequence, so the one-rank mask does
+            doc_ids, shard = shard.whole(doc_ids, dim=1), None
         if shard is not None:  # context parallelism: this rank's queries, every rank's keys
             keys = shard.gather(doc_ids, dim=1)
             mask = block_causal_mask_between(doc_ids, keys, shard.positions, shard.all_positions())

@@ -107,14 +107,19 @@ class MLA(nn.Module):
         v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         shard = sequence_shard.active()
+        if shard is not None and shard.by_heads:
+            # all-to-all CP: every token of 1/cp of the heads here, attended as on one rank
+            q, k, v = shard.heads_in(q), shard.heads_in(k), shard.heads_in(v)
+            out = shard.heads_out(self._attend(q, k, v, mask, None, sequence_shard.plain_sdpa))
+        else:
+            out = self._attend(q, k, v, mask, shard, F.scaled_dot_product_attention)
+        return self.wo(out[..., : self.v_dim].transpose(1, 2).reshape(bs, seq, -1))
+
+    def _attend(self, q, k, v, mask, shard, sdpa) -> torch.Tensor:
         if mask is not None and not isinstance(mask, torch.Tensor):
-            out = flex_attention(q, k, v, block_mask=mask, scale=self.softmax_scale)
-        elif shard is not None and mask is not None:
+            return flex_attention(q, k, v, block_mask=mask, scale=self.softmax_scale)
+        if shard is not None and mask is not None:
             # context parallelism with documents: every rank's keys, the mask by position
             k, v = shard.gather(k, dim=2), shard.gather(v, dim=2)
-            out = masked_attention(q, k, v, mask, scale=self.softmax_scale)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale
-            )
-        return self.wo(out[..., : self.v_dim].transpose(1, 2).reshape(bs, seq, -1))
+            return masked_attention(q, k, v, mask, scale=self.softmax_scale)
+        return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
