@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from tests.forked import run_trainer, tiny_run
+from tests.unit.test_cp_documents import FAMILIES
 from tests.unit.test_memory_plan import planned_bytes
 from titan.config import ConfigError, parse_args
 
@@ -15,14 +16,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 STEPS = 5
 # a microbatch holds 4 x 32 = 128 tokens: chunks of 40, 40, 40 and 8
 CHUNK = ["--training.loss_chunk_tokens", "40"]
-DEEPSEEK_MTP = [
-    "--model.name",
-    "deepseek_v3",
-    "--model.flavor",
-    "debugmodel",
-    "--deepseek_v3.mtp_depth",
-    "1",
-]
+DEEPSEEK_MTP = [*FAMILIES["deepseek_v3"], "--deepseek_v3.mtp_depth", "1"]
 
 
 def losses(tmp_path, name, world, *extra):

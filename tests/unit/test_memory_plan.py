@@ -94,6 +94,7 @@ LAYOUTS.update(
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 MTP = ["--deepseek_v3.mtp_depth", "2"]
+DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 LAYOUTS.update(
     {
         "moe_fsdp2_tp2_selective_ac": (
@@ -161,10 +162,7 @@ LAYOUTS.update(
         "fsdp2_chunked_loss_mtp": (
             2,
             [
-                "--model.name",
-                "deepseek_v3",
-                "--model.flavor",
-                "debugmodel",
+                *DEEPSEEK,
                 "--deepseek_v3.mtp_depth",
                 "1",
                 "--parallelism.data_parallel_shard_degree",
