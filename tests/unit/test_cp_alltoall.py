@@ -119,3 +119,34 @@ def test_heads_that_do_not_divide_are_refused():
     with pytest.raises(ConfigError, match="context_parallel_type") as e:
         plan_run(job, 8)
     assert "4 kv heads" in str(e.value) and "'ring'" in str(e.value)
+
+
+# the hybrid: all-to-all inside pairs of ranks, keys and values gathered across the pairs
+HYBRID = [
+    "--parallelism.context_parallel_degree",
+    "4",
+    "--parallelism.context_parallel_type",
+    "hybrid",
+    "--parallelism.context_parallel_alltoall_degree",
+    "2",
+]
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3", "gpt_oss"])
+def test_hybrid_cp4_trains_like_one_process(family, tmp_path, tmp_path_factory):
+    argv = [*FAMILIES[family], *tiny_run(STEPS), *HYBRID]
+    got = run_trainer(tmp_path, 4, argv, deadline_s=300)
+    assert_close(one_rank(family, tmp_path_factory), got, family)
+
+
+def test_hybrid_with_documents_trains_like_one_process(corpus, tmp_path):  # noqa: F811
+    one = run_trainer(tmp_path / "one", 1, documents_argv("qwen3", corpus))
+    got = run_trainer(tmp_path / "cp", 4, documents_argv("qwen3", corpus, *HYBRID), deadline_s=300)
+    assert_close(one, got, "qwen3 documents")
+
+
+@pytest.mark.parametrize("degree", ["1", "3", "4"])
+def test_hybrid_groups_that_do_not_split_cp_are_refused(degree):
+    job = parse_args([*HYBRID[:-1], degree])
+    with pytest.raises(ConfigError, match="context_parallel_alltoall_degree"):
+        plan_run(job, 4)

@@ -157,6 +157,16 @@ LAYOUTS.update(
                 "alltoall",
             ],
         ),
+        # the hybrid: all-to-all in pairs, the pairs' keys and values gathered across
+        "cp4_hybrid": (
+            4,
+            [
+                "--parallelism.context_parallel_degree",
+                "4",
+                "--parallelism.context_parallel_type",
+                "hybrid",
+            ],
+        ),
         # a chunked loss: one chunk's logits at a time, none kept for backward
         "chunked_loss": (1, ["--training.loss_chunk_tokens", "40"]),
         "fsdp2_chunked_loss_mtp": (

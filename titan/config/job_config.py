@@ -202,11 +202,15 @@ class Parallelism:
     context_parallel_degree: int = opt(
         1, "Context-parallel degree (each sequence split over this many ranks)"
     )
-    context_parallel_type: Literal["ring", "alltoall"] = opt(
+    context_parallel_type: Literal["ring", "alltoall", "hybrid"] = opt(
         "ring",
-        "How CP attention sees the whole sequence: ring (K/V chunks go round the ranks) or "
+        "How CP attention sees the whole sequence: ring (K/V chunks go round the ranks), "
         "alltoall (Ulysses: each rank takes 1/cp of the heads for every token; heads and "
-        "kv heads per TP rank must divide by cp)",
+        "kv heads per TP rank must divide by cp) or hybrid (all-to-all inside groups of "
+        "context_parallel_alltoall_degree ranks, K/V all-gathered across them)",
+    )
+    context_parallel_alltoall_degree: int = opt(
+        2, "Hybrid CP: ranks of each all-to-all group (divides cp; heads per TP rank by it)"
     )
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = opt(
         "allgather", "Ring CP: how K/V shards travel, all-gathered once or passed round"

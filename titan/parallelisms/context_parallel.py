@@ -21,7 +21,9 @@ torch.distributed.tensor.experimental._attention; on CPU also `_templated_ring_a
 `_templated_ring_attention_backward` and `_create_rotater` from
 ...experimental._context_parallel._attention,
 `DTensor._op_dispatcher._custom_op_handlers` / `.wrap`, and `DTensorSpec` / `TensorMeta` from
-torch.distributed.tensor._dtensor_spec. `check_torch_version` pins the allowed range.
+torch.distributed.tensor._dtensor_spec; for the hybrid's groups `DeviceMesh._unflatten` and
+torch._subclasses.fake_tensor's `unset_fake_temporarily`. `check_torch_version` pins the
+allowed range.
 """
 
 import contextlib
@@ -79,14 +81,16 @@ def context_parallel_ctx(
     no_restore_buffers: set[torch.Tensor],
     rotate_method: str,
     load_balance: bool,
-    by_heads: bool = False,
+    heads_group: int = 0,
 ) -> contextlib.AbstractContextManager:
     """A context manager for one microbatch's forward+backward under CP.
 
     `buffers` are sharded in place along `seq_dims` on entry and restored on exit, except
     those in `no_restore_buffers`. `rotate_method` is "allgather" or "alltoall" (ring's);
     `load_balance` turns on head-tail reordering (needs seq_len divisible by 2 x cp);
-    `by_heads`: all-to-all attention (sequence_shard.SequenceShard.heads_in) instead of ring.
+    `heads_group`: 0 for ring attention; else all-to-all attention over groups of that many
+    ranks (sequence_shard.SequenceShard.heads_in): cp for Ulysses, fewer for the hybrid, whose
+    groups gather each other's keys and values.
     """
     check_torch_version(cp_mesh.device_type)
     if cp_mesh.ndim != 1:
@@ -100,13 +104,35 @@ def context_parallel_ctx(
                     f"{tuple(buf.shape)}, dim {dim}) divisible by 2 x cp = {2 * cp_mesh.size()}"
                 )
     return _cp_context(
-        cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance, by_heads
+        cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance, heads_group
     )
+
+
+_SPLITS: dict = {}
+
+
+def _heads_groups(cp_mesh: DeviceMesh, size: int):
+    """(the all-to-all group of this rank, the group across: one rank of each all-to-all
+    group) for groups of `size` consecutive cp ranks; made once per mesh (collectively)."""
+    key = (id(cp_mesh), size)
+    if key not in _SPLITS:
+        if size == cp_mesh.size():
+            _SPLITS[key] = (cp_mesh.get_group(), None)
+        else:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            # the mesh's own tensors are real even where the step is traced (the planner)
+            with unset_fake_temporarily():
+                split = cp_mesh._unflatten(
+                    0, (cp_mesh.size() // size, size), ("cp_across", "cp_a2a")
+                )
+            _SPLITS[key] = (split["cp_a2a"].get_group(), split["cp_across"].get_group())
+    return _SPLITS[key]
 
 
 @contextlib.contextmanager
 def _cp_context(
-    cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance, by_heads
+    cp_mesh, buffers, seq_dims, no_restore_buffers, rotate_method, load_balance, heads_group
 ) -> Iterator[None]:
     opts = _torch_cp._cp_options
     saved = (opts.rotate_method, opts.enable_load_balance)
@@ -127,10 +153,14 @@ def _cp_context(
             # all-to-all attention calls no SDPA on shards: the ring handlers stay out
             ring = (
                 _cpu_ring_handlers()
-                if cp_mesh.device_type == "cpu" and not by_heads
+                if cp_mesh.device_type == "cpu" and not heads_group
                 else contextlib.nullcontext()
             )
-            shard = SequenceShard(cp_mesh.get_group(), positions, by_heads=by_heads)
+            if heads_group:
+                group, across = _heads_groups(cp_mesh, heads_group)
+                shard = SequenceShard(group, positions, by_heads=True, across=across)
+            else:
+                shard = SequenceShard(cp_mesh.get_group(), positions)
             with ring, activated(shard):
                 yield
     finally:

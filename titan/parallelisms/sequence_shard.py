@@ -13,6 +13,8 @@ All-to-all context parallelism (DeepSpeed-Ulysses; `by_heads`) trades the sequen
 head split inside attention: `heads_in` sends each rank's tokens of head group r to rank r,
 which then holds every token of its 1/cp of the heads, in sequence order, and attends as one
 rank would (any mask, the common kernels: `plain_sdpa`); `heads_out` sends the outputs back.
+The hybrid runs that inside groups of ranks (`group`) and, across them (`across`, `outer()`),
+gathers the other groups' keys and values as the all-gather form does.
 """
 
 import contextlib
@@ -30,12 +32,21 @@ plain_sdpa = F.scaled_dot_product_attention
 
 
 class SequenceShard:
-    def __init__(self, group: dist.ProcessGroup, positions: torch.Tensor, by_heads: bool = False):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        positions: torch.Tensor,
+        by_heads: bool = False,
+        across: dist.ProcessGroup | None = None,
+    ):
         self.group = group
         self.positions = positions  # (local tokens,) int64: this rank's, in its order
         self.by_heads = by_heads  # all-to-all attention (Ulysses) rather than ring/gather
+        # hybrid: the group that holds the rest of the sequence, one rank per all-to-all group
+        self.across = across
         self._all: torch.Tensor | None = None
         self._order: torch.Tensor | None = None
+        self._outer: SequenceShard | None = None
 
     def all_positions(self) -> torch.Tensor:
         """The positions of the gathered keys, every rank's in rank order."""
@@ -55,6 +66,10 @@ class SequenceShard:
         if self._order is None:
             self._order = torch.argsort(self.all_positions())
         return self._order
+
+    def unorder(self) -> torch.Tensor:
+        """The inverse of order(): sequence order back to rank order."""
+        return torch.argsort(self.order())
 
     def whole(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's `t` along `dim`, in sequence order: the whole sequence's."""
@@ -77,9 +92,21 @@ class SequenceShard:
         local tokens, d)."""
         b, hl, seq, d = t.shape
         cp = self.group.size()
-        ranked = t.index_select(2, self.all_positions()).reshape(b, hl, cp, seq // cp, d)
+        # back to rank order: the inverse of order() (the group's positions need not be
+        # 0 .. n-1: a hybrid group holds part of the sequence)
+        ranked = t.index_select(2, self.unorder()).reshape(b, hl, cp, seq // cp, d)
         got = _AllToAll.apply(ranked.permute(2, 0, 1, 3, 4), self.group)  # [r]: head group r
         return got.transpose(0, 1).reshape(b, cp * hl, seq // cp, d)
+
+    def outer(self) -> "SequenceShard | None":
+        """Hybrid: after heads_in, this rank's tokens are its all-to-all group's (in sequence
+        order); the shard of those across the groups, whose keys it gathers. None otherwise."""
+        if self.across is None:
+            return None
+        if self._outer is None:
+            mine = self.all_positions().index_select(0, self.order())
+            self._outer = SequenceShard(self.across, mine)
+        return self._outer
 
     def head_slice(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's group of a per-head tensor (heads on dim 0), e.g. attention sinks."""

@@ -15,7 +15,8 @@ Step time, per rank, the documented model (for ranking, not a promise):
 - communication, bytes over the link of each mesh dim (NVLink inside a node, the network
   across; the mesh's dims innermost first: tp, cp, dp_shard, dp_replicate, pp): TP all-gathers
   and reduce-scatters of activations (4 per layer, forward and backward), CP's ring of K and
-  V (or, all-to-all CP, q, k, v and the output exchanged, forward and backward) are exposed;
+  V (or, all-to-all CP, q, k, v and the output exchanged, forward and backward; the hybrid
+  adds its groups' K and V gathered across) are exposed;
   FSDP's all-gathers and reduce-scatter and HSDP's all-reduce are hidden behind compute up to
   the compute time; pipeline sends are exposed. An MoE's routed experts are whole on the tp
   ranks and split over ep, so their FSDP traffic is over efsdp = dp_shard x cp / ep; expert
@@ -139,11 +140,16 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
     if d.tp > 1:  # 4 collectives a layer, forward and backward, of (tp-1)/tp of a hidden
         parts["tp"] = 8 * layers * local_tokens * args.dim * act * (d.tp - 1) / d.tp / bw["tp"]
     kv_heads = getattr(args, "n_kv_heads", None) or args.n_heads
-    if d.cp > 1 and job.parallelism.context_parallel_type == "alltoall":
-        # q, k, v in and the output back, forward and backward, (cp-1)/cp of each leaving;
+    cp_type = job.parallelism.context_parallel_type
+    if d.cp > 1 and cp_type in ("alltoall", "hybrid"):
+        a = d.cp if cp_type == "alltoall" else job.parallelism.context_parallel_alltoall_degree
+        # q, k, v in and the output back, forward and backward, (a-1)/a of each leaving;
         # each tp rank exchanges its own heads
         width = (2 * args.n_heads + 2 * kv_heads) * args.head_dim / d.tp
-        parts["cp"] = 2 * layers * local_tokens * width * act * (d.cp - 1) / d.cp / bw["cp"]
+        parts["cp"] = 2 * layers * local_tokens * width * act * (a - 1) / a / bw["cp"]
+        if a < d.cp:  # the hybrid: its group's K and V of its heads gathered from the others
+            kv = 2 * a * local_tokens * kv_heads / a * args.head_dim / d.tp * act
+            parts["cp"] += 3 * layers * kv * (d.cp // a - 1) / bw["cp"]
     elif d.cp > 1:  # K and V around the ring, forward; and their gradients, backward
         # keys and values: n_kv_heads x head_dim each (head_dim need not be dim / n_heads)
         kv = 2 * local_tokens * kv_heads * args.head_dim * act

@@ -99,7 +99,11 @@ class ForwardBackward:
             set(batch),
             par.context_parallel_rotate_method,
             par.context_parallel_load_balance,
-            by_heads=par.context_parallel_type == "alltoall",
+            heads_group={
+                "ring": 0,
+                "alltoall": dims.cp,
+                "hybrid": par.context_parallel_alltoall_degree,
+            }[par.context_parallel_type],
         )
 
     def model_kwargs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:

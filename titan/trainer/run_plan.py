@@ -104,15 +104,26 @@ def plan_run(
         )
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
-    if dims.cp_enabled and job.parallelism.context_parallel_type == "alltoall":
+    cp_type = job.parallelism.context_parallel_type
+    if dims.cp_enabled and cp_type == "hybrid":
+        a = job.parallelism.context_parallel_alltoall_degree
+        require(
+            job,
+            1 < a < dims.cp and dims.cp % a == 0,
+            "parallelism.context_parallel_alltoall_degree",
+            f"{a}: the hybrid's all-to-all groups must split cp {dims.cp} into groups of "
+            "more than 1 rank and fewer than cp (cp itself is 'alltoall', 1 is 'ring')",
+        )
+    if dims.cp_enabled and cp_type in ("alltoall", "hybrid"):
+        a = dims.cp if cp_type == "alltoall" else job.parallelism.context_parallel_alltoall_degree
         heads = {"heads": model_args.n_heads, "kv heads": getattr(model_args, "n_kv_heads", None)}
         for name, n in heads.items():
             require(
                 job,
-                not n or n % (dims.tp * dims.cp) == 0,
+                not n or n % (dims.tp * a) == 0,
                 "parallelism.context_parallel_type",
-                f"'alltoall' splits each TP rank's {name} over the cp ranks: model {m.name} "
-                f"{m.flavor} has {n} {name}, which tp {dims.tp} x cp {dims.cp} does not divide; "
+                f"{cp_type!r} splits each TP rank's {name} over {a} ranks: model {m.name} "
+                f"{m.flavor} has {n} {name}, which tp {dims.tp} x {a} does not divide; "
                 "use 'ring', or a cp (and tp) that divides them",
             )
     problems = model_args.layout_problems(dims)

@@ -148,21 +148,23 @@ class Attention(nn.Module):
             # all-to-all CP: every token of 1/cp of the heads here, attended as on one rank
             q, k, v = shard.heads_in(q), shard.heads_in(k), shard.heads_in(v)
             sinks = shard.head_slice(self.sinks)
-            out = self._attend(q, k, v, mask, first, gqa, None, sinks, sequence_shard.plain_sdpa)
+            # the hybrid's groups gather each other's keys: shard.outer()
+            sdpa = sequence_shard.plain_sdpa
+            out = self._attend(q, k, v, mask, first, gqa, shard.outer(), sinks, sdpa, ring=False)
             out = shard.heads_out(out)
         else:
             sdpa = F.scaled_dot_product_attention  # ring attention while CP is active
-            out = self._attend(q, k, v, mask, first, gqa, shard, self.sinks, sdpa)
+            out = self._attend(q, k, v, mask, first, gqa, shard, self.sinks, sdpa, ring=True)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
-    def _attend(self, q, k, v, mask, first: int, gqa: bool, shard, sinks, sdpa):
+    def _attend(self, q, k, v, mask, first: int, gqa: bool, shard, sinks, sdpa, ring: bool):
         """Attention of (batch, heads, seq, d) q, k, v: SDPA where it can, FlexAttention for
-        a BlockMask, else written out; under ring/gather context parallelism (`shard`) ring
-        attention for a causal mask, else every rank's keys."""
+        a BlockMask, else written out; with `shard` (context parallelism) ring attention for
+        a causal mask where `ring` (`sdpa` is torch's), else every rank's keys."""
         plain = self.sliding_window is None and sinks is None
         if mask is not None and not isinstance(mask, torch.Tensor):
             return self._flex(q, k, v, mask, gqa, sinks)
-        if plain and (shard is None or mask is None):
+        if plain and (shard is None or (mask is None and ring)):
             return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         q_pos, k_pos, k, v = self._keys(q.shape[2], k, v, first, shard)
         mask = self._windowed(mask, q_pos, k_pos)

@@ -152,8 +152,9 @@ class Decoder(nn.Module):
         windows = set(self.sliding_windows)
         shard = sequence_shard.active()
         if shard is not None and shard.by_heads:
-            # all-to-all CP: attention sees the whole sequence, so the one-rank mask does
-            doc_ids, shard = shard.whole(doc_ids, dim=1), None
+            # all-to-all CP: attention sees its group's tokens in order (the whole sequence
+            # unless hybrid, whose groups gather each other's keys: outer())
+            doc_ids, shard = shard.whole(doc_ids, dim=1), shard.outer()
         if shard is not None:  # context parallelism: this rank's queries, every rank's keys
             keys = shard.gather(doc_ids, dim=1)
             mask = block_causal_mask_between(doc_ids, keys, shard.positions, shard.all_positions())

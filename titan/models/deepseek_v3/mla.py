@@ -110,16 +110,20 @@ class MLA(nn.Module):
         if shard is not None and shard.by_heads:
             # all-to-all CP: every token of 1/cp of the heads here, attended as on one rank
             q, k, v = shard.heads_in(q), shard.heads_in(k), shard.heads_in(v)
-            out = shard.heads_out(self._attend(q, k, v, mask, None, sequence_shard.plain_sdpa))
+            # the hybrid's groups gather each other's keys: shard.outer()
+            sdpa = sequence_shard.plain_sdpa
+            out = shard.heads_out(self._attend(q, k, v, mask, shard.outer(), sdpa, ring=False))
         else:
-            out = self._attend(q, k, v, mask, shard, F.scaled_dot_product_attention)
+            out = self._attend(q, k, v, mask, shard, F.scaled_dot_product_attention, ring=True)
         return self.wo(out[..., : self.v_dim].transpose(1, 2).reshape(bs, seq, -1))
 
-    def _attend(self, q, k, v, mask, shard, sdpa) -> torch.Tensor:
+    def _attend(self, q, k, v, mask, shard, sdpa, ring: bool) -> torch.Tensor:
         if mask is not None and not isinstance(mask, torch.Tensor):
             return flex_attention(q, k, v, block_mask=mask, scale=self.softmax_scale)
-        if shard is not None and mask is not None:
-            # context parallelism with documents: every rank's keys, the mask by position
+        if shard is not None and (mask is not None or not ring):
+            # every rank's keys, the mask (documents, or causal) by position
+            if mask is None:
+                mask = (shard.positions[:, None] >= shard.all_positions()[None, :])[None, None]
             k, v = shard.gather(k, dim=2), shard.gather(v, dim=2)
             return masked_attention(q, k, v, mask, scale=self.softmax_scale)
         return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
