@@ -283,6 +283,7 @@ def test_the_dims_table_drives_mesh_layout_record_planner_and_search(monkeypatch
     assert layout_search.LAYOUT_FIELDS == {
         **{r.name: r.config_field for r in DIMS},
         "ep": "parallelism.expert_parallel_degree",
+        "cp_type": "parallelism.context_parallel_type",
     }
     # the mesh's dims follow the table's mesh positions: moving a row moves the dim
     assert [n for n, _ in d.mesh_dims()] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]

@@ -145,7 +145,7 @@ def test_stages_of_unlike_blocks_are_not_reused(tmp_path):
 
 
 def layout(**degrees):
-    return {**dict.fromkeys(LAYOUT_FIELDS, 1), **degrees}
+    return {**dict.fromkeys(LAYOUT_FIELDS, 1), "cp_type": "ring", **degrees}
 
 
 def test_suggested_settings_go_through_the_config_parser():
