@@ -115,9 +115,11 @@ def _heads_groups(cp_mesh: DeviceMesh, size: int):
     """(the all-to-all group of this rank, the group across: one rank of each all-to-all
     group) for groups of `size` consecutive cp ranks; made once per mesh (collectively)."""
     key = (id(cp_mesh), size)
+    # the entry keeps its mesh alive: a freed mesh's id (the planner makes many) is never
+    # reused for another mesh while its groups are cached
     if key not in _SPLITS:
         if size == cp_mesh.size():
-            _SPLITS[key] = (cp_mesh.get_group(), None)
+            _SPLITS[key] = (cp_mesh, cp_mesh.get_group(), None)
         else:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -126,8 +128,8 @@ def _heads_groups(cp_mesh: DeviceMesh, size: int):
                 split = cp_mesh._unflatten(
                     0, (cp_mesh.size() // size, size), ("cp_across", "cp_a2a")
                 )
-            _SPLITS[key] = (split["cp_a2a"].get_group(), split["cp_across"].get_group())
-    return _SPLITS[key]
+            _SPLITS[key] = (cp_mesh, split["cp_a2a"].get_group(), split["cp_across"].get_group())
+    return _SPLITS[key][1:]
 
 
 @contextlib.contextmanager

@@ -215,6 +215,17 @@ class ParallelDims:
         return self._mesh[dims]
 
 
+def heads_group_size(parallelism, cp: int) -> int:
+    """The ranks of each all-to-all attention group under context parallelism (the
+    parallelism config section): 0 for ring attention, cp for all-to-all, the configured
+    degree for the hybrid."""
+    return {
+        "ring": 0,
+        "alltoall": cp,
+        "hybrid": parallelism.context_parallel_alltoall_degree,
+    }[parallelism.context_parallel_type]
+
+
 def validate_against_model(
     dims: ParallelDims,
     model_args,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from titan.config import ConfigError, JobConfig
 from titan.config.manager import with_overrides
-from titan.parallelisms.parallel_dims import DIMS, ParallelDims
+from titan.parallelisms.parallel_dims import DIMS, ParallelDims, heads_group_size
 from titan.trainer.run_plan import RunPlan
 
 AC_COST = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
@@ -140,9 +140,8 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
     if d.tp > 1:  # 4 collectives a layer, forward and backward, of (tp-1)/tp of a hidden
         parts["tp"] = 8 * layers * local_tokens * args.dim * act * (d.tp - 1) / d.tp / bw["tp"]
     kv_heads = getattr(args, "n_kv_heads", None) or args.n_heads
-    cp_type = job.parallelism.context_parallel_type
-    if d.cp > 1 and cp_type in ("alltoall", "hybrid"):
-        a = d.cp if cp_type == "alltoall" else job.parallelism.context_parallel_alltoall_degree
+    a = heads_group_size(job.parallelism, d.cp)
+    if d.cp > 1 and a:
         # q, k, v in and the output back, forward and backward, (a-1)/a of each leaving;
         # each tp rank exchanges its own heads
         width = (2 * args.n_heads + 2 * kv_heads) * args.head_dim / d.tp

@@ -15,6 +15,7 @@ from titan.config import JobConfig
 from titan.models.common import aux_loss
 from titan.models.common.documents import document_ids, document_positions
 from titan.parallelisms.context_parallel import context_parallel_ctx
+from titan.parallelisms.parallel_dims import heads_group_size
 from titan.parallelisms.pipeline import PipelinePlan, build_schedule
 from titan.trainer.run_plan import RunPlan
 
@@ -99,11 +100,7 @@ class ForwardBackward:
             set(batch),
             par.context_parallel_rotate_method,
             par.context_parallel_load_balance,
-            heads_group={
-                "ring": 0,
-                "alltoall": dims.cp,
-                "hybrid": par.context_parallel_alltoall_degree,
-            }[par.context_parallel_type],
+            heads_group=heads_group_size(par, dims.cp),
         )
 
     def model_kwargs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:

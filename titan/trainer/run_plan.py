@@ -18,7 +18,12 @@ from titan.components.observability.checks import check_observability
 from titan.config import ConfigError, JobConfig
 from titan.config.manager import require, source_of
 from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_names
-from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, validate_against_model
+from titan.parallelisms.parallel_dims import (
+    ParallelDims,
+    ParallelismError,
+    heads_group_size,
+    validate_against_model,
+)
 from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipelines
 from titan.runtime.paths import resolve
 
@@ -114,8 +119,8 @@ def plan_run(
             f"{a}: the hybrid's all-to-all groups must split cp {dims.cp} into groups of "
             "more than 1 rank and fewer than cp (cp itself is 'alltoall', 1 is 'ring')",
         )
-    if dims.cp_enabled and cp_type in ("alltoall", "hybrid"):
-        a = dims.cp if cp_type == "alltoall" else job.parallelism.context_parallel_alltoall_degree
+    a = heads_group_size(job.parallelism, dims.cp)
+    if dims.cp_enabled and a:
         heads = {"heads": model_args.n_heads, "kv heads": getattr(model_args, "n_kv_heads", None)}
         for name, n in heads.items():
             require(
