@@ -1,9 +1,11 @@
 """Step time and peak memory per rank against sequence length, for each kind of context
 parallelism: ring attention (with and without head-tail load balancing), all-to-all (Ulysses),
-each with causal and with document (block-causal) masks.
+the hybrid (all-to-all in pairs, --cp 4 or more), each with causal and with document
+(block-causal) masks.
 
     python benchmarks/long_context.py                         # CP 2, seq 512 .. 8192
     python benchmarks/long_context.py --seqs 512,1024 --cp 2 --plot docs/long_context.png
+    python benchmarks/long_context.py --cp 4 --types ring,alltoall,hybrid --masks causal
     python benchmarks/long_context.py --json a.jsonl ...; --plot-from a.jsonl,b.jsonl --plot x.png
 
 Each row is a real `run_train.sh` launch of the Llama 3 debug model (width 256, 6 layers, 16
@@ -31,6 +33,13 @@ TYPES = {
         "--parallelism.no_context_parallel_load_balance",
     ],
     "alltoall": ["--parallelism.context_parallel_type", "alltoall"],
+    # all-to-all inside pairs of ranks, K/V gathered across the pairs: needs --cp 4 or more
+    "hybrid": [
+        "--parallelism.context_parallel_type",
+        "hybrid",
+        "--parallelism.context_parallel_alltoall_degree",
+        "2",
+    ],
 }
 MASKS = {"causal": [], "documents": ["--model.attn_mask_type", "block_causal"]}
 
@@ -105,7 +114,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     ap.add_argument(
-        "--types", default=",".join(TYPES), help="comma-separated, of " + ", ".join(TYPES)
+        "--types",
+        default=None,
+        help="comma-separated, of " + ", ".join(TYPES) + " (default: all; hybrid from --cp 4)",
     )
     ap.add_argument("--masks", default=",".join(MASKS), help="causal,documents")
     ap.add_argument("--plot", default=None, help="PNG file for the curves")
@@ -128,6 +139,8 @@ def main() -> int:
         plot(rows, Path(args.plot))
         print(f"plot: {args.plot} ({len(rows)} rows)")
         return 0
+    if args.types is None:
+        args.types = ",".join(t for t in TYPES if t != "hybrid" or args.cp >= 4)
     if args.steps <= args.warmup:
         ap.error("--steps must exceed --warmup")
     seqs = [int(s) for s in args.seqs.split(",")]

@@ -1,7 +1,8 @@
 """All-to-all context parallelism (parallelism.context_parallel_type = "alltoall", Ulysses):
 each rank takes 1/cp of the heads for every token inside attention. Trains to the 1-rank
 losses for every family's attention (GQA, q/k norms, MLA, sliding windows with sinks), with
-document masks, and composed with FSDP, TP, PP and EP; refused where the heads do not divide."""
+document masks, and composed with FSDP, TP, PP and EP; so does the hybrid (all-to-all inside
+groups of ranks); refused where the heads do not divide."""
 
 import sys
 
@@ -143,6 +144,23 @@ def test_hybrid_with_documents_trains_like_one_process(corpus, tmp_path):  # noq
     one = run_trainer(tmp_path / "one", 1, documents_argv("qwen3", corpus))
     got = run_trainer(tmp_path / "cp", 4, documents_argv("qwen3", corpus, *HYBRID), deadline_s=300)
     assert_close(one, got, "qwen3 documents")
+
+
+# the hybrid composed: 8 ranks (4 for EP, which borrows from cp)
+HYBRID_LAYOUTS = {
+    "fsdp2_hybrid4": ("llama3", 8, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "tp2_hybrid4": ("qwen3", 8, ["--parallelism.tensor_parallel_degree", "2"]),
+    "pp2_hybrid4": ("llama3", 8, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "ep2_hybrid4": ("deepseek_v3", 4, ["--parallelism.expert_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(HYBRID_LAYOUTS))
+def test_hybrid_composes_with_other_layouts(case, tmp_path, tmp_path_factory):
+    family, world, flags = HYBRID_LAYOUTS[case]
+    argv = [*FAMILIES[family], *tiny_run(STEPS), *HYBRID, *flags]
+    got = run_trainer(tmp_path, world, argv, deadline_s=400)
+    assert_close(one_rank(family, tmp_path_factory), got, case)
 
 
 @pytest.mark.parametrize("degree", ["1", "3", "4"])

@@ -284,6 +284,7 @@ def test_the_dims_table_drives_mesh_layout_record_planner_and_search(monkeypatch
         **{r.name: r.config_field for r in DIMS},
         "ep": "parallelism.expert_parallel_degree",
         "cp_type": "parallelism.context_parallel_type",
+        "cp_a2a": "parallelism.context_parallel_alltoall_degree",
     }
     # the mesh's dims follow the table's mesh positions: moving a row moves the dim
     assert [n for n, _ in d.mesh_dims()] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
@@ -352,6 +353,22 @@ def test_pipeline_stages_balance_unequal_layer_costs():
         ]
     )
     assert pipeline_plans(job, args)[0].layer_ranges == (range(0, 2), range(2, 4))
+
+
+def test_layout_search_tries_the_hybrid_where_all_to_all_cannot_split_the_heads():
+    from titan.planner.layout_search import _cp_types, _layouts
+
+    ring, alltoall = {"cp_type": "ring"}, {"cp_type": "alltoall"}
+    assert list(_cp_types(1, 1, (8, 4))) == [ring]
+    assert list(_cp_types(4, 1, (8, 4))) == [ring, alltoall]
+    # 4 kv heads on cp 8: all-to-all cannot split them, groups of 4 can (ring across 2)
+    assert list(_cp_types(8, 1, (32, 4))) == [ring, {"cp_type": "hybrid", "cp_a2a": 4}]
+    # tp 2 leaves each rank 2 kv heads: groups of 2
+    assert list(_cp_types(8, 2, (32, 4))) == [ring, {"cp_type": "hybrid", "cp_a2a": 2}]
+    assert list(_cp_types(4, 2, (8, 2))) == [ring]  # one kv head per tp rank: ring only
+    found = list(_layouts(8, 1, (32, 4)))
+    assert {c.get("cp_a2a") for c in found if c["cp"] == 8 and c["cp_type"] == "hybrid"} == {4}
+    assert all(c["cp_type"] == "ring" for c in _layouts(8, 1))  # heads unknown: ring
 
 
 def test_layout_search_enumerates_expert_parallel_and_prices_its_all_to_all():

@@ -148,6 +148,20 @@ def layout(**degrees):
     return {**dict.fromkeys(LAYOUT_FIELDS, 1), "cp_type": "ring", **degrees}
 
 
+def test_a_suggested_hybrid_names_its_all_to_all_groups_and_plans():
+    from titan.planner.layout_search import CP_A2A_FIELD, Candidate
+    from titan.trainer.run_plan import plan_run
+
+    hybrid = settings(layout(cp=4, cp_type="hybrid", cp_a2a=2), "none", 1, 4)
+    assert hybrid[CP_A2A_FIELD] == 2
+    assert CP_A2A_FIELD not in settings(layout(cp=4, cp_type="alltoall"), "none", 1, 4)
+    candidate = apply_settings(job("--training.seq_len", "64"), hybrid)
+    plan = plan_run(candidate, 4)
+    assert plan.dims.cp == 4 and candidate.parallelism.context_parallel_alltoall_degree == 2
+    assert Candidate(hybrid, 1, 0, 0.0).layout["cp_a2a"] == 2
+    assert "cp_a2a" not in Candidate(settings(layout(), "none", 1, 4), 1, 0, 0.0).layout
+
+
 def test_suggested_settings_go_through_the_config_parser():
     base = job("--model.attn_mask_type", "block_causal")
     fields = settings(layout(dp_shard=2, tp=2), "selective", 4, 32)

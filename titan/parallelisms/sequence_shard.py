@@ -29,6 +29,7 @@ _active: "SequenceShard | None" = None
 # with ring attention while it is active, which all-to-all attention (whole sequences) must not
 # run
 plain_sdpa = F.scaled_dot_product_attention
+_c10d = torch.ops._c10d_functional
 
 
 class SequenceShard:
@@ -119,15 +120,15 @@ class SequenceShard:
 class _AllToAll(torch.autograd.Function):
     """Exchange of the first dim's cp blocks: block r to rank r, rank r's block for me into
     r. Its own inverse, so backward exchanges the gradient the same way; one synchronous
-    collective each way (as _Gather)."""
+    collective each way (as _Gather). Forward's is one op of titan's (out of place), which
+    selective activation checkpointing keeps rather than exchanging again in recompute
+    (titan.parallelisms.activation_checkpoint); an op of its own, as expert parallelism's
+    all-to-alls (which it does not keep) run the same functional collective."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        t = t.contiguous()
-        out = torch.empty_like(t)
-        dist.all_to_all_single(out, t, group=group)
-        return out
+        return _exchange_blocks(t.contiguous(), group.group_name, group.size())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -143,15 +144,16 @@ class _Gather(torch.autograd.Function):
     receives into tensors shaped like the incoming gradient's strides (a transposed gradient,
     as attention's key gradient can be, came back scrambled) and runs a collective per rank.
     Both directions are one synchronous collective: two in flight on one gloo group corrupt
-    memory now and then (scripts/gloo_overlap_check.py)."""
+    memory now and then (scripts/gloo_overlap_check.py). Forward's is one op, as
+    _AllToAll's."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, group, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim, ctx.length = group, dim, t.shape[dim]
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(group.size())]
-        dist.all_gather(parts, t, group=group)
-        return torch.cat(parts, dim=dim)
+        n = group.size()
+        gathered = _gather_blocks(t.contiguous(), group.group_name, n)
+        # (n * t's first dim, ...) -> rank blocks concatenated along `dim`
+        return gathered.view(n, *t.shape).movedim(0, dim).flatten(dim, dim + 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -159,6 +161,29 @@ class _Gather(torch.autograd.Function):
         dist.all_reduce(grad, group=ctx.group)
         rank = dist.get_rank(group=ctx.group)
         return grad.narrow(ctx.dim, rank * ctx.length, ctx.length), None, None
+
+
+@torch.library.custom_op("titan::cp_all_to_all", mutates_args=())
+def _exchange_blocks(t: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    """Block r of the first dim to rank r of the group; rank r's block for this rank in r."""
+    blocks = [t.shape[0] // size] * size
+    return _c10d.wait_tensor(_c10d.all_to_all_single(t, blocks, blocks, group_name))
+
+
+@_exchange_blocks.register_fake
+def _(t, group_name, size):
+    return torch.empty_like(t)
+
+
+@torch.library.custom_op("titan::cp_all_gather", mutates_args=())
+def _gather_blocks(t: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    """Every rank's `t`, concatenated along the first dim in rank order."""
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(t, size, group_name))
+
+
+@_gather_blocks.register_fake
+def _(t, group_name, size):
+    return t.new_empty(size * t.shape[0], *t.shape[1:])
 
 
 def active() -> SequenceShard | None:

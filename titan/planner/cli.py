@@ -229,6 +229,12 @@ def suggestions_json(found: list, memory: int) -> dict:
     }
 
 
+def _cp_type(layout: dict) -> str:
+    if layout["cp_type"] == "hybrid":
+        return f"hybrid, all-to-all in groups of {layout['cp_a2a']}"
+    return layout["cp_type"]
+
+
 def render_suggestions(found: list, memory: int, world_size: int) -> str:
     if not found:
         return (
@@ -242,9 +248,9 @@ def render_suggestions(found: list, memory: int, world_size: int) -> str:
     for i, c in enumerate(found, 1):
         lay = (
             ", ".join(
-                f"{k} {v}" if k != "cp" else f"cp {v} ({c.layout['cp_type']})"
+                f"{k} {v}" if k != "cp" else f"cp {v} ({_cp_type(c.layout)})"
                 for k, v in c.layout.items()
-                if k != "cp_type" and v > 1
+                if k not in ("cp_type", "cp_a2a") and v > 1
             )
             or "1 rank"
         )

@@ -47,16 +47,22 @@ class Hardware:
 
 EP_FIELD = "parallelism.expert_parallel_degree"
 CP_TYPE_FIELD = "parallelism.context_parallel_type"
-# a candidate's degrees: the mesh dims and expert parallelism (a split of dp_shard x cp); and
-# how CP attends (ring or all-to-all)
-LAYOUT_FIELDS = {**{d.name: d.config_field for d in DIMS}, "ep": EP_FIELD, "cp_type": CP_TYPE_FIELD}
+CP_A2A_FIELD = "parallelism.context_parallel_alltoall_degree"
+# a candidate's degrees: the mesh dims and expert parallelism (a split of dp_shard x cp); how
+# CP attends (ring, all-to-all or the hybrid) and, for the hybrid only, its all-to-all groups
+LAYOUT_FIELDS = {
+    **{d.name: d.config_field for d in DIMS},
+    "ep": EP_FIELD,
+    "cp_type": CP_TYPE_FIELD,
+    "cp_a2a": CP_A2A_FIELD,
+}
 
 
 def settings(layout: dict, ac: str, local_batch: int, global_batch: int) -> dict:
     """A candidate as config fields (dotted names): the one definition both the planned job
     and the printed overrides are made from."""
     return {
-        **{LAYOUT_FIELDS[k]: v for k, v in layout.items()},
+        **{LAYOUT_FIELDS[k]: v for k, v in layout.items() if k != "cp_a2a" or _hybrid(layout)},
         "activation_checkpoint.mode": ac,
         "training.local_batch_size": local_batch,
         "training.global_batch_size": global_batch,
@@ -79,7 +85,7 @@ class Candidate:
 
     @property
     def layout(self) -> dict:
-        return {k: self.fields[name] for k, name in LAYOUT_FIELDS.items()}
+        return {k: self.fields[name] for k, name in LAYOUT_FIELDS.items() if name in self.fields}
 
     @property
     def ac(self) -> str:
@@ -104,18 +110,45 @@ def factorizations(n: int, k: int):
                 yield (d, *rest)
 
 
-def _layouts(world_size: int, n_experts: int):
+def _hybrid(layout: dict) -> bool:
+    return layout.get("cp_type") == "hybrid"
+
+
+def _cp_types(cp: int, tp: int, heads: tuple[int, int]):
+    """How CP may attend at degree `cp`: ring; all-to-all where each TP rank's query and kv
+    heads divide by cp; else the hybrid with the largest all-to-all group that divides them
+    (under the step-time model all-to-all over the whole of cp moves less than any hybrid,
+    whose groups gather each other's K and V: the hybrid is priced where it is the only head
+    split)."""
+    if cp == 1:
+        yield {"cp_type": "ring"}
+        return
+    yield {"cp_type": "ring"}
+
+    def splits(a):
+        return all(h % tp == 0 and (h // tp) % a == 0 for h in heads)
+
+    if splits(cp):
+        yield {"cp_type": "alltoall"}
+        return
+    groups = [a for a in range(cp - 1, 1, -1) if cp % a == 0 and splits(a)]
+    if groups:
+        yield {"cp_type": "hybrid", "cp_a2a": groups[0]}
+
+
+def _layouts(world_size: int, n_experts: int, heads: tuple[int, int] = (1, 1)):
     """The candidate layouts of every factorization of `world_size`, once per
     expert-parallel degree that divides dp_shard x cp and the routed experts (1 for a dense
-    model)."""
+    model), and per CP type that can split `heads` (query heads, kv heads; (1, 1): ring
+    only)."""
     names = [d.name for d in DIMS]
     for degrees in factorizations(world_size, len(DIMS)):
         mesh = dict(zip(names, degrees))
         borrowable = mesh["dp_shard"] * mesh["cp"]
         for ep in range(1, borrowable + 1):
             if borrowable % ep == 0 and n_experts % ep == 0:
-                for cp_type in ("ring", "alltoall") if mesh["cp"] > 1 else ("ring",):
-                    yield {**mesh, "ep": ep, "cp_type": cp_type}
+                for cp in _cp_types(mesh["cp"], mesh["tp"], heads):
+                    yield {**mesh, "ep": ep, **cp}
 
 
 def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[float, dict]:
@@ -198,9 +231,11 @@ def suggest(
     world_size, global_batch = base.dims.world_size, base.global_batch_size
     budget = device_memory * (1 - margin)
     found = []
-    moe = base.model_args.moe_args()
-    for layout in _layouts(world_size, moe.n_experts if moe else 1):
-        degrees = {k: v for k, v in layout.items() if k != "cp_type"}
+    args = base.model_args
+    moe = args.moe_args()
+    heads = (args.n_heads, getattr(args, "n_kv_heads", None) or args.n_heads)
+    for layout in _layouts(world_size, moe.n_experts if moe else 1, heads):
+        degrees = {k: v for k, v in layout.items() if k not in ("cp_type", "cp_a2a")}
         dp = ParallelDims(**degrees, world_size=world_size).dp
         if global_batch % dp:
             continue

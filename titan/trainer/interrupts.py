@@ -10,6 +10,8 @@ from pathlib import Path
 
 STOPPING = (signal.SIGINT, signal.SIGTERM)
 _received: int | None = None
+_step_source = None  # the trainer's step, read when the signal arrives
+_step_at_signal = 0
 
 
 class Interrupted(BaseException):
@@ -30,11 +32,25 @@ def install() -> None:
         signal.signal(signum, _stop)
 
 
+def track(step_source) -> None:
+    """Have a stop report the step it arrived in: the step is read by the handler itself,
+    since the exception it raises may land in cleanup code (a failed save's, a closing
+    trainer's) that would otherwise lose it."""
+    global _step_source
+    _step_source = step_source
+
+
 def _stop(signum, frame) -> None:
-    global _received
+    global _received, _step_at_signal
     if _received is None:  # later signals while stopping change nothing
         _received = signum
+        _step_at_signal = _step_source() if _step_source is not None else 0
         raise Interrupted(signum)
+
+
+def step_at_signal() -> int:
+    """The training step the stopping signal arrived in; 0 before the first step."""
+    return _step_at_signal
 
 
 def received() -> int | None:

@@ -494,6 +494,7 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 @record  # torchrun's failure summary then shows this rank's exception
 def run(job: JobConfig, plan: RunPlan) -> None:
     trainer = Trainer(job, plan)
+    interrupts.track(lambda: trainer.step)
     try:
         trainer.train()
     except BaseException as e:
@@ -501,7 +502,6 @@ def run(job: JobConfig, plan: RunPlan) -> None:
             # stopping: nothing waits for peers (an async save, a closing barrier) that are
             # stopping too; a save in flight stays incomplete, which a resume skips
             stop_save_process(kill=True)
-            e.step = trainer.step
             raise
         if is_collective_failure(e):
             logger.error(
@@ -552,26 +552,34 @@ def main(argv: list[str] | None = None) -> None:
         kind, code = next(v for cls, v in FINAL_ERRORS.items() if isinstance(e, cls))
         final_error.record(kind, e, code)
     except (Exception, interrupts.Interrupted) as e:
-        signum = interrupts.received()
-        if signum is None and isinstance(e, SaveInterrupted):
-            # a peer died mid-save: a rank failure torchrun restarts, said in one line
-            logger.error("%s; a restart (MAX_RESTARTS) resumes from it", e)
-            code = 1
-        elif signum is None and is_collective_failure(e):
-            code = 1  # run() said which step and where to look; the stack adds nothing
-        elif signum is None:
-            logger.exception("training failed")
-            code = 1
-        else:  # a collective a stopping peer left is part of the stop
-            step = getattr(e, "step", 0)
-            logger.warning(
-                "stopped by %s %s; %s",
-                final_error.describe(signum),
-                f"during step {step}" if step else "before the first step",
-                interrupts.status(job.checkpoint, job.job.dump_folder),
-            )
-            code = 128 + signum
+        try:
+            code = _report(e, job)
+        except interrupts.Interrupted as stop:  # the signal came while reporting: say that
+            code = _report(stop, job)
     clean_exit(code)
+
+
+def _report(e: BaseException, job: JobConfig) -> int:
+    """One line for how a run that raised ended; its exit code."""
+    signum = interrupts.received()
+    if signum is None and isinstance(e, SaveInterrupted):
+        # a peer died mid-save: a rank failure torchrun restarts, said in one line
+        logger.error("%s; a restart (MAX_RESTARTS) resumes from it", e)
+        return 1
+    if signum is None and is_collective_failure(e):
+        return 1  # run() said which step and where to look; the stack adds nothing
+    if signum is None:
+        logger.exception("training failed")
+        return 1
+    # a collective a stopping peer left is part of the stop, wherever the signal landed
+    step = interrupts.step_at_signal()
+    logger.warning(
+        "stopped by %s %s; %s",
+        final_error.describe(signum),
+        f"during step {step}" if step else "before the first step",
+        interrupts.status(job.checkpoint, job.job.dump_folder),
+    )
+    return 128 + signum
 
 
 if __name__ == "__main__":

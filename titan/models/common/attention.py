@@ -12,6 +12,7 @@ from torch import nn
 
 from titan.models.common.decode import DecodeCache
 from titan.models.common.init import normal, ones, zeros
+from titan.models.common.masked_attention import masked_attention
 from titan.models.common.rope import apply_rope
 from titan.parallelisms import sequence_shard
 
@@ -39,22 +40,6 @@ def flex_attention(q, k, v, block_mask, enable_gqa=False, scale=None, lse=False)
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
     """True where a key lies within the query's window: 0 <= q - k < window."""
     return q_pos[..., :, None] - k_pos[..., None, :] < window
-
-
-def masked_attention(q, k, v, mask: torch.Tensor, sinks=None, scale=None) -> torch.Tensor:
-    """Attention written out: softmax over each row's scores (and, with `sinks`, its head's
-    sink logit, whose share is dropped): q (b, h, s, d); k, v (b, kv_heads, t, d); mask bool,
-    broadcastable to (b, h, s, t); `scale` default 1/sqrt(d). What runs where SDPA cannot: a
-    sink, or context parallelism (under which torch makes SDPA ring attention)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        return scores.softmax(dim=-1).to(v.dtype) @ v
-    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return probs.to(v.dtype) @ v
 
 
 @functools.cache

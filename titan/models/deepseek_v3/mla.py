@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan.models.common.attention import flex_attention, masked_attention
+from titan.models.common.attention import flex_attention
 from titan.models.common.decode import DecodeCache
 from titan.models.common.init import normal, ones
+from titan.models.common.masked_attention import masked_attention
 from titan.models.common.rope import apply_rope
 from titan.parallelisms import sequence_shard
 
