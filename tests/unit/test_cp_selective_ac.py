@@ -1,7 +1,7 @@
 """Per-op selective activation checkpointing under context parallelism keeps what attention
-computed: the exchanges of q, k, v and outputs (all-to-all), every rank's keys (the gathered
-form), and the attention itself (SDPA, ring attention, and the written-out masked attention
-as one op) run once a step, as with no checkpointing at all, while full checkpointing runs
+computed: the exchanges of q, k, v and outputs (all-to-all), and the attention itself (SDPA,
+torch's ring attention, titan's ring attention with masks, the written-out masked attention,
+each one op) run once a step, as with no checkpointing at all, while full checkpointing runs
 them again in recompute. Losses equal the uncheckpointed run's."""
 
 import json
@@ -23,6 +23,7 @@ KEPT = (
     "titan.cp_all_to_all",
     "titan.cp_all_gather",
     "titan.masked_attention",
+    "titan.ring_masked_attention",
     "aten._scaled_dot_product_flash_attention_for_cpu",
 )
 
@@ -94,9 +95,10 @@ def test_selective_ac_keeps_attention_and_its_exchanges(case, corpus, tmp_path, 
     none, none_losses = _counted(tmp_path, monkeypatch, argv, "none")
     full, _ = _counted(tmp_path, monkeypatch, argv, "full")
     sac, sac_losses = _counted(tmp_path, monkeypatch, argv, "selective")
-    ran = [k for k in KEPT if none[k]]
-    assert ran, none  # the case runs some of them
-    assert all(full[k] > none[k] for k in ran), (none, full)  # recompute is counted
+    assert any(none.values()), none  # the case runs some of them
+    # recompute is counted (what runs outside the blocks, e.g. the document ids' gather, is
+    # not recomputed by any mode)
+    assert all(full[k] >= none[k] for k in KEPT) and full != none, (none, full)
     assert sac == none, (none, sac)
     for a, b in zip(none_losses, sac_losses, strict=True):
         assert abs(a - b) <= 1e-6 * a, (none_losses, sac_losses)

@@ -10,8 +10,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-# register titan::masked_attention, titan::cp_all_to_all, titan::cp_all_gather
+# register titan::masked_attention, titan::cp_all_to_all, titan::cp_all_gather,
+# titan::ring_masked_attention
 import titan.models.common.masked_attention  # noqa: F401
+import titan.parallelisms.ring_attention  # noqa: F401
 import titan.parallelisms.sequence_shard  # noqa: F401
 
 _aten = torch.ops.aten
@@ -28,9 +30,11 @@ _SAVE_LIST = {
     _aten._grouped_mm.default,
     _aten.topk.default,
     _aten.sort.stable,
-    # context parallelism: attention written out (masks, sinks, every rank's keys) and the
-    # exchanges of q, k, v and outputs; recompute would run them (and wait on peers) again
+    # context parallelism: attention written out (masks, sinks), its ring form (every
+    # rank's keys) and the exchanges of q, k, v and outputs; recompute would run them (and
+    # wait on peers) again
     _titan.masked_attention.default,
+    _titan.ring_masked_attention.default,
     _titan.cp_all_to_all.default,
     _titan.cp_all_gather.default,
 }

@@ -1,20 +1,21 @@
-"""The part of each sequence this rank holds under context parallelism, as attention that ring
-attention cannot run sees it: the positions of its own tokens, and every rank's keys and
-values gathered (all-gather forward, their gradients summed back to the ranks that made them
-in backward) with their positions, so that any mask defined on positions (a sliding window,
-a sink's extra logit in every row's softmax) is applied exactly as on one rank.
+"""The part of each sequence this rank holds under context parallelism, as attention that
+torch's ring attention cannot run sees it: the positions of its own tokens and of every
+rank's (`all_positions`, in rank order), so that any mask defined on positions (documents, a
+sliding window, a sink's extra logit in every row's softmax) is applied exactly as on one
+rank, while `attend` passes the keys and values round the ring
+(titan.parallelisms.ring_attention). `gather` brings every rank's copy of a small tensor
+(document ids) for the masks.
 
-Ring attention (titan.parallelisms.context_parallel) runs causal SDPA with the keys moving
-round the ring; attention with other masks asks `active()` for this instead: Llama 3's
-all-gather form of context parallelism, K and V whole on every rank for the layer's duration.
-Outside a context-parallel step `active()` is None.
+Torch's ring attention (titan.parallelisms.context_parallel) runs causal SDPA with the keys
+moving round the ring; attention with other masks asks `active()` for this instead. Outside a
+context-parallel step `active()` is None.
 
 All-to-all context parallelism (DeepSpeed-Ulysses; `by_heads`) trades the sequence split for a
 head split inside attention: `heads_in` sends each rank's tokens of head group r to rank r,
 which then holds every token of its 1/cp of the heads, in sequence order, and attends as one
 rank would (any mask, the common kernels: `plain_sdpa`); `heads_out` sends the outputs back.
 The hybrid runs that inside groups of ranks (`group`) and, across them (`across`, `outer()`),
-gathers the other groups' keys and values as the all-gather form does.
+a ring of the groups' keys and values.
 """
 
 import contextlib
@@ -60,6 +61,14 @@ class SequenceShard:
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's `t`, concatenated along its sequence dim `dim` in rank order."""
         return _Gather.apply(t, self.group, dim)
+
+    def attend(self, q, k, v, mask: torch.Tensor, sinks=None, scale=None) -> torch.Tensor:
+        """This rank's queries against every rank's keys and values, which go round the
+        group's ring; `mask` bool over (this rank's queries, all_positions() keys)."""
+        # imported here: it builds on the models' attention, which imports this module
+        from titan.parallelisms.ring_attention import ring_masked_attention
+
+        return ring_masked_attention(q, k, v, mask, self.group, sinks, scale)
 
     def order(self) -> torch.Tensor:
         """The gathered tokens' indices in sequence order (load balancing deals chunks out

@@ -144,30 +144,26 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, mask, first: int, gqa: bool, shard, sinks, sdpa, ring: bool):
         """Attention of (batch, heads, seq, d) q, k, v: SDPA where it can, FlexAttention for
-        a BlockMask, else written out; with `shard` (context parallelism) ring attention for
-        a causal mask where `ring` (`sdpa` is torch's), else every rank's keys."""
+        a BlockMask, else written out; with `shard` (context parallelism) torch's ring
+        attention for a causal mask where `ring` (`sdpa` is torch's), else titan's ring with
+        the mask by position."""
         plain = self.sliding_window is None and sinks is None
         if mask is not None and not isinstance(mask, torch.Tensor):
             return self._flex(q, k, v, mask, gqa, sinks)
         if plain and (shard is None or (mask is None and ring)):
             return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        q_pos, k_pos, k, v = self._keys(q.shape[2], k, v, first, shard)
-        mask = self._windowed(mask, q_pos, k_pos)
-        if sinks is None and shard is None:
-            return sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return masked_attention(q, k, v, mask, sinks)
-
-    def _keys(self, seq: int, k, v, first: int, shard):
-        """(query positions, key positions, keys, values) for a masked attention: this
-        rank's own, or under context parallelism (`shard`) every rank's keys and values (a
-        window, sinks or documents need every key of a row: ring attention's causal SDPA has
-        none of them)."""
         if shard is not None:
-            k, v = shard.gather(k, dim=2), shard.gather(v, dim=2)
-            return shard.positions, shard.all_positions(), k, v
+            # a window, sinks or documents under CP: every rank's keys come round the ring,
+            # masked by position (torch's ring attention runs causal SDPA only)
+            mask = self._windowed(mask, shard.positions, shard.all_positions())
+            return shard.attend(q, k, v, mask, sinks)
         keys = k.shape[2]
         k_pos = torch.arange(first, first + keys, device=k.device)
-        return k_pos[keys - seq :], k_pos, k, v  # the new tokens are the last `seq` keys
+        # the new tokens are the last `seq` keys
+        mask = self._windowed(mask, k_pos[keys - q.shape[2] :], k_pos)
+        if sinks is None:
+            return sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return masked_attention(q, k, v, mask, sinks)
 
     def _flex(self, q, k, v, block_mask, gqa: bool, sinks) -> torch.Tensor:
         if sinks is None:

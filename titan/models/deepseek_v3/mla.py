@@ -10,7 +10,6 @@ from torch import nn
 from titan.models.common.attention import flex_attention
 from titan.models.common.decode import DecodeCache
 from titan.models.common.init import normal, ones
-from titan.models.common.masked_attention import masked_attention
 from titan.models.common.rope import apply_rope
 from titan.parallelisms import sequence_shard
 
@@ -122,9 +121,8 @@ class MLA(nn.Module):
         if mask is not None and not isinstance(mask, torch.Tensor):
             return flex_attention(q, k, v, block_mask=mask, scale=self.softmax_scale)
         if shard is not None and (mask is not None or not ring):
-            # every rank's keys, the mask (documents, or causal) by position
+            # every rank's keys round the ring, the mask (documents, or causal) by position
             if mask is None:
                 mask = (shard.positions[:, None] >= shard.all_positions()[None, :])[None, None]
-            k, v = shard.gather(k, dim=2), shard.gather(v, dim=2)
-            return masked_attention(q, k, v, mask, scale=self.softmax_scale)
+            return shard.attend(q, k, v, mask, scale=self.softmax_scale)
         return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
