@@ -33,7 +33,7 @@ TYPES = {
         "--parallelism.no_context_parallel_load_balance",
     ],
     "alltoall": ["--parallelism.context_parallel_type", "alltoall"],
-    # all-to-all inside pairs of ranks, K/V gathered across the pairs: needs --cp 4 or more
+    # all-to-all inside pairs of ranks, a ring of K/V across the pairs: needs --cp 4
     "hybrid": [
         "--parallelism.context_parallel_type",
         "hybrid",

@@ -122,7 +122,7 @@ def test_heads_that_do_not_divide_are_refused():
     assert "4 kv heads" in str(e.value) and "'ring'" in str(e.value)
 
 
-# the hybrid: all-to-all inside pairs of ranks, keys and values gathered across the pairs
+# the hybrid: all-to-all inside pairs of ranks, a ring of keys and values across the pairs
 HYBRID = [
     "--parallelism.context_parallel_degree",
     "4",

@@ -157,7 +157,7 @@ LAYOUTS.update(
                 "alltoall",
             ],
         ),
-        # the hybrid: all-to-all in pairs, the pairs' keys and values gathered across
+        # the hybrid: all-to-all in pairs, a ring of the pairs' keys and values across them
         "cp4_hybrid": (
             4,
             [

@@ -207,7 +207,7 @@ class Parallelism:
         "How CP attention sees the whole sequence: ring (K/V chunks go round the ranks), "
         "alltoall (Ulysses: each rank takes 1/cp of the heads for every token; heads and "
         "kv heads per TP rank must divide by cp) or hybrid (all-to-all inside groups of "
-        "context_parallel_alltoall_degree ranks, K/V all-gathered across them)",
+        "context_parallel_alltoall_degree ranks, a ring of K/V across them)",
     )
     context_parallel_alltoall_degree: int = opt(
         2, "Hybrid CP: ranks of each all-to-all group (divides cp; heads per TP rank by it)"

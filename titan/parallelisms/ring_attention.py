@@ -37,18 +37,20 @@ def ring_masked_attention(q, k, v, mask: Tensor, group, sinks=None, scale=None) 
 
 
 def _shift(tensors: list[Tensor], group) -> list[Tensor]:
-    """Send `tensors` to the next rank of the ring; return the previous rank's."""
+    """Send `tensors` to the next rank of the ring; return the previous rank's. One
+    collective of their bytes, each tensor keeping its dtype (K/V in the inputs' dtype, their
+    gradients in float32)."""
     n, rank = group.size(), dist.get_rank(group)
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    sizes = [0] * n
-    send, recv = list(sizes), list(sizes)
+    flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    send, recv = [0] * n, [0] * n
     send[(rank + 1) % n] = recv[(rank - 1) % n] = flat.numel()
     got = torch.empty_like(flat)
     dist.all_to_all_single(got, flat, recv, send, group=group)
     out, at = [], 0
     for t in tensors:
-        out.append(got[at : at + t.numel()].view_as(t))
-        at += t.numel()
+        size = t.numel() * t.element_size()
+        out.append(got[at : at + size].view(t.dtype).view(t.shape))
+        at += size
     return out
 
 

@@ -16,7 +16,7 @@ Step time, per rank, the documented model (for ranking, not a promise):
   across; the mesh's dims innermost first: tp, cp, dp_shard, dp_replicate, pp): TP all-gathers
   and reduce-scatters of activations (4 per layer, forward and backward), CP's ring of K and
   V (or, all-to-all CP, q, k, v and the output exchanged, forward and backward; the hybrid
-  adds its groups' K and V gathered across) are exposed;
+  adds a ring of its groups' K and V across the groups) are exposed;
   FSDP's all-gathers and reduce-scatter and HSDP's all-reduce are hidden behind compute up to
   the compute time; pipeline sends are exposed. An MoE's routed experts are whole on the tp
   ranks and split over ep, so their FSDP traffic is over efsdp = dp_shard x cp / ep; expert
@@ -118,8 +118,8 @@ def _cp_types(cp: int, tp: int, heads: tuple[int, int]):
     """How CP may attend at degree `cp`: ring; all-to-all where each TP rank's query and kv
     heads divide by cp; else the hybrid with the largest all-to-all group that divides them
     (under the step-time model all-to-all over the whole of cp moves less than any hybrid,
-    whose groups gather each other's K and V: the hybrid is priced where it is the only head
-    split)."""
+    whose groups pass each other's K and V round a ring: the hybrid is priced where it is the
+    only head split)."""
     if cp == 1:
         yield {"cp_type": "ring"}
         return
@@ -179,7 +179,7 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
         # each tp rank exchanges its own heads
         width = (2 * args.n_heads + 2 * kv_heads) * args.head_dim / d.tp
         parts["cp"] = 2 * layers * local_tokens * width * act * (a - 1) / a / bw["cp"]
-        if a < d.cp:  # the hybrid: its group's K and V of its heads gathered from the others
+        if a < d.cp:  # the hybrid: its group's K and V of its heads round the ring of groups
             kv = 2 * a * local_tokens * kv_heads / a * args.head_dim / d.tp * act
             parts["cp"] += 3 * layers * kv * (d.cp // a - 1) / bw["cp"]
     elif d.cp > 1:  # K and V around the ring, forward; and their gradients, backward
