@@ -1,6 +1,6 @@
 """Ring attention with masks by position (titan.parallelisms.ring_attention): on CP 2 and 4
-with head-tail load balancing, documents, GQA, sinks and row blocks small enough that some
-are skipped, each rank's output and the gradients of its queries, keys, values and the sinks
+with head-tail load balancing, documents, GQA, sinks and tiles small enough that some are
+skipped, each rank's output and the gradients of its queries, keys, values and the sinks
 equal attention over the whole sequence on one process (float64: to rounding)."""
 
 import sys
@@ -12,14 +12,15 @@ from tests.forked import run_workers
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 
 
-def _ring_vs_whole(rank, world_size, block_scores):
+def _ring_vs_whole(rank, world_size, tile):
     import torch
     import torch.distributed as dist
 
     from titan.models.common import masked_attention as written_out
+    from titan.parallelisms import ring_attention
     from titan.parallelisms.ring_attention import ring_masked_attention
 
-    written_out._BLOCK_SCORES = block_scores  # small: rows in blocks, some masked out whole
+    ring_attention._TILE = tile  # small: many tiles, some masked out whole
     torch.manual_seed(0)  # every rank draws the whole problem alike
     b, h, kv_heads, seq, d, dv = 2, 4, 2, 24, 8, 6
     f64 = {"dtype": torch.float64}
@@ -58,7 +59,7 @@ def _ring_vs_whole(rank, world_size, block_scores):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("block_scores", [1 << 24, 40])
-def test_ring_attention_equals_attention_over_the_whole_sequence(cp, block_scores, tmp_path):
-    for rank, errors in enumerate(run_workers(_ring_vs_whole, cp, tmp_path, block_scores)):
+@pytest.mark.parametrize("tile", [256, 2])
+def test_ring_attention_equals_attention_over_the_whole_sequence(cp, tile, tmp_path):
+    for rank, errors in enumerate(run_workers(_ring_vs_whole, cp, tmp_path, tile)):
         assert max(errors) < 1e-12, (rank, errors)

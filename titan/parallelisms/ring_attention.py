@@ -13,9 +13,9 @@ rank sends only to the next): two in flight on one gloo group are not safe
 (scripts/gloo_overlap_check.py).
 
 One op (`titan::ring_masked_attention`), so selective activation checkpointing keeps its
-output instead of going round the ring again in recompute. Queries go in blocks of rows, and
-a block of rows whose mask is empty against a block of keys (causal: the later chunks) is
-skipped.
+output instead of going round the ring again in recompute. The work goes in tiles of at most
+256 queries x 256 keys, and a tile the mask hides whole is skipped: causal masks skip about
+half, document masks of short documents most (the all-gather form computed every score).
 """
 
 import torch
@@ -54,16 +54,23 @@ def _shift(tensors: list[Tensor], group) -> list[Tensor]:
     return out
 
 
-def _blocks(q: Tensor, t: int, mask: Tensor, src: int):
-    """(row slice, this block of rows' mask against rank src's keys), for row blocks with
-    any key to see."""
-    cols = slice(src * t, (src + 1) * t)
-    step = _rows(q, t)
-    for r in range(0, q.shape[2], step):
-        rows = slice(r, r + step)
-        m = mask[:, :, rows, cols] if mask.shape[2] > 1 else mask[..., cols]
-        if m.any():
-            yield rows, m
+_TILE = 256  # queries and keys a side of a tile, at most (documents skip most tiles)
+
+
+def _tiles(q: Tensor, t: int, mask: Tensor, src: int):
+    """(query rows, key columns of the block, the tile's mask) of the tiles of this rank's
+    queries against rank src's block of t keys that any query sees: a tile the mask hides
+    whole (causal: later keys; documents: other documents) is skipped."""
+    cols_step = min(t, _TILE)
+    rows_step = max(1, min(_TILE, _rows(q, cols_step)))
+    for r in range(0, q.shape[2], rows_step):
+        rows = slice(r, r + rows_step)
+        m_rows = mask[:, :, rows] if mask.shape[2] > 1 else mask
+        for c in range(0, t, cols_step):
+            cols = slice(c, c + cols_step)
+            m = m_rows[..., src * t + c : src * t + min(c + cols_step, t)]
+            if m.any():
+                yield rows, cols, m
 
 
 @torch.library.custom_op("titan::ring_masked_attention", mutates_args=())
@@ -80,15 +87,17 @@ def _ring_attention(
     k_blk, v_blk = k.contiguous(), v.contiguous()
     for i in range(n):
         kx, vx = _expanded(k_blk, h), _expanded(v_blk, h)
-        for rows, m in _blocks(q, k.shape[2], mask, (rank - i) % n):
-            scores = ((q[:, :, rows] @ kx.transpose(-2, -1)) * scale).to(acc_dtype)
+        for rows, cols, m in _tiles(q, k.shape[2], mask, (rank - i) % n):
+            scores = ((q[:, :, rows] @ kx[:, :, cols].transpose(-2, -1)) * scale).to(acc_dtype)
             scores = scores.masked_fill(~m, float("-inf"))
             new_max = torch.maximum(run_max[:, :, rows], scores.amax(dim=-1, keepdim=True))
             safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
             e = torch.exp(scores - safe)
             keep = torch.exp(run_max[:, :, rows] - safe)
             run_sum[:, :, rows] = run_sum[:, :, rows] * keep + e.sum(dim=-1, keepdim=True)
-            acc[:, :, rows] = acc[:, :, rows] * keep + (e.to(v.dtype) @ vx).to(acc_dtype)
+            acc[:, :, rows] = acc[:, :, rows] * keep + (e.to(v.dtype) @ vx[:, :, cols]).to(
+                acc_dtype
+            )
             run_max[:, :, rows] = new_max
         if i < n - 1:
             k_blk, v_blk = _shift([k_blk, v_blk], pg)
@@ -138,14 +147,15 @@ def _backward(ctx, grad_out, _grad_lse):
     for i in range(n):
         kx, vx = _expanded(k_blk, h).to(acc_dtype), _expanded(v_blk, h).to(acc_dtype)
         dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
-        for rows, m in _blocks(q, k.shape[2], mask, (rank - i) % n):
+        for rows, cols, m in _tiles(q, k.shape[2], mask, (rank - i) % n):
             qb, do = q[:, :, rows].to(acc_dtype), grad_out[:, :, rows].to(acc_dtype)
-            scores = (qb @ kx.transpose(-2, -1)) * ctx.scale
+            kt, vt = kx[:, :, cols], vx[:, :, cols]
+            scores = (qb @ kt.transpose(-2, -1)) * ctx.scale
             p = torch.exp(scores.masked_fill(~m, float("-inf")) - lse4[:, :, rows])
-            dvx += p.transpose(-2, -1) @ do
-            ds = p * (do @ vx.transpose(-2, -1) - delta[:, :, rows])
-            dq[:, :, rows] += (ds @ kx) * ctx.scale
-            dkx += (ds.transpose(-2, -1) @ qb) * ctx.scale
+            dvx[:, :, cols] += p.transpose(-2, -1) @ do
+            ds = p * (do @ vt.transpose(-2, -1) - delta[:, :, rows])
+            dq[:, :, rows] += (ds @ kt) * ctx.scale
+            dkx[:, :, cols] += (ds.transpose(-2, -1) @ qb) * ctx.scale
         dk_blk, dv_blk = dk_blk + folded(dkx), dv_blk + folded(dvx)
         if i < n - 1:
             k_blk, v_blk, dk_blk, dv_blk = _shift([k_blk, v_blk, dk_blk, dv_blk], pg)
