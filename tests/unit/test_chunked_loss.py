@@ -1,6 +1,7 @@
 """The chunked cross-entropy (training.loss_chunk_tokens): the same losses as the whole-logits
-loss, on one rank and across layouts, with a family's extra head (DeepSeek-V3's multi-token
-prediction), and less planned memory; refused where it does not apply."""
+loss, on one rank and across layouts (pipelines included), with a family's extra head
+(DeepSeek-V3's multi-token prediction), and less planned memory; refused where it does not
+apply."""
 
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 from tests.forked import run_trainer, tiny_run
 from tests.unit.test_cp_documents import FAMILIES
 from tests.unit.test_memory_plan import planned_bytes
+from titan.components.training.chunked_loss import ChunkedLossOutput
 from titan.config import ConfigError, parse_args
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
@@ -43,11 +45,30 @@ def test_chunked_equals_whole_logits_on_one_rank(family, tmp_path):
     [
         ["--parallelism.data_parallel_shard_degree", "2"],
         ["--parallelism.context_parallel_degree", "2"],
+        ["--parallelism.pipeline_parallel_degree", "2"],
+        # V-shaped: rank 0 holds the first and the last stage
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
+        ],
     ],
-    ids=["fsdp2", "cp2"],
+    ids=["fsdp2", "cp2", "pp2", "pp2_zbv"],
 )
-def test_chunked_under_a_layout_equals_one_rank(layout, tmp_path):
-    close(losses(tmp_path, "one", 1), losses(tmp_path, "two", 2, *layout, *CHUNK), 1e-5)
+def test_chunked_under_a_layout_equals_one_rank(layout, tmp_path, monkeypatch):
+    marker = tmp_path / "chunked_ran"
+    forward = ChunkedLossOutput.forward
+
+    def recorded(self, h, labels=None):  # the forked ranks inherit it: the chunks ran
+        if labels is not None:
+            marker.touch()
+        return forward(self, h, labels)
+
+    one = losses(tmp_path, "one", 1)
+    monkeypatch.setattr(ChunkedLossOutput, "forward", recorded)
+    close(one, losses(tmp_path, "two", 2, *layout, *CHUNK), 1e-5)
+    assert marker.exists()
 
 
 def test_the_plan_holds_one_chunk_of_logits(tmp_path):
@@ -67,7 +88,6 @@ def test_the_plan_holds_one_chunk_of_logits(tmp_path):
     "flags,why",
     [
         (["--parallelism.tensor_parallel_degree", "2"], "vocabulary-parallel"),
-        (["--parallelism.pipeline_parallel_degree", "2"], "pipeline"),
         (["--model.converters", "float8", "--float8.filter_fqns", "wq"], "float8"),
         (["--training.loss_chunk_tokens", "-1"], "must be >= 0"),
     ],

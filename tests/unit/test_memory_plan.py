@@ -181,6 +181,11 @@ LAYOUTS.update(
                 "40",
             ],
         ),
+        # a chunked loss on the last stage of a pipeline
+        "pp2_chunked_loss": (
+            2,
+            ["--parallelism.pipeline_parallel_degree", "2", "--training.loss_chunk_tokens", "40"],
+        ),
         # DeepSeek-V3 with two multi-token-prediction depths on the last stage
         "deepseek_mtp_pp2": (
             2,

@@ -367,12 +367,6 @@ def validate(cfg: JobConfig) -> None:
             "vocabulary-parallel (each rank holds 1/tp of the logits); set it to 0",
         ),
         (
-            not t.loss_chunk_tokens or cfg.parallelism.pipeline_parallel_degree == 1,
-            "training.loss_chunk_tokens",
-            "is not supported with pipeline parallelism yet (the schedule gathers the last "
-            "stage's outputs, which are logits); set it to 0",
-        ),
-        (
             not t.loss_chunk_tokens
             or "float8" not in cfg.model.converters
             or "output" in cfg.float8.filter_fqns,

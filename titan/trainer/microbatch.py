@@ -108,9 +108,10 @@ class ForwardBackward:
         block-causal, the labels when the model trains on them in forward (`takes_labels`) or
         its output layer computes the loss (a chunked loss)."""
         m = self.job.model
-        part = self.parts[0]
-        chunked = getattr(getattr(part, "output", None), "takes_labels", False)
-        out = {"labels": labels} if part.takes_labels or chunked else {}
+        # any of this rank's parts: a V-shaped pipeline puts the last stage second on rank 0
+        outputs = [getattr(p, "output", None) for p in self.parts]
+        chunked = any(getattr(o, "takes_labels", False) for o in outputs)
+        out = {"labels": labels} if self.parts[0].takes_labels or chunked else {}
         if m.attn_mask_type != "block_causal":
             return out
         doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
@@ -150,7 +151,14 @@ class ForwardBackward:
         kwargs = self.model_kwargs(inputs, labels)  # every stage's attention needs them
         inputs, labels = (inputs if has_first else None), (labels if has_last else None)
         with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx():
-            run(*((inputs,) if has_first else ()), target=labels, losses=losses, **kwargs)
+            # outputs are not gathered: a chunked loss's last stage returns a loss, not logits
+            run(
+                *((inputs,) if has_first else ()),
+                target=labels,
+                losses=losses,
+                return_outputs=False,
+                **kwargs,
+            )
         total = torch.zeros((), device=self.device)
         for loss in losses or []:
             total += plain(loss.detach())
