@@ -10,14 +10,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-# register titan::masked_attention, titan::cp_all_to_all, titan::cp_all_gather,
-# titan::ring_masked_attention
-import titan.models.common.masked_attention  # noqa: F401
-import titan.parallelisms.ring_attention  # noqa: F401
-import titan.parallelisms.sequence_shard  # noqa: F401
-
 _aten = torch.ops.aten
-_titan = torch.ops.titan
 # outputs worth keeping: expensive to recompute, cheap to store relative to their cost
 _SAVE_LIST = {
     _aten.mm.default,
@@ -30,13 +23,16 @@ _SAVE_LIST = {
     _aten._grouped_mm.default,
     _aten.topk.default,
     _aten.sort.stable,
-    # context parallelism: attention written out (masks, sinks), its ring form (every
-    # rank's keys) and the exchanges of q, k, v and outputs; recompute would run them (and
-    # wait on peers) again
-    _titan.masked_attention.default,
-    _titan.ring_masked_attention.default,
-    _titan.cp_all_to_all.default,
-    _titan.cp_all_gather.default,
+}
+# titan's own ops, by name (registered by the modules that define them, which need not be
+# imported here): attention written out (masks, sinks), its ring form under context
+# parallelism (every rank's keys) and CP's exchanges of q, k, v and outputs; recompute would
+# run them (and wait on peers) again
+_SAVE_NAMES = {
+    "titan::masked_attention",
+    "titan::ring_masked_attention",
+    "titan::cp_all_to_all",
+    "titan::cp_all_gather",
 }
 
 
@@ -60,7 +56,8 @@ def op_policy():
                 if counts[key] % 2 == 0
                 else CheckpointPolicy.PREFER_RECOMPUTE
             )
-        return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+        saved = op in _SAVE_LIST or op.name() in _SAVE_NAMES
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 

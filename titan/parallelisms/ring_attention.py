@@ -23,8 +23,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from titan.models.common.masked_attention import _expanded, _rows
-
 
 def ring_masked_attention(q, k, v, mask: Tensor, group, sinks=None, scale=None) -> Tensor:
     """q (b, h, s, d): this rank's queries; k (b, kv_heads, t, d), v (b, kv_heads, t, dv):
@@ -55,6 +53,12 @@ def _shift(tensors: list[Tensor], group) -> list[Tensor]:
 
 
 _TILE = 256  # queries and keys a side of a tile, at most (documents skip most tiles)
+_TILE_SCORES = 1 << 24  # and at most this many scores (batch x heads x queries x keys)
+
+
+def _expanded(t: Tensor, heads: int) -> Tensor:
+    """kv heads repeated to the query heads (GQA)."""
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def _tiles(q: Tensor, t: int, mask: Tensor, src: int):
@@ -62,7 +66,7 @@ def _tiles(q: Tensor, t: int, mask: Tensor, src: int):
     queries against rank src's block of t keys that any query sees: a tile the mask hides
     whole (causal: later keys; documents: other documents) is skipped."""
     cols_step = min(t, _TILE)
-    rows_step = max(1, min(_TILE, _rows(q, cols_step)))
+    rows_step = max(1, min(_TILE, _TILE_SCORES // (q.shape[0] * q.shape[1] * cols_step)))
     for r in range(0, q.shape[2], rows_step):
         rows = slice(r, r + rows_step)
         m_rows = mask[:, :, rows] if mask.shape[2] > 1 else mask
