@@ -103,15 +103,18 @@ class ForwardBackward:
             heads_group=heads_group_size(par, dims.cp),
         )
 
+    def _chunked_loss(self) -> bool:
+        """Whether an output layer of this rank computes the loss in chunks: any of its parts
+        (a V-shaped pipeline puts the last stage second on rank 0)."""
+        outputs = [getattr(p, "output", None) for p in self.parts]
+        return any(getattr(o, "takes_labels", False) for o in outputs)
+
     def model_kwargs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:
         """The model's arguments beside the tokens: the documents when attention is
         block-causal, the labels when the model trains on them in forward (`takes_labels`) or
         its output layer computes the loss (a chunked loss)."""
         m = self.job.model
-        # any of this rank's parts: a V-shaped pipeline puts the last stage second on rank 0
-        outputs = [getattr(p, "output", None) for p in self.parts]
-        chunked = any(getattr(o, "takes_labels", False) for o in outputs)
-        out = {"labels": labels} if self.parts[0].takes_labels or chunked else {}
+        out = {"labels": labels} if self.parts[0].takes_labels or self._chunked_loss() else {}
         if m.attn_mask_type != "block_causal":
             return out
         doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
@@ -151,12 +154,12 @@ class ForwardBackward:
         kwargs = self.model_kwargs(inputs, labels)  # every stage's attention needs them
         inputs, labels = (inputs if has_first else None), (labels if has_last else None)
         with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx():
-            # outputs are not gathered: a chunked loss's last stage returns a loss, not logits
             run(
                 *((inputs,) if has_first else ()),
                 target=labels,
                 losses=losses,
-                return_outputs=False,
+                # a chunked loss's last stage returns a loss, not logits: nothing to gather
+                return_outputs=not self._chunked_loss(),
                 **kwargs,
             )
         total = torch.zeros((), device=self.device)
