@@ -56,9 +56,16 @@ _TILE = 256  # queries and keys a side of a tile, at most (documents skip most t
 _TILE_SCORES = 1 << 24  # and at most this many scores (batch x heads x queries x keys)
 
 
-def _expanded(t: Tensor, heads: int) -> Tensor:
-    """kv heads repeated to the query heads (GQA)."""
+def expanded(t: Tensor, heads: int) -> Tensor:
+    """kv heads (dim 1) repeated to the query heads (GQA)."""
     return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def folded(t: Tensor, kv_heads: int) -> Tensor:
+    """The inverse for gradients: a repeated kv head's gradient, the sum over its query
+    heads."""
+    b, h, t_len, d = t.shape
+    return t.view(b, kv_heads, h // kv_heads, t_len, d).sum(dim=2)
 
 
 def _tiles(q: Tensor, t: int, mask: Tensor, src: int):
@@ -90,7 +97,7 @@ def _ring_attention(
     acc = torch.zeros((b, h, s, v.shape[-1]), dtype=acc_dtype, device=q.device)
     k_blk, v_blk = k.contiguous(), v.contiguous()
     for i in range(n):
-        kx, vx = _expanded(k_blk, h), _expanded(v_blk, h)
+        kx, vx = expanded(k_blk, h), expanded(v_blk, h)
         for rows, cols, m in _tiles(q, k.shape[2], mask, (rank - i) % n):
             scores = ((q[:, :, rows] @ kx[:, :, cols].transpose(-2, -1)) * scale).to(acc_dtype)
             scores = scores.masked_fill(~m, float("-inf"))
@@ -135,7 +142,7 @@ def _backward(ctx, grad_out, _grad_lse):
     q, k, v, mask, sinks, out, lse = ctx.saved_tensors
     pg = _resolve_process_group(ctx.group)
     n, rank = pg.size(), dist.get_rank(pg)
-    h, groups = q.shape[1], q.shape[1] // k.shape[1]
+    h = q.shape[1]
     acc_dtype = lse.dtype
     delta = (grad_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1, keepdim=True)
     lse4 = lse[..., None]
@@ -144,12 +151,8 @@ def _backward(ctx, grad_out, _grad_lse):
     dk_blk = torch.zeros_like(k, dtype=acc_dtype)
     dv_blk = torch.zeros_like(v, dtype=acc_dtype)
 
-    def folded(t):  # a repeated kv head's gradient: the sum over its query heads
-        b, _, t_len, d = t.shape
-        return t.view(b, h // groups, groups, t_len, d).sum(dim=2)
-
     for i in range(n):
-        kx, vx = _expanded(k_blk, h).to(acc_dtype), _expanded(v_blk, h).to(acc_dtype)
+        kx, vx = expanded(k_blk, h).to(acc_dtype), expanded(v_blk, h).to(acc_dtype)
         dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
         for rows, cols, m in _tiles(q, k.shape[2], mask, (rank - i) % n):
             qb, do = q[:, :, rows].to(acc_dtype), grad_out[:, :, rows].to(acc_dtype)
@@ -160,7 +163,7 @@ def _backward(ctx, grad_out, _grad_lse):
             ds = p * (do @ vt.transpose(-2, -1) - delta[:, :, rows])
             dq[:, :, rows] += (ds @ kt) * ctx.scale
             dkx[:, :, cols] += (ds.transpose(-2, -1) @ qb) * ctx.scale
-        dk_blk, dv_blk = dk_blk + folded(dkx), dv_blk + folded(dvx)
+        dk_blk, dv_blk = dk_blk + folded(dkx, k.shape[1]), dv_blk + folded(dvx, k.shape[1])
         if i < n - 1:
             k_blk, v_blk, dk_blk, dv_blk = _shift([k_blk, v_blk, dk_blk, dv_blk], pg)
     if n > 1:  # the gradients of the block last held belong to the next rank

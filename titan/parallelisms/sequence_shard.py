@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from titan.parallelisms.ring_attention import ring_masked_attention
+
 _active: "SequenceShard | None" = None
 # SDPA as torch defines it: torch's context_parallel replaces F.scaled_dot_product_attention
 # with ring attention while it is active, which all-to-all attention (whole sequences) must not
@@ -65,9 +67,6 @@ class SequenceShard:
     def attend(self, q, k, v, mask: torch.Tensor, sinks=None, scale=None) -> torch.Tensor:
         """This rank's queries against every rank's keys and values, which go round the
         group's ring; `mask` bool over (this rank's queries, all_positions() keys)."""
-        # imported here: it builds on the models' attention, which imports this module
-        from titan.parallelisms.ring_attention import ring_masked_attention
-
         return ring_masked_attention(q, k, v, mask, self.group, sinks, scale)
 
     def order(self) -> torch.Tensor:

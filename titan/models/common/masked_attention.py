@@ -13,6 +13,8 @@ scores in the inputs' dtype, then the values.
 import torch
 from torch import Tensor
 
+from titan.parallelisms.ring_attention import expanded, folded
+
 _BLOCK_SCORES = 1 << 24  # scores a block of queries holds at once: 64 MiB in fp32
 
 
@@ -40,15 +42,11 @@ def _probs(qb, kx, mask_b, sinks, scale) -> Tensor:
     return torch.cat([scores, sink], dim=-1).softmax(dim=-1)
 
 
-def _expanded(t: Tensor, heads: int) -> Tensor:
-    return t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
 @torch.library.custom_op("titan::masked_attention", mutates_args=())
 def _masked_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor | None, scale: float
 ) -> Tensor:
-    kx, vx = _expanded(k, q.shape[1]), _expanded(v, q.shape[1])
+    kx, vx = expanded(k, q.shape[1]), expanded(v, q.shape[1])
     step = _rows(q, k.shape[2])
     out = []
     for r in range(0, q.shape[2], step):
@@ -76,8 +74,8 @@ def _backward(ctx, grad):
     """Softmax's gradient from the recomputed probabilities P, block by block: dP = dO V^T,
     dS = P (dP - rowsum(P dP)); a sink (value zero) takes -P_sink rowsum(P dP)."""
     q, k, v, mask, sinks = ctx.saved_tensors
-    heads, groups = q.shape[1], q.shape[1] // k.shape[1]
-    kx, vx = _expanded(k, heads), _expanded(v, heads)
+    heads = q.shape[1]
+    kx, vx = expanded(k, heads), expanded(v, heads)
     dq = torch.empty_like(q)
     dkx, dvx = torch.zeros_like(kx), torch.zeros_like(vx)
     acc = torch.promote_types(q.dtype, torch.float32)  # a sink's gradient sums many rows
@@ -98,12 +96,8 @@ def _backward(ctx, grad):
         if sinks is not None:
             dsinks -= (probs[..., -1:] * rowsum).sum(dim=(0, 2, 3)).to(acc)
 
-    def folded(t):  # the gradient of a repeated kv head: the sum over its query heads
-        b, _, t_len, d = t.shape
-        return t.view(b, heads // groups, groups, t_len, d).sum(dim=2)
-
     dsinks = None if sinks is None else dsinks.to(sinks.dtype)
-    return dq, folded(dkx), folded(dvx), None, dsinks, None
+    return dq, folded(dkx, k.shape[1]), folded(dvx, k.shape[1]), None, dsinks, None
 
 
 _masked_attention.register_autograd(_backward, setup_context=_setup)
