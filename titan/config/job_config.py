@@ -81,6 +81,12 @@ class Training:
     )
     dataset_path: str | None = opt(None, "Local path that overrides where `dataset` is read from")
     dataset_text_field: str = opt("text", "Column holding the document text")
+    dataset_format: Literal["text", "chat"] = opt(
+        "text",
+        "text: documents packed into windows, every token trained; chat: conversations "
+        "(a `messages` column) rendered with the chat template, the loss on assistant "
+        "tokens only (see [chat])",
+    )
     dataset_mix: list[str] = opt(
         [],
         "Weighted sources instead of dataset/dataset_path, as SOURCE=WEIGHT (a local file, "
@@ -397,6 +403,29 @@ class Comm:
 
 
 @dataclass
+class Chat:
+    messages_field: str = opt(
+        "messages", "Column holding each conversation: a list of {role, content} messages"
+    )
+    template: str = opt(
+        "",
+        "Jinja chat template file; empty = the tokenizer folder's (chat_template.jinja, or "
+        "tokenizer_config.json's chat_template)",
+    )
+    loss_on: Literal["assistant", "last_assistant"] = opt(
+        "assistant", "Tokens the loss counts: every assistant turn, or only the last one"
+    )
+    packing: Literal["pack", "pad"] = opt(
+        "pack",
+        "pack: conversations share a window, each seeing only itself (needs model."
+        "attn_mask_type = block_causal); pad: one conversation a window, padded",
+    )
+    overlong: Literal["truncate", "drop"] = opt(
+        "truncate", "A conversation longer than training.seq_len: cut at seq_len, or skipped"
+    )
+
+
+@dataclass
 class Validation:
     enable: bool = opt(False, "Evaluate loss on a held-out dataset during training")
     dataset: str = opt("kjv_valid", "Validation dataset (same forms as training.dataset)")
@@ -471,6 +500,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    chat: Chat = field(default_factory=Chat)
     validation: Validation = field(default_factory=Validation)
     memory: Memory = field(default_factory=Memory)
     debug: Debug = field(default_factory=Debug)

@@ -11,7 +11,7 @@ the middle of a file) is the workers' to report (titan/runtime/final_error.py).
 import json
 from pathlib import Path
 
-from titan.components.data.dataset import DataError, local_files, parse_mix
+from titan.components.data.dataset import DataError, check_messages, local_files, parse_mix
 from titan.components.data.token_shards import ShardError, is_shard_folder, verify
 from titan.components.data.tokenizer import Tokenizer
 from titan.config import ConfigError, JobConfig
@@ -24,7 +24,8 @@ LINE_LIMIT = 1 << 22  # a document per line may be long; longer first lines go u
 
 def check_content(job: JobConfig, tokenizer: Tokenizer) -> None:
     """ConfigError naming the file and the fix for the first bad one."""
-    field = job.training.dataset_text_field
+    chat = job.training.dataset_format == "chat"
+    field = job.chat.messages_field if chat else job.training.dataset_text_field
     for key, name, path in _local_sources(job):
         files = local_files(name, path)  # plan_run has refused missing paths already
         if files is None:
@@ -34,7 +35,7 @@ def check_content(job: JobConfig, tokenizer: Tokenizer) -> None:
                 verify(files[0], tokenizer)
             else:
                 for f in files:
-                    check_text_file(f, field)
+                    check_text_file(f, field, chat)
         except (DataError, ShardError) as e:
             raise ConfigError(f"{key}: {e}") from None
     ck = job.checkpoint
@@ -60,18 +61,19 @@ def _local_sources(job: JobConfig):
         yield "validation.dataset", job.validation.dataset, job.validation.dataset_path
 
 
-def check_text_file(path: Path, text_field: str) -> None:
+def check_text_file(path: Path, text_field: str, chat: bool = False) -> None:
     """A DataError when the file is empty, or (jsonl) one of its first lines is not a JSON
-    object with a string in `text_field`."""
+    object with a string in `text_field` (`chat`: a conversation there)."""
     if path.stat().st_size == 0:
         raise DataError(f"{path} is empty; fill it or remove it from the dataset")
+    key = "chat.messages_field" if chat else "training.dataset_text_field"
     if path.suffix == ".jsonl":
-        _check_jsonl_head(path, text_field)
+        _check_jsonl_head(path, text_field, chat)
     elif path.suffix == ".parquet":
-        _check_parquet_schema(path, text_field)
+        _check_parquet_schema(path, text_field, key)
 
 
-def _check_jsonl_head(path: Path, text_field: str) -> None:
+def _check_jsonl_head(path: Path, text_field: str, chat: bool) -> None:
     with open(path, "rb") as f:
         for number in range(1, FIRST_LINES + 1):
             line = f.readline(LINE_LIMIT)
@@ -96,20 +98,26 @@ def _check_jsonl_head(path: Path, text_field: str) -> None:
                     f"{where} is a JSON {type(record).__name__}, not an object "
                     f"with a '{text_field}' field; fix or remove the file"
                 )
-            if not isinstance(record.get(text_field), str):
+            if chat and text_field in record:
+                check_messages(record[text_field], where, text_field)
+            elif not isinstance(record.get(text_field), str) or chat:
                 what = (
                     f"a {type(record[text_field]).__name__} in '{text_field}'"
                     if text_field in record
                     else f"no '{text_field}' field"
                 )
+                key, holds = (
+                    ("chat.messages_field", "conversations")
+                    if chat
+                    else ("training.dataset_text_field", "text")
+                )
                 raise DataError(
-                    f"{where} has {what} (fields: {sorted(record)[:8]}); set "
-                    "training.dataset_text_field to the field holding the text, or "
-                    "fix the file"
+                    f"{where} has {what} (fields: {sorted(record)[:8]}); set {key} to the "
+                    f"field holding the {holds}, or fix the file"
                 )
 
 
-def _check_parquet_schema(path: Path, text_field: str) -> None:
+def _check_parquet_schema(path: Path, text_field: str, key: str) -> None:
     import pyarrow.parquet as pq
 
     try:
@@ -121,6 +129,6 @@ def _check_parquet_schema(path: Path, text_field: str) -> None:
         ) from None
     if text_field not in names:
         raise DataError(
-            f"{path} has no column '{text_field}' (columns: {names[:8]}); set "
-            "training.dataset_text_field to the column holding the text"
+            f"{path} has no column '{text_field}' (columns: {names[:8]}); set {key} to the "
+            "column holding the data"
         )

@@ -10,7 +10,7 @@ import contextlib
 import torch
 from torch import nn
 
-from titan.components.training.loss import cross_entropy_sum, plain
+from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum, plain
 from titan.config import JobConfig
 from titan.models.common import aux_loss
 from titan.models.common.documents import document_ids, document_positions
@@ -70,6 +70,12 @@ class ForwardBackward:
         # normalized by every token of this rank's step: microbatches and stages add up
         return cross_entropy_sum(logits, labels) / self.tokens_per_rank_step
 
+    def count_step_tokens(self, counted: int) -> None:
+        """This step's loss is the mean over `counted` tokens of the global batch (labels that
+        are not IGNORE_INDEX): each rank's share of it, as the fixed count is shared."""
+        dims = self.plan.dims
+        self.tokens_per_rank_step = max(counted, 1) / (self.plan.data_parallel_size * dims.cp)
+
     def loss_parallel_ctx(self):
         return (
             torch.distributed.tensor.parallel.loss_parallel()
@@ -109,15 +115,19 @@ class ForwardBackward:
         outputs = [getattr(p, "output", None) for p in self.parts]
         return any(getattr(o, "takes_labels", False) for o in outputs)
 
-    def model_kwargs(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict:
+    def model_kwargs(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> dict:
         """The model's arguments beside the tokens: the documents when attention is
-        block-causal, the labels when the model trains on them in forward (`takes_labels`) or
-        its output layer computes the loss (a chunked loss)."""
+        block-causal (`doc_ids` when the data says them, else the runs BOS opens), the labels
+        when the model trains on them in forward (`takes_labels`) or its output layer
+        computes the loss (a chunked loss)."""
         m = self.job.model
         out = {"labels": labels} if self.parts[0].takes_labels or self._chunked_loss() else {}
         if m.attn_mask_type != "block_causal":
             return out
-        doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
+        if doc_ids is None:
+            doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
         return {
             **out,
             "doc_ids": doc_ids,
@@ -135,23 +145,30 @@ class ForwardBackward:
             logits = self.parts[0](inputs, **kwargs)
         return self.loss(logits, labels)
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Loss of one microbatch (already divided by the step's token count), after backward."""
-        kwargs = self.model_kwargs(inputs, labels)  # documents of the whole sequences
+        kwargs = self.model_kwargs(inputs, labels, doc_ids)  # documents of the whole sequences
         with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx():
             loss = self.forward_loss(inputs, labels, kwargs)
             loss.backward()
         return plain(loss.detach())
 
     def run_pipeline(
-        self, schedule, inputs: torch.Tensor, labels: torch.Tensor, train: bool = True
+        self,
+        schedule,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        train: bool = True,
     ) -> torch.Tensor:
         """Run `schedule` over one batch; the loss sum is nonzero only where the last stage is."""
         last = self.pp_plan.num_stages - 1
         has_first, has_last = 0 in self.pp_plan.stage_ids, last in self.pp_plan.stage_ids
         losses = [] if has_last else None
         run = schedule.step if train else schedule.eval
-        kwargs = self.model_kwargs(inputs, labels)  # every stage's attention needs them
+        kwargs = self.model_kwargs(inputs, labels, doc_ids)  # every stage's attention needs them
         inputs, labels = (inputs if has_first else None), (labels if has_last else None)
         with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx():
             run(
@@ -167,24 +184,29 @@ class ForwardBackward:
             total += plain(loss.detach())
         return total
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Forward and backward of one microbatch of the step (all of a pipeline's)."""
         if self.schedule is not None:
-            return self.run_pipeline(self.schedule, inputs, labels)
-        return self.forward_backward(inputs, labels)
+            return self.run_pipeline(self.schedule, inputs, labels, doc_ids)
+        return self.forward_backward(inputs, labels, doc_ids)
 
-    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """This rank's summed token cross-entropy over a validation batch and its token count
-        (counted before context parallelism shards the batch; 0 off the last pipeline stage)."""
-        tokens = labels.numel() // self.plan.dims.cp
+    def eval_loss_sum(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, float]:
+        """This rank's summed token cross-entropy over a validation batch and its share of the
+        counted tokens (counted before context parallelism shards the batch; 0 off the last
+        pipeline stage)."""
+        tokens = int((labels != IGNORE_INDEX).sum()) / self.plan.dims.cp
         if self.pp_plan is not None:
             if self.eval_schedule is None:
                 plan = self.plan.pipeline(self.plan.dims["pp"].get_local_rank(), validation=True)
                 self.eval_schedule = self._schedule(plan, cross_entropy_sum)
             has_last = self.pp_plan.num_stages - 1 in self.pp_plan.stage_ids
-            loss = self.run_pipeline(self.eval_schedule, inputs, labels, train=False)
+            loss = self.run_pipeline(self.eval_schedule, inputs, labels, doc_ids, train=False)
             return loss, tokens if has_last else 0
-        kwargs = self.model_kwargs(inputs, labels)
+        kwargs = self.model_kwargs(inputs, labels, doc_ids)
         with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx(), self.amp():
             loss = cross_entropy_sum(self.parts[0](inputs, **kwargs), labels)
         return plain(loss), tokens

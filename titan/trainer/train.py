@@ -46,7 +46,7 @@ from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.optim.optimizer import build_optimizer
 from titan.components.quantization.float8 import scale_precomputer
 from titan.components.training.gc import ScheduledGC
-from titan.components.training.loss import reduce_loss
+from titan.components.training.loss import IGNORE_INDEX, reduce_loss
 from titan.components.training.validate import Validator
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
 from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
@@ -91,7 +91,11 @@ class Trainer:
 
         self.shard = self._data_shard()
         self.dataloader = build_dataloader(
-            t, tokenizer=plan.tokenizer, shard=self.shard, global_batch_size=plan.global_batch_size
+            t,
+            tokenizer=plan.tokenizer,
+            shard=self.shard,
+            global_batch_size=plan.global_batch_size,
+            chat=job.chat,
         )
         self.model_parts, self.pp_plan, self.tied_copies = self._build_model()
         self.fwd_bwd = ForwardBackward(job, plan, self.model_parts, self.pp_plan, self.device)
@@ -260,6 +264,7 @@ class Trainer:
             sum_groups=[self._pp_group(), self._dp_cp_group()],
             device=self.device,
             metrics=self.metrics,
+            chat=self.job.chat if t.dataset_format == "chat" else None,
         )
 
     def _on_heal(self) -> None:
@@ -290,12 +295,13 @@ class Trainer:
         if self.ft is not None:
             self.checkpointer.wait_for_staging()  # a heal may overwrite the parameters
             self.ft.start_step()  # the quorum forms while forward/backward run
+        if self.job.training.dataset_format == "chat":  # the loss counts some tokens only
+            self.fwd_bwd.count_step_tokens(self._counted_tokens(microbatches))
         loss = torch.zeros((), device=self.device)
         weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
         with AuxLossCollector(weight, self.token_split) as aux:
-            for inputs, labels in microbatches:
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
-                loss += self.fwd_bwd.step(inputs, labels)
+            for batch in microbatches:
+                loss += self.fwd_bwd.step(*(t.to(self.device) for t in batch))
         self.aux_losses = aux.floats()
         params = [p for part in self.model_parts for p in part.parameters()]
         shard_grads_like_params(params)
@@ -344,6 +350,15 @@ class Trainer:
         self.lr_scheduler.step()
         return loss_v, norm_v, True
 
+    def _counted_tokens(self, microbatches) -> int:
+        """The labels of the global batch that the loss counts (not IGNORE_INDEX)."""
+        mine = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, *_ in microbatches)
+        counted = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        dp = self.plan.dims["dp"]
+        if dp.size() > 1:
+            dist.all_reduce(counted, group=dp.get_group())
+        return int(counted.item())
+
     def next_microbatches(self, data_iter):
         return [next(data_iter) for _ in range(self.plan.grad_accum_steps)]
 
@@ -382,7 +397,7 @@ class Trainer:
                 microbatches = self.next_microbatches(data_iter)
                 data_s = time.perf_counter() - t0
                 # counted before the step: context parallelism shards the batch in place
-                batch_tokens = sum(x.numel() for x, _ in microbatches)
+                batch_tokens = sum(x.numel() for x, *_ in microbatches)
                 lr = self.lr_scheduler.get_last_lr()[0]
                 # the first step is measured: what the memory planner's figures are checked on
                 tracker = self._activation_tracker() if self.step == first_step else None

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan.components.data.chat import ChatOptions, chat_windows
+from titan.components.data.chat_template import ChatTemplate
 from titan.components.data.data_order import GlobalOrder
 from titan.components.data.dataset import DataError, DataShard, local_files, parse_mix
 from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens
@@ -65,13 +67,13 @@ class IndexedLoader:
         while True:
             generation = self._generation
             self.order.start = self.taken
-            for inputs, labels in _loader(
+            for batch in _loader(
                 self.windows, self.local_batch_size, self.workers, sampler=self.order
             ):
                 if generation != self._generation:
                     break
-                self.taken += inputs.shape[0]
-                yield inputs, labels
+                self.taken += batch[0].shape[0]
+                yield tuple(batch)
             else:
                 return  # a finite pass ended
 
@@ -262,8 +264,72 @@ def build_text_dataloader(
     return IndexedLoader(MixedWindows(windows), order, local_batch_size, workers)
 
 
-def build_dataloader(cfg, *, tokenizer: Tokenizer, shard: DataShard, global_batch_size: int):
-    """The training loader of `cfg` (the training section): infinite, shuffled per epoch."""
+def build_chat_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer: Tokenizer,
+    chat,
+    seq_len: int,
+    local_batch_size: int,
+    global_batch_size: int,
+    shard: DataShard,
+    seed: int,
+    shuffle: bool = True,
+    infinite: bool = True,
+    workers: Workers = Workers(),
+    section: str = "training",
+):
+    """Conversations (`chat`: the chat section) as windows of (inputs, labels, doc_ids),
+    read in a global order as packed text is: resumes exactly, on any dp degree."""
+    if global_batch_size % shard.dp_world_size:
+        raise DataError(
+            f"global batch {global_batch_size} is not divisible by the dp degree "
+            f"{shard.dp_world_size}"
+        )
+    template = ChatTemplate.load(tokenizer, chat.template)
+    opts = ChatOptions(
+        seq_len=seq_len,
+        messages_field=chat.messages_field,
+        last_only=chat.loss_on == "last_assistant",
+        pack=chat.packing == "pack",
+        truncate=chat.overlong == "truncate",
+    )
+    files = local_files(dataset, dataset_path, key=f"{section}.dataset_path")
+    windows = chat_windows(files or dataset, template, opts, tokenizer.pad_id, dataset)
+    order = GlobalOrder(
+        [len(windows)],
+        [1.0],
+        dp_rank=shard.dp_rank,
+        dp_world_size=shard.dp_world_size,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        infinite=infinite,
+        names=[dataset],
+    )
+    return IndexedLoader(MixedWindows([windows]), order, local_batch_size, workers)
+
+
+def build_dataloader(
+    cfg, *, tokenizer: Tokenizer, shard: DataShard, global_batch_size: int, chat=None
+):
+    """The training loader of `cfg` (the training section; `chat`: the chat section, read
+    when cfg.dataset_format is "chat"): infinite, shuffled per epoch."""
+    if cfg.dataset_format == "chat":
+        return build_chat_dataloader(
+            dataset=cfg.dataset,
+            dataset_path=cfg.dataset_path,
+            tokenizer=tokenizer,
+            chat=chat,
+            seq_len=cfg.seq_len,
+            local_batch_size=cfg.local_batch_size,
+            global_batch_size=global_batch_size,
+            shard=shard,
+            seed=cfg.seed,
+            shuffle=cfg.dataset_shuffle,
+            workers=Workers(cfg.dataloader_num_workers, cfg.dataloader_prefetch_factor),
+        )
     return build_text_dataloader(
         dataset=cfg.dataset,
         dataset_path=cfg.dataset_path,

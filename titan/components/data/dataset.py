@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 BUNDLED = {
     "kjv": "assets/corpus/kjv_train.jsonl",
     "kjv_valid": "assets/corpus/kjv_valid.jsonl",
+    "chat": "assets/corpus/chat_train.jsonl",
+    "chat_valid": "assets/corpus/chat_valid.jsonl",
 }
 
 
@@ -140,32 +142,69 @@ def text_column(ds, fmt: str, text_field: str, where) -> str:
     return field
 
 
+def _text_check(value, where: str, field: str) -> None:
+    if not isinstance(value, str):
+        raise DataError(
+            f"{where} has no text in field '{field}' ({type(value).__name__}); fix or drop "
+            "that record"
+        )
+
+
+def check_messages(value, where: str, field: str) -> None:
+    """A conversation is a non-empty list of {role, content} with text in both."""
+    if value is None:
+        raise DataError(
+            f"{where} has no field '{field}'; fix or drop that record, or set chat.messages_field"
+        )
+    if not isinstance(value, list) or not value:
+        raise DataError(
+            f"{where}: field '{field}' is not a list of messages ({type(value).__name__}"
+            f"{', empty' if isinstance(value, list) else ''}); fix or drop that record"
+        )
+    for i, message in enumerate(value):
+        problem = None
+        if not isinstance(message, dict):
+            problem = f"is a {type(message).__name__}, not a {{role, content}} object"
+        elif not isinstance(message.get("role"), str) or not message["role"]:
+            problem = "has no role"
+        elif not isinstance(message.get("content"), str):
+            problem = f"({message['role']}) has no text content"
+        elif not message["content"].strip():
+            problem = f"({message['role']}) has empty content"
+        if problem:
+            raise DataError(f"{where}: message {i} {problem}; fix or drop that record")
+    if not any(m["role"] == "assistant" for m in value):
+        raise DataError(f"{where}: no assistant message, nothing to train on; fix or drop it")
+
+
 def iter_texts(files: list[Path], text_field: str, batch_size: int = 1024):
     """The documents of local files in order, in lists of up to `batch_size` texts; bad data
     raises a DataError naming the file and record. Read as a stream: memory stays flat."""
+    return iter_column(files, text_field, _text_check, "training.dataset_text_field", batch_size)
+
+
+def iter_column(files: list[Path], field: str, check, key: str, batch_size: int = 1024):
+    """One column of local files' records in order, in lists of up to `batch_size` values,
+    each passed to `check(value, "FILE: record N", field)` first (it raises a DataError).
+    `key`: the config key naming the column. Plain-text files' column is their text."""
     for f in files:
         fmt = _FORMATS[f.suffix]
-        field = "text" if fmt == "text" else text_field
+        column = "text" if fmt == "text" else field
         n = 0
         try:
             if f.stat().st_size == 0:
                 raise DataError(f"{f} holds no records; remove the empty file or fill it")
             ds, _ = open_local([f])
             for batch in ds.iter(batch_size=batch_size):
-                texts = batch.get(field)
-                if texts is None:
+                values = batch.get(column)
+                if values is None:
                     raise DataError(
-                        f"{f} has no field '{field}' (fields: {sorted(batch)}); set "
-                        "training.dataset_text_field"
+                        f"{f} has no field '{column}' (fields: {sorted(batch)}); set {key}"
                     )
-                for i, t in enumerate(texts):
-                    if not isinstance(t, str):
-                        raise DataError(
-                            f"{f}: record {n + i} has no text in field '{field}' "
-                            f"({type(t).__name__}); fix or drop that record"
-                        )
-                n += len(texts)
-                yield texts
+                for i, value in enumerate(values):
+                    check(value, f"{f}: record {n + i}", column)
+                n += len(values)
+                yield values
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001  datasets/pyarrow raise many types for bad files

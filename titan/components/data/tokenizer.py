@@ -142,6 +142,24 @@ class Tokenizer:
         parts.append(np.asarray(tail, dtype=np.int32))
         return np.concatenate(parts)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The text's ids, no BOS/EOS added (special tokens written in it are matched), and
+        the (start, end) characters of the text each token covers."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    @property
+    def pad_id(self) -> int:
+        """The padding token: the folder's pad_token, <|pad|>, else EOS."""
+        cfg = self.path.parent / "tokenizer_config.json"
+        name = json.loads(cfg.read_text()).get("pad_token") if cfg.is_file() else None
+        name = name.get("content") if isinstance(name, dict) else name
+        for candidate in (name, "<|pad|>"):
+            idx = self._tok.token_to_id(candidate) if candidate else None
+            if idx is not None:
+                return idx
+        return self.eos_id
+
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 

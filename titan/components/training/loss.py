@@ -10,6 +10,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+# a label the loss does not count (a prompt's token, padding): cross_entropy's default
+IGNORE_INDEX = -100
+
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The summed token cross-entropy of (batch, seq, vocab) logits; a 0-d tensor is that sum

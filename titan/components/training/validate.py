@@ -20,15 +20,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan.components.data.dataloader import DataShard, build_text_dataloader
+from titan.components.data.dataloader import (
+    DataShard,
+    build_chat_dataloader,
+    build_text_dataloader,
+)
 from titan.components.data.dataset import DataError
 from titan.components.data.tokenizer import Tokenizer
 from titan.components.training.loss import sum_over
 
 logger = logging.getLogger(__name__)
 
-# (inputs, labels) -> (this rank's summed token cross-entropy, the tokens it covers)
-LossSum = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
+# (inputs, labels[, doc_ids]) -> (this rank's summed token cross-entropy, the tokens it
+# covers)
+LossSum = Callable[..., tuple[torch.Tensor, float]]
 
 
 class Validator:
@@ -48,17 +53,20 @@ class Validator:
         sum_groups: list[dist.ProcessGroup | None],
         device: torch.device,
         metrics,
+        chat=None,
     ):
         """`cfg`: the validation section; the batch sizes as the run plan resolved them.
         `sum_groups`: the process groups over which the loss sums and token counts add up
-        (pipeline stages, dp x cp ranks)."""
+        (pipeline stages, dp x cp ranks). `chat`: the chat section, when the data are
+        conversations (as the training data's)."""
         self.cfg = cfg
         self.model_parts, self.loss_sum = model_parts, loss_sum
         self.sum_groups, self.device, self.metrics = sum_groups, device, metrics
         self.local_batch_size = local_batch_size
         # a rank's forwards per validation batch
         self.forwards = global_batch_size // (local_batch_size * shard.dp_world_size)
-        self.loader = build_text_dataloader(
+        build = build_text_dataloader if chat is None else build_chat_dataloader
+        self.loader = build(
             dataset=cfg.dataset,
             dataset_path=cfg.dataset_path,
             tokenizer=tokenizer,
@@ -67,11 +75,14 @@ class Validator:
             global_batch_size=global_batch_size,
             shard=shard,
             seed=seed,
-            text_field=text_field,
             shuffle=False,
             infinite=False,
-            streaming=cfg.dataset_streaming,
             section="validation",
+            **(
+                {"text_field": text_field, "streaming": cfg.dataset_streaming}
+                if chat is None
+                else {"chat": chat}
+            ),
         )
         self.streamed = not self.loader.global_index
 
@@ -92,8 +103,7 @@ class Validator:
             batch = next(batch_iter, None)
             if not self._every_rank_has(batch is not None):
                 break
-            inputs, labels = (t.to(self.device) for t in batch)
-            loss_sum, tokens = self.loss_sum(inputs, labels)
+            loss_sum, tokens = self.loss_sum(*(t.to(self.device) for t in batch))
             totals[0] += loss_sum.double()
             totals[1] += tokens
             batches += 1
