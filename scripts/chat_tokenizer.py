@@ -63,7 +63,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "assets/tokenizer_chat")
     args = p.parse_args()
     folder = write_chat_tokenizer(args.out, args.format)
-    print(f"wrote {folder} ({Tokenizer.from_file(str(folder / 'tokenizer.json')).get_vocab_size()} tokens)")
+    size = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    print(f"wrote {folder} ({size} tokens)")
 
 
 if __name__ == "__main__":

@@ -426,6 +426,23 @@ class Chat:
 
 
 @dataclass
+class Lora:
+    rank: int = opt(
+        0,
+        "Low-rank adapters of this rank on the target linear layers, the base weights frozen "
+        "(no gradients, no optimizer state, checkpoints hold the adapters only); 0: off",
+    )
+    alpha: float = opt(16.0, "The adapters' output is scaled by alpha / rank (as PEFT's)")
+    dropout: float = opt(0.0, "Dropout on the adapters' input while training")
+    target_modules: list[str] = opt(
+        [r"attention\.w\w*$"],
+        "Regexes searched in each linear layer's name (e.g. layers.0.attention.wq); a layer "
+        "any of them matches gets an adapter. The default: every attention projection; "
+        r"feed_forward\.w[123]$ adds a dense FFN's (an MoE's routed experts are no linear layers)",
+    )
+
+
+@dataclass
 class Validation:
     enable: bool = opt(False, "Evaluate loss on a held-out dataset during training")
     dataset: str = opt("kjv_valid", "Validation dataset (same forms as training.dataset)")
@@ -501,6 +518,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     chat: Chat = field(default_factory=Chat)
+    lora: Lora = field(default_factory=Lora)
     validation: Validation = field(default_factory=Validation)
     memory: Memory = field(default_factory=Memory)
     debug: Debug = field(default_factory=Debug)

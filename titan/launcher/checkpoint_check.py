@@ -13,7 +13,6 @@ from pathlib import Path
 from titan.components.checkpoint.disk_space import (
     free_bytes,
     generous_save_bytes,
-    model_save_bytes,
     space_problem,
 )
 from titan.config import ConfigError, JobConfig
@@ -30,9 +29,9 @@ def check_checkpoints(job: JobConfig, plan) -> None:
     # the exact size needs the meta model (building one imports torch's compiler, a second);
     # a disk with room for any likely optimizer's save is passed without it
     if ck.enable and free_bytes(root) < generous_save_bytes(plan.model_args.num_params()):
-        need = model_save_bytes(
-            plan.spec.build_meta(plan.model_args), job.optimizer, job.extensions
-        )
+        from titan.trainer.build import training_save_bytes
+
+        need = training_save_bytes(job, plan)
         why = space_problem(root, need)
         if why:
             raise ConfigError(why)
@@ -45,14 +44,11 @@ def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> No
         folder_problem,
         resume_candidate,
     )
-    from titan.components.checkpoint.identity import (
-        INITIAL_LOAD_FIX,
-        RESUME_FIX,
-        model_identity,
-    )
+    from titan.components.checkpoint.identity import INITIAL_LOAD_FIX, RESUME_FIX
+    from titan.trainer.build import run_identity
 
     ck = job.checkpoint
-    identity = model_identity(plan.spec, job.model.flavor, plan.model_args)
+    identity = run_identity(job, plan)
     mode = "off" if ck.verify == "off" else "fast"
     try:
         path = None
@@ -64,7 +60,7 @@ def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> No
             path = resolve(ck.initial_load_path)
             why = folder_problem(path, mode) if path.is_dir() else "does not exist"
             if why is None:
-                why = identity.problem(path, ck.allow_rope_change)
+                why = identity.problem(path, ck.allow_rope_change, base=True)
             if why:
                 raise CheckpointError(
                     f"checkpoint.initial_load_path {path}: {why}. {INITIAL_LOAD_FIX}"

@@ -107,3 +107,34 @@ class SumInputGrads(ParallelStyle):
 
         module.register_forward_pre_hook(summed_in_backward)
         return module
+
+
+def place_low_rank_factors(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The factors of a low-rank update W + B A (a module's `low_rank_factors`, (A, B)) placed
+    after the tensor-parallel weight W on the meta device: A takes W's input-dim split, B its
+    output-dim split. Column-parallel W (rows split): A whole, B's rows split; row-parallel W
+    (columns split): A's columns split, B whole. The update then needs no collective of its
+    own: it is split (or partial) exactly as x W^T is. The styles place only W (and the
+    column style splits every parameter's rows, which cuts A through its rank)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for module in model.modules():
+        names = getattr(module, "low_rank_factors", None)
+        weight = getattr(module, "weight", None)
+        if names is None or not isinstance(weight, DTensor):
+            continue
+        if weight.placements == (Shard(0),):
+            placements = ([Replicate()], [Shard(0)])
+        elif weight.placements == (Shard(1),):
+            placements = ([Shard(1)], [Replicate()])
+        else:
+            raise ValueError(f"no low-rank factor placement for a weight {weight.placements}")
+        for name, place in zip(names, placements, strict=True):
+            p = getattr(module, name)
+            if not p.is_meta:
+                raise ValueError("low-rank factors are placed on the meta device, before init")
+            full = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            module.register_parameter(
+                name,
+                nn.Parameter(distribute_tensor(full, tp_mesh, place), p.requires_grad),
+            )

@@ -1,5 +1,5 @@
 """The model parts of a run, on the meta device, as every rank builds them: the family's meta
-model -> converters (float8, the chunked loss's output) -> this rank's pipeline stages ->
+model -> converters (float8, the chunked loss's output, LoRA) -> this rank's pipeline stages ->
 parallelisms.
 
 The trainer materializes and initializes them; the memory planner (titan.planner.memory) reads
@@ -9,11 +9,25 @@ parameter bytes equal to the run's.
 
 from torch import nn
 
+from titan.components.lora.adapters import apply_lora
 from titan.components.quantization.float8 import apply_float8
 from titan.components.training.chunked_loss import apply_chunked_loss
 from titan.config import JobConfig
 from titan.parallelisms.pipeline import PipelinePlan
 from titan.trainer.run_plan import RunPlan
+
+
+def converted_meta(job: JobConfig, plan: RunPlan) -> nn.Module:
+    """The whole meta model with the converters that change its modules (float8, the chunked
+    loss's output, LoRA's adapters): before any parallelism, as every rank builds it."""
+    whole = plan.spec.build_meta(plan.model_args)
+    if "float8" in job.model.converters:
+        apply_float8(whole, job.float8)
+    if job.training.loss_chunk_tokens:  # before the split: the last stage keeps the output
+        apply_chunked_loss(whole, job.training.loss_chunk_tokens)
+    if job.lora.rank:
+        apply_lora(whole, job.lora)
+    return whole
 
 
 def meta_parts(
@@ -22,13 +36,29 @@ def meta_parts(
     """(the whole meta model, this rank's parallelized parts, its pipeline plan or None).
     Needs plan.dims' mesh built."""
     spec, dims = plan.spec, plan.dims
-    whole = spec.build_meta(plan.model_args)
-    if "float8" in job.model.converters:  # model converters run before any parallelism
-        apply_float8(whole, job.float8)
-    if job.training.loss_chunk_tokens:  # before the split: the last stage keeps the output
-        apply_chunked_loss(whole, job.training.loss_chunk_tokens)
+    whole = converted_meta(job, plan)
     pp_plan = plan.pipeline(dims["pp"].get_local_rank()) if dims.pp_enabled else None
     parts = [whole]
     if pp_plan is not None:
         parts = [spec.pipelining_fn(whole, sid, pp_plan) for sid in pp_plan.stage_ids]
     return whole, [spec.parallelize_fn(part, dims, job) for part in parts], pp_plan
+
+
+def run_identity(job: JobConfig, plan: RunPlan):
+    """The model a run's checkpoints hold: the family's, and with LoRA its adapters."""
+    from titan.components.checkpoint.identity import model_identity
+
+    lora = job.lora
+    adapted = converted_meta(job, plan) if lora.rank else None
+    settings = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": lora.target_modules}
+    return model_identity(plan.spec, job.model.flavor, plan.model_args, adapted, settings)
+
+
+def training_save_bytes(job: JobConfig, plan: RunPlan) -> int:
+    """The size of one training checkpoint: the weights that train (all, or LoRA's adapters)
+    and their optimizer state."""
+    from titan.components.checkpoint.disk_space import model_save_bytes
+
+    return model_save_bytes(
+        converted_meta(job, plan), job.optimizer, job.extensions, trained_only=bool(job.lora.rank)
+    )

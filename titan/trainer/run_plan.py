@@ -155,6 +155,7 @@ def plan_run(
             validation_pipelines = pipeline_plans(job, model_args, validation_batch=val_local)
     check_datasets(job)
     check_chat(job, tokenizer)
+    check_lora(job, spec, model_args)
     ck = job.checkpoint
     require(
         job,
@@ -561,6 +562,37 @@ def check_chat(job: JobConfig, tokenizer: Tokenizer | None) -> None:
             ChatTemplate.load(tokenizer, job.chat.template)
         except DataError as e:
             raise ConfigError(f"training.dataset_format = 'chat': {e}") from None
+
+
+def check_lora(job: JobConfig, spec: TrainSpec, args: ModelArgs) -> None:
+    """Adapters: sane settings, targets that name plain linear layers, no other rewrite of
+    the same layers, and a base to resume from that is the one the run started from."""
+    lora = job.lora
+    if not lora.rank:
+        return
+    for key, ok, why in (
+        ("lora.rank", lora.rank > 0, "must be > 0 (0 turns LoRA off)"),
+        ("lora.alpha", lora.alpha > 0, "must be > 0"),
+        ("lora.dropout", 0 <= lora.dropout < 1, "must be in [0, 1)"),
+        (
+            "model.converters",
+            "float8" not in job.model.converters,
+            "float8 and LoRA both rewrite the linear layers; use one of them",
+        ),
+        (
+            "checkpoint.initial_load_model_only",
+            job.checkpoint.initial_load_model_only or not job.checkpoint.initial_load_path,
+            "LoRA starts from the base model's weights only (its optimizer state has no "
+            "place in the adapters')",
+        ),
+    ):
+        require(job, ok, key, why)
+    from titan.components.lora.adapters import apply_lora
+
+    try:
+        apply_lora(spec.build_meta(args), lora)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_mix(job: JobConfig) -> None:

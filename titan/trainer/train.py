@@ -21,15 +21,15 @@ from titan.components.checkpoint.checkpointer import (
     SaveInterrupted,
     stop_save_process,
 )
-from titan.components.checkpoint.disk_space import model_save_bytes
 from titan.components.checkpoint.folders import CheckpointError
 from titan.components.checkpoint.hf_io import HFModelIO
-from titan.components.checkpoint.identity import model_identity
 from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
 from titan.components.data.dataloader import DataShard, build_dataloader
 from titan.components.data.dataset import DataError
 from titan.components.fault_tolerance.injection import FaultInjector
 from titan.components.fault_tolerance.watchdog import StepWatchdog
+from titan.components.lora.adapters import init_adapters, is_adapter, merged_state
+from titan.components.lora.peft_export import PeftExportError, write_peft_adapter
 from titan.components.observability.flight_recorder import configure_flight_recorder
 from titan.components.observability.flops import peak_flops
 from titan.components.observability.memory_measure import (
@@ -65,7 +65,7 @@ from titan.runtime.distributed import (
 from titan.runtime.dtypes import to_dtype
 from titan.runtime.logging_setup import init_logging, quiet_checkpoint_process
 from titan.trainer import interrupts
-from titan.trainer.build import meta_parts
+from titan.trainer.build import meta_parts, run_identity, training_save_bytes
 from titan.trainer.microbatch import ForwardBackward
 from titan.trainer.run_plan import RunPlan, plan_run
 
@@ -148,6 +148,18 @@ class Trainer:
             if pp
             else "",
         )
+        if job.lora.rank:
+            trainable = [
+                p for part in self.model_parts for p in part.parameters() if p.requires_grad
+            ]
+            logger.info(
+                "LoRA rank %d, alpha %g on %s: %.3fM trainable parameters%s, the rest frozen",
+                job.lora.rank,
+                job.lora.alpha,
+                ", ".join(job.lora.target_modules),
+                sum(p.numel() for p in trainable) / 1e6,
+                " in this rank's stages" if pp else "",
+            )
 
     def _post_optimizer_hooks(self) -> list:
         """Run after every step, in order, told whether the optimizer stepped: float8 scales
@@ -165,12 +177,10 @@ class Trainer:
             dump_folder=job.job.dump_folder,
             rank=self.rank,
             layout=plan.layout(),
-            identity=model_identity(plan.spec, job.model.flavor, plan.model_args),
-            save_bytes=model_save_bytes(
-                plan.spec.build_meta(plan.model_args), job.optimizer, job.extensions
-            ),
+            identity=run_identity(job, plan),
+            save_bytes=training_save_bytes(job, plan),
             states={
-                "model": ModelState(self.model_parts),
+                "model": self._model_state(),
                 "optimizer": self.optimizer,
                 "lr_scheduler": self.lr_scheduler,
                 "dataloader": DataState(
@@ -182,7 +192,29 @@ class Trainer:
             if plan.spec.state_dict_adapter
             else None,
             on_save_phase=self.faults.on_checkpoint_phase if self.faults else None,
+            on_export=self._export_adapters if job.lora.rank else None,
         )
+
+    def _model_state(self) -> ModelState:
+        """The model's checkpoint state: with LoRA, training saves hold the adapters and
+        exports the merged model."""
+        parts = self.model_parts
+        if not self.job.lora.rank:
+            return ModelState(parts)
+        return ModelState(parts, trained=is_adapter, merge=lambda sd: merged_state(sd, parts))
+
+    def _export_adapters(self, folder: Path) -> None:
+        """Beside a final export, the adapters as PEFT reads them (`folder`/adapter)."""
+        plan = self.plan
+        if plan.spec.state_dict_adapter is None:
+            return
+        hf = plan.spec.state_dict_adapter(plan.model_args)
+        try:
+            out = write_peft_adapter(self.model_parts, self.job.lora, hf, folder / "adapter")
+        except PeftExportError as e:
+            logger.warning("no PEFT adapter folder: %s", e)
+            return
+        logger.info("LoRA adapters written for PEFT to %s", out)
 
     def _metrics_logger(self, resumed: bool) -> MetricsLogger:
         job, m, t = self.job, self.job.metrics, self.job.training
@@ -222,6 +254,8 @@ class Trainer:
             part.to_empty(device=self.device)
             # weights come from (seed, parameter name): identical whatever the layout
             part.init_weights(job.training.seed, buffer_device=self.device)
+            if job.lora.rank:
+                init_adapters(part, job.training.seed)
             part.train()
         tied = None
         if pp_plan is not None and whole.tied_parameters():

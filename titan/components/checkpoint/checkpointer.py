@@ -45,7 +45,6 @@ from titan.components.checkpoint.integrity import (
     file_problem,
     remove_sidecars,
 )
-from titan.components.checkpoint.train_state import ModelState
 from titan.runtime.dtypes import to_dtype
 from titan.runtime.paths import resolve
 
@@ -189,6 +188,8 @@ class Checkpointer:
     `initial_load_in_hf` and `last_save_in_hf`. `on_save_phase(phase, step)` (the fault
     injector's hook) runs as a synchronous save starts writing this rank's files ("writing")
     and once a save's files are written, before it is marked complete ("written").
+    `on_export(folder)` runs on every rank once a final model-only save is written into
+    `folder`, before it is marked complete (LoRA writes its PEFT adapter there).
     """
 
     def __init__(
@@ -203,6 +204,7 @@ class Checkpointer:
         save_bytes: int = 0,
         hf=None,
         on_save_phase: Callable[[str, int], None] | None = None,
+        on_export: Callable[[Path], None] | None = None,
     ):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
@@ -213,6 +215,7 @@ class Checkpointer:
         self.save_bytes = save_bytes
         self.hf = hf
         self.on_save_phase = on_save_phase
+        self.on_export = on_export
         self._pending = None  # (upload future, path, step) of an async save in flight
         self._staging = None  # (staging future, step) while its copy may still be running
         self._async_stager = None
@@ -257,9 +260,9 @@ class Checkpointer:
             )
         return mine
 
-    def _check_identity(self, path: Path, what: str, fix: str) -> None:
+    def _check_identity(self, path: Path, what: str, fix: str, base: bool = False) -> None:
         why = (
-            self.identity.problem(path, self.cfg.allow_rope_change)
+            self.identity.problem(path, self.cfg.allow_rope_change, base=base)
             if self.identity is not None
             else None
         )
@@ -275,6 +278,9 @@ class Checkpointer:
         if path is None:
             return self._initial_load()
         self._check_identity(path, "cannot resume from", RESUME_FIX)
+        if self.states["model"].partial:
+            # the checkpoint holds what training changed (adapters); the rest is the base
+            self._initial_load(base_only=True)
         keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
         present = saved_keys(path)
         absent = [k for k in keys if k not in present]
@@ -343,7 +349,9 @@ class Checkpointer:
                 state["train_state"].saved_keys = None
         logger.info("loaded %s from %s in %.2fs", ", ".join(state), path, time.perf_counter() - t0)
 
-    def _initial_load(self) -> bool:
+    def _initial_load(self, base_only: bool = False) -> bool:
+        """Load checkpoint.initial_load_path (the base model's part of the state only, with
+        `base_only` or when training changes only part of it, as LoRA does)."""
         cfg = self.cfg
         if not cfg.initial_load_path:
             return False
@@ -354,7 +362,7 @@ class Checkpointer:
                 raise CheckpointError(
                     "checkpoint.initial_load_in_hf: this model family has no HF state-dict adapter"
                 )
-            model = self.states["model"]
+            model = self.states["model"].base()
             state, nbytes = self.hf.load_into(model.state_dict(), path)
             model.load_state_dict(state)
             logger.info(
@@ -369,17 +377,19 @@ class Checkpointer:
         why = self._problem(path) if path.is_dir() else "does not exist"
         if why:
             raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}")
-        self._check_identity(path, "checkpoint.initial_load_path", INITIAL_LOAD_FIX)
+        self._check_identity(path, "checkpoint.initial_load_path", INITIAL_LOAD_FIX, base=True)
+        model_only = cfg.initial_load_model_only or base_only or self.states["model"].partial
         keys = (
             ["model"]
-            if cfg.initial_load_model_only
+            if model_only
             else [
                 k for k in STATE_KEYS if k not in cfg.exclude_from_loading and k in saved_keys(path)
             ]
         )
-        self._dcp_load({k: self.states[k] for k in keys}, path)
+        states = {**self.states, "model": self.states["model"].base()}
+        self._dcp_load({k: states[k] for k in keys}, path)
         logger.info("initialized %s from the checkpoint %s", ", ".join(keys), path)
-        return not cfg.initial_load_model_only
+        return not model_only
 
     # ------------------------------------------------------------------ save
 
@@ -396,7 +406,7 @@ class Checkpointer:
         if model_only:
             # an export (final save) in export_dtype; a seed checkpoint (step 0) as initialized
             dtype = to_dtype(self.cfg.export_dtype) if step > 0 else None
-            state = {"model": ModelState(self.states["model"].parts, dtype)}
+            state = {"model": self.states["model"].exported(dtype)}
         else:
             state = dict(self.states)
         path = self.root / f"step-{step}"
@@ -413,6 +423,8 @@ class Checkpointer:
                     state["model"].export_dtype,
                     self.cfg.hf_max_shard_size,
                 )
+                if self.on_export is not None:
+                    self.on_export(path)
             self._phase("written", step)
             self._mark_complete(path, step, model_only, fmt="hf")
             blocked = time.perf_counter() - t0

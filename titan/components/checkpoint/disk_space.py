@@ -32,11 +32,15 @@ def generous_save_bytes(n_params: int) -> int:
     return int(n_params * GENEROUS_BYTES_PER_PARAM * OVERHEAD_FACTOR) + OVERHEAD_BYTES
 
 
-def model_save_bytes(model, optimizer_cfg, sections: dict) -> int:
-    """save_bytes of a (meta) model's parameters."""
-    return save_bytes(
-        [(n, tuple(p.shape)) for n, p in model.named_parameters()], optimizer_cfg, sections
-    )
+def model_save_bytes(model, optimizer_cfg, sections: dict, trained_only: bool = False) -> int:
+    """save_bytes of a (meta) model's parameters (`trained_only`: of those that train, what a
+    save holds when the rest is a frozen base, as under LoRA)."""
+    named = [
+        (n, tuple(p.shape))
+        for n, p in model.named_parameters()
+        if p.requires_grad or not trained_only
+    ]
+    return save_bytes(named, optimizer_cfg, sections)
 
 
 def free_bytes(folder: Path) -> int:

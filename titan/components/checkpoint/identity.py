@@ -62,22 +62,38 @@ class ModelIdentity:
     ties: tuple[tuple[str, str], ...]  # (owner, copy) of tied weights
     # the training knobs of `args`: dotted name -> (record path, value)
     knobs: dict = field(default_factory=dict)
+    # when training changes only adapters (LoRA): their settings, and the tensors a training
+    # save holds (the base is loaded from where the run started)
+    adapters: dict = field(default_factory=dict)
+    adapter_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def record(self) -> dict:
-        return {"family": self.family, "flavor": self.flavor, "args": self.args}
+        out = {"family": self.family, "flavor": self.flavor, "args": self.args}
+        return {**out, "adapters": self.adapters} if self.adapters else out
 
     def describe(self) -> str:
         return f"{self.family} {self.flavor}"
 
-    def problem(self, path: Path, allow_rope_change: bool = False) -> str | None:
+    def problem(
+        self, path: Path, allow_rope_change: bool = False, base: bool = False
+    ) -> str | None:
         """Why the checkpoint folder `path` does not hold this model (None if it does).
-        `allow_rope_change`: differences in RoPE's settings are logged, not refused."""
+        `allow_rope_change`: differences in RoPE's settings are logged, not refused. `base`:
+        the folder is the base model a run with adapters starts from (a resume's holds the
+        adapters)."""
         saved = saved_model(path)
         if saved is not None:
             why = self._record_problem(saved, allow_rope_change)
+            if not why and not base and saved.get("adapters", {}) != self.adapters:
+                why = (
+                    f"it holds {_adapters(saved.get('adapters'))} and this run trains "
+                    f"{_adapters(self.adapters)}; resume with the [lora] settings it was "
+                    "saved with"
+                )
             if why:
                 return why
-        return self._tensor_problem(path)
+        expected = self.adapter_shapes if self.adapters and not base else self.shapes
+        return self._tensor_problem(path, expected)
 
     def _record_problem(self, saved: dict, allow_rope_change: bool) -> str | None:
         theirs = f"{saved.get('family')} {saved.get('flavor')}"
@@ -118,16 +134,16 @@ class ModelIdentity:
             )
         return None
 
-    def _tensor_problem(self, path: Path) -> str | None:
+    def _tensor_problem(self, path: Path, expected: dict) -> str | None:
         held = {name: tuple(size) for name, (size, _) in dcp_model_metadata(path).items()}
-        missing = [n for n in self.shapes if n not in held]
+        missing = [n for n in expected if n not in held]
         shapes = [
             f"{n} {list(held[n])} (checkpoint) vs {list(s)} (this run)"
-            for n, s in self.shapes.items()
+            for n, s in expected.items()
             if n in held and held[n] != s
         ]
         copies = {copy: owner for owner, copy in self.ties}
-        extra = [n for n in held if n not in self.shapes and n not in copies]
+        extra = [n for n in held if n not in expected and n not in copies]
         if missing or shapes or extra:
             parts = [
                 f"lacks {_few(missing)}" if missing else "",
@@ -146,6 +162,12 @@ class ModelIdentity:
         return None
 
 
+def _adapters(settings: dict | None) -> str:
+    if not settings:
+        return "the whole model"
+    return "LoRA adapters (" + ", ".join(f"{k} {v}" for k, v in settings.items()) + ")"
+
+
 def _few(items: list[str], n: int = 4) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
@@ -161,16 +183,30 @@ def _equal_tensors(path: Path, a: str, b: str) -> bool:
     return torch.equal(state[a], state[b])
 
 
-def model_identity(spec, flavor: str, args) -> ModelIdentity:
-    """The identity of the model `spec` builds from `args` (flavor as configured)."""
+def model_identity(spec, flavor: str, args, adapted=None, adapters: dict | None = None):
+    """The identity of the model `spec` builds from `args` (flavor as configured); `adapted`:
+    that model with adapters (a meta model), whose trainable tensors a training save holds,
+    trained with the settings `adapters`."""
     record = asdict(args) if is_dataclass(args) else dict(vars(args))
     record = json.loads(json.dumps({k: v for k, v in record.items() if k not in _RUN_SETTINGS}))
     meta = spec.build_meta(args)
     ties = tuple(tuple(pair) for pair in meta.tied_parameters())
     shapes = saved_form({n: tuple(t.shape) for n, t in meta.state_dict().items()}, list(ties))
     knobs = {".".join(path): (path, _at(record, path)) for path in knob_paths(args)}
+    adapter_shapes = (
+        {n: tuple(p.shape) for n, p in adapted.named_parameters() if p.requires_grad}
+        if adapted is not None
+        else {}
+    )
     return ModelIdentity(
-        family=spec.name, flavor=flavor, args=record, shapes=shapes, ties=ties, knobs=knobs
+        family=spec.name,
+        flavor=flavor,
+        args=record,
+        shapes=shapes,
+        ties=ties,
+        knobs=knobs,
+        adapters=dict(adapters or {}) if adapted is not None else {},
+        adapter_shapes=adapter_shapes,
     )
 
 

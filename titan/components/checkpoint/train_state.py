@@ -6,10 +6,15 @@ into any parallel layout and nothing but DCP's own metadata is ever unpickled.
 
 import json
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 from titan.components.checkpoint.tied_state import saved_form, saved_key, tied_names
 
@@ -27,16 +32,55 @@ def decode_json(t: torch.Tensor):
 
 class ModelState:
     """All model parts (pipeline stages) as one state dict keyed by parameter name; a tied
-    weight appears once, under its owner's name (`tied_state`)."""
+    weight appears once, under its owner's name (`tied_state`).
 
-    def __init__(self, parts: list[nn.Module], export_dtype: torch.dtype | None = None):
+    With `trained` (a predicate on names: the parameters training changes, LoRA's adapters)
+    a training checkpoint holds those only, the rest coming from the base the run started
+    from (`base()`: what an initial load fills); `merge` turns the whole state into the plain
+    model's for exports (folding adapters into their weights)."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        export_dtype: torch.dtype | None = None,
+        *,
+        trained: Callable[[str], bool] | None = None,
+        merge: Callable[[dict], dict] | None = None,
+    ):
         self.parts, self.export_dtype = parts, export_dtype
+        self.trained, self.merge = trained, merge
         self.ties = tied_names(parts)
+        self._keep: Callable[[str], bool] | None = trained  # the keys this view reads
+        self._merged = False
+
+    @property
+    def partial(self) -> bool:
+        """Whether a training checkpoint of this state holds only part of the model."""
+        return self.trained is not None
+
+    def base(self) -> "ModelState":
+        """The view an initial load (a base checkpoint, HF weights) fills: all but `trained`."""
+        view = ModelState(self.parts, self.export_dtype)
+        if self.trained is not None:
+            view._keep = lambda k: not self.trained(k)
+        return view
+
+    def exported(self, dtype: torch.dtype | None) -> "ModelState":
+        """The whole plain model in `dtype`: what a final model-only save writes."""
+        view = ModelState(self.parts, dtype, merge=self.merge)
+        view._merged = self.merge is not None
+        return view
+
+    def _own(self, part: nn.Module) -> dict:
+        sd = get_model_state_dict(part)
+        return sd if self._keep is None else {k: v for k, v in sd.items() if self._keep(k)}
 
     def state_dict(self) -> dict:
         sd = {}
         for part in self.parts:
-            sd.update(get_model_state_dict(part))
+            sd.update(get_model_state_dict(part) if self._merged else self._own(part))
+        if self._merged:
+            sd = self.merge(sd)
         sd = saved_form(sd, self.ties)
         if self.export_dtype is not None:
             sd = {k: v.to(self.export_dtype) for k, v in sd.items()}
@@ -44,8 +88,12 @@ class ModelState:
 
     def load_state_dict(self, sd: dict) -> None:
         for part in self.parts:
-            own = get_model_state_dict(part)
-            set_model_state_dict(part, {k: sd[saved_key(k, self.ties)] for k in own})
+            own = self._own(part)
+            set_model_state_dict(
+                part,
+                {k: sd[saved_key(k, self.ties)] for k in own},
+                options=StateDictOptions(strict=self._keep is None),
+            )
 
 
 class TrainState:

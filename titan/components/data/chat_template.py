@@ -172,9 +172,7 @@ class ChatTemplate:
         closing = answered[at + len(_PROBE_ASSISTANT) :].strip() if at >= 0 else ""
         return header, closing
 
-    def encode(
-        self, messages: list[dict], last_only: bool = False
-    ) -> tuple[list[int], list[bool]]:
+    def encode(self, messages: list[dict], last_only: bool = False) -> tuple[list[int], list[bool]]:
         """(the conversation's token ids, which of them the loss counts: the assistant's)."""
         raw = self._render_raw(_plain(messages))
         if self._marked:

@@ -25,7 +25,11 @@ from titan.parallelisms.compile import compile_blocks, compile_whole
 from titan.parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward
 from titan.parallelisms.expert_parallel import ExpertParallel
 from titan.parallelisms.parallel_dims import ParallelDims
-from titan.parallelisms.tensor_parallel import LocalTokens, replicate_modules
+from titan.parallelisms.tensor_parallel import (
+    LocalTokens,
+    place_low_rank_factors,
+    replicate_modules,
+)
 from titan.runtime.dtypes import to_dtype
 
 # between blocks, activations are Shard(1) on the sequence (SP) or Replicate(): a plan of the
@@ -140,6 +144,7 @@ def apply_tp(
     extra = part_plan(model, between) if part_plan is not None else {}
     if extra:
         parallelize_module(model, tp_mesh, extra)
+    place_low_rank_factors(model, tp_mesh)  # adapters beside the weights they update
     if not sequence_parallel:  # the norms not split above
         replicate_modules(
             [

@@ -1,0 +1,1 @@
+"""Low-rank adapters (LoRA) for fine-tuning with the base weights frozen."""
