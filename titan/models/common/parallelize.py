@@ -183,6 +183,9 @@ def parallelize_decoder(
     part_plan: PartPlan | None = None,
 ) -> nn.Module:
     par, training = job.parallelism, job.training
+    # frozen weights (LoRA's base) stay frozen: some of torch's styles make new parameters
+    # that require gradients (SequenceParallel's norms)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if dims.tp_enabled:
         apply_tp(
             model,
@@ -205,6 +208,9 @@ def parallelize_decoder(
             dims["ep_etp" if dims.tp_enabled else "ep"],
             ExpertParallel(sum_tp_grads=par.enable_sequence_parallel),
         )
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     apply_ac(model.layers, job.activation_checkpoint)
     if job.compile.enable:
         # per-block compile + TP breaks in backward on CPU (torch 2.13): compile the whole model

@@ -1,0 +1,135 @@
+"""Fine-tuning with LoRA on chat data: every layout trains the adapters as one rank does, the
+checkpoints hold the adapters only and resume exactly, and the base stays frozen."""
+
+import sys
+
+import pytest
+
+from tests.forked import run_trainer, tiny_run
+from tests.unit.test_chat_training import CHAT
+from titan.components.checkpoint.folders import dcp_model_metadata
+from titan.config import ConfigError, parse_args
+from titan.trainer.run_plan import plan_run
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
+
+STEPS = 4
+LORA = [
+    "--lora.rank",
+    "4",
+    "--lora.target_modules",
+    r"attention\.w[qkvo]$,feed_forward\.w[123]$",
+    "--optimizer.lr",
+    "1e-2",  # adapters from zero move slowly: a visible change in 4 steps
+]
+
+
+def argv(*extra):
+    return [*tiny_run(STEPS), *CHAT, *LORA, *extra]
+
+
+def losses(tmp_path, world, *extra):
+    return run_trainer(tmp_path, world, argv(*extra), deadline_s=120)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """1 rank, two microbatches a step, a checkpoint every 2 steps."""
+    path = tmp_path_factory.mktemp("lora_one")
+    records = losses(path, 1, "--checkpoint.enable", "--checkpoint.interval", "2")
+    return records, path / "dump" / "checkpoint"
+
+
+def test_the_adapters_train(one_rank):
+    records, _ = one_rank
+    assert records[-1]["loss"] < records[0]["loss"] - 0.01
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallelism.data_parallel_shard_degree", "2"],
+        ["--parallelism.tensor_parallel_degree", "2"],
+        ["--parallelism.pipeline_parallel_degree", "2"],
+    ],
+    ids=["fsdp2", "tp2", "pp2"],
+)
+def test_layouts_train_the_same(layout, one_rank, tmp_path):
+    for a, b in zip(one_rank[0], losses(tmp_path, 2, *layout), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a["loss"], b["loss"])
+
+
+def test_checkpoints_hold_the_adapters_only(one_rank):
+    _, folder = one_rank
+    held = dcp_model_metadata(folder / "step-2")
+    assert held and all(n.endswith((".lora_a", ".lora_b")) for n in held)
+    # 6 layers x 7 adapted linears, two factors each
+    assert len(held) == 6 * 7 * 2
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(folder / "step-2")).read_metadata().state_dict_metadata
+    moments = [k for k in keys if k.startswith("optimizer.state.")]
+    assert moments and all(".lora_" in k for k in moments)
+
+
+def test_resume_continues_exactly(one_rank, tmp_path):
+    """Steps 3-4 after resuming at step 2 (the base re-made from the seed, the adapters and
+    their optimizer state from the checkpoint) are the uninterrupted run's, bit for bit."""
+    first = losses(tmp_path, 1, "--checkpoint.enable", "--training.exit_at_step", "2")
+    assert [r["step"] for r in first] == [1, 2]
+    again = losses(tmp_path, 1, "--checkpoint.enable")
+    resumed = {r["step"]: r["loss"] for r in again}
+    assert resumed[3] == one_rank[0][2]["loss"] and resumed[4] == one_rank[0][3]["loss"]
+
+
+def test_the_plan_drops_the_frozen_weights_states():
+    from titan.planner.memory import rank_bytes
+
+    job = parse_args(argv())
+    full = rank_bytes(job, plan_run(job, world_size=1), 0)
+    job = parse_args([*tiny_run(STEPS), *CHAT])
+    base = rank_bytes(job, plan_run(job, world_size=1), 0)
+    assert full["params_bytes"] > base["params_bytes"]  # the adapters are added
+    assert full["grads_bytes"] < base["grads_bytes"] / 10
+    assert full["optimizer_bytes"] < base["optimizer_bytes"] / 10
+
+
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["--lora.target_modules", "nothing$"], "match no linear layer"),
+        (["--lora.rank", "-1"], "must be > 0"),
+        (["--model.converters", "float8"], "float8 and LoRA"),
+    ],
+)
+def test_refused_before_training(flags, why):
+    with pytest.raises(ConfigError, match=why):
+        plan_run(parse_args([*argv(), *flags]), world_size=1)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["1rank", "tp2_sp"])
+def test_frozen_weights_get_no_gradient(world, tmp_path):
+    """The trainer's parts after a step: only adapters hold gradients and optimizer state
+    (under TP with sequence parallelism too, whose norm style remakes the norms' weights)."""
+    from tests.forked import build_trainer, free_port, run_workers
+
+    layout = ["--parallelism.tensor_parallel_degree", str(world)]
+
+    def step(rank, world, port):
+        job = [*argv(), *layout, "--job.dump_folder", str(tmp_path)]
+        trainer = build_trainer(rank, world, port, job)
+        try:
+            trainer.train_step(trainer.next_microbatches(iter(trainer.dataloader)))
+            named = [(n, p) for part in trainer.model_parts for n, p in part.named_parameters()]
+            state = trainer.optimizer.state_dict()
+            return {
+                "with_grad": sorted(n for n, p in named if p.grad is not None),
+                "trainable": sorted(n for n, p in named if p.requires_grad),
+                "states": sorted({k[len("state.") :].rsplit(".", 1)[0] for k in state}),
+            }
+        finally:
+            trainer.close()
+
+    out = run_workers(step, world, tmp_path, free_port(), init_pg=False)[0]
+    assert out["with_grad"] == out["trainable"] == out["states"]
+    assert len(out["trainable"]) == 6 * 7 * 2 and all(".lora_" in n for n in out["trainable"])
