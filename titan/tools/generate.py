@@ -3,14 +3,19 @@
     python -m titan.tools.generate --checkpoint outputs/checkpoint --prompt "In the beginning"
     python -m titan.tools.generate --checkpoint exports/llama_hf --prompt "A" --prompt "B" \\
         --temperature 0.8 --top-p 0.9 --seed 1
+    python -m titan.tools.generate --checkpoint outputs/checkpoint/step-50 --chat \\
+        --prompt "What does Genesis 1:3 say?"      # a user turn, in the chat template
     torchrun --nproc_per_node 2 -m titan.tools.generate --checkpoint ... --prompt ...   # TP 2
 
 A DCP checkpoint (a step folder, or a checkpoint root: its newest complete step) is read
 with the model of the training config (--job.config_file, --model.flavor, ...; any titan
 override is accepted); its vocabulary comes from the checkpoint. An HF folder brings its
 own architecture (config.json) and tokenizer. The tokenizer is the HF folder's, else
---model.tokenizer_path. Several ranks split the model by tensor parallelism and each reads
-only its shards. Decoding keeps a KV cache; temperature 0 is greedy.
+--model.tokenizer_path. With --chat each prompt is a user turn (after --system's text, when
+given) rendered with the tokenizer's chat template (or --chat.template), and the answer ends
+at the tokenizer's EOS (the end of an assistant turn). Several ranks split the model by
+tensor parallelism and each reads only its shards. Decoding keeps a KV cache; temperature 0
+is greedy.
 
 A prompt plus --max-new-tokens must fit the model's positions (an HF folder's
 max_position_embeddings; for DCP the flavor's published context, else training.seq_len), and
@@ -313,6 +318,20 @@ def _fail(why) -> None:
     sys.exit(2)
 
 
+def chat_prompts(tokenizer, prompts: list[str], system: str | None, template: str = ""):
+    """Each prompt as a user turn (after `system`), ready for the assistant's answer."""
+    from titan.components.data.chat_template import ChatTemplate
+
+    chat = ChatTemplate.load(tokenizer, template)
+    head = [{"role": "system", "content": system}] if system else []
+    return [
+        tokenizer.encode_with_offsets(
+            chat.render([*head, {"role": "user", "content": p}], add_generation_prompt=True)
+        )[0]
+        for p in prompts
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -334,6 +353,10 @@ def main(argv: list[str] | None = None) -> None:
         "--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1: all)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--chat", action="store_true", help="each prompt is a user turn of the chat template"
+    )
+    ap.add_argument("--system", default=None, help="with --chat: a system prompt before it")
     opts, overrides = ap.parse_known_args(argv)
     try:
         check_options(opts)
@@ -342,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from titan.components.checkpoint.folders import CheckpointError
     from titan.components.checkpoint.identity import family_in
+    from titan.components.data.dataset import DataError
     from titan.components.data.tokenizer import Tokenizer, TokenizerError
     from titan.config import ConfigError, parse_args
     from titan.models.spec import get_train_spec
@@ -366,9 +390,13 @@ def main(argv: list[str] | None = None) -> None:
             else job.model.tokenizer_path
         )
         tokenizer = Tokenizer(str(tok_path))
-        prompts = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
+        prompts = (
+            chat_prompts(tokenizer, opts.prompt, opts.system, job.chat.template)
+            if opts.chat
+            else [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
+        )
         check_positions(prompts, opts.max_new_tokens, positions(model_args(path, job, spec)))
-    except (ConfigError, CheckpointError, TokenizerError, GenerateError) as e:
+    except (ConfigError, CheckpointError, TokenizerError, GenerateError, DataError) as e:
         _fail(e)
     except KeyError as e:  # an unregistered model name
         _fail(e.args[0])
@@ -392,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     def on_step(ids):
         print(text_stream.push(int(ids[0])), end="", flush=True)
 
-    if stream:
+    if stream and not opts.chat:
         print(opts.prompt[0], end="", flush=True)
     out = generate(
         model,
@@ -406,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
         print(text_stream.flush())
     elif rank0:
         for i, (p, ids) in enumerate(zip(opts.prompt, out)):
-            print(f"[{i}] {p}{tokenizer.decode(ids, skip_special=True)}")
+            answer = tokenizer.decode(ids, skip_special=True)
+            print(f"[{i}] {p}\n{answer}" if opts.chat else f"[{i}] {p}{answer}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

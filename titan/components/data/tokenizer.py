@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -184,5 +185,14 @@ class Tokenizer:
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
         }
+        source = self.path.parent
+        if (source / "chat_template.jinja").is_file():  # chat models keep their template
+            shutil.copyfile(source / "chat_template.jinja", out_dir / "chat_template.jinja")
+        elif (source / "tokenizer_config.json").is_file():
+            template = json.loads((source / "tokenizer_config.json").read_text()).get(
+                "chat_template"
+            )
+            if template:
+                config["chat_template"] = template
         (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         return {"bos_token_id": self.bos_id, "eos_token_id": self.eos_id}
