@@ -51,8 +51,15 @@ def test_the_adapters_train(one_rank):
         ["--parallelism.data_parallel_shard_degree", "2"],
         ["--parallelism.tensor_parallel_degree", "2"],
         ["--parallelism.pipeline_parallel_degree", "2"],
+        # per-op AC recomputes the adapters' products (saved, they would cost the layer's memory)
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
     ],
-    ids=["fsdp2", "tp2", "pp2"],
+    ids=["fsdp2", "tp2", "pp2", "fsdp2_op_ac"],
 )
 def test_layouts_train_the_same(layout, one_rank, tmp_path):
     for a, b in zip(one_rank[0], losses(tmp_path, 2, *layout), strict=True):

@@ -68,6 +68,18 @@ LAYOUTS.update(
         "pp2_interleaved_selective_ac": (2, [*LAYOUTS["pp2_interleaved"][1], *AC["selective"]]),
     }
 )
+# LoRA: the frozen base's weights held, only the adapters' gradients and moments; per-op AC
+# recomputes the low-rank products
+LORA = ["--lora.rank", "8", "--lora.target_modules", r"attention\.w\w*$,feed_forward\.w[123]$"]
+LAYOUTS.update(
+    {
+        "1rank_lora": (1, LORA),
+        "fsdp2_tp2_lora_selective_ac": (
+            4,
+            [*LORA, "--parallelism.tensor_parallel_degree", "2", *AC["selective"]],
+        ),
+    }
+)
 # bf16 compute: autocast on one rank, FSDP's param dtype, bf16 pipeline stage tensors;
 # float8 (emulated) under FSDP with bf16
 BF16 = ["--training.mixed_precision_param", "bfloat16"]

@@ -1,5 +1,7 @@
 """Activation checkpointing of transformer blocks: full, every N-th block, or per op."""
 
+import contextlib
+import threading
 from collections import defaultdict
 
 import torch
@@ -36,6 +38,23 @@ _SAVE_NAMES = {
 }
 
 
+_cheap = threading.local()
+
+
+@contextlib.contextmanager
+def recomputed_in_backward():
+    """Ops run inside are recomputed under per-op AC, never saved, and leave the matmul count
+    alone: for products cheap to run again whose outputs are as large as the layer's (a
+    low-rank update's: rank r inner dimension), saving would cost the layer's memory again.
+    The flag is per thread: backward's recompute runs the same code on its own thread."""
+    before = getattr(_cheap, "on", False)
+    _cheap.on = True
+    try:
+        yield
+    finally:
+        _cheap.on = before
+
+
 def op_policy():
     """A policy for one checkpointed region: save every other matmul (halves the stored
     matmul outputs at a fraction of the recompute) and the ops of _SAVE_LIST.
@@ -48,6 +67,8 @@ def op_policy():
     counts = defaultdict(int)
 
     def policy(ctx, op, *args, **kwargs):
+        if getattr(_cheap, "on", False):
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if op == _aten.mm.default:
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1

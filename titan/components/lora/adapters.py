@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan.models.common.init import seeded_init_
+from titan.parallelisms.activation_checkpoint import recomputed_in_backward
 
 # wrappers the parallelisms put between a model and its blocks: not part of a canonical name
 _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
@@ -35,8 +36,10 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        return out + self.lora_scale * F.linear(F.linear(h, self.lora_a), self.lora_b)
+        # a rank-r product costs r/in of the layer's to recompute: per-op AC keeps nothing
+        with recomputed_in_backward():
+            h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+            return out + self.lora_scale * F.linear(F.linear(h, self.lora_a), self.lora_b)
 
 
 def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
