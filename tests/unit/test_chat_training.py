@@ -1,6 +1,7 @@
 """Training on chat data: the loss is the mean over the counted (assistant) tokens of the whole
 global batch, so every layout and every gradient-accumulation setting trains the same."""
 
+import json
 import sys
 
 import pytest
@@ -39,10 +40,31 @@ def close(a, b, bound):
         assert abs(x["loss"] - y["loss"]) <= bound * abs(x["loss"]), (x["loss"], y["loss"])
 
 
+VALIDATE = [
+    "--validation.enable",
+    "--validation.dataset",
+    "chat_valid",
+    "--validation.freq",
+    str(STEPS),
+    "--validation.steps",
+    "1",
+    "--validation.global_batch_size",
+    "8",
+]
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    """1 rank, the global batch of 8 in two microbatches of 4."""
-    return losses(tmp_path_factory.mktemp("chat_one"), "one", 1)
+    """1 rank, the global batch of 8 in two microbatches of 4; validation on chat data."""
+    path = tmp_path_factory.mktemp("chat_one")
+    records = losses(path, "one", 1, *VALIDATE)
+    validated = (path / "one" / "dump" / "validation.jsonl").read_text().splitlines()
+    return records, [json.loads(line) for line in validated]
+
+
+def test_validation_reads_chat_data(one_rank):
+    (val,) = one_rank[1]
+    assert val["step"] == STEPS and 0 < val["val_loss"] < 10
 
 
 def test_first_loss_is_the_mean_over_counted_tokens(one_rank):
@@ -71,7 +93,7 @@ def test_first_loss_is_the_mean_over_counted_tokens(one_rank):
             total, counted = total + ce.item(), counted + n
             means.append(ce.item() / n)
     expected = total / counted
-    assert abs(one_rank[0]["loss"] - expected) <= 1e-6 * expected
+    assert abs(one_rank[0][0]["loss"] - expected) <= 1e-6 * expected
     # the microbatches count different numbers of tokens: the mean of means would differ
     assert abs(sum(means) / 2 - expected) > 1e-4 * expected
 
@@ -89,7 +111,7 @@ def test_first_loss_is_the_mean_over_counted_tokens(one_rank):
 )
 def test_layouts_train_the_same(layout, one_rank, tmp_path):
     world = 1 if layout[0] == "--training.local_batch_size" else 2
-    close(one_rank, losses(tmp_path, "other", world, *layout), 1e-5)
+    close(one_rank[0], losses(tmp_path, "other", world, *layout), 1e-5)
 
 
 def test_padded_conversations_train_without_document_masks(one_rank, tmp_path):

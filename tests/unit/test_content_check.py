@@ -87,6 +87,37 @@ def test_bad_jsonl_is_refused_before_launch(monkeypatch, capsys, tmp_path, conte
     assert f"training.dataset: {bad} " in err and says in err
 
 
+CHAT = [
+    "--training.dataset_format",
+    "chat",
+    "--model.tokenizer_path",
+    "assets/tokenizer_chat",
+    "--model.attn_mask_type",
+    "block_causal",
+]
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ('{"text": "a document"}', "line 2 has no 'messages' field"),
+        ('{"messages": [{"role": "user"}]}', "line 2: message 0 (user) has no text content"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2: no assistant message"),
+    ],
+    ids=["text_not_chat", "no_content", "no_assistant"],
+)
+def test_bad_chat_rows_are_refused_before_launch(monkeypatch, capsys, tmp_path, line, says):
+    good = (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    )
+    bad = tmp_path / "chat.jsonl"
+    bad.write_text(good + "\n" + line + "\n")
+    err = launcher_refuses(
+        monkeypatch, capsys, tmp_path, *CHAT, "--training.dataset_path", str(bad)
+    )
+    assert f"training.dataset: {bad} " in err and says in err, err
+
+
 def test_parquet_footer_is_checked(monkeypatch, capsys, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

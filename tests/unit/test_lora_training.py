@@ -89,6 +89,21 @@ def test_resume_continues_exactly(one_rank, tmp_path):
     assert resumed[3] == one_rank[0][2]["loss"] and resumed[4] == one_rank[0][3]["loss"]
 
 
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--lora.rank", "8"], "it holds LoRA adapters (rank 4"),
+        (["--lora.rank", "0"], "this run trains the whole model"),
+    ],
+)
+def test_a_checkpoint_of_other_adapters_is_refused(one_rank, flags, says):
+    from titan.trainer.build import run_identity
+
+    job = parse_args([*argv(), *flags])
+    why = run_identity(job, plan_run(job, world_size=1)).problem(one_rank[1] / "step-2")
+    assert why is not None and says in why and "[lora] settings" in why, why
+
+
 def test_the_plan_drops_the_frozen_weights_states():
     from titan.planner.memory import rank_bytes
 
