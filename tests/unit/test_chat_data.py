@@ -227,3 +227,13 @@ def test_missing_template_names_the_fix(tmp_path):
 def test_windows_of_nothing_is_an_error():
     with pytest.raises(DataError, match="no conversation that fits"):
         ChatWindows([], 16, 0, True, "empty")
+
+
+def test_plain_text_encodes_as_with_the_default_tokenizer(folders):
+    """A model pretrained with the chat folder reads text as the default tokenizer does."""
+    text = (Path("assets/corpus/kjv_valid.jsonl").read_text().splitlines()[0])[:5000]
+    plain = Tokenizer("assets/tokenizer/tokenizer.json")
+    chat = Tokenizer("assets/tokenizer_chat")
+    assert chat.encode(text, eos=False) == plain.encode(text, eos=False)
+    assert chat.vocab_size == plain.vocab_size + 3 and chat.bos_id == plain.bos_id
+    assert chat.decode([chat.eos_id]) == "<|eot_id|>"  # a document ends as an assistant turn
