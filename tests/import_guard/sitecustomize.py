@@ -27,6 +27,7 @@ OPTIONAL = {
     "wandb": "wandb",
     "matplotlib": "plot",
     "transformers": "test",
+    "peft": "test",
     "ruff": "test",
 }
 # importers whose imports count as the project's own (libraries' imports of each other are

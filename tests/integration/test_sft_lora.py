@@ -16,14 +16,15 @@ from titan.runtime.paths import REPO_ROOT
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="needs fork"),
-    pytest.mark.needs("transformers"),
+    pytest.mark.needs("transformers", "peft"),
 ]
 STEPS = 12
 
 
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     root = tmp_path_factory.mktemp("sft_lora")
     base = root / "base"
     config = transformers.LlamaConfig(
@@ -80,7 +81,8 @@ def test_fine_tuning_lowers_the_loss(finetuned):
 
 
 def test_peft_adapter_on_the_base_is_the_merged_export(finetuned):
-    peft = pytest.importorskip("peft")
+    import peft
+
     _, base, export = finetuned
     assert (export / "adapter" / "adapter_model.safetensors").is_file()
     tokens = torch.randint(0, 2051, (2, 24), generator=torch.Generator().manual_seed(0))

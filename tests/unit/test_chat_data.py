@@ -80,9 +80,11 @@ def template(folder) -> ChatTemplate:
     return ChatTemplate.load(Tokenizer(str(folder)))
 
 
+@pytest.mark.needs("transformers")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_ids_equal_transformers(fmt, folders):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     hf = transformers.AutoTokenizer.from_pretrained(str(folders[fmt]))
     ours = template(folders[fmt])
     for messages in CONVERSATIONS:
