@@ -3,6 +3,7 @@ does for the Llama 3, Qwen3 and DeepSeek-V3 formats; the loss counting the assis
 only; packing, padding, truncation; bad rows named."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,31 @@ def test_plain_text_encodes_as_with_the_default_tokenizer(folders):
     assert chat.encode(text, eos=False) == plain.encode(text, eos=False)
     assert chat.vocab_size == plain.vocab_size + 3 and chat.bos_id == plain.bos_id
     assert chat.decode([chat.eos_id]) == "<|eot_id|>"  # a document ends as an assistant turn
+
+
+def test_template_in_tokenizer_config_and_parquet_rows(tmp_path, folders):
+    """A folder whose tokenizer_config.json holds the template (older HF folders), and rows
+    from parquet: the same ids as the jsonl rows with the folder's own template file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "old_style"
+    shutil.copytree(folders["qwen3"], folder)
+    source = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": source}))
+    ours = template(folder)
+    assert ours.where.endswith("tokenizer_config.json's chat_template")
+    rows = [
+        {"messages": [{"role": m["role"], "content": m["content"]} for m in c]}
+        for c in CONVERSATIONS[:2]
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    write_jsonl(tmp_path / "c.jsonl", rows)
+    opts = ChatOptions(seq_len=128, pack=False)
+    a = chat_windows([tmp_path / "c.parquet"], ours, opts, 0, "parquet")
+    b = chat_windows([tmp_path / "c.jsonl"], template(folders["qwen3"]), opts, 0, "jsonl")
+    assert len(a) == len(b) == 2
+    for i in range(2):
+        assert all(torch.equal(x, y) for x, y in zip(a[i], b[i]))

@@ -3,6 +3,7 @@ PEFT adapter that peft loads onto transformers' model both compute titan's logit
 
 import json
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -86,6 +87,42 @@ def test_merged_state_computes_the_adapted_model(family):
         ours = model(tokens)
         theirs = _plain_logits(spec, args, merged_state(model.state_dict(), [model]), tokens)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
+def test_routed_expert_adapters_merge_and_group_alike():
+    """Adapters on each routed expert's w1/w2/w3 (and the shared expert's): the grouped GEMMs
+    equal the one-expert-at-a-time products, and the merged weights compute the same model."""
+    spec = get_train_spec("deepseek_v3")
+    args = spec.flavors["debugmodel"].with_updates(max_seq_len=32)
+    model = spec.build_meta(args)
+    names = apply_lora(model, lora_cfg([r"experts\.w[123]$"]))
+    assert "layers.1.feed_forward.experts.w2" in names
+    assert "layers.1.feed_forward.shared_experts.w2" in names
+    model.to_empty(device="cpu")
+    model.init_weights(0, buffer_device=torch.device("cpu"))
+    init_adapters(model, 0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_b" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    experts = model.get_submodule("layers.1.feed_forward.experts")
+    assert experts.lora_a_w1.shape == (args.moe.n_experts, 4, args.dim)
+    x = torch.randn(12, args.dim, generator=gen)
+    counts = torch.tensor([3, 0, 5, 4] + [0] * (args.moe.n_experts - 4))
+    with torch.no_grad():
+        grouped = experts(x, counts)
+        one_by_one = torch.cat(
+            [experts._one(e, c) for e, c in enumerate(x.split(counts.tolist())) if len(c)]
+        )
+        torch.testing.assert_close(grouped, one_by_one, rtol=0, atol=1e-6)
+        tokens = torch.randint(0, args.vocab_size, (2, 16), generator=gen)
+        merged = _plain_logits(spec, args, merged_state(model.state_dict(), [model]), tokens)
+        torch.testing.assert_close(merged, model.eval()(tokens), rtol=0, atol=1e-5)
+    with pytest.raises(PeftExportError, match="routed experts' weight"):
+        write_peft_adapter(
+            [model], lora_cfg([]), spec.state_dict_adapter(args), Path("/nonexistent")
+        )
 
 
 def _plain_logits(spec, args, state, tokens):

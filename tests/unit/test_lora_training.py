@@ -155,3 +155,36 @@ def test_frozen_weights_get_no_gradient(world, tmp_path):
     out = run_workers(step, world, tmp_path, free_port(), init_pg=False)[0]
     assert out["with_grad"] == out["trainable"] == out["states"]
     assert len(out["trainable"]) == 6 * 7 * 2 and all(".lora_" in n for n in out["trainable"])
+
+
+# DeepSeek-V3's debug model: adapters on MLA, the shared experts and each routed expert
+EXPERTS = [
+    "--model.name",
+    "deepseek_v3",
+    "--lora.rank",
+    "4",
+    "--lora.target_modules",
+    r"attention\.w\w*$,experts\.w[123]$",
+    "--optimizer.lr",
+    "1e-2",
+]
+
+
+@pytest.fixture(scope="module")
+def experts_one_rank(tmp_path_factory):
+    return run_trainer(tmp_path_factory.mktemp("lora_moe"), 1, [*tiny_run(STEPS), *EXPERTS])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallelism.expert_parallel_degree", "2"],
+        ["--parallelism.tensor_parallel_degree", "2"],
+    ],
+    ids=["ep2", "tp2"],
+)
+def test_routed_expert_adapters_train_alike(layout, experts_one_rank, tmp_path):
+    assert experts_one_rank[-1]["loss"] < experts_one_rank[0]["loss"] - 0.01
+    other = run_trainer(tmp_path, 2, [*tiny_run(STEPS), *EXPERTS, *layout], deadline_s=120)
+    for a, b in zip(experts_one_rank, other, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a["loss"], b["loss"])

@@ -436,9 +436,10 @@ class Lora:
     dropout: float = opt(0.0, "Dropout on the adapters' input while training")
     target_modules: list[str] = opt(
         [r"attention\.w\w*$"],
-        "Regexes searched in each linear layer's name (e.g. layers.0.attention.wq); a layer "
-        "any of them matches gets an adapter. The default: every attention projection; "
-        r"feed_forward\.w[123]$ adds a dense FFN's (an MoE's routed experts are no linear layers)",
+        "Regexes searched in each linear layer's name (layers.0.attention.wq) and each routed "
+        "experts' weight's (layers.1.feed_forward.experts.w1); what any matches gets adapters. "
+        r"Default: every attention projection; feed_forward\.w[123]$ adds a dense FFN, "
+        r"experts\.w[123]$ the shared and routed experts (one adapter per expert)",
     )
 
 

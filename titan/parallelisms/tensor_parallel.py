@@ -115,7 +115,8 @@ def place_low_rank_factors(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     output-dim split. Column-parallel W (rows split): A whole, B's rows split; row-parallel W
     (columns split): A's columns split, B whole. The update then needs no collective of its
     own: it is split (or partial) exactly as x W^T is. The styles place only W (and the
-    column style splits every parameter's rows, which cuts A through its rank)."""
+    column style splits every parameter's rows, which cuts A through its rank). A replicated
+    W keeps both whole."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     for module in model.modules():
@@ -127,6 +128,8 @@ def place_low_rank_factors(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             placements = ([Replicate()], [Shard(0)])
         elif weight.placements == (Shard(1),):
             placements = ([Shard(1)], [Replicate()])
+        elif weight.placements == (Replicate(),):  # a layer each rank runs whole
+            placements = ([Replicate()], [Replicate()])
         else:
             raise ValueError(f"no low-rank factor placement for a weight {weight.placements}")
         for name, place in zip(names, placements, strict=True):

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from titan.models.common.init import seeded_init_
+from titan.models.common.moe import GroupedExperts
 from titan.parallelisms.activation_checkpoint import recomputed_in_backward
 
 # wrappers the parallelisms put between a model and its blocks: not part of a canonical name
@@ -37,89 +40,179 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
         # a rank-r product costs r/in of the layer's to recompute: per-op AC keeps nothing
-        with recomputed_in_backward():
+        with _recomputed():
             h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
             return out + self.lora_scale * F.linear(F.linear(h, self.lora_a), self.lora_b)
 
 
+class LoRAExperts(GroupedExperts):
+    """Routed experts whose stacked weights (some of w1, w2, w3) each have a low-rank update
+    per expert: `lora_a_<w>` (experts, r, in) and `lora_b_<w>` (experts, out, r); made by
+    `add_expert_adapters`. The update runs as two more grouped GEMMs on the same rows."""
+
+    lora_scale: float
+    lora_dropout: float
+    lora_weights: tuple[str, ...]
+
+    def product(self, t, name, offsets=None, expert=-1):
+        out = super().product(t, name, offsets, expert)
+        if name not in self.lora_weights:
+            return out
+        a, b = getattr(self, f"lora_a_{name}"), getattr(self, f"lora_b_{name}")
+        with _recomputed():
+            h = F.dropout(t, self.lora_dropout, self.training) if self.lora_dropout else t
+            if expert >= 0:
+                low = F.linear(F.linear(h, a[expert]), b[expert])
+            else:
+                low = torch._grouped_mm(h, a.transpose(-2, -1), offs=offsets)
+                low = torch._grouped_mm(low, b.transpose(-2, -1), offs=offsets)
+            return out + self.lora_scale * low
+
+
+def _recomputed():
+    # a compiled block traces no thread-local flag: there the AC policy's own rule applies
+    return nullcontext() if torch.compiler.is_compiling() else recomputed_in_backward()
+
+
 def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
     """Turn `linear` into a LoRALinear in place (on whatever device it is)."""
-    weight = linear.weight
     linear.__class__ = LoRALinear
     linear.lora_scale, linear.lora_dropout = alpha / rank, dropout
-    make = dict(device=weight.device, dtype=weight.dtype)
-    linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, **make))
-    linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, **make))
-    weight.requires_grad_(False)
-    if linear.bias is not None:
-        linear.bias.requires_grad_(False)
+    _add_factors(linear, "weight", "lora_a", "lora_b", rank)
+
+
+def add_expert_adapters(
+    experts: GroupedExperts, weights: list[str], rank: int, alpha: float, dropout: float
+) -> None:
+    """Turn `experts` into LoRAExperts with updates of `weights` (of w1, w2, w3) in place."""
+    experts.__class__ = LoRAExperts
+    experts.lora_scale, experts.lora_dropout = alpha / rank, dropout
+    experts.lora_weights = tuple(weights)
+    for w in weights:
+        _add_factors(experts, w, f"lora_a_{w}", f"lora_b_{w}", rank)
+
+
+def _add_factors(module: nn.Module, weight: str, a: str, b: str, rank: int) -> None:
+    """A (..., rank, in) and B (..., out, rank) beside `module.<weight>` (..., out, in), which
+    freezes (with its bias, for a linear layer)."""
+    w = getattr(module, weight)
+    w.requires_grad_(False)
+    if weight == "weight" and getattr(module, "bias", None) is not None:
+        module.bias.requires_grad_(False)
+    *lead, out, inp = w.shape
+    make = dict(device=w.device, dtype=w.dtype)
+    module.register_parameter(a, nn.Parameter(torch.empty(*lead, rank, inp, **make)))
+    module.register_parameter(b, nn.Parameter(torch.empty(*lead, out, rank, **make)))
 
 
 def apply_lora(model: nn.Module, cfg) -> list[str]:
-    """Adapters on the linear layers `cfg` (the lora section) targets; every other parameter
-    frozen. Returns the adapted layers' names; raises ValueError when none is targeted or a
-    target is no plain linear layer."""
+    """Adapters on what `cfg` (the lora section) targets: linear layers by name
+    (layers.0.attention.wq) and routed experts' stacked weights by theirs
+    (layers.1.feed_forward.experts.w1); every other parameter frozen. Returns the adapted
+    weights' names (without ".weight" for linear layers); raises ValueError when nothing is
+    targeted or a target is neither."""
     patterns = [re.compile(p) for p in cfg.target_modules]
-    targets = [
-        (name, m)
-        for name, m in model.named_modules()
-        if name and any(p.search(name) for p in patterns)
-    ]
-    odd = [f"{n} ({type(m).__name__})" for n, m in targets if type(m) is not nn.Linear]
+
+    def hit(name: str) -> bool:
+        return any(p.search(name) for p in patterns)
+
+    linears, experts, odd = [], [], []
+    for name, m in model.named_modules():
+        if isinstance(m, GroupedExperts):
+            chosen = [w for w in ("w1", "w2", "w3") if hit(f"{name}.{w}")]
+            if chosen:
+                experts.append((name, m, chosen))
+            elif hit(name):
+                odd.append(f"{name} (routed experts: name their weights, {name}.w1 ...)")
+        elif name and hit(name):
+            (linears if type(m) is nn.Linear else odd).append(
+                (name, m) if type(m) is nn.Linear else f"{name} ({type(m).__name__})"
+            )
     if odd:
         raise ValueError(
-            f"lora.target_modules {cfg.target_modules} match {', '.join(odd[:3])}: adapters go on "
-            "plain linear layers; narrow the regexes (end them with $)"
+            f"lora.target_modules {cfg.target_modules} match {', '.join(odd[:3])}: adapters go "
+            "on plain linear layers and routed experts' weights; narrow the regexes (end "
+            "them with $)"
         )
-    if not targets:
-        linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    if not linears and not experts:
+        names = [n for n, m in model.named_modules() if type(m) is nn.Linear]
         raise ValueError(
             f"lora.target_modules {cfg.target_modules} match no linear layer; the model's are "
-            f"named like {', '.join(linears[:4])}"
+            f"named like {', '.join(names[:4])}"
         )
     for p in model.parameters():
         p.requires_grad_(False)
-    for _, module in targets:
+    for _, module in linears:
         add_adapter(module, cfg.rank, cfg.alpha, cfg.dropout)
-    return [n for n, _ in targets]
+    for _, module, chosen in experts:
+        add_expert_adapters(module, chosen, cfg.rank, cfg.alpha, cfg.dropout)
+    return [n for n, _ in linears] + [f"{n}.{w}" for n, _, chosen in experts for w in chosen]
 
 
 def is_adapter(name: str) -> bool:
-    return name.endswith((".lora_a", ".lora_b"))
+    return name.rpartition(".")[2].startswith(("lora_a", "lora_b"))
 
 
 def canonical(name: str) -> str:
     return _WRAPPERS.sub("", name)
 
 
-def adapted_layers(part: nn.Module) -> dict[str, LoRALinear]:
-    return {canonical(n): m for n, m in part.named_modules() if isinstance(m, LoRALinear)}
+@dataclass(frozen=True)
+class Update:
+    """One adapted weight: its module, its factors' attribute names, the scale."""
+
+    module: nn.Module
+    weight: str
+    a: str
+    b: str
+
+    @property
+    def scale(self) -> float:
+        return self.module.lora_scale
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self.module, self.a), getattr(self.module, self.b)
+
+
+def adapter_updates(part: nn.Module) -> dict[str, Update]:
+    """Every adapted weight of `part` by its parameter name (layers.0.attention.wq.weight,
+    layers.1.feed_forward.experts.w1)."""
+    out = {}
+    for name, m in part.named_modules():
+        if isinstance(m, LoRALinear):
+            out[canonical(f"{name}.weight")] = Update(m, "weight", "lora_a", "lora_b")
+        elif isinstance(m, LoRAExperts):
+            for w in m.lora_weights:
+                out[canonical(f"{name}.{w}")] = Update(m, w, f"lora_a_{w}", f"lora_b_{w}")
+    return out
 
 
 @torch.no_grad()
 def init_adapters(part: nn.Module, seed: int) -> None:
-    """A as nn.Linear's default init (PEFT's too) from a generator seeded by its name; B
-    zero: the adapted model starts as the base model."""
-
-    def kaiming(t, g):
-        nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
-
-    for name, layer in adapted_layers(part).items():
-        seeded_init_(layer.lora_a, f"{name}.lora_a", seed, kaiming)
-        layer.lora_b.zero_()
+    """A as nn.Linear's default init (PEFT's too: uniform within 1/sqrt(in)), each from a
+    generator seeded by its name; B zero: the adapted model starts as the base model."""
+    for name, update in adapter_updates(part).items():
+        a, b = update.factors()
+        bound = 1 / math.sqrt(a.shape[-1])
+        prefix = name.rpartition(".")[0]
+        seeded_init_(
+            a, f"{prefix}.{update.a}", seed, lambda t, g, r=bound: t.uniform_(-r, r, generator=g)
+        )
+        b.zero_()
 
 
 def merged_state(state: dict[str, torch.Tensor], parts: list[nn.Module]) -> dict:
     """A model state dict with each adapter folded into its weight and the adapters
     dropped: what the plain model computes (tensors or DTensors, as given)."""
-    layers = {n: m for part in parts for n, m in adapted_layers(part).items()}
+    updates = {n: u for part in parts for n, u in adapter_updates(part).items()}
     out = {}
     for key, t in state.items():
         if is_adapter(key):
             continue
-        layer = layers.get(key.removesuffix(".weight")) if key.endswith(".weight") else None
-        if layer is not None:
-            a, b = state[key[: -len("weight")] + "lora_a"], state[key[: -len("weight")] + "lora_b"]
-            t = t + layer.lora_scale * (b @ a).to(t.dtype)
+        update = updates.get(key)
+        if update is not None:
+            prefix = key.rpartition(".")[0]
+            a, b = state[f"{prefix}.{update.a}"], state[f"{prefix}.{update.b}"]
+            t = t + update.scale * (b @ a).to(t.dtype)
         out[key] = t
     return out

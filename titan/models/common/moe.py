@@ -129,12 +129,12 @@ class GroupedExperts(nn.Module):
                 experts = torch.arange(counts.numel(), device=x.device)
                 rows = experts.repeat_interleave(counts, output_size=x.shape[0])
 
-            def linear(t, w, b):
-                out = torch._grouped_mm(t, w.transpose(-2, -1), offs=offsets)
+            def linear(t, name, b):
+                out = self.product(t, name, offsets=offsets)
                 return out if b is None else out + b[rows]
 
-            h = self.activation(linear(x, self.w1, self.b1), linear(x, self.w3, self.b3))
-            return linear(h, self.w2, self.b2)
+            h = self.activation(linear(x, "w1", self.b1), linear(x, "w3", self.b3))
+            return linear(h, "w2", self.b2)
         # the same products one expert at a time, where torch's grouped GEMM cannot run
         sizes = _sizes(counts, x.shape[0])
         outs = [self._one(e, chunk) for e, chunk in enumerate(x.split(sizes)) if sizes[e]]
@@ -143,12 +143,23 @@ class GroupedExperts(nn.Module):
     def _one(self, e: int, x: torch.Tensor) -> torch.Tensor:
         # biases added after the product, as the grouped path adds them: the two stay equal
         # bit for bit
-        def linear(t, w, b):
-            out = F.linear(t, w[e])
+        def linear(t, name, b):
+            out = self.product(t, name, expert=e)
             return out if b is None else out + b[e]
 
-        h = self.activation(linear(x, self.w1, self.b1), linear(x, self.w3, self.b3))
-        return linear(h, self.w2, self.b2)
+        h = self.activation(linear(x, "w1", self.b1), linear(x, "w3", self.b3))
+        return linear(h, "w2", self.b2)
+
+    def product(
+        self, t: torch.Tensor, name: str, offsets: torch.Tensor | None = None, expert: int = -1
+    ) -> torch.Tensor:
+        """`t` times the stacked weight `name` (w1, w2 or w3), transposed: each expert's rows
+        (ending at `offsets`) by its own matrix in one grouped GEMM, or the rows of `expert`
+        alone. A subclass may add to a product (low-rank adapters)."""
+        w = getattr(self, name)
+        if expert >= 0:
+            return F.linear(t, w[expert])
+        return torch._grouped_mm(t, w.transpose(-2, -1), offs=offsets)
 
 
 def _sizes(counts: torch.Tensor, rows: int) -> list[int]:
