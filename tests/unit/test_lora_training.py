@@ -89,6 +89,17 @@ def test_resume_continues_exactly(one_rank, tmp_path):
     assert resumed[3] == one_rank[0][2]["loss"] and resumed[4] == one_rank[0][3]["loss"]
 
 
+def test_the_disk_check_sizes_an_adapter_checkpoint(one_rank):
+    """The save-size estimate the disk check uses is the adapters' (and their moments'), not
+    the whole model's: above what was written, by less than its fixed 1 MiB margin and 2%."""
+    from titan.trainer.build import training_save_bytes
+
+    job = parse_args(argv())
+    estimate = training_save_bytes(job, plan_run(job, world_size=1))
+    written = sum(f.stat().st_size for f in (one_rank[1] / "step-2").iterdir())
+    assert written <= estimate <= written * 1.02 + (1 << 20), (written, estimate)
+
+
 @pytest.mark.parametrize(
     "flags, says",
     [
