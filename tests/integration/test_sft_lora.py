@@ -5,13 +5,13 @@ from the export with the chat template."""
 
 import shutil
 import sys
-import warnings
 
 import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
 from tests.unit.test_chat_training import CHAT
+from tests.unit.test_lora import load_hf
 from titan.runtime.paths import REPO_ROOT
 
 pytestmark = [
@@ -64,16 +64,6 @@ def finetuned(tmp_path_factory):
     return records, base, root / "dump" / "checkpoint" / f"step-{STEPS}"
 
 
-def load(folder):
-    import transformers
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-
-
 def test_fine_tuning_lowers_the_loss(finetuned):
     records, _, _ = finetuned
     assert len(records) == STEPS
@@ -87,9 +77,9 @@ def test_peft_adapter_on_the_base_is_the_merged_export(finetuned):
     assert (export / "adapter" / "adapter_model.safetensors").is_file()
     tokens = torch.randint(0, 2051, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        merged = load(export)(tokens).logits
-        adapted = peft.PeftModel.from_pretrained(load(base), str(export / "adapter"))(tokens)
-        plain = load(base)(tokens).logits
+        merged = load_hf(export)(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(load_hf(base), str(export / "adapter"))(tokens)
+        plain = load_hf(base)(tokens).logits
     torch.testing.assert_close(adapted.logits, merged, rtol=0, atol=1e-4)
     assert (plain - merged).abs().max() > 1e-3  # the fine-tuning changed the model
     # the adapter is a small fraction of the model

@@ -29,6 +29,17 @@ TARGETS = {
 }
 
 
+def load_hf(folder):
+    """transformers' model of an HF folder, float32, eager attention, in eval mode."""
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+
+
 def lora_cfg(targets, rank=4, alpha=8.0):
     return SimpleNamespace(rank=rank, alpha=alpha, dropout=0.0, target_modules=targets)
 
@@ -138,7 +149,6 @@ def _plain_logits(spec, args, state, tokens):
 @pytest.mark.parametrize("family", list(TARGETS))
 def test_peft_and_merged_exports_give_titans_logits(family, tmp_path):
     import peft
-    import transformers
 
     spec, args, model, names = adapted_model(family)
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -153,19 +163,12 @@ def test_peft_and_merged_exports_give_titans_logits(family, tmp_path):
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
     assert len(config["target_modules"]) == len(names)
 
-    def load(folder):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                str(folder), dtype=torch.float32, attn_implementation="eager"
-            ).eval()
-
     with torch.no_grad():
         ours = model(tokens)
-        with_adapter = peft.PeftModel.from_pretrained(load(tmp_path / "base"), str(adapter))
+        with_adapter = peft.PeftModel.from_pretrained(load_hf(tmp_path / "base"), str(adapter))
         peft_logits = with_adapter(tokens).logits
-        merged_logits = load(tmp_path / "merged")(tokens).logits
-        base_logits = load(tmp_path / "base")(tokens).logits
+        merged_logits = load_hf(tmp_path / "merged")(tokens).logits
+        base_logits = load_hf(tmp_path / "base")(tokens).logits
     torch.testing.assert_close(peft_logits, ours, rtol=0, atol=1e-4)
     torch.testing.assert_close(merged_logits, ours, rtol=0, atol=1e-4)
     assert (base_logits - ours).abs().max() > 1e-2  # the adapters change the function

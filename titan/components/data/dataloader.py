@@ -185,6 +185,14 @@ class StreamLoader:
         )
 
 
+def _check_divisible(global_batch_size: int, shard: DataShard) -> None:
+    if global_batch_size % shard.dp_world_size:
+        raise DataError(
+            f"global batch {global_batch_size} is not divisible by the dp degree "
+            f"{shard.dp_world_size}"
+        )
+
+
 def build_text_dataloader(
     *,
     dataset: str,
@@ -207,11 +215,7 @@ def build_text_dataloader(
     """A restored loader yields exactly the batch an uninterrupted one would have yielded.
     `mix`: (source, weight) pairs read instead of dataset/dataset_path. `section`: the config
     section whose dataset this is, for the errors that name its keys."""
-    if global_batch_size % shard.dp_world_size:
-        raise DataError(
-            f"global batch {global_batch_size} is not divisible by the dp degree "
-            f"{shard.dp_world_size}"
-        )
+    _check_divisible(global_batch_size, shard)
     sources = mix or [(dataset, 1.0)]
     files = [
         local_files(
@@ -282,11 +286,7 @@ def build_chat_dataloader(
 ):
     """Conversations (`chat`: the chat section) as windows of (inputs, labels, doc_ids),
     read in a global order as packed text is: resumes exactly, on any dp degree."""
-    if global_batch_size % shard.dp_world_size:
-        raise DataError(
-            f"global batch {global_batch_size} is not divisible by the dp degree "
-            f"{shard.dp_world_size}"
-        )
+    _check_divisible(global_batch_size, shard)
     template = ChatTemplate.load(tokenizer, chat.template)
     opts = ChatOptions(
         seq_len=seq_len,
@@ -316,21 +316,7 @@ def build_dataloader(
 ):
     """The training loader of `cfg` (the training section; `chat`: the chat section, read
     when cfg.dataset_format is "chat"): infinite, shuffled per epoch."""
-    if cfg.dataset_format == "chat":
-        return build_chat_dataloader(
-            dataset=cfg.dataset,
-            dataset_path=cfg.dataset_path,
-            tokenizer=tokenizer,
-            chat=chat,
-            seq_len=cfg.seq_len,
-            local_batch_size=cfg.local_batch_size,
-            global_batch_size=global_batch_size,
-            shard=shard,
-            seed=cfg.seed,
-            shuffle=cfg.dataset_shuffle,
-            workers=Workers(cfg.dataloader_num_workers, cfg.dataloader_prefetch_factor),
-        )
-    return build_text_dataloader(
+    common = dict(
         dataset=cfg.dataset,
         dataset_path=cfg.dataset_path,
         tokenizer=tokenizer,
@@ -339,10 +325,15 @@ def build_dataloader(
         global_batch_size=global_batch_size,
         shard=shard,
         seed=cfg.seed,
-        text_field=cfg.dataset_text_field,
         shuffle=cfg.dataset_shuffle,
+        workers=Workers(cfg.dataloader_num_workers, cfg.dataloader_prefetch_factor),
+    )
+    if cfg.dataset_format == "chat":
+        return build_chat_dataloader(**common, chat=chat)
+    return build_text_dataloader(
+        **common,
+        text_field=cfg.dataset_text_field,
         streaming=cfg.dataset_streaming,
         stream_order=cfg.dataset_stream_order,
-        workers=Workers(cfg.dataloader_num_workers, cfg.dataloader_prefetch_factor),
         mix=parse_mix(cfg.dataset_mix) if cfg.dataset_mix else None,
     )
