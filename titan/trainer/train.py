@@ -28,8 +28,8 @@ from titan.components.data.dataloader import DataShard, build_dataloader
 from titan.components.data.dataset import DataError
 from titan.components.fault_tolerance.injection import FaultInjector
 from titan.components.fault_tolerance.watchdog import StepWatchdog
-from titan.components.lora.adapters import init_adapters, is_adapter, merged_state
-from titan.components.lora.peft_export import PeftExportError, write_peft_adapter
+from titan.components.lora.adapters import init_adapters
+from titan.components.lora.training import adapter_exporter, log_trainable, model_state
 from titan.components.observability.flight_recorder import configure_flight_recorder
 from titan.components.observability.flops import peak_flops
 from titan.components.observability.memory_measure import (
@@ -148,18 +148,7 @@ class Trainer:
             if pp
             else "",
         )
-        if job.lora.rank:
-            trainable = [
-                p for part in self.model_parts for p in part.parameters() if p.requires_grad
-            ]
-            logger.info(
-                "LoRA rank %d, alpha %g on %s: %.3fM trainable parameters%s, the rest frozen",
-                job.lora.rank,
-                job.lora.alpha,
-                ", ".join(job.lora.target_modules),
-                sum(p.numel() for p in trainable) / 1e6,
-                " in this rank's stages" if pp else "",
-            )
+        log_trainable(self.model_parts, job.lora, pipelined=pp is not None)
 
     def _post_optimizer_hooks(self) -> list:
         """Run after every step, in order, told whether the optimizer stepped: float8 scales
@@ -180,7 +169,7 @@ class Trainer:
             identity=run_identity(job, plan),
             save_bytes=training_save_bytes(job, plan),
             states={
-                "model": self._model_state(),
+                "model": model_state(self.model_parts, job.lora),
                 "optimizer": self.optimizer,
                 "lr_scheduler": self.lr_scheduler,
                 "dataloader": DataState(
@@ -192,29 +181,8 @@ class Trainer:
             if plan.spec.state_dict_adapter
             else None,
             on_save_phase=self.faults.on_checkpoint_phase if self.faults else None,
-            on_export=self._export_adapters if job.lora.rank else None,
+            on_export=adapter_exporter(self.model_parts, job.lora, plan.spec, plan.model_args),
         )
-
-    def _model_state(self) -> ModelState:
-        """The model's checkpoint state: with LoRA, training saves hold the adapters and
-        exports the merged model."""
-        parts = self.model_parts
-        if not self.job.lora.rank:
-            return ModelState(parts)
-        return ModelState(parts, trained=is_adapter, merge=lambda sd: merged_state(sd, parts))
-
-    def _export_adapters(self, folder: Path) -> None:
-        """Beside a final export, the adapters as PEFT reads them (`folder`/adapter)."""
-        plan = self.plan
-        if plan.spec.state_dict_adapter is None:
-            return
-        hf = plan.spec.state_dict_adapter(plan.model_args)
-        try:
-            out = write_peft_adapter(self.model_parts, self.job.lora, hf, folder / "adapter")
-        except PeftExportError as e:
-            logger.warning("no PEFT adapter folder: %s", e)
-            return
-        logger.info("LoRA adapters written for PEFT to %s", out)
 
     def _metrics_logger(self, resumed: bool) -> MetricsLogger:
         job, m, t = self.job, self.job.metrics, self.job.training
