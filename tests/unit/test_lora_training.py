@@ -89,6 +89,20 @@ def test_resume_continues_exactly(one_rank, tmp_path):
     assert resumed[3] == one_rank[0][2]["loss"] and resumed[4] == one_rank[0][3]["loss"]
 
 
+def test_resume_onto_another_layout(one_rank, tmp_path):
+    """The 1-rank adapters checkpoint of step 2 resumed under FSDP 2 x TP 2 (4 ranks):
+    the base re-made sharded, the adapters and their moments resharded."""
+    import shutil
+
+    shutil.copytree(one_rank[1] / "step-2", tmp_path / "dump" / "checkpoint" / "step-2")
+    layout = ["--parallelism.tensor_parallel_degree", "2"]
+    again = run_trainer(tmp_path, 4, [*argv(), "--checkpoint.enable", *layout], deadline_s=120)
+    resumed = {r["step"]: r["loss"] for r in again}
+    for step in (3, 4):
+        expected = one_rank[0][step - 1]["loss"]
+        assert abs(resumed[step] - expected) <= 1e-5 * expected, (step, resumed, expected)
+
+
 def test_the_disk_check_sizes_an_adapter_checkpoint(one_rank):
     """The save-size estimate the disk check uses is the adapters' (and their moments'), not
     the whole model's: above what was written, by less than its fixed 1 MiB margin and 2%."""
