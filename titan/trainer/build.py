@@ -14,6 +14,7 @@ from titan.components.quantization.float8 import apply_float8
 from titan.components.training.chunked_loss import apply_chunked_loss
 from titan.config import JobConfig
 from titan.parallelisms.pipeline import PipelinePlan
+from titan.runtime.paths import resolve
 from titan.trainer.run_plan import RunPlan
 
 
@@ -48,9 +49,20 @@ def run_identity(job: JobConfig, plan: RunPlan):
     """The model a run's checkpoints hold: the family's, and with LoRA its adapters."""
     from titan.components.checkpoint.identity import model_identity
 
-    lora = job.lora
+    lora, ck = job.lora, job.checkpoint
     adapted = converted_meta(job, plan) if lora.rank else None
-    settings = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": lora.target_modules}
+    # the base the adapters train on: a resume must load the same one
+    base = (
+        {"path": str(resolve(ck.initial_load_path)), "hf": ck.initial_load_in_hf}
+        if ck.initial_load_path
+        else {"seed": job.training.seed}
+    )
+    settings = {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "target_modules": lora.target_modules,
+        "base": base,
+    }
     return model_identity(plan.spec, job.model.flavor, plan.model_args, adapted, settings)
 
 

@@ -84,12 +84,8 @@ class ModelIdentity:
         saved = saved_model(path)
         if saved is not None:
             why = self._record_problem(saved, allow_rope_change)
-            if not why and not base and saved.get("adapters", {}) != self.adapters:
-                why = (
-                    f"it holds {_adapters(saved.get('adapters'))} and this run trains "
-                    f"{_adapters(self.adapters)}; resume with the [lora] settings it was "
-                    "saved with"
-                )
+            if not why and not base:
+                why = self._adapters_problem(saved.get("adapters") or {})
             if why:
                 return why
         expected = self.adapter_shapes if self.adapters and not base else self.shapes
@@ -134,6 +130,32 @@ class ModelIdentity:
             )
         return None
 
+    def _adapters_problem(self, saved: dict) -> str | None:
+        """Why adapters saved with the settings `saved` do not resume here: other settings,
+        or another base under them (the base is not in the checkpoint: it must be the one
+        they were trained on). A base folder that moved is only logged."""
+        theirs = {k: v for k, v in saved.items() if k != "base"}
+        ours = {k: v for k, v in self.adapters.items() if k != "base"}
+        if theirs != ours:
+            return (
+                f"it holds {_adapters(theirs)} and this run trains {_adapters(ours)}; resume "
+                "with the [lora] settings it was saved with"
+            )
+        was, now = saved.get("base") or {}, self.adapters.get("base") or {}
+        if set(was) != set(now) or was.get("seed") != now.get("seed"):
+            return (
+                f"its adapters were trained on {_base(was)} and this run's base is "
+                f"{_base(now)}; resume on the base they were trained on"
+                + (f" (checkpoint.initial_load_path = {was['path']!r})" if "path" in was else "")
+            )
+        if was.get("path") != now.get("path"):
+            logger.warning(
+                "the adapters were trained on the base %s; this run loads %s (moved?)",
+                was.get("path"),
+                now.get("path"),
+            )
+        return None
+
     def _tensor_problem(self, path: Path, expected: dict) -> str | None:
         held = {name: tuple(size) for name, (size, _) in dcp_model_metadata(path).items()}
         missing = [n for n in expected if n not in held]
@@ -165,7 +187,14 @@ class ModelIdentity:
 def _adapters(settings: dict | None) -> str:
     if not settings:
         return "the whole model"
-    return "LoRA adapters (" + ", ".join(f"{k} {v}" for k, v in settings.items()) + ")"
+    shown = {k: v for k, v in settings.items() if k != "base"}
+    return "LoRA adapters (" + ", ".join(f"{k} {v}" for k, v in shown.items()) + ")"
+
+
+def _base(base: dict) -> str:
+    if "path" in base:
+        return f"the weights of {base['path']}"
+    return f"the weights made from seed {base.get('seed')}" if base else "an unrecorded base"
 
 
 def _few(items: list[str], n: int = 4) -> str:
