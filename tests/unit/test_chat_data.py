@@ -213,11 +213,14 @@ def test_bad_rows_are_named(record, problem, tmp_path, folders):
     assert problem in msg and "bad.jsonl: record 2" in msg, msg
 
 
-def test_a_template_that_drops_the_answer_is_refused(folders):
+def test_a_template_that_drops_the_answer_is_refused(folders, tmp_path):
     tok = Tokenizer(str(folders["llama3"]))
     hides = "{% for m in messages %}{{ m.role }}{% endfor %}"
     with pytest.raises(DataError, match="does not render its content"):
         ChatTemplate(hides, tok, {}, "inline").encode(CONVERSATIONS[1])
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"messages": CONVERSATIONS[1]}])
+    with pytest.raises(DataError, match=r"rows.jsonl: conversation 0 .*does not render"):
+        chat_windows([rows], ChatTemplate(hides, tok, {}, "inline"), ChatOptions(64), 0, "rows")
 
 
 def test_missing_template_names_the_fix(tmp_path):

@@ -66,7 +66,11 @@ def encode_conversations(source: list[Path] | str, template: ChatTemplate, opts:
             try:
                 ids, counted = template.encode(messages, last_only=opts.last_only)
             except DataError as e:
-                raise DataError(f"conversation {counts.conversations - 1}: {e}") from None
+                where = source if isinstance(source, str) else ", ".join(map(str, source))
+                raise DataError(
+                    f"{where}: conversation {counts.conversations - 1} (counted from the "
+                    f"first file's first record): {e}; fix the template or drop that record"
+                ) from None
             ids, counted = np.asarray(ids, np.int32), np.asarray(counted, bool)
             labels = np.full(len(ids), IGNORE_INDEX, np.int32)
             labels[:-1] = np.where(counted[1:], ids[1:], IGNORE_INDEX)
