@@ -324,10 +324,13 @@ def chat_prompts(tokenizer, prompts: list[str], system: str | None, template: st
 
     chat = ChatTemplate.load(tokenizer, template)
     head = [{"role": "system", "content": system}] if system else []
+    # the template writes BOS itself, where the format has one
     return [
-        tokenizer.encode_with_offsets(
-            chat.render([*head, {"role": "user", "content": p}], add_generation_prompt=True)
-        )[0]
+        tokenizer.encode(
+            chat.render([*head, {"role": "user", "content": p}], add_generation_prompt=True),
+            bos=False,
+            eos=False,
+        )
         for p in prompts
     ]
 

@@ -50,7 +50,7 @@ def run_identity(job: JobConfig, plan: RunPlan):
     from titan.components.checkpoint.identity import model_identity
 
     lora, ck = job.lora, job.checkpoint
-    adapted = converted_meta(job, plan) if lora.rank else None
+    adapted = _saved_meta(job, plan) if lora.rank else None
     # the base the adapters train on: a resume must load the same one
     base = (
         {"path": str(resolve(ck.initial_load_path)), "hf": ck.initial_load_in_hf}
@@ -72,5 +72,15 @@ def training_save_bytes(job: JobConfig, plan: RunPlan) -> int:
     from titan.components.checkpoint.disk_space import model_save_bytes
 
     return model_save_bytes(
-        converted_meta(job, plan), job.optimizer, job.extensions, trained_only=bool(job.lora.rank)
+        _saved_meta(job, plan), job.optimizer, job.extensions, trained_only=bool(job.lora.rank)
     )
+
+
+def _saved_meta(job: JobConfig, plan: RunPlan) -> nn.Module:
+    """The meta model whose parameters a training checkpoint holds: the family's, with LoRA's
+    adapters (the converters that keep the parameters, float8's and the chunked loss's, are
+    not needed to know them)."""
+    whole = plan.spec.build_meta(plan.model_args)
+    if job.lora.rank:
+        apply_lora(whole, job.lora)
+    return whole

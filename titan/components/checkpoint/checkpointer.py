@@ -280,7 +280,7 @@ class Checkpointer:
         self._check_identity(path, "cannot resume from", RESUME_FIX)
         if self.states["model"].partial:
             # the checkpoint holds what training changed (adapters); the rest is the base
-            self._initial_load(base_only=True)
+            self._initial_load()
         keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
         present = saved_keys(path)
         absent = [k for k in keys if k not in present]
@@ -349,9 +349,9 @@ class Checkpointer:
                 state["train_state"].saved_keys = None
         logger.info("loaded %s from %s in %.2fs", ", ".join(state), path, time.perf_counter() - t0)
 
-    def _initial_load(self, base_only: bool = False) -> bool:
-        """Load checkpoint.initial_load_path (the base model's part of the state only, with
-        `base_only` or when training changes only part of it, as LoRA does)."""
+    def _initial_load(self) -> bool:
+        """Load checkpoint.initial_load_path (only the base model's part of the state when
+        training changes only part of it, as LoRA does)."""
         cfg = self.cfg
         if not cfg.initial_load_path:
             return False
@@ -378,7 +378,7 @@ class Checkpointer:
         if why:
             raise CheckpointError(f"checkpoint.initial_load_path {path}: {why}")
         self._check_identity(path, "checkpoint.initial_load_path", INITIAL_LOAD_FIX, base=True)
-        model_only = cfg.initial_load_model_only or base_only or self.states["model"].partial
+        model_only = cfg.initial_load_model_only or self.states["model"].partial
         keys = (
             ["model"]
             if model_only

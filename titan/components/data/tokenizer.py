@@ -152,14 +152,10 @@ class Tokenizer:
     @property
     def pad_id(self) -> int:
         """The padding token: the folder's pad_token, <|pad|>, else EOS."""
-        cfg = self.path.parent / "tokenizer_config.json"
-        name = json.loads(cfg.read_text()).get("pad_token") if cfg.is_file() else None
-        name = name.get("content") if isinstance(name, dict) else name
-        for candidate in (name, "<|pad|>"):
-            idx = self._tok.token_to_id(candidate) if candidate else None
-            if idx is not None:
-                return idx
-        return self.eos_id
+        try:
+            return self._special_id(self.path.parent, "pad_token", ("<|pad|>",))
+        except TokenizerError:
+            return self.eos_id
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan.components.lora.adapters import adapter_updates
+from titan.models.common.moe import GroupedExperts
 
 PEFT_PREFIX = "base_model.model."
 # PEFT (0.21, with transformers 5) reads these target names in a model with routed experts as
@@ -62,7 +63,7 @@ def write_peft_adapter(parts: list[nn.Module], cfg, hf_adapter, out_dir: Path) -
     from safetensors.torch import save_file
 
     tensors, modules, problems = peft_tensors(parts, hf_adapter)
-    routed = any(".experts." in n for part in parts for n, _ in part.named_parameters())
+    routed = any(isinstance(m, GroupedExperts) for part in parts for m in part.modules())
     if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold their own
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (tensors, modules, problems, routed))
