@@ -27,11 +27,12 @@ _SAVE_LIST = {
     _aten.sort.stable,
 }
 # titan's own ops, by name (registered by the modules that define them, which need not be
-# imported here): attention written out (masks, sinks), its ring form under context
-# parallelism (every rank's keys) and CP's exchanges of q, k, v and outputs; recompute would
-# run them (and wait on peers) again
+# imported here): attention written out (masks, sinks), the experts' grouped GEMM on CPU, the
+# ring form of attention under context parallelism (every rank's keys) and CP's exchanges of
+# q, k, v and outputs; recompute would run them (and wait on peers) again
 _SAVE_NAMES = {
     "titan::masked_attention",
+    "titan::grouped_mm",
     "titan::ring_masked_attention",
     "titan::cp_all_to_all",
     "titan::cp_all_gather",

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan.models.common.grouped_mm import grouped_mm
 from titan.models.common.init import seeded_init_
 from titan.models.common.moe import GroupedExperts
 from titan.parallelisms.activation_checkpoint import recomputed_in_backward
@@ -64,8 +65,8 @@ class LoRAExperts(GroupedExperts):
             if expert >= 0:
                 low = F.linear(F.linear(h, a[expert]), b[expert])
             else:
-                low = torch._grouped_mm(h, a.transpose(-2, -1), offs=offsets)
-                low = torch._grouped_mm(low, b.transpose(-2, -1), offs=offsets)
+                low = grouped_mm(h, a.transpose(-2, -1), offsets)
+                low = grouped_mm(low, b.transpose(-2, -1), offsets)
             return out + self.lora_scale * low
 
 

@@ -65,7 +65,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _recomputing() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    # a compiled block's recompute runs inside its backward graph, which replays no Python:
+    # only eager recomputes reach here (and torch.compile cannot trace the task id)
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class _AddGradOf(torch.autograd.Function):

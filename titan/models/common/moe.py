@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from titan.models.common.aux_loss import TokenSplit, attach_group_loss, collecting, token_split
 from titan.models.common.feed_forward import FeedForward
+from titan.models.common.grouped_mm import grouped_mm
 from titan.models.common.init import normal, zeros
 from titan.models.common.moe_args import MoEArgs
 
@@ -159,12 +160,12 @@ class GroupedExperts(nn.Module):
         w = getattr(self, name)
         if expert >= 0:
             return F.linear(t, w[expert])
-        return torch._grouped_mm(t, w.transpose(-2, -1), offs=offsets)
+        return grouped_mm(t, w.transpose(-2, -1), offsets)
 
 
 def _sizes(counts: torch.Tensor, rows: int) -> list[int]:
     if torch.compiler.is_compiling() or not is_fake(counts):
-        return counts.tolist()  # under torch.compile, a graph break
+        return counts.tolist()  # under torch.compile, a graph break (CUDA float32 only)
     # fake tensors (the memory planner's trace) hold no values; whatever the split, the
     # experts' tensors add up to the same rows x width, so an even one has the same bytes
     n = counts.numel()
@@ -174,13 +175,16 @@ def _sizes(counts: torch.Tensor, rows: int) -> list[int]:
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Where torch's grouped GEMM runs: CUDA in bfloat16 with 16-byte aligned rows; CPU in
     float32, where it equals the per-expert loop bit for bit, forward and backward, and is
-    faster (tests/unit/test_moe.py). Fake tensors (the planner's, and torch.compile's while
-    it traces) take it only in bfloat16, all its shape function accepts."""
+    faster (tests/unit/test_moe.py), compiled too (through titan::grouped_mm). The planner's
+    fake tensors take it only in bfloat16, all torch's shape function accepts."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
-    if x.is_cuda or torch.compiler.is_compiling() or is_fake(x):
+    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
+    if cpu_fp32 and (torch.compiler.is_compiling() or not is_fake(x)):
+        return True
+    if x.is_cuda or is_fake(x):
         return x.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
-    return x.device.type == "cpu" and x.dtype == torch.float32
+    return False
 
 
 class MoE(nn.Module):

@@ -1,0 +1,54 @@
+"""torch's grouped GEMM (each group of rows times its own matrix), in a form torch.compile can
+trace wherever the eager kernel runs.
+
+torch's `_grouped_mm` computes float32 on CPU, but its shape function (what torch.compile and
+fake tensors run) accepts bfloat16 only: compiled, an fp32 CPU MoE block had to fall back to a
+per-expert loop whose split sizes are read on the host, a graph break in every MoE block.
+`titan::grouped_mm` wraps the same kernel as an op with its own shape function and a backward
+made of the same kernel calls autograd makes, so eager, compiled and recomputed products are
+bitwise the products `_grouped_mm` gives (tests/unit/test_moe.py).
+"""
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("titan::grouped_mm", mutates_args=())
+def _cpu_grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    return torch._grouped_mm(a, b, offs=offsets)
+
+
+@_cpu_grouped_mm.register_fake
+def _(a, b, offsets):
+    if b.dim() == 3:  # rows grouped: (rows, k) x (groups, k, n)
+        return a.new_empty(a.shape[0], b.shape[-1])
+    # the inner dimension grouped: (m, rows) x (rows, n) -> one (m, n) per group
+    return a.new_empty(offsets.shape[0], a.shape[0], b.shape[-1])
+
+
+def _setup(ctx, inputs, output):
+    a, b, offsets = inputs
+    ctx.save_for_backward(a, b, offsets)
+
+
+def _backward(ctx, grad):
+    # the rows-grouped form's gradient (the only form that is differentiated)
+    x, b, offsets = ctx.saved_tensors
+    grad_x = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _cpu_grouped_mm(grad, b.transpose(-2, -1), offsets)
+    if ctx.needs_input_grad[1]:  # not for a frozen weight (LoRA's base)
+        # (grad^T x)^T per group: the order autograd's formula for `_grouped_mm` multiplies in
+        grad_b = _cpu_grouped_mm(grad.t(), x, offsets).transpose(-2, -1)
+    return grad_x, grad_b, None
+
+
+_cpu_grouped_mm.register_autograd(_backward, setup_context=_setup)
+
+
+def grouped_mm(x: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    """x (rows, k) sorted into groups ending at `offsets` (int32, cumulative), b (groups, k, n)
+    -> (rows, n): each group's rows times its own matrix."""
+    if x.device.type == "cpu":
+        return _cpu_grouped_mm(x, b, offsets)
+    return torch._grouped_mm(x, b, offs=offsets)
