@@ -104,8 +104,12 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor, interleaved: bool = True) ->
         return (
             torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).type_as(x)
         )
+    # the same sums as (x0 cos - x1 sin, x1 cos + x0 sin), bit for bit, as HF's rotate_half
+    # writes them: two full-width multiplies instead of four on strided halves (half the
+    # time forward and backward in eager)
     x0, x1 = xf.chunk(2, dim=-1)
-    return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).type_as(x)
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    return (xf * cos + torch.cat([-x1, x0], dim=-1) * sin).type_as(x)
 
 
 def yarn_rope_table(
