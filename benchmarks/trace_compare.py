@@ -24,7 +24,7 @@ KINDS = [  # first match wins
     ),
     ("optimizer", r"adam|_foreach|optimizer"),
     ("attention", r"attention|sdpa|_scaled_dot|flash|_efficient"),
-    ("matmul", r"^aten::(mm|bmm|addmm|matmul|linear|baddbmm)$"),
+    ("matmul", r"^aten::(mm|bmm|addmm|matmul|linear|baddbmm|_grouped_mm)$|^titan::grouped_mm$"),
     (
         "copies/layout",
         r"copy|clone|contiguous|cat|stack|expand|repeat|index|view|reshape|"

@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent("""
         before = {k: v.clone() for k, v in model.state_dict().items()}
         cfg = SimpleNamespace(enable=True, folder="ck", interval=1, keep_latest_k=0,
                               async_mode="async", last_save_model_only=False,
-                              export_dtype="float32")
+                              export_dtype="float32", write_threads=2)
         ck = Checkpointer(cfg, dump_folder=sys.argv[1], rank=0,
                           states={"model": ModelState([model]), "train_state": TrainState()})
         step1 = os.path.join(sys.argv[1], "ck", "step-1")

@@ -292,6 +292,40 @@ def test_a_save_that_fails_leaves_no_folder_and_keeps_the_last(tmp_path):
     assert json.loads((root / "step-2" / ".complete").read_text())["step"] == 2
 
 
+def _threaded_save(rank, world_size, root):
+    from titan.components.checkpoint import checkpointer
+    from titan.components.checkpoint.train_state import ModelState, TrainState
+
+    cfg = parse_args([]).checkpoint
+    cfg.enable = True
+    torch.manual_seed(0)  # replicated, as a model is without sharding
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    states = {"model": ModelState([model]), "train_state": TrainState()}
+    ck = checkpointer.Checkpointer(cfg, dump_folder=root, rank=rank, states=states)
+    ck.save(1)
+    ck.close()
+    torch.distributed.barrier()  # rank 0 marks the folder complete after the others wrote
+    for p in model.parameters():
+        p.data.zero_()
+    checkpointer.Checkpointer(cfg, dump_folder=root, rank=rank, states=states).load()
+    return all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+
+
+def test_a_save_writes_each_rank_s_files_on_write_threads_each_checksummed(tmp_path):
+    """checkpoint.write_threads (2 by default) files per rank, written at once; the marker
+    checksums every one of them, and the state loads back as saved on both ranks."""
+    from tests.forked import run_workers
+
+    assert all(run_workers(_threaded_save, 2, tmp_path, str(tmp_path / "dump")))
+    step = tmp_path / "dump" / "checkpoint" / "step-1"
+    files = checkpoint.saved_files(step)
+    names = {p.name for p in step.glob("*.distcp")}
+    assert {"__0_0.distcp", "__0_1.distcp"} <= names  # rank 0's share, in two files
+    assert set(files) == names | {".metadata"}
+    assert folder_problem(step, "full") is None
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "deepseek_v3"])
 def test_every_flavor_comes_back_from_its_record(family):
     """convert_to_hf and generate read a checkpoint's architecture from its marker's record

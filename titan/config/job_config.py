@@ -276,6 +276,11 @@ class Checkpoint:
     keep_latest_k: int = opt(
         10, "Keep the newest k complete checkpoints, purge older ones; 0 = all"
     )
+    write_threads: int = opt(
+        2,
+        "Files each rank writes at once in a save (DCP's thread_count): serializing and "
+        "checksumming overlap the writes the kernel blocks in (1: one file, DCP's default)",
+    )
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = opt(
         "disabled", "Copy during the next step, write in a background process; pinned needs CUDA"
     )

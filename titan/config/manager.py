@@ -444,6 +444,7 @@ def validate(cfg: JobConfig) -> None:
         ),
         (cfg.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1"),
         (cfg.checkpoint.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0 (0 = all)"),
+        (cfg.checkpoint.write_threads >= 1, "checkpoint.write_threads", "must be >= 1"),
         (cfg.checkpoint.load_step >= -1, "checkpoint.load_step", "must be -1 (newest) or >= 0"),
         (
             set(cfg.checkpoint.exclude_from_loading)

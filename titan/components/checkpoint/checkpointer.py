@@ -450,13 +450,19 @@ class Checkpointer:
                     state,
                     checkpoint_id=str(path),
                     async_stager=self._stager(),
-                    storage_writer=ChecksummingWriter(str(path)),
+                    storage_writer=ChecksummingWriter(
+                        str(path), thread_count=self.cfg.write_threads
+                    ),
                     async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 )
             self._pending = (response.upload_completion, path, step)
             self._staging = (response.staging_completion, step)
         else:
-            writer = ChecksummingWriter(str(path), on_write=lambda: self._phase("writing", step))
+            writer = ChecksummingWriter(
+                str(path),
+                on_write=lambda: self._phase("writing", step),
+                thread_count=self.cfg.write_threads,
+            )
             with self._writing(path, step):
                 dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
             self._phase("written", step)

@@ -5,8 +5,9 @@ torch's `_grouped_mm` computes float32 on CPU, but its shape function (what torc
 fake tensors run) accepts bfloat16 only: compiled, an fp32 CPU MoE block had to fall back to a
 per-expert loop whose split sizes are read on the host, a graph break in every MoE block.
 `titan::grouped_mm` wraps the same kernel as an op with its own shape function and a backward
-made of the same kernel calls autograd makes, so eager, compiled and recomputed products are
-bitwise the products `_grouped_mm` gives (tests/unit/test_moe.py).
+made of the same kernel calls autograd makes, so compiled and recomputed products are bitwise
+the products eager `_grouped_mm` gives (tests/unit/test_compile_moe.py). Only compiled code
+takes it; eager calls torch's op directly.
 """
 
 import torch
@@ -49,6 +50,7 @@ _cpu_grouped_mm.register_autograd(_backward, setup_context=_setup)
 def grouped_mm(x: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     """x (rows, k) sorted into groups ending at `offsets` (int32, cumulative), b (groups, k, n)
     -> (rows, n): each group's rows times its own matrix."""
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and torch.compiler.is_compiling():
         return _cpu_grouped_mm(x, b, offsets)
+    # eager: torch's op itself (the custom op's Python dispatch costs ~0.1 ms a call)
     return torch._grouped_mm(x, b, offs=offsets)
