@@ -11,13 +11,20 @@ machine only the model shape and the dataset are added.
 - FSDP reduces with PREMUL_SUM at its divide factor 1.0, which gloo lacks: on gloo FSDP is
   told to reduce with SUM, the same arithmetic at factor 1.0 (no division either way).
 - Its MoE package imports a triton kernel at import time, and a CPU wheel has no triton:
-  that one module is replaced by one whose functions say so if called (a dense model never
-  calls them). torch's own triton probes are untouched.
+  that one module is replaced. Its `generate_permute_indices` (expert parallelism's reorder of
+  the received rows by local expert, padded per expert) is written here for the CPU from its
+  documented contract; the triton fill is never called. torch's own triton probes are
+  untouched.
+- Its router counts tokens per expert with `torch.histc` on int64 expert indices, which
+  CUDA computes and the CPU refuses: on the CPU an integer histc is computed on the indices
+  as float32 (exact for expert ids) and returned in the input's dtype, as CUDA returns it.
 - Its profiler lists the GPU activity as None when there is no GPU, which torch refuses: the
   None is left out.
 Environment (set by benchmarks/vs_torchtitan.py):
-- TITAN_BENCH_SHAPE: JSON of torchtitan `TransformerModelArgs` fields, registered as the
-  llama3 flavor `titan_shape` (titan's flavor, so both sides train the same shape).
+- TITAN_BENCH_FAMILY: llama3 (default), qwen3 or deepseek_v3, the torchtitan model name.
+- TITAN_BENCH_SHAPE: JSON of that family's model-args fields (`moe_args` a dict of MoEArgs
+  fields), registered as its flavor `titan_shape` (titan's flavor, so both sides train the
+  same shape).
 - TITAN_BENCH_CORPUS: a JSON-lines file with a "text" field, registered as dataset
   `titan_corpus`.
 """
@@ -80,6 +87,35 @@ def _cpu_device_while_importing():
         tu._get_available_device_type, tu._get_device_module = original_type, original_module
 
 
+def _permute_indices_cpu(
+    tokens_per_expert_group, experts_per_rank, num_ranks, max_len, alignment, use_cpu=False
+):
+    """The received rows (rank-major: rank r's rows for its local experts 0..E-1, then rank
+    r+1's) reordered expert-major, each expert's run padded to a multiple of `alignment` (at
+    least one): (indices into the rows, -1 for padding; padded sizes; their running sum)."""
+    counts = tokens_per_expert_group.view(num_ranks, experts_per_rank).tolist()
+    starts = (tokens_per_expert_group.cumsum(0) - tokens_per_expert_group).tolist()
+    totals = [sum(counts[r][e] for r in range(num_ranks)) for e in range(experts_per_rank)]
+    sizes = [-(-max(t, alignment) // alignment) * alignment for t in totals]
+    indices = torch.full((max_len,), -1, dtype=torch.int32)
+    at = 0
+    for e in range(experts_per_rank):
+        write = at
+        for r in range(num_ranks):
+            n = counts[r][e]
+            first = starts[r * experts_per_rank + e]
+            end = min(write + n, max_len)
+            indices[write:end] = torch.arange(first, first + end - write, dtype=torch.int32)
+            write += n
+        at += sizes[e]
+    sizes_t = torch.tensor(sizes, dtype=torch.int32, device=tokens_per_expert_group.device)
+    return (
+        indices.to(tokens_per_expert_group.device),
+        sizes_t,
+        sizes_t.cumsum(0).to(torch.int32),
+    )
+
+
 @contextlib.contextmanager
 def _moe_kernels_without_triton():
     import importlib.util
@@ -90,10 +126,11 @@ def _moe_kernels_without_triton():
         return
 
     def needs_triton(*_, **__):
-        raise RuntimeError("torchtitan's MoE permutation kernel needs triton (benchmark shim)")
+        raise RuntimeError("torchtitan's triton index fill needs triton (benchmark shim)")
 
     kernels = types.ModuleType(name)
-    kernels.generate_permute_indices = kernels.fill_indices_wrapper = needs_triton
+    kernels.fill_indices_wrapper = needs_triton
+    kernels.generate_permute_indices = _permute_indices_cpu
     sys.modules[name] = kernels
     yield
 
@@ -111,6 +148,7 @@ def _barrier_without_device_ids_on_gloo() -> None:
 
 def _sum_reduction_on_gloo() -> None:
     import torchtitan.models.llama3.infra.parallelize as llama_parallelize
+    import torchtitan.models.llama4.infra.parallelize as moe_parallelize
     from torch.distributed.fsdp import FSDPModule
 
     original = llama_parallelize.disable_fsdp_gradient_division
@@ -122,7 +160,21 @@ def _sum_reduction_on_gloo() -> None:
                 if isinstance(module, FSDPModule):
                     module.set_force_sum_reduction_for_comms(True)
 
-    llama_parallelize.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+    # the dense families call it from llama3's module, the MoE ones (qwen3, deepseek_v3, by
+    # llama4's apply_fsdp) from llama4's
+    for module in (llama_parallelize, moe_parallelize):
+        module.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+
+
+def _integer_histc_on_cpu() -> None:
+    original = torch.histc
+
+    def histc(input, bins=100, min=0, max=0, *, out=None):
+        if out is None and input.device.type == "cpu" and not input.is_floating_point():
+            return original(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+        return original(input, bins=bins, min=min, max=max, out=out)
+
+    torch.histc = histc
 
 
 def _profiler_without_missing_activity() -> None:
@@ -141,11 +193,27 @@ def _register_shape_and_corpus() -> None:
     from datasets import load_dataset
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
-    from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
 
     shape = os.environ.get("TITAN_BENCH_SHAPE")
     if shape:
-        llama3_args["titan_shape"] = TransformerModelArgs(**json.loads(shape))
+        fields = json.loads(shape)
+        family = os.environ.get("TITAN_BENCH_FAMILY", "llama3")
+        if family == "llama3":
+            from torchtitan.models.llama3 import TransformerModelArgs as Args
+            from torchtitan.models.llama3 import llama3_args as flavors
+        elif family == "qwen3":
+            from torchtitan.models.qwen3 import Qwen3ModelArgs as Args
+            from torchtitan.models.qwen3 import qwen3_args as flavors
+        elif family == "deepseek_v3":
+            from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs as Args
+            from torchtitan.models.deepseek_v3 import deepseekv3_args as flavors
+        else:
+            raise SystemExit(f"TITAN_BENCH_FAMILY={family!r}: llama3, qwen3 or deepseek_v3")
+        if "moe_args" in fields:
+            from torchtitan.models.moe import MoEArgs
+
+            fields["moe_args"] = MoEArgs(**fields["moe_args"])
+        flavors["titan_shape"] = Args(**fields)
     corpus = os.environ.get("TITAN_BENCH_CORPUS")
     if corpus:
         DATASETS["titan_corpus"] = DatasetConfig(
@@ -166,6 +234,7 @@ def main() -> None:
     if on_cpu:
         _barrier_without_device_ids_on_gloo()
         _sum_reduction_on_gloo()
+        _integer_histc_on_cpu()
         _profiler_without_missing_activity()
     _register_shape_and_corpus()
     tt_train.main(tt_train.Trainer)

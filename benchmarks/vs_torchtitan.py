@@ -1,6 +1,8 @@
 """titan vs torchtitan, side by side: tokens/s, peak memory and start-up on the same work.
 
     python benchmarks/vs_torchtitan.py [--rounds 3 --steps 40 --layouts 1,fsdp2,tp2]
+    python benchmarks/vs_torchtitan.py --family qwen3_moe [--layouts 1,fsdp2,ep2]
+    python benchmarks/vs_torchtitan.py --family deepseek_v3
 
 One command on a fresh machine: it installs torchtitan (pinned, `--torchtitan`) into its own
 venv under `--scratch`, sharing this interpreter's installed torch (the same wheel, nothing
@@ -9,6 +11,14 @@ CPU/gloo machine at import time. Both train titan's flavor (torchtitan gets it a
 `titan_shape`), on titan's bundled corpus and tokenizer, fp32, fused AdamW, no compile, no AC,
 TensorBoard off, with the same threads per rank. Runs alternate titan/torchtitan (and swap
 who goes first each round) so machine drift hits both alike.
+
+MoE families (`--family qwen3_moe|deepseek_v3`): the same experts, top-k, shared experts,
+dense first layers and routing function on both sides (Qwen3-MoE's debug shape with every
+layer routed, as torchtitan's Qwen3 has it: benchmarks/moe_flavors.py registers it in titan;
+DeepSeek-V3's debug model as titan ships it), no balancing loss, DeepSeek's routing-bias
+update at 1e-3 on both. torchtitan's experts run its fp32 per-expert loop (its grouped GEMM
+casts to bfloat16 and, for DeepSeek, wants an SM90 GPU); titan's run torch's fp32 grouped
+GEMM.
 
 tokens/s is each trainer's own figure, per device, over the log windows after `--warmup`
 steps (both count tokens / (window seconds x non-data-parallel degree)). Peak RSS is the
@@ -48,6 +58,23 @@ LAYOUTS = {
     "1": (1, {}),
     "fsdp2": (2, {"data_parallel_shard_degree": 2}),
     "tp2": (2, {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}),
+    "ep2": (2, {"data_parallel_shard_degree": 2, "expert_parallel_degree": 2}),
+}
+# --family -> (titan model name, titan flavor, titan flags, torchtitan model name)
+FAMILIES = {
+    "llama3": ("llama3", None, [], "llama3"),
+    "qwen3_moe": (
+        "qwen3",
+        "debugmodel_moe_all",
+        ["--job.custom_import", "benchmarks/moe_flavors.py", "--qwen3.moe_aux_loss_coeff", "0"],
+        "qwen3",
+    ),
+    "deepseek_v3": (
+        "deepseek_v3",
+        "debugmodel",
+        ["--deepseek_v3.moe_aux_loss_coeff", "0", "--deepseek_v3.moe_bias_update_rate", "0.001"],
+        "deepseek_v3",
+    ),
 }
 
 
@@ -150,7 +177,12 @@ def torchtitan_python(scratch: Path, version: str, wheelhouse: str | None) -> Pa
     return python
 
 
-def torchtitan_shape(flavor: str) -> dict:
+def torchtitan_shape(family: str, flavor: str) -> dict:
+    """titan's flavor as torchtitan's model-args fields (`moe_args`: MoEArgs fields)."""
+    if family == "qwen3_moe":
+        return _qwen3_moe_shape(flavor)
+    if family == "deepseek_v3":
+        return _deepseek_v3_shape(flavor)
     from titan.models.llama3.args import LLAMA3_FLAVORS
 
     a = LLAMA3_FLAVORS[flavor]
@@ -166,6 +198,77 @@ def torchtitan_shape(flavor: str) -> dict:
         ffn_dim_multiplier=a.ffn_dim_multiplier,
         norm_eps=a.norm_eps,
         rope_theta=a.rope_theta,
+    )
+
+
+def _moe_args(m, **extra) -> dict:
+    # scores multiply the experts' outputs (titan's order); fp32 per-expert loop (see above)
+    return dict(
+        num_experts=m.n_experts,
+        num_shared_experts=m.n_shared_experts,
+        top_k=m.top_k,
+        score_func=m.score_func,
+        route_norm=m.norm_topk_prob,
+        route_scale=m.route_scale,
+        score_before_experts=False,
+        use_grouped_mm=False,
+        **extra,
+    )
+
+
+def _qwen3_moe_shape(flavor: str) -> dict:
+    import benchmarks.moe_flavors  # noqa: F401  (registers the all-routed shape)
+    from titan.models.qwen3.args import QWEN3_FLAVORS
+
+    a = QWEN3_FLAVORS[flavor]
+    if a.mlp_only_layers or a.moe is None or a.moe.n_groups > 1:
+        raise SystemExit(f"qwen3 flavor {flavor}: torchtitan's Qwen3 routes every layer")
+    return dict(
+        dim=a.dim,
+        n_layers=a.n_layers,
+        n_heads=a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
+        vocab_size=a.vocab_size,
+        hidden_dim=a.ffn_hidden_dim,
+        norm_eps=a.norm_eps,
+        rope_theta=a.rope_theta,
+        qk_norm=True,
+        enable_weight_tying=a.tie_word_embeddings,
+        moe_enabled=True,
+        moe_inter_dim=a.moe.hidden_dim,
+        moe_args=_moe_args(a.moe, load_balance_coeff=None),
+    )
+
+
+def _deepseek_v3_shape(flavor: str) -> dict:
+    from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+
+    a = DEEPSEEK_V3_FLAVORS[flavor]
+    if a.tie_word_embeddings or a.mtp_depth or a.rope_scaling_factor:
+        raise SystemExit(f"deepseek_v3 flavor {flavor}: tied, MTP or YaRN (not benchmarked)")
+    m = a.moe
+    groups = dict(num_expert_groups=m.n_groups, num_limited_groups=m.topk_groups)
+    return dict(
+        dim=a.dim,
+        n_layers=a.n_layers,
+        n_dense_layers=a.n_dense_layers,
+        n_heads=a.n_heads,
+        vocab_size=a.vocab_size,
+        inter_dim=a.ffn_hidden_dim,
+        moe_inter_dim=m.hidden_dim,
+        norm_eps=a.norm_eps,
+        q_lora_rank=a.q_lora_rank,
+        kv_lora_rank=a.kv_lora_rank,
+        qk_nope_head_dim=a.qk_nope_head_dim,
+        qk_rope_head_dim=a.qk_rope_head_dim,
+        v_head_dim=a.v_head_dim,
+        rope_theta=a.rope_theta,
+        moe_args=_moe_args(
+            m,
+            load_balance_coeff=1e-3 if m.score_bias else None,
+            **(groups if m.n_groups > 1 else {}),
+        ),
     )
 
 
@@ -196,7 +299,7 @@ def torchtitan_toml(args, dump: Path, assets: Path, par: dict) -> str:
         "[job]",
         f'dump_folder = "{dump}"',
         "[model]",
-        'name = "llama3"',
+        f'name = "{FAMILIES[args.family][3]}"',
         'flavor = "titan_shape"',
         f'hf_assets_path = "{assets}"',
         "[optimizer]",
@@ -252,9 +355,13 @@ def profiling_flags(args) -> list[str]:
 def run_titan(args, layout: str, out: Path) -> dict:
     nproc, par = LAYOUTS[layout]
     dump = out / f"titan-{layout}"
+    name, _, family_flags, _ = FAMILIES[args.family]
     cmd, env = command(
         nproc,
         [
+            *family_flags,
+            "--model.name",
+            name,
             "--model.flavor",
             args.flavor,
             "--training.steps",
@@ -309,7 +416,8 @@ def run_torchtitan(args, layout: str, out: Path, python: Path, assets: Path) -> 
     env = {
         **os.environ,
         **threads(nproc),
-        "TITAN_BENCH_SHAPE": json.dumps(torchtitan_shape(args.flavor)),
+        "TITAN_BENCH_FAMILY": FAMILIES[args.family][3],
+        "TITAN_BENCH_SHAPE": json.dumps(torchtitan_shape(args.family, args.flavor)),
         "TITAN_BENCH_CORPUS": str(REPO / "assets/corpus/kjv_train.jsonl"),
     }
     log = out / f"torchtitan-{layout}.log"
@@ -357,8 +465,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10, help="steps left out; also the log window")
-    ap.add_argument("--layouts", default="1,fsdp2,tp2", help=f"from {', '.join(LAYOUTS)}")
-    ap.add_argument("--flavor", default="debugmodel", help="a titan llama3 flavor")
+    ap.add_argument("--family", default="llama3", choices=list(FAMILIES))
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help=f"from {', '.join(LAYOUTS)} (default: 1,fsdp2,tp2; MoE: 1,fsdp2,ep2)",
+    )
+    ap.add_argument(
+        "--flavor", default=None, help="a titan flavor of the family (default: its debug shape)"
+    )
     ap.add_argument("--seq_len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -374,7 +489,9 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None, help="also write every run's figures here")
     args = ap.parse_args()
-    layouts = args.layouts.split(",")
+    moe = args.family != "llama3"
+    args.flavor = args.flavor or FAMILIES[args.family][1] or "debugmodel"
+    layouts = (args.layouts or ("1,fsdp2,ep2" if moe else "1,fsdp2,tp2")).split(",")
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown:
         ap.error(f"unknown layout(s) {unknown}; choose from {list(LAYOUTS)}")

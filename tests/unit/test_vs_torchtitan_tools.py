@@ -33,7 +33,7 @@ def test_torchtitan_log_lines_give_step_and_tokens_per_second():
 
 def test_torchtitan_gets_titans_shape_and_the_same_training_settings(tmp_path):
     vs = _script("vs_torchtitan")
-    shape = vs.torchtitan_shape("debugmodel")
+    shape = vs.torchtitan_shape("llama3", "debugmodel")
     assert shape == dict(
         dim=256,
         n_layers=6,
@@ -46,8 +46,10 @@ def test_torchtitan_gets_titans_shape_and_the_same_training_settings(tmp_path):
         rope_theta=500000.0,
     )
     with pytest.raises(SystemExit, match="ties its embeddings"):
-        vs.torchtitan_shape("debugmodel_tied")
-    args = vs.argparse.Namespace(lr=3e-3, batch=8, seq_len=256, steps=40, warmup=10)
+        vs.torchtitan_shape("llama3", "debugmodel_tied")
+    args = vs.argparse.Namespace(
+        lr=3e-3, batch=8, seq_len=256, steps=40, warmup=10, family="llama3"
+    )
     toml = vs.torchtitan_toml(args, tmp_path / "dump", tmp_path / "tok", vs.LAYOUTS["tp2"][1])
     try:
         import tomllib
@@ -59,6 +61,75 @@ def test_torchtitan_gets_titans_shape_and_the_same_training_settings(tmp_path):
     assert cfg["activation_checkpoint"]["mode"] == "none"
     assert cfg["metrics"]["log_freq"] == 10 and cfg["metrics"]["enable_tensorboard"] is False
     assert cfg["parallelism"] == {"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}
+    assert cfg["model"]["name"] == "llama3"
+
+
+@pytest.fixture
+def bench_flavors():
+    """The benchmarks' plugin adds flavors to titan's tables: taken out again after the test."""
+    from titan.models.llama3.args import LLAMA3_FLAVORS
+    from titan.models.qwen3.args import QWEN3_FLAVORS
+
+    saved = [(table, dict(table)) for table in (LLAMA3_FLAVORS, QWEN3_FLAVORS)]
+    yield
+    for table, before in saved:
+        table.clear()
+        table.update(before)
+
+
+def test_moe_shapes_match_titans_routing_and_parameter_count(bench_flavors):
+    """torchtitan's fields for the MoE families name titan's experts, top-k, shared experts,
+    dense layers and routing (scores applied after the experts, fp32 loop); the counts both
+    trainers printed are in RESULTS.md (5,777,920 and 5,104,640), these are titan's."""
+    vs = _script("vs_torchtitan")
+    from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+    from titan.models.qwen3.args import QWEN3_FLAVORS
+
+    qwen = vs.torchtitan_shape("qwen3_moe", "debugmodel_moe_all")
+    assert QWEN3_FLAVORS["debugmodel_moe_all"].num_params() == 5_777_920
+    assert (qwen["moe_enabled"], qwen["moe_inter_dim"], qwen["head_dim"]) == (True, 128, 32)
+    assert qwen["moe_args"] == dict(
+        num_experts=8,
+        num_shared_experts=0,
+        top_k=2,
+        score_func="softmax",
+        route_norm=True,
+        route_scale=1.0,
+        score_before_experts=False,
+        use_grouped_mm=False,
+        load_balance_coeff=None,
+    )
+    with pytest.raises(SystemExit, match="routes every layer"):
+        vs.torchtitan_shape("qwen3_moe", "debugmodel_moe")  # its dense first layer
+    ds = vs.torchtitan_shape("deepseek_v3", "debugmodel")
+    assert DEEPSEEK_V3_FLAVORS["debugmodel"].num_params() == 5_104_640
+    assert (ds["n_dense_layers"], ds["q_lora_rank"], ds["kv_lora_rank"]) == (1, 128, 64)
+    assert ds["moe_args"] == dict(
+        num_experts=8,
+        num_shared_experts=1,
+        top_k=2,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=2.5,
+        score_before_experts=False,
+        use_grouped_mm=False,
+        load_balance_coeff=1e-3,
+        num_expert_groups=4,
+        num_limited_groups=2,
+    )
+
+
+def test_the_shims_permute_indices_order_rows_by_local_expert_padded():
+    """EP's reorder of received rows (rank-major) into local-expert-major runs, each padded to
+    the alignment (at least one row), -1 for padding."""
+    import torch
+
+    shim = _script("torchtitan_cpu_shim")
+    # from rank 0: 2 rows for expert 0, 1 for expert 1; from rank 1: 0 and 3
+    counts = torch.tensor([2, 1, 0, 3])
+    idx, sizes, offsets = shim._permute_indices_cpu(counts, 2, 2, 16, 4)
+    assert sizes.tolist() == [4, 4] and offsets.tolist() == [4, 8]
+    assert idx.tolist() == [0, 1, -1, -1, 2, 3, 4, 5] + [-1] * 8
 
 
 def test_trace_breakdown_counts_each_ops_own_time_once(tmp_path):
@@ -86,3 +157,18 @@ def test_trace_breakdown_counts_each_ops_own_time_once(tmp_path):
     assert tc.kind_of("c10d::_allgather_base_") == "collectives"
     assert tc.kind_of("aten::mm") == "matmul"
     assert tc.kind_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+
+
+def test_scaling_reads_the_checkpointers_log_lines(bench_flavors):
+    """benchmarks/scaling.py times saves and loads from the checkpointer's own log lines."""
+    sc = _script("scaling")
+    # the lines as the checkpointer's format strings render them
+    saved = "checkpoint step 1 saved (sync, training blocked 4.70s)"
+    assert sc.SAVED.search(saved).groups() == ("4.70",)
+    loaded = "loaded model, optimizer, train_state from /x/step-1 in 0.95s"
+    assert sc.LOADED.search(loaded).groups() == ("model, optimizer, train_state", "0.95")
+    hf = (
+        "initialized the model from the HF weights in /x/hf: 3 tensors, 2005.0 MiB "
+        "read by this rank (its shards only) in 0.35s"
+    )
+    assert sc.HF_LOADED.search(hf).groups() == ("2005.0", "0.35")
