@@ -329,36 +329,26 @@ def plot(part: str, curves: dict, folder: Path) -> Path | None:
         print("matplotlib is not installed: no plots")
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    if part == "seq":
+    panels = {  # part -> x label, the two y labels
+        "seq": ("sequence length (4096 tokens a step)", "step time s"),
+        "experts": ("experts (top-k x width = 256 in both series)", "step time s"),
+        "ep": ("expert-parallel degree", "tokens/s (job)"),
+    }
+    if part in panels:
+        xlabel, ylabel = panels[part]
         for label, pts in curves.items():
-            x = [p[0] for p in pts]
-            axes[0].plot(x, [p[1] for p in pts], "o-", label=label)
-            axes[1].plot(x, [p[2] for p in pts], "o-", label=label)
+            # the experts series' points are "experts/top-k/width": plotted at their experts
+            xs = [int(str(p[0]).split("/")[0]) for p in pts]
+            for ax, i in zip(axes, (1, 2), strict=True):
+                ax.plot(xs, [p[i] for p in pts], "o-", label=label)
         for ax in axes:
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("sequence length (4096 tokens a step)")
-        axes[0].set_ylabel("step time s")
-        axes[1].set_ylabel("peak memory GiB (process RSS)")
-        axes[1].set_ylim(bottom=0)
-    elif part == "experts":
-        for label, pts in curves.items():
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
-        for ax in axes:
-            ax.set_xlabel("experts / top-k / width")
-            ax.tick_params(axis="x", labelrotation=45)
-        axes[0].set_ylabel("step time s")
-        axes[1].set_ylabel("peak memory GiB (process RSS)")
-        axes[1].set_ylim(bottom=0)
-    elif part == "ep":
-        for label, pts in curves.items():
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
-        for ax in axes:
-            ax.set_xlabel("expert-parallel degree")
-        axes[0].set_ylabel("tokens/s (job)")
+            ax.set_xlabel(xlabel)
+        axes[0].set_ylabel(ylabel)
         axes[1].set_ylabel("peak memory GiB (rank 0 RSS)")
         axes[1].set_ylim(bottom=0)
+        if part in ("seq", "experts"):
+            for ax in axes:
+                ax.set_xscale("log", base=2)
     else:
         rows = curves["rows"]
         x = [r["state_gib"] for r in rows]
