@@ -27,7 +27,7 @@ _SAVE_LIST = {
     _aten.sort.stable,
 }
 # titan's own ops, by name (registered by the modules that define them, which need not be
-# imported here): attention written out (masks, sinks), the experts' grouped GEMM on CPU, the
+# imported here): attention written out (masks, sinks), the experts' compiled CPU GEMM, the
 # ring form of attention under context parallelism (every rank's keys) and CP's exchanges of
 # q, k, v and outputs; recompute would run them (and wait on peers) again
 _SAVE_NAMES = {

@@ -165,7 +165,7 @@ class GroupedExperts(nn.Module):
 
 def _sizes(counts: torch.Tensor, rows: int) -> list[int]:
     if torch.compiler.is_compiling() or not is_fake(counts):
-        return counts.tolist()  # under torch.compile, a graph break (CUDA float32 only)
+        return counts.tolist()  # under torch.compile, a graph break (CUDA fp32, CPU bf16)
     # fake tensors (the memory planner's trace) hold no values; whatever the split, the
     # experts' tensors add up to the same rows x width, so an even one has the same bytes
     n = counts.numel()
