@@ -406,6 +406,7 @@ def test_negative_steps_toml(tmp_path):
     "argv,key",
     [
         (["--training.seq_len", "0"], "training.seq_len"),
+        (["--checkpoint.write_threads", "0"], "checkpoint.write_threads"),
         (["--optimizer.beta2", "1.0"], "optimizer.beta2"),
         (["--lr_scheduler.decay_ratio", "1.5"], "lr_scheduler.decay_ratio"),
         (["--training.global_batch_size", "0"], "training.global_batch_size"),
