@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.moe_flavors import EXPERT_COUNT, GRANULARITY, moe_flavor  # noqa: E402
 from benchmarks.vs_torchtitan import measured_run  # noqa: E402
+from titan.components.checkpoint.folders import saved_files  # noqa: E402
 from titan.tools.loss_compare import command, read_metrics  # noqa: E402
 
 PLUGIN = ["--job.custom_import", "benchmarks/moe_flavors.py"]
@@ -224,10 +225,6 @@ HF_SAVED = re.compile(r"saved as an HF folder .* in ([\d.]+)s")
 HF_LOADED = re.compile(r"from the HF weights .* ([\d.]+) MiB read by this rank .* in ([\d.]+)s")
 
 
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def _seconds(pattern: re.Pattern, text: str, what: str) -> tuple[str, ...]:
     m = pattern.search(text)
     if m is None:
@@ -254,7 +251,8 @@ def checkpoint_part(tmp: Path) -> tuple[str, dict]:
         saved, hf = dump / "checkpoint" / "step-1", tmp / f"hf-{flavor}"
         (dump / "checkpoint" / "step-2").rename(hf)
         save_s = float(_seconds(SAVED, first["log"], "saved (sync)")[0])
-        state = folder_bytes(saved)
+        # the bytes the save wrote, as its marker records them
+        state = sum(size for _, size in saved_files(saved).values())
         # three probes: this VM's disk varies by 2-3x from write to write (write-back)
         probes = [disk_bandwidth(dump, min(max(state, GIB // 4), 4 * GIB)) for _ in range(3)]
         disk_w, disk_r = (statistics.median(p[i] for p in probes) for i in (0, 1))
