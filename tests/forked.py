@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests import workers
+
 DEADLINE_S = 60
 
 
@@ -68,22 +70,23 @@ def run_workers(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + deadline_s
-    while any(p.is_alive() for p in procs):
-        # one failed rank leaves the others blocked in a collective: stop them at once
-        failed = any(p.exitcode not in (None, 0) for p in procs)
-        if failed or time.monotonic() > deadline:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join()
-            if not failed:
-                pytest.fail(f"workers still running after {deadline_s} s (hang)")
-            break
-        time.sleep(0.02)
+    with workers.busy(world_size * threads):
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + deadline_s
+        while any(p.is_alive() for p in procs):
+            # one failed rank leaves the others blocked in a collective: stop them at once
+            failed = any(p.exitcode not in (None, 0) for p in procs)
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                for p in procs:
+                    p.join()
+                if not failed:
+                    pytest.fail(f"workers still running after {deadline_s} s (hang)")
+                break
+            time.sleep(0.02)
     results, errors = [], []
     for r, p in enumerate(procs):
         path = tmp_path / f"rank{r}.pt"

@@ -1,5 +1,6 @@
 import pytest
 
+from tests import workers
 from tests.integration.harness import COMMON, STEPS, dp_batch, launch, read_metrics
 
 
@@ -23,10 +24,14 @@ def train_run(tmp_path):
 
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory):
-    """The 1-rank run every layout is compared with."""
-    dump = tmp_path_factory.mktemp("baseline")
-    launch(1, [*COMMON, *dp_batch(1)], dump, timeout=300)
-    records = read_metrics(dump)
+    """The 1-rank run every layout is compared with (one run for all of the suite's workers)."""
+
+    def run():
+        dump = tmp_path_factory.mktemp("baseline")
+        launch(1, [*COMMON, *dp_batch(1)], dump, timeout=300)
+        return read_metrics(dump)
+
+    records = workers.once(tmp_path_factory, "baseline", run)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[-1]["loss"] < records[0]["loss"] - 1.0  # it learns, so the curve says something
     return records

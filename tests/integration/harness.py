@@ -7,10 +7,12 @@ with one GPU per rank, and skips (saying why) a layout that needs more GPUs than
 Fixtures (`baseline`, `train_run`) live in conftest.py; tests import everything else here.
 """
 
+import contextlib
 import os
 
 import pytest
 
+from tests import workers
 from titan.tools import loss_compare
 from titan.tools.loss_compare import (  # noqa: F401  re-exported for the tests
     RunFailed,
@@ -35,12 +37,15 @@ def require_devices(nproc: int) -> None:
 
 
 def launch(nproc, overrides, dump, **kw):
-    """run_train.sh with NGPU=nproc on the test device (see loss_compare.launch)."""
+    """run_train.sh with NGPU=nproc on the test device (see loss_compare.launch), holding a
+    core for each rank."""
     require_devices(nproc)
-    return loss_compare.launch(nproc, ["--training.device", DEVICE, *overrides], dump, **kw)
+    with workers.busy(nproc):
+        return loss_compare.launch(nproc, ["--training.device", DEVICE, *overrides], dump, **kw)
 
 
 def command(nproc, overrides, dump, **kw):
+    """The command line of a launch the test runs itself (inside `workers.busy(nproc)`)."""
     require_devices(nproc)
     return loss_compare.command(nproc, ["--training.device", DEVICE, *overrides], dump, **kw)
 
@@ -173,6 +178,8 @@ class Nodes:
         import subprocess
 
         require_devices(count * nproc)  # on CUDA all "nodes" share this machine's GPUs
+        self._cores = contextlib.ExitStack()
+        self._cores.enter_context(workers.busy(count * nproc))
         port = free_port()
         self.procs, self.log_dirs = [], []
         for node in range(count):
@@ -247,6 +254,7 @@ class Nodes:
         for node, p in enumerate(self.procs):
             if p.poll() is None:
                 self.kill(node)
+        self._cores.close()
 
     def __enter__(self):
         return self

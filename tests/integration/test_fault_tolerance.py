@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests import workers
 from tests.integration.harness import (
     COMMON,
     RunFailed,
@@ -38,6 +39,7 @@ def straight(tmp_path_factory):
 @pytest.mark.parametrize("nproc,victim", [(2, 1), (4, 2)])
 def test_sigkilled_rank_restarts_and_resumes_exactly(nproc, victim, straight, tmp_path):
     dump = tmp_path / "run"
+    workers.hold(nproc)
     cmd, env = command(nproc, [*BASE, *CK, *dp_batch(nproc)], dump, env={"MAX_RESTARTS": "2"})
     proc = subprocess.Popen(
         cmd,
@@ -213,6 +215,7 @@ def test_ctrl_c_and_sigterm_stop_in_a_few_lines_and_the_run_resumes(straight, tm
     run starts; the checkpoints stay intact and the resumed runs end with the uninterrupted
     run's losses."""
     dump = tmp_path / "run"
+    workers.hold(2)
     cmd, env = command(2, [*BASE, *CK, *dp_batch(2), "--checkpoint.interval", "2"], dump)
     for signum, at, code in ((signal.SIGINT, 5, 130), (signal.SIGTERM, 9, 143)):
         proc = subprocess.Popen(

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests import workers
 from tests.integration.harness import COMMON, RTOL, STEPS, command, kill_workers, read_metrics
 
 pytestmark = pytest.mark.needs("torchft")
@@ -48,6 +49,7 @@ def ft_args(replica_id, min_replicas=1):
 
 
 def start_group(replica_id, address, dump, extra=(), min_replicas=1):
+    workers.hold(2)  # the two groups' ranks run side by side
     cmd, env = command(
         1,
         [*COMMON, *ft_args(replica_id, min_replicas), *extra],

@@ -1,11 +1,13 @@
 """The real ./run_train.sh on one CPU rank: learning, logs, TensorBoard, errors."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from tests import workers
 from tests.integration.harness import DEVICE, FAST
 from titan.runtime.paths import REPO_ROOT
 
@@ -230,7 +232,18 @@ def test_a_two_rank_async_run_and_tp_generation_print_titan_lines_only(tmp_path)
     # per rank: model, MFU, job, training, timeout, 10 steps, 3 async saves x 2, the final
     # save, done
     assert len(lines) <= 2 * 23, len(lines)
-    gen = subprocess.run(
+    with workers.busy(2):
+        gen = _generate_on_two_ranks(dump)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert gen.stdout.startswith("In the beginning")
+    noise = [ln for ln in gen.stderr.splitlines() if not ln.startswith("[titan rank")]
+    assert noise == [], noise
+
+
+def _generate_on_two_ranks(dump):
+    """python -m titan.tools.generate under torchrun on 2 ranks (TP 2) from the run's
+    checkpoint."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -253,9 +266,5 @@ def test_a_two_rank_async_run_and_tp_generation_print_titan_lines_only(tmp_path)
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert gen.returncode == 0, gen.stderr[-3000:]
-    assert gen.stdout.startswith("In the beginning")
-    noise = [ln for ln in gen.stderr.splitlines() if not ln.startswith("[titan rank")]
-    assert noise == [], noise

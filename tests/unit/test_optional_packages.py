@@ -14,6 +14,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.import_guard.sitecustomize import OPTIONAL
 from titan.runtime.paths import REPO_ROOT
 
@@ -70,11 +72,13 @@ def test_forgets_it():
 """
 
 
-def test_an_optional_import_without_its_mark_fails_the_session(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one_process", "two_workers"])
+def test_an_optional_import_without_its_mark_fails_the_session(workers, tmp_path):
+    """Also when xdist's workers ran the tests: each checks its own, the controller fails."""
     test_file = tmp_path / "test_uses.py"
     test_file.write_text(USES)
     proc = pytest_child(
-        ["-q", "-c", "pyproject.toml", "-p", "tests.conftest", str(test_file)],
+        ["-q", "-c", "pyproject.toml", "-p", "tests.conftest", *workers, str(test_file)],
         dict(os.environ),
         timeout=120,
     )
