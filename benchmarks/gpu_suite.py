@@ -296,7 +296,12 @@ def run_row(row, ctx: dict, timeout: float) -> dict:
                 )
             res["torchtitan"] = ctx["peer_version"]
     else:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *row.pytest_args]
+        # one test at a time on the one GPU: without the suite's -n (the GPU machine may have
+        # no pytest-xdist)
+        cmd = [
+            *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra"),
+            *row.pytest_args,
+        ]
         code, tail = run(
             cmd, {**env, "TITAN_TEST_DEVICE": args.device}, dump / "console.log", timeout
         )

@@ -173,7 +173,8 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def share_cores(config) -> None:
-    """Controller: one slot per core for the workers, each worker computing on one thread.
+    """Controller: a slot per core and one more (tests/workers.py) for the workers, each
+    computing on one thread.
     Worker: join them (its children do not: a nested pytest must not queue for them)."""
     global _in_worker
     _in_worker = hasattr(config, "workerinput")
@@ -185,7 +186,7 @@ def share_cores(config) -> None:
         return
     if (getattr(config.option, "numprocesses", None) or 0) > 1:
         folder = tempfile.mkdtemp(prefix="titan-cores-")
-        os.environ[workers.ENV] = f"{folder}:{workers.available()}"
+        os.environ[workers.ENV] = f"{folder}:{workers.available() + 1}"
         os.environ["OMP_NUM_THREADS"] = "1"  # a slot is one core: 1-rank launches too
 
 

@@ -3,7 +3,8 @@
 Tests run on every core at once (`-n auto` in pyproject.toml), but a test that starts ranks
 must not find them fighting another test's ranks for the cores: a rank slowed down that way
 misses no result, but it stretches every collective and turns the suite's gain into a loss.
-So each core is a slot, a file locked with flock in a folder the controller makes:
+So the cores are slots, files locked with flock in a folder the controller makes, one per
+core and one more:
 
 - every test holds one slot while it runs (each worker computes on one thread, set below);
 - a test that starts k busy processes (forked ranks, run_train.sh's ranks, simulated nodes)
@@ -11,9 +12,13 @@ So each core is a slot, a file locked with flock in a folder the controller make
   helpers of tests/forked.py and tests/integration/harness.py take for every test; a test
   that runs a launch itself calls `hold(k)` first (until it ends).
 
+So the ranks of two tests never share the cores, and at most one single-process test runs
+beside a multi-rank one, in the time its ranks spend waiting on each other. A test whose
+assertions are timings holds every slot (`hold(ALL)`) and runs alone.
+
 Waiting is deadlock-free: a worker queues for slots (under one mutex) only while it holds none,
 so the slots it waits for are held by tests that are running, not waiting. The time a test
-waited is recorded (`core_wait_s`) and not counted against its time budget (conftest).
+waited is recorded (`titan_core_wait_s`) and not counted against its time budget (conftest).
 
 Without xdist, or with one worker, nothing is locked and nothing changes: `busy` is a no-op.
 
@@ -28,6 +33,7 @@ import os
 import time
 
 ENV = "TITAN_TEST_CORES"  # "<folder>:<slots>", set by the controller for its workers
+ALL = 1 << 30  # hold(ALL): every slot, the test runs alone
 
 
 def available() -> int:

@@ -1,7 +1,7 @@
 import pytest
 
 from tests import workers
-from tests.integration.harness import COMMON, STEPS, dp_batch, launch, read_metrics
+from tests.integration.harness import COMMON, STEPS, dp_batch, launch, read_metrics, train_layout
 
 
 def pytest_collection_modifyitems(items):
@@ -27,9 +27,7 @@ def baseline(tmp_path_factory):
     """The 1-rank run every layout is compared with (one run for all of the suite's workers)."""
 
     def run():
-        dump = tmp_path_factory.mktemp("baseline")
-        launch(1, [*COMMON, *dp_batch(1)], dump, timeout=300)
-        return read_metrics(dump)
+        return train_layout(1, [*COMMON, *dp_batch(1)], tmp_path_factory.mktemp("baseline"))
 
     records = workers.once(tmp_path_factory, "baseline", run)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

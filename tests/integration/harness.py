@@ -4,6 +4,12 @@
 The device: CPU/gloo by default; `TITAN_TEST_DEVICE=cuda` runs every launch on CUDA/NCCL
 with one GPU per rank, and skips (saying why) a layout that needs more GPUs than there are.
 
+A layout's numerics (`train_layout`) need no launch on CPU: its ranks are forked from the
+test process (tests/forked.py: the same Trainer, without torchrun's start and each rank's
+imports, half the cost). What only a launch proves (run_train.sh, the launcher's checks,
+torchrun's restarts and signals, resume in a new job) is launched, on every layout kind the
+checkpoint, fault-tolerance and multi-node tests cover. On CUDA every layout is launched.
+
 Fixtures (`baseline`, `train_run`) live in conftest.py; tests import everything else here.
 """
 
@@ -100,9 +106,22 @@ def losses(dump) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(dump)}
 
 
-def assert_matches_baseline(baseline, nproc, overrides, dump, case, rtol=RTOL):
-    launch(nproc, [*COMMON, *overrides], dump, timeout=600)
-    return assert_records_match(baseline, read_metrics(dump), nproc, case, rtol)
+def train_layout(nproc, overrides, tmp_path, timeout=600) -> list[dict]:
+    """Rank 0's metrics records of a run on `nproc` ranks: forked ranks on CPU, a launch on
+    CUDA (where a forked rank could not start CUDA)."""
+    if DEVICE == "cpu":
+        from tests.forked import run_trainer
+        from titan.config.manager import with_config_file
+
+        # the config file a launch reads (CONFIG_FILE, else run_train.sh's default)
+        return run_trainer(tmp_path, nproc, with_config_file(overrides), deadline_s=timeout)
+    launch(nproc, overrides, tmp_path / "dump", timeout=timeout)
+    return read_metrics(tmp_path / "dump")
+
+
+def assert_matches_baseline(baseline, nproc, overrides, tmp_path, case, rtol=RTOL):
+    records = train_layout(nproc, [*COMMON, *overrides], tmp_path)
+    return assert_records_match(baseline, records, nproc, case, rtol)
 
 
 def assert_records_match(baseline, records, nproc, case, rtol=RTOL):

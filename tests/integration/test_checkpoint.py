@@ -20,8 +20,10 @@ from tests.integration.harness import (
 )
 from titan.runtime.paths import REPO_ROOT
 
-STEPS = 20
-BASE = [*COMMON, "--training.steps", str(STEPS), "--checkpoint.interval", "10"]
+# a resume is proven by the steps after it, each equal bit for bit: a few suffice
+STEPS = 8
+STOP = 4  # the stop (and save) step of the interrupted runs
+BASE = [*COMMON, "--training.steps", str(STEPS), "--checkpoint.interval", str(STOP)]
 CK = ["--checkpoint.enable"]
 
 
@@ -34,7 +36,7 @@ def steps_on_disk(dump):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """straight(nproc, layout): losses of 20 uninterrupted steps, each layout launched once
+    """straight(nproc, layout): losses of STEPS uninterrupted steps, each layout launched once
     for the whole module (checkpointing does not change them, bit for bit)."""
     runs = {}
 
@@ -49,19 +51,23 @@ def straight(tmp_path_factory):
     return run
 
 
-def straight_then_resumed(straight, tmp_path, nproc, layout, extra=(), resume_step=10):
-    """(losses of 20 straight steps, losses of 10 steps + resume from `resume_step` + the rest).
+def straight_then_resumed(straight, tmp_path, nproc, layout, extra=(), resume_step=STOP):
+    """(losses of STEPS straight steps, losses of STOP steps + resume from `resume_step` + the
+    rest).
 
-    The save at the stop step (10) is always synchronous; resuming from an earlier interval
+    The save at the stop step is always synchronous; resuming from an earlier interval
     save proves an async one, whose copy overlapped the next step's forward/backward.
     """
     resumed = tmp_path / "resumed"
     first = launch(
-        nproc, [*BASE, *layout, *CK, *extra, "--training.exit_at_step", "10"], resumed, timeout=600
+        nproc,
+        [*BASE, *layout, *CK, *extra, "--training.exit_at_step", str(STOP)],
+        resumed,
+        timeout=600,
     )
-    assert sorted(losses(resumed)) == list(range(1, 11))
-    assert steps_on_disk(resumed) == sorted({resume_step, 10})
-    if resume_step != 10:  # the async save's copy is awaited within the next step
+    assert sorted(losses(resumed)) == list(range(1, STOP + 1))
+    assert steps_on_disk(resumed) == sorted({resume_step, STOP})
+    if resume_step != STOP:  # the async save's copy is awaited within the next step
         log = first.stderr
         staged = log.index(f"checkpoint step {resume_step} staged")
         assert staged < re.search(rf"step:\s+{resume_step + 1}\s", log).start()
@@ -79,16 +85,16 @@ def straight_then_resumed(straight, tmp_path, nproc, layout, extra=(), resume_st
 @pytest.mark.parametrize(
     "case,nproc,layout,extra,resume_step",
     [
-        ("1rank", 1, dp_batch(1), [], 10),
-        ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)], [], 10),
-        ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(1)], [], 10),
+        ("1rank", 1, dp_batch(1), [], STOP),
+        ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)], [], STOP),
+        ("pp2", 2, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(1)], [], STOP),
         # FSDP 2 is resumed from an async save only: the sync save path is the other cases'
         (
             "fsdp2_async",
             2,
             dp_batch(2),
-            ["--checkpoint.async_mode", "async", "--checkpoint.interval", "5"],
-            5,
+            ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2"],
+            2,
         ),
     ],
 )
@@ -104,7 +110,7 @@ def test_resume_onto_other_layouts(straight, tmp_path):
     fsdp4 = [*dp_batch(4)]
     reference = straight(2, dp_batch(2))  # every layout trains to these losses (within RTOL)
     saved = tmp_path / "saved"
-    launch(4, [*BASE, *fsdp4, *CK, "--training.exit_at_step", "10"], saved, timeout=600)
+    launch(4, [*BASE, *fsdp4, *CK, "--training.exit_at_step", str(STOP)], saved, timeout=600)
     for name, nproc, layout in [
         ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)]),
         ("pp2_fsdp2", 4, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(2)]),
@@ -114,7 +120,7 @@ def test_resume_onto_other_layouts(straight, tmp_path):
         launch(nproc, [*BASE, *layout, *CK], dump, timeout=600)
         got = losses(dump)
         assert sorted(got) == list(range(1, STEPS + 1))
-        for step in range(11, STEPS + 1):
+        for step in range(STOP + 1, STEPS + 1):
             assert abs(got[step] - reference[step]) <= RTOL * reference[step], (name, step)
 
 
@@ -159,23 +165,23 @@ def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused(strai
         *BASE,
         *CK,
         "--checkpoint.interval",
-        "5",
+        "2",
         "--checkpoint.keep_latest_k",
         "0",
         *dp_batch(1),
     ]
     dump = tmp_path / "run"
-    launch(1, [*common, "--training.exit_at_step", "10"], dump, timeout=300)
-    step5 = file_bytes(dump / "checkpoint" / "step-5")
-    shard = next((dump / "checkpoint" / "step-10").glob("*.distcp"))
+    launch(1, [*common, "--training.exit_at_step", "4"], dump, timeout=300)
+    step2 = file_bytes(dump / "checkpoint" / "step-2")
+    shard = next((dump / "checkpoint" / "step-4").glob("*.distcp"))
     with open(shard, "r+b") as f:
         f.seek(shard.stat().st_size // 2)
         f.write(b"\xff" * 4096)
     proc = launch(1, common, dump, timeout=300)
-    assert f"step-10 is unusable (file {shard.name} fails its checksum" in proc.stderr
-    assert "resumed from" in proc.stderr and "step-5" in proc.stderr
+    assert f"step-4 is unusable (file {shard.name} fails its checksum" in proc.stderr
+    assert "resumed from" in proc.stderr and "step-2" in proc.stderr
     assert losses(dump) == straight(1, dp_batch(1))
-    assert file_bytes(dump / "checkpoint" / "step-5") == step5
+    assert file_bytes(dump / "checkpoint" / "step-2") == step2
 
     before = file_bytes(dump)
     tied = ["--model.flavor", "debugmodel_tied"]
@@ -183,12 +189,12 @@ def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused(strai
     refused_in_one_line(
         proc,
         "cannot resume from",
-        "step-20",
+        f"step-{STEPS}",
         "tie_word_embeddings False (checkpoint) vs True (this run)",
     )
     proc = launch(
         1,
-        [*BASE, *tied, "--checkpoint.initial_load_path", str(dump / "checkpoint" / "step-5")],
+        [*BASE, *tied, "--checkpoint.initial_load_path", str(dump / "checkpoint" / "step-2")],
         tmp_path / "fresh",
         timeout=120,
         check=False,
@@ -199,11 +205,12 @@ def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused(strai
 
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     dump = tmp_path / "run"
-    launch(1, [*BASE, *CK, "--training.exit_at_step", "10", *dp_batch(1)], dump, timeout=300)
-    (dump / "checkpoint" / "step-10" / ".metadata").write_bytes(b"garbage")
+    stop = ["--training.exit_at_step", str(STOP)]
+    launch(1, [*BASE, *CK, *stop, *dp_batch(1)], dump, timeout=300)
+    (dump / "checkpoint" / f"step-{STOP}" / ".metadata").write_bytes(b"garbage")
     proc = launch(1, [*BASE, *CK, *dp_batch(1)], dump, timeout=300, check=False)
     refused_in_one_line(proc, "no usable checkpoint", "file .metadata has 7 bytes")
-    assert sorted(losses(dump)) == list(range(1, 11))  # the history was not overwritten
+    assert sorted(losses(dump)) == list(range(1, STOP + 1))  # the history was not overwritten
 
 
 @pytest.fixture
@@ -246,7 +253,9 @@ def test_full_disk_stops_before_writing_and_keeps_the_last_checkpoint(small_disk
 
 
 def test_exclude_from_loading_and_model_only_initial_load(tmp_path):
-    common = [*BASE, *dp_batch(1)]
+    # 10 steps trained: the model-only load starts far below the initial loss
+    steps = ["--training.steps", "12", "--checkpoint.interval", "10"]
+    common = [*COMMON, *steps, *dp_batch(1)]
     src = tmp_path / "src"
     launch(1, [*common, *CK, "--training.exit_at_step", "10"], src, timeout=300)
     step10 = src / "checkpoint" / "step-10"
@@ -269,7 +278,7 @@ def test_exclude_from_loading_and_model_only_initial_load(tmp_path):
     resumed_full = tmp_path / "full"
     shutil.copytree(src, resumed_full)
     launch(1, [*common, *CK], resumed_full, timeout=300)
-    assert sorted(losses(excl)) == list(range(1, STEPS + 1))
+    assert sorted(losses(excl)) == list(range(1, 13))
     assert losses(excl)[11] != losses(resumed_full)[11]
 
 

@@ -16,6 +16,7 @@ from tests.integration.harness import (
     dp_batch,
     launch,
     read_metrics,
+    train_layout,
 )
 from titan.components.data.token_shards import ShardWriter
 from titan.components.data.tokenizer import Tokenizer
@@ -56,11 +57,11 @@ def verses(tmp_path_factory):
 @pytest.fixture(scope="module")
 def block_baseline(verses, tmp_path_factory):
     raw, _ = verses
-    dump = tmp_path_factory.mktemp("block_baseline")
-    launch(
-        1, [*COMMON, *BLOCK, "--training.dataset_path", str(raw), *dp_batch(1)], dump, timeout=300
+    records = train_layout(
+        1,
+        [*COMMON, *BLOCK, "--training.dataset_path", str(raw), *dp_batch(1)],
+        tmp_path_factory.mktemp("block_baseline"),
     )
-    records = read_metrics(dump)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     return records
 

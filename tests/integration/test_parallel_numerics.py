@@ -1,9 +1,10 @@
 """Every data/tensor-parallel layout trains to the 1-rank losses (CPU, gloo, fp32).
 
-Each case is a real ./run_train.sh launch compared step by step with one 1-rank baseline run
-on the same seed and data: the global batch (8 sequences) is the same set of sequences
-in every layout, and every layout starts from the same weights. FSDP 4 and HSDP 2x2 are
-checked the same way across two simulated nodes (test_multinode.py).
+Each case is the real trainer on its ranks (forked on CPU, launched on CUDA: see
+harness.train_layout) compared step by step with one 1-rank baseline run on the same seed and
+data: the global batch (8 sequences) is the same set of sequences in every layout, and every
+layout starts from the same weights. FSDP 4 and HSDP 2x2 are checked the same way across two
+simulated nodes, launched (test_multinode.py).
 """
 
 import pytest

@@ -49,7 +49,8 @@ def ft_args(replica_id, min_replicas=1):
 
 
 def start_group(replica_id, address, dump, extra=(), min_replicas=1):
-    workers.hold(2)  # the two groups' ranks run side by side
+    # the two groups run side by side, and a heal waits out torchft's timeouts: alone
+    workers.hold(workers.ALL)
     cmd, env = command(
         1,
         [*COMMON, *ft_args(replica_id, min_replicas), *extra],

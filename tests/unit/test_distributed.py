@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import workers
 from tests.forked import run_workers
 from titan.runtime.distributed import is_collective_failure, set_collective_timeout
 
@@ -29,6 +30,7 @@ def _late_peer(rank, world_size):
 
 
 def test_training_timeout_replaces_startup_timeout(tmp_path):
+    workers.hold(workers.ALL)  # a timing: alone on the cores
     results = run_workers(_late_peer, 2, tmp_path, deadline_s=30, barrier=False)
     first = results[0]
     assert first["failed_after"] is not None and first["failed_after"] < 3, first

@@ -341,9 +341,11 @@ def test_a_slowed_rank_is_named_as_the_straggler(tmp_path):
     import logging
     import socket
 
+    from tests import workers
     from tests.forked import run_trainer, tiny_run
     from titan.components.observability import rank_times
 
+    workers.hold(workers.ALL)  # its figures are step times: alone on the cores
     argv = [
         *DEBUG,
         *tiny_run(6),

@@ -85,31 +85,35 @@ def test_a_slow_mark_names_its_reason(tmp_path):
 
 
 def test_slots_are_shared_without_outnumbering_the_cores(tmp_path):
-    """Two workers' views of 2 cores: one test holds a core; another that starts 2 ranks
-    waits until the first ends, then holds both; the first's next test waits in turn."""
-    a, b = workers.Slots(str(tmp_path), 2), workers.Slots(str(tmp_path), 2)
+    """Two workers' views of a 2-core machine (3 slots: a core each and one more): a
+    single-process test runs beside a 2-rank one, two 2-rank tests wait for each other, and
+    4 ranks take every slot."""
+    slots = [workers.Slots(str(tmp_path), 3) for _ in range(3)]
+    a, b, c = slots
+
+    def acquired(s: workers.Slots, k: int) -> threading.Thread:
+        t = threading.Thread(target=s.acquire, args=(k,))
+        t.start()
+        t.join(timeout=0.5)
+        return t
+
     a.acquire(1)
-    got = threading.Event()
-
-    def two_ranks():
-        b.acquire(2)
-        got.set()
-
-    t = threading.Thread(target=two_ranks)
-    t.start()
-    time.sleep(0.3)
-    assert not got.is_set()  # one core is free, but 2 ranks need 2
-    a.release()
-    t.join(timeout=10)
-    assert got.is_set() and len(b.held) == 2 and b.waited >= 0.25
-    waiter = threading.Thread(target=a.acquire, args=(1,))
-    waiter.start()
-    time.sleep(0.3)
-    assert not a.held  # both cores are busy
+    assert not acquired(b, 2).is_alive() and len(b.held) == 2  # 1 + 2 ranks fit
+    waiting = acquired(c, 2)  # a second 2-rank test would share the cores: it waits
+    assert waiting.is_alive() and not c.held
     b.release()
-    waiter.join(timeout=10)
-    assert len(a.held) == 1
+    waiting.join(timeout=10)
+    assert len(c.held) == 2 and c.waited >= 0.4
+    c.release()
     a.release()
+    a.acquire(4)
+    assert len(a.held) == 3  # every slot, at most
+    waiting = acquired(b, 1)
+    assert waiting.is_alive()  # nothing beside 4 ranks
+    a.release()
+    waiting.join(timeout=10)
+    assert len(b.held) == 1
+    b.release()
 
 
 def test_a_forked_child_does_not_keep_its_parents_slot(tmp_path):
