@@ -69,6 +69,7 @@ def pytest_configure(config):
     os.close(fd)
     os.environ["TITAN_TEST_IMPORT_LOG"] = config._titan_import_log = path
     share_cores(config)
+    config._titan_cpu_start = cpu_seconds()
 
 
 def pytest_runtest_setup(item):
@@ -137,6 +138,15 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section("optional packages used without a needs mark", red=True)
         for line in problems:
             terminalreporter.write_line(line)
+    start, end = getattr(config, "_titan_cpu_start", None), cpu_seconds()
+    if start and end and not hasattr(config, "workerinput"):
+        (busy0, all0), (busy1, all1) = start, end
+        cores = os.cpu_count() or 1
+        terminalreporter.write_line(
+            f"cores busy {100 * (busy1 - busy0) / max(all1 - all0, 1e-9):.0f}% of the session "
+            f"({(busy1 - busy0) / 60:.1f} core-minutes of {(all1 - all0) / 60:.1f} on "
+            f"{cores} cores; the whole machine, not only this session)"
+        )
     over = over_budget(config)
     if over:
         terminalreporter.section(f"tests over the {budget(config):g} s budget", red=True)
@@ -238,6 +248,19 @@ def pytest_runtest_logreport(report):
     _times[report.nodeid] -= props.get("titan_core_wait_s", 0.0)
     if props.get("titan_slow"):
         _slow.add(report.nodeid)
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy, total) core-seconds since boot, from /proc/stat (Linux only): where the suite's
+    wall time goes, compute or idle cores."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / tick, sum(fields[:8]) / tick
 
 
 def over_budget(config) -> list[tuple[str, float]]:

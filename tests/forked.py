@@ -153,9 +153,14 @@ def build_trainer(rank, world_size, port, argv):
     return Trainer(job, plan_run(job, world_size))
 
 
-def _trainer_rank(rank, world_size, port, argv):
+def _trainer_rank(rank, world_size, port, argv, log_dir):
+    from titan.runtime.logging_setup import init_logging
     from titan.tools.loss_compare import read_metrics
 
+    # each rank's console in a file, formatted as a launched rank's (tests read rank 0's)
+    sys.stdout = sys.stderr = open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1)
+    os.environ["RANK"] = str(rank)
+    init_logging()
     trainer = build_trainer(rank, world_size, port, argv)
     job = trainer.job
     try:
@@ -165,10 +170,15 @@ def _trainer_rank(rank, world_size, port, argv):
     return read_metrics(job.job.dump_folder) if rank == 0 else []
 
 
-def run_trainer(tmp_path, world_size, argv, deadline_s=DEADLINE_S, threads=1) -> list[dict]:
+def run_trainer(
+    tmp_path, world_size, argv, deadline_s=DEADLINE_S, threads=1, dump=None
+) -> list[dict]:
     """The real Trainer on `world_size` forked ranks (no torchrun, no re-import): a cheap way
-    to train models registered in the test process; returns rank 0's metrics records."""
-    dump = tmp_path / "dump"
+    to train models registered in the test process; returns rank 0's metrics records. Each
+    rank's console is in `tmp_path/rank<r>.log` (`rank_logs`); `dump`: the dump folder, by
+    default `tmp_path/dump`."""
+    dump = tmp_path / "dump" if dump is None else dump
+    tmp_path.mkdir(parents=True, exist_ok=True)
     argv = [*argv, "--job.dump_folder", str(dump)]
     return run_workers(
         _trainer_rank,
@@ -176,7 +186,13 @@ def run_trainer(tmp_path, world_size, argv, deadline_s=DEADLINE_S, threads=1) ->
         tmp_path,
         free_port(),
         argv,
+        str(tmp_path),
         deadline_s=deadline_s,
         init_pg=False,
         threads=threads,
     )[0]
+
+
+def rank_logs(tmp_path, world_size) -> str:
+    """The consoles of `run_trainer`'s ranks, rank 0's first."""
+    return "".join((tmp_path / f"rank{r}.log").read_text() for r in range(world_size))

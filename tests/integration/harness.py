@@ -15,6 +15,7 @@ Fixtures (`baseline`, `train_run`) live in conftest.py; tests import everything 
 
 import contextlib
 import os
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +118,32 @@ def train_layout(nproc, overrides, tmp_path, timeout=600) -> list[dict]:
         return run_trainer(tmp_path, nproc, with_config_file(overrides), deadline_s=timeout)
     launch(nproc, overrides, tmp_path / "dump", timeout=timeout)
     return read_metrics(tmp_path / "dump")
+
+
+class Trained:
+    """What a test reads of a finished run: its console (`stderr`, every rank's lines) and its
+    exit code (0: a forked run that failed has failed the test already)."""
+
+    def __init__(self, stderr: str, returncode: int = 0):
+        self.stderr, self.returncode = stderr, returncode
+
+
+def train(nproc, overrides, dump, timeout=600) -> Trained:
+    """A run whose checkpoints, metrics and console a test reads, in `dump`: forked ranks on
+    CPU (a resume is new processes reading the disk either way), a launch on CUDA. Refusals
+    and exit codes, which only the launcher's path shows, are `launch`'s."""
+    if DEVICE == "cpu":
+        import tempfile
+
+        from tests.forked import rank_logs, run_trainer
+        from titan.config.manager import with_config_file
+
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        ranks = Path(tempfile.mkdtemp(prefix=f"{dump.name}-ranks-", dir=dump.parent))
+        run_trainer(ranks, nproc, with_config_file(overrides), deadline_s=timeout, dump=dump)
+        return Trained(rank_logs(ranks, nproc))
+    proc = launch(nproc, overrides, dump, timeout=timeout)
+    return Trained(proc.stderr, proc.returncode)
 
 
 def assert_matches_baseline(baseline, nproc, overrides, tmp_path, case, rtol=RTOL):

@@ -1,5 +1,8 @@
 """Checkpoints: exact resume (bitwise on CPU fp32), resume onto other layouts, retention,
-partial loads, seed checkpoints, damaged checkpoints, HF import."""
+partial loads, seed checkpoints, damaged checkpoints, HF import.
+
+Runs are forked ranks on CPU (`train`): a resume is new processes reading the disk either way.
+Refusals, whose one line and exit code come through the launcher, are launched."""
 
 import json
 import re
@@ -17,6 +20,7 @@ from tests.integration.harness import (
     launch,
     losses,
     read_metrics,
+    train,
 )
 from titan.runtime.paths import REPO_ROOT
 
@@ -44,7 +48,7 @@ def straight(tmp_path_factory):
         key = (nproc, tuple(layout))
         if key not in runs:
             dump = tmp_path_factory.mktemp("straight")
-            launch(nproc, [*BASE, *layout], dump, timeout=600)
+            train(nproc, [*BASE, *layout], dump, timeout=600)
             runs[key] = losses(dump)
         return runs[key]
 
@@ -59,7 +63,7 @@ def straight_then_resumed(straight, tmp_path, nproc, layout, extra=(), resume_st
     save proves an async one, whose copy overlapped the next step's forward/backward.
     """
     resumed = tmp_path / "resumed"
-    first = launch(
+    first = train(
         nproc,
         [*BASE, *layout, *CK, *extra, "--training.exit_at_step", str(STOP)],
         resumed,
@@ -72,7 +76,7 @@ def straight_then_resumed(straight, tmp_path, nproc, layout, extra=(), resume_st
         staged = log.index(f"checkpoint step {resume_step} staged")
         assert staged < re.search(rf"step:\s+{resume_step + 1}\s", log).start()
         assert "Traceback" not in log  # the saving process is stopped, not left to die
-    proc = launch(
+    proc = train(
         nproc,
         [*BASE, *layout, *CK, *extra, "--checkpoint.load_step", str(resume_step)],
         resumed,
@@ -82,6 +86,7 @@ def straight_then_resumed(straight, tmp_path, nproc, layout, extra=(), resume_st
     return straight(nproc, layout), losses(resumed)
 
 
+@pytest.mark.slow("three runs of up to 4 ranks a case: straight, interrupted, resumed")
 @pytest.mark.parametrize(
     "case,nproc,layout,extra,resume_step",
     [
@@ -106,25 +111,26 @@ def test_exact_resume_is_bitwise(case, nproc, layout, extra, resume_step, straig
     assert resumed == uninterrupted  # bit for bit, every step, data order included
 
 
+@pytest.mark.slow("a 4-rank save resumed on two 4-rank layouts")
 def test_resume_onto_other_layouts(straight, tmp_path):
     fsdp4 = [*dp_batch(4)]
     reference = straight(2, dp_batch(2))  # every layout trains to these losses (within RTOL)
     saved = tmp_path / "saved"
-    launch(4, [*BASE, *fsdp4, *CK, "--training.exit_at_step", str(STOP)], saved, timeout=600)
+    train(4, [*BASE, *fsdp4, *CK, "--training.exit_at_step", str(STOP)], saved, timeout=600)
     for name, nproc, layout in [
         ("fsdp2_tp2", 4, ["--parallelism.tensor_parallel_degree", "2", *dp_batch(2)]),
         ("pp2_fsdp2", 4, ["--parallelism.pipeline_parallel_degree", "2", *dp_batch(2)]),
     ]:
         dump = tmp_path / name
         shutil.copytree(saved, dump)
-        launch(nproc, [*BASE, *layout, *CK], dump, timeout=600)
+        train(nproc, [*BASE, *layout, *CK], dump, timeout=600)
         got = losses(dump)
         assert sorted(got) == list(range(1, STEPS + 1))
         for step in range(STOP + 1, STEPS + 1):
             assert abs(got[step] - reference[step]) <= RTOL * reference[step], (name, step)
 
 
-def test_interval_first_step_and_keep_latest_k(train_run, tmp_path):
+def test_interval_first_step_and_keep_latest_k(tmp_path):
     common = [
         *BASE,
         *CK,
@@ -135,9 +141,11 @@ def test_interval_first_step_and_keep_latest_k(train_run, tmp_path):
         "--checkpoint.enable_first_step_checkpoint",
         *dp_batch(1),
     ]
-    _, _, dump = train_run(1, *common, "--checkpoint.keep_latest_k", "0", name="all")
+    dump = tmp_path / "all"
+    train(1, [*common, "--checkpoint.keep_latest_k", "0"], dump)
     assert steps_on_disk(dump) == [1, 3, 6, 7]
-    _, _, dump = train_run(1, *common, "--checkpoint.keep_latest_k", "2", name="k2")
+    dump = tmp_path / "k2"
+    train(1, [*common, "--checkpoint.keep_latest_k", "2"], dump)
     assert steps_on_disk(dump) == [6, 7]
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-6", "step-7"]
 
@@ -156,6 +164,7 @@ def refused_in_one_line(proc, *fragments):
     return lines[0]
 
 
+@pytest.mark.slow("two runs and two refused launches")
 def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused(straight, tmp_path):
     """4 KiB of 0xFF in the middle of the newest save (its size unchanged): the resume skips it,
     naming the file, and continues exactly from the save before. Then a run of another model
@@ -171,13 +180,13 @@ def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused(strai
         *dp_batch(1),
     ]
     dump = tmp_path / "run"
-    launch(1, [*common, "--training.exit_at_step", "4"], dump, timeout=300)
+    train(1, [*common, "--training.exit_at_step", "4"], dump, timeout=300)
     step2 = file_bytes(dump / "checkpoint" / "step-2")
     shard = next((dump / "checkpoint" / "step-4").glob("*.distcp"))
     with open(shard, "r+b") as f:
         f.seek(shard.stat().st_size // 2)
         f.write(b"\xff" * 4096)
-    proc = launch(1, common, dump, timeout=300)
+    proc = train(1, common, dump, timeout=300)
     assert f"step-4 is unusable (file {shard.name} fails its checksum" in proc.stderr
     assert "resumed from" in proc.stderr and "step-2" in proc.stderr
     assert losses(dump) == straight(1, dp_batch(1))
@@ -206,7 +215,7 @@ def test_damaged_newest_checkpoint_falls_back_and_another_model_is_refused(strai
 def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     dump = tmp_path / "run"
     stop = ["--training.exit_at_step", str(STOP)]
-    launch(1, [*BASE, *CK, *stop, *dp_batch(1)], dump, timeout=300)
+    train(1, [*BASE, *CK, *stop, *dp_batch(1)], dump, timeout=300)
     (dump / "checkpoint" / f"step-{STOP}" / ".metadata").write_bytes(b"garbage")
     proc = launch(1, [*BASE, *CK, *dp_batch(1)], dump, timeout=300, check=False)
     refused_in_one_line(proc, "no usable checkpoint", "file .metadata has 7 bytes")
@@ -257,11 +266,11 @@ def test_exclude_from_loading_and_model_only_initial_load(tmp_path):
     steps = ["--training.steps", "12", "--checkpoint.interval", "10"]
     common = [*COMMON, *steps, *dp_batch(1)]
     src = tmp_path / "src"
-    launch(1, [*common, *CK, "--training.exit_at_step", "10"], src, timeout=300)
+    train(1, [*common, *CK, "--training.exit_at_step", "10"], src, timeout=300)
     step10 = src / "checkpoint" / "step-10"
     # model only: weights of step 10, but step, data, optimizer and lr start from scratch
     fresh = tmp_path / "model_only"
-    launch(
+    train(
         1,
         [*common, *CK, "--checkpoint.initial_load_path", str(step10), "--training.steps", "3"],
         fresh,
@@ -274,17 +283,17 @@ def test_exclude_from_loading_and_model_only_initial_load(tmp_path):
     # resume excluding the dataloader: step and weights restored, data restarts at batch 0
     excl = tmp_path / "excl"
     shutil.copytree(src, excl)
-    launch(1, [*common, *CK, "--checkpoint.exclude_from_loading", "dataloader"], excl, timeout=300)
+    train(1, [*common, *CK, "--checkpoint.exclude_from_loading", "dataloader"], excl, timeout=300)
     resumed_full = tmp_path / "full"
     shutil.copytree(src, resumed_full)
-    launch(1, [*common, *CK], resumed_full, timeout=300)
+    train(1, [*common, *CK], resumed_full, timeout=300)
     assert sorted(losses(excl)) == list(range(1, 13))
     assert losses(excl)[11] != losses(resumed_full)[11]
 
 
 def test_seed_checkpoint_gives_same_losses_across_layouts(straight, tmp_path):
     seed_dump = tmp_path / "seed"
-    launch(
+    train(
         1,
         [*BASE, *CK, "--checkpoint.create_seed_checkpoint", "--training.seed", "7"],
         seed_dump,
@@ -296,7 +305,7 @@ def test_seed_checkpoint_gives_same_losses_across_layouts(straight, tmp_path):
     for name, nproc, layout in [("one", 1, dp_batch(1)), ("fsdp2", 2, dp_batch(2))]:
         dump = tmp_path / name
         shutil.copytree(seed_dump, dump)
-        launch(nproc, [*BASE, *CK, "--training.steps", "5", *layout], dump, timeout=300)
+        train(nproc, [*BASE, *CK, "--training.steps", "5", *layout], dump, timeout=300)
         runs[name] = losses(dump)
     assert sorted(runs["one"]) == [1, 2, 3, 4, 5]
     for s in runs["one"]:
@@ -307,7 +316,7 @@ def test_seed_checkpoint_gives_same_losses_across_layouts(straight, tmp_path):
 
 def test_hf_export_then_initial_load_in_hf(tmp_path):
     src = tmp_path / "src"
-    launch(
+    train(
         1,
         [*BASE, *CK, "--training.steps", "4", "--checkpoint.last_save_model_only", *dp_batch(1)],
         src,
@@ -334,13 +343,13 @@ def test_hf_export_then_initial_load_in_hf(tmp_path):
     )
     from_hf, from_dcp = tmp_path / "from_hf", tmp_path / "from_dcp"
     common = [*BASE, *CK, "--training.steps", "3", *dp_batch(1)]
-    launch(
+    train(
         1,
         [*common, "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf"],
         from_hf,
         timeout=300,
     )
-    launch(
+    train(
         2,
         [
             *common[:-2],
@@ -357,6 +366,7 @@ def test_hf_export_then_initial_load_in_hf(tmp_path):
         assert abs(a[s] - b[s]) <= RTOL * a[s]
 
 
+@pytest.mark.slow("three 2-rank runs with validation and a refused launch")
 def test_streamed_dataset_resumes_exactly_with_validation(tmp_path):
     """Local files read through the streaming path (as hub datasets are): each dp rank reads
     its own shard, a resume on the same layout continues every rank's stream exactly, and
@@ -380,10 +390,10 @@ def test_streamed_dataset_resumes_exactly_with_validation(tmp_path):
         "4",
         *dp_batch(2),
     ]
-    launch(2, [*BASE, *stream], tmp_path / "straight", timeout=600)
+    train(2, [*BASE, *stream], tmp_path / "straight", timeout=600)
     resumed = tmp_path / "resumed"
-    launch(2, [*BASE, *stream, *CK, "--training.exit_at_step", "4"], resumed, timeout=600)
-    proc = launch(2, [*BASE, *stream, *CK], resumed, timeout=600)
+    train(2, [*BASE, *stream, *CK, "--training.exit_at_step", "4"], resumed, timeout=600)
+    proc = train(2, [*BASE, *stream, *CK], resumed, timeout=600)
     assert "resumed from" in proc.stderr and "step-4" in proc.stderr
     straight = losses(tmp_path / "straight")
     assert sorted(straight) == list(range(1, 9)) and losses(resumed) == straight
@@ -417,12 +427,12 @@ def test_stream_in_global_order_resumes_on_another_dp_degree(tmp_path):
         "--checkpoint.interval",
         "3",
     ]
-    launch(1, [*BASE, *stream, *dp_batch(1)], tmp_path / "straight", timeout=600)
+    train(1, [*BASE, *stream, *dp_batch(1)], tmp_path / "straight", timeout=600)
     resumed = tmp_path / "resumed"
-    launch(
+    train(
         2, [*BASE, *stream, *CK, *dp_batch(2), "--training.exit_at_step", "3"], resumed, timeout=600
     )
-    proc = launch(1, [*BASE, *stream, *CK, *dp_batch(1)], resumed, timeout=600)
+    proc = train(1, [*BASE, *stream, *CK, *dp_batch(1)], resumed, timeout=600)
     assert "resumed from" in proc.stderr and "step-3" in proc.stderr
     a, b = losses(tmp_path / "straight"), losses(resumed)
     assert sorted(a) == sorted(b) == list(range(1, 7))
@@ -446,8 +456,8 @@ def test_resume_onto_a_larger_global_batch_trains_the_next_sequences(tmp_path):
 
     dump = tmp_path / "run"
     run = [*COMMON, *CK, "--training.local_batch_size", "8"]
-    launch(1, [*run, "--training.steps", "6", "--checkpoint.interval", "6"], dump, timeout=300)
-    proc = launch(2, [*run, "--training.steps", "7"], dump, timeout=300)
+    train(1, [*run, "--training.steps", "6", "--checkpoint.interval", "6"], dump, timeout=300)
+    proc = train(2, [*run, "--training.steps", "7"], dump, timeout=300)
     assert "the data continues at sequence 48 of the global stream" in proc.stderr
     assert re.search(
         r"layout change: step-6 .*global_batch_size 8 -> 16.*the first sequence "

@@ -15,6 +15,7 @@ def cp(n, method="allgather"):
     ]
 
 
+@pytest.mark.slow("CP composed with FSDP, HSDP, TP and PP: up to 8 ranks")
 @pytest.mark.parametrize(
     "case,nproc,overrides",
     [

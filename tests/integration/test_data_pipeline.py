@@ -88,6 +88,7 @@ def test_block_causal_layout_matches_single_process(case, verses, block_baseline
     )
 
 
+@pytest.mark.slow("writes 2 GiB of tokens and trains on them on 2 launched ranks")
 def test_corpus_larger_than_memory_keeps_resident_memory_flat(tmp_path):
     """2 GiB of tokens (synthetic) train with the resident memory of the bundled corpus."""
     tok = Tokenizer(str(REPO_ROOT / "assets/tokenizer/tokenizer.json"))

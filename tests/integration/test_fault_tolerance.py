@@ -18,6 +18,7 @@ from tests.integration.harness import (
     kill_workers,
     launch,
     losses,
+    train,
 )
 
 STEPS = 16
@@ -27,15 +28,17 @@ CK = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_la
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """Uninterrupted reference runs, by dp degree."""
+    """Uninterrupted reference runs, by dp degree (forked on CPU: the launched runs the tests
+    kill and resume match them bit for bit)."""
     refs = {}
     for n in (2, 4):
-        dump = tmp_path_factory.mktemp(f"straight{n}")
-        launch(n, [*BASE, *dp_batch(n)], dump, timeout=600)
+        dump = tmp_path_factory.mktemp(f"straight{n}") / "dump"
+        train(n, [*BASE, *dp_batch(n)], dump, timeout=600)
         refs[n] = losses(dump)
     return refs
 
 
+@pytest.mark.slow("a launch, a killed rank and torchrun's restart of every rank")
 @pytest.mark.parametrize("nproc,victim", [(2, 1), (4, 2)])
 def test_sigkilled_rank_restarts_and_resumes_exactly(nproc, victim, straight, tmp_path):
     dump = tmp_path / "run"
@@ -209,6 +212,7 @@ def test_data_error_found_by_a_worker_is_one_line_not_retried(tmp_path):
     assert out.count(f"ERROR {bad}, line 151") == 1  # the worker's own line, once
 
 
+@pytest.mark.slow("two launches stopped by signals and their resumes")
 def test_ctrl_c_and_sigterm_stop_in_a_few_lines_and_the_run_resumes(straight, tmp_path):
     """Ctrl-C (SIGINT to the terminal's process group) and SIGTERM (to the launcher, as a
     scheduler sends it): exit 130 and 143, no traceback, a few lines saying where the next

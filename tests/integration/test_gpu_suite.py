@@ -34,12 +34,20 @@ def finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-@pytest.mark.needs("torchao")  # the float8 row
-def test_dry_run_takes_every_path(tmp_path):
-    workers.hold(workers.ALL)  # it compares a sync save's blocked time with an async one's
-    out = tmp_path / "suite.json"
+def dry_run(tmp_path, rows: str) -> dict:
+    out = tmp_path / f"suite_{rows.replace(',', '_')}.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_suite.py", "--device", "cpu", "--tiny", "--out", str(out)],
+        [
+            sys.executable,
+            "benchmarks/gpu_suite.py",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--rows",
+            rows,
+            "--out",
+            str(out),
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -47,7 +55,16 @@ def test_dry_run_takes_every_path(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "| row | side | status |" in proc.stdout  # the markdown table
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow("every row of the GPU suite: eleven training runs, two saves and a nested pytest")
+@pytest.mark.needs("torchao")  # the float8 row
+def test_dry_run_takes_every_path(tmp_path):
+    data = dry_run(tmp_path, "train,peer,tests")
+    # it compares a sync save's blocked time with an async one's: on an otherwise idle machine
+    workers.hold(workers.ALL)
+    data["rows"] += dry_run(tmp_path, "checkpoint")["rows"]
     meta, rows = data["meta"], data["rows"]
     assert meta["device"] == "cpu" and meta["tiny"] and meta["matmul_flops"] > 0
     assert meta["datasheet_flops"] is None  # CPUs publish no peak: that MFU column is n/a

@@ -58,6 +58,7 @@ def test_hsdp_2x2_across_two_nodes(baseline, tmp_path):
     assert_records_match(baseline, read_metrics(tmp_path / "dump"), 4, "HSDP 2x2 on 2 nodes")
 
 
+@pytest.mark.slow("two torchrun agents, a killed node, the survivor's re-rendezvous and resume")
 def test_elastic_job_loses_a_node_and_goes_on(fsdp4_on_two_nodes, tmp_path):
     """NNODES=1:2: the second node dies mid-run; the first re-rendezvouses alone and resumes
     from the newest checkpoint on 2 ranks, dp 4 -> 2 with twice the gradient accumulation."""

@@ -70,6 +70,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow("layouts of up to 8 ranks on the machine's cores")
 @pytest.mark.parametrize("case", list(CASES))
 def test_layout_matches_single_process(case, baseline, tmp_path):
     nproc, overrides = CASES[case]

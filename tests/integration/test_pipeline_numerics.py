@@ -5,7 +5,14 @@ import json
 
 import pytest
 
-from tests.integration.harness import COMMON, RTOL, assert_matches_baseline, dp_batch, launch
+from tests.integration.harness import (
+    COMMON,
+    RTOL,
+    assert_matches_baseline,
+    dp_batch,
+    launch,
+    train,
+)
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 SCHEDULES = [
@@ -31,6 +38,7 @@ def test_pp2_schedule(schedule, baseline, tmp_path):
     assert all(r["loss"] > 0 for r in records)
 
 
+@pytest.mark.slow("pipelines composed with FSDP and TP: up to 8 ranks, one compiled")
 @pytest.mark.parametrize(
     "case,nproc,overrides",
     [
@@ -78,8 +86,8 @@ def test_pp_validation_loss_matches_single_process(tmp_path):
         "--training.local_batch_size",
         "8",
     ]
-    launch(1, [*COMMON, *val], tmp_path / "one", timeout=300)
-    launch(2, [*COMMON, *val, *PP2], tmp_path / "pp", timeout=300)
+    train(1, [*COMMON, *val], tmp_path / "one", timeout=300)
+    train(2, [*COMMON, *val, *PP2], tmp_path / "pp", timeout=300)
     one, pp = (
         [json.loads(x) for x in (tmp_path / d / "validation.jsonl").read_text().split("\n") if x]
         for d in ("one", "pp")

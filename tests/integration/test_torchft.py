@@ -94,6 +94,7 @@ def test_two_groups_train_like_one_job(lighthouse, baseline, tmp_path):
         assert a["grad_norm"] == c["grad_norm"]
 
 
+@pytest.mark.slow("two replica groups; a killed one restarts and heals through torchft's quorum")
 def test_killed_group_heals_and_rejoins(lighthouse, tmp_path):
     address = lighthouse(min_replicas=1)
     slow = ["--training.steps", "24"]

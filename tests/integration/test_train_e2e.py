@@ -14,6 +14,7 @@ from titan.runtime.paths import REPO_ROOT
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "gc_s"}
 
 
+@pytest.mark.slow("30 steps through run_train.sh: learning, every log field and TensorBoard")
 def test_debug_model_learns_and_logs(train_run):
     proc, records, dump = train_run(
         1,

@@ -155,6 +155,7 @@ HYBRID_LAYOUTS = {
 }
 
 
+@pytest.mark.slow("hybrid CP 4 composed with TP, PP, EP: 8 ranks")
 @pytest.mark.parametrize("case", list(HYBRID_LAYOUTS))
 def test_hybrid_composes_with_other_layouts(case, tmp_path, tmp_path_factory):
     family, world, flags = HYBRID_LAYOUTS[case]

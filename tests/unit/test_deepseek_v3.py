@@ -298,6 +298,7 @@ EP_LAYOUTS = {
 }
 
 
+@pytest.mark.slow("expert-parallel layouts of up to 8 ranks")
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS))
 def test_expert_parallel_layouts_train_like_one_process_when_skewed(layout, skewed, tmp_path):
     world, flags = EP_LAYOUTS[layout]
@@ -317,6 +318,7 @@ def test_expert_parallel_layouts_train_like_one_process_when_skewed(layout, skew
         assert held[1] < plan[1]["activations_bytes"] < held[0]
 
 
+@pytest.mark.slow("two torchrun agents, as two nodes")
 def test_expert_parallel_across_two_torchrun_agents(skewed, tmp_path):
     """ep 4 on 2 simulated nodes x 2 ranks (run_train.sh, one torchrun agent a node, c10d
     rendezvous): the all-to-alls cross the agents, and the skewed routing sends every row to

@@ -88,6 +88,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow("ranks of 2 threads are spawned, not forked (OpenMP does not survive a fork)")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_match_one_rank(layout, one_rank, threads, tmp_path):
     """The bound, from the mechanism. A layout computes the 1-rank run's float32 values up to

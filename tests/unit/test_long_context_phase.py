@@ -25,6 +25,7 @@ def phase_two(tmp_path, name, first, world, *extra):
     return run_trainer(tmp_path / name, world, argv, deadline_s=200)
 
 
+@pytest.mark.slow("two phases on 1 rank and on CP 2")
 def test_resume_at_a_longer_context_with_yarn_on_cp2_equals_one_rank(tmp_path):
     first = tmp_path / "phase1"
     short = run_trainer(

@@ -378,6 +378,7 @@ def _suggest_in_child(rank, world_size, argv):
     return found
 
 
+@pytest.mark.slow("the suggestion times its first candidates' real steps")
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 def test_suggest_lists_launchable_layouts_and_the_first_runs(tmp_path):
     base = ["--job.config_file", "train_configs/debug_model.toml"]

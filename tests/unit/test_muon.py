@@ -145,6 +145,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow("five layouts of 2 and 4 ranks, each rank orthogonalizing every matrix")
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 def test_every_layout_trains_as_one_process(tmp_path):
     """Gathered whole, every matrix is orthogonalized as one process does it: the layouts
@@ -161,6 +162,7 @@ def test_every_layout_trains_as_one_process(tmp_path):
         assert diff < 1e-5, name
 
 
+@pytest.mark.slow("four 2-rank runs: straight, interrupted, resumed, resumed on TP 2")
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 def test_resume_is_bitwise_and_onto_another_layout(tmp_path):
     ck = ["--checkpoint.enable", "--checkpoint.interval", "3", "--training.steps", "6"]

@@ -79,7 +79,8 @@ def test_wandb_offline_run_holds_the_logged_values_and_resume_continues_it(
     first = run_trainer(tmp_path, 1, [*argv, "--training.exit_at_step", "2"])
     # W&B's own output (banner, sync hints, summary tables) is off: titan's run line says it
     out = capfd.readouterr()
-    assert "wandb:" not in out.out + out.err, out.out + out.err
+    console = out.out + out.err + (tmp_path / "rank0.log").read_text()
+    assert "wandb:" not in console and "titan" in console, console
     second = run_trainer(tmp_path, 1, argv)  # resumes the step-2 checkpoint
     # metrics.jsonl: the whole history, the resumed run's steps appended to the first's
     assert [r["step"] for r in first] == [1, 2] and [r["step"] for r in second] == [1, 2, 3, 4]

@@ -131,6 +131,7 @@ COMMON = tiny_run(STEPS, warmup=20)
 BF16 = ["--optimizer.state_dtype", "bfloat16"]
 
 
+@pytest.mark.slow("the claim is about a long run: 200 steps, twice")
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 def test_200_steps_stay_close_to_float32_states(tmp_path):
     one_batch = [*COMMON, "--training.local_batch_size", "4", "--training.global_batch_size", "4"]

@@ -90,6 +90,7 @@ def test_bf16_trains_close_to_fp32(one_rank):
     assert bf16[-1]["loss"] < bf16[0]["loss"] - 1.0  # it learns
 
 
+@pytest.mark.slow("ranks of 2 threads are spawned, not forked (OpenMP does not survive a fork)")
 @pytest.mark.parametrize(
     "layout",
     [

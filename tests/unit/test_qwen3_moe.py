@@ -185,6 +185,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow("MoE layouts of up to 4 ranks, one compiled")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
     """Routing is discrete: a layout agrees with one process exactly when no token's k-th and

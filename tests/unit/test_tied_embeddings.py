@@ -149,6 +149,7 @@ def _saved_names(step_dir) -> set[str]:
     return set(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
 
 
+@pytest.mark.slow("seven pipeline runs: straight, saved, four resumes, the former format")
 def test_checkpoint_holds_the_tied_matrix_once_and_loads_into_any_layout(
     one_rank, tmp_path, monkeypatch
 ):

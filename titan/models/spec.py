@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from titan.models.args_base import OPTIONAL_MEMBERS
 
@@ -142,6 +143,23 @@ class PostOptimizerHook(Protocol):
     ) -> Callable[[bool], dict | None] | None: ...
 
 
+class _NoRandomInitOnMeta(TorchFunctionMode):
+    """Skips the modules' random initializations of meta tensors (init_weights initializes
+    the materialized model): there is nothing to fill, and torch's meta `normal_` imports
+    torch._dynamo on its first call, 1.2 s of every rank's start-up."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = args[0] if args else kwargs.get("tensor")
+        initializes = getattr(func, "__module__", None) == "torch.nn.init" or func in (
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+        )
+        if initializes and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     name: str
@@ -156,7 +174,7 @@ class TrainSpec:
 
     def build_meta(self, args: ModelArgs) -> nn.Module:
         """The model with parameters on the meta device: shapes, no memory."""
-        with torch.device("meta"):
+        with torch.device("meta"), _NoRandomInitOnMeta():
             return self.model_cls(args)
 
     def state_shapes(self, args: ModelArgs) -> dict[str, torch.Size]:

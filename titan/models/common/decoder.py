@@ -78,7 +78,16 @@ class Decoder(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # recomputed, never checkpointed: it is a pure function of the args
-        self.register_buffer("rope", self.rope_table(args), persistent=False)
+        self.register_buffer("rope", self._rope_buffer(args), persistent=False)
+
+    def _rope_buffer(self, args) -> torch.Tensor:
+        if torch.get_default_device().type != "meta":
+            return self.rope_table(args)
+        # a meta model's table has a shape only (init_weights computes it): computed on meta,
+        # torch's meta arange would import torch._dynamo, a second of every rank's start-up
+        with torch.device("cpu"):
+            row = self.rope_table(args.with_updates(max_seq_len=1))
+        return torch.empty((args.max_seq_len, *row.shape[1:]), dtype=row.dtype)
 
     def build_block(self, layer_id: int, args) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must define build_block")
