@@ -72,6 +72,7 @@ def test_sigkilled_rank_restarts_and_resumes_exactly(nproc, victim, straight, tm
     assert got == straight[nproc]  # bit for bit, before and after the restart
 
 
+@pytest.mark.slow("a launch, a rank killed mid-save and torchrun's restart")
 @pytest.mark.parametrize("phase,victim", [("written", 0), ("writing", 1)])
 def test_rank_killed_while_saving_uses_previous_checkpoint(phase, victim, straight, tmp_path):
     """A rank SIGKILLed during the step-8 save, once its files are written or as it starts

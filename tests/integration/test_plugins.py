@@ -1,9 +1,10 @@
-"""A plugin from outside the tree (tests/plugins/titan_plugin_example: a family, an optimizer
-and a metrics writer, each with its own config section, and a dataset name) trains through
-./run_train.sh --job.custom_import, on 1 rank and FSDP 2, and nothing in titan/ knows its
-names."""
+"""A plugin from outside the tree (tests/plugins/titan_plugin_example: a family, an optimizer,
+a metrics writer and a callback, each with its own config section, and a dataset name) trains
+through ./run_train.sh --job.custom_import, on 1 rank and FSDP 2, and nothing in titan/ knows
+its names."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +29,10 @@ PLUGIN = [
     "--sgd.momentum",
     "0.8",
     "--csv_metrics.enable",
+    "--loss_ema.enable",
+    # SGD learns slower than the harness's AdamW: 10 steps show it
+    "--training.steps",
+    "10",
 ]
 
 
@@ -39,6 +44,8 @@ def test_titan_does_not_know_the_plugin():
         "SGDOptions",
         "CsvWriter",
         "plugin_corpus",
+        "loss_ema",
+        "LossEma",
     )
     for path in (REPO / "titan").rglob("*.py"):
         text = path.read_text()
@@ -52,7 +59,14 @@ def test_the_plugins_sections_are_in_help_and_checked():
         [*run, "--help"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    for line in ("[sgd]", "--sgd.momentum", "[csv_metrics]", "--csv_metrics.file", "[gelu_llama]"):
+    for line in (
+        "[sgd]",
+        "--sgd.momentum",
+        "[csv_metrics]",
+        "--csv_metrics.file",
+        "[gelu_llama]",
+        "--loss_ema.beta",
+    ):
         assert line in proc.stdout, line
     proc = subprocess.run(
         [*run, "--optimizer.name", "SGD", "--sgd.momentum", "1.5"],
@@ -106,3 +120,12 @@ def test_plugin_trains_on_one_rank_and_fsdp2_alike(tmp_path):
     with open(one / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [float(r["train/loss"]) for r in rows] == [a[s] for s in sorted(a)]
+    # the callback's running average of each run's losses, every step
+    for dump, got in ((one, a), (two, b)):
+        lines = [json.loads(x) for x in (dump / "loss_ema.jsonl").read_text().splitlines()]
+        average, expected = None, []
+        for step in sorted(got):
+            loss = got[step]
+            average = loss if average is None else 0.9 * average + (1 - 0.9) * loss
+            expected.append({"step": step, "loss_ema": average})
+        assert lines == expected

@@ -198,6 +198,7 @@ def test_validation_and_plain_python_entry(tmp_path):
     assert val[1]["val_loss"] < val[0]["val_loss"] < 8.5
 
 
+@pytest.mark.slow("a 2-rank launch with async saves and a TP 2 generation")
 def test_a_two_rank_async_run_and_tp_generation_print_titan_lines_only(tmp_path):
     """What a user reads: every line of a 2-rank run (both ranks shown) with async saves is
     titan's own, or its launcher's, and so is TP-2 generation's: no deprecated-variable

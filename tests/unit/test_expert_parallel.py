@@ -97,6 +97,7 @@ def test_dispatch_equals_one_process(ep, skew, tmp_path):
         close(got, want, name)
 
 
+@pytest.mark.slow("four runs (1 rank, EP 4, EP 2, 1 rank), each resuming the one before")
 def test_a_checkpoint_resumes_on_another_expert_parallel_degree(tmp_path):
     """1 rank -> ep 4 -> ep 2 -> 1 rank, each resuming the checkpoint of the one before (the
     experts resharded by DCP) within 1e-5 of the uninterrupted 1-rank run; and ep 2 resuming

@@ -78,6 +78,7 @@ def one_rank(tmp_path_factory, threads):
     return fp32, bf16
 
 
+@pytest.mark.slow("its fixture trains fp32 and bf16 20 steps each, on spawned ranks")
 def test_bf16_trains_close_to_fp32(one_rank):
     fp32, bf16 = one_rank
     diff = worst(fp32, bf16)

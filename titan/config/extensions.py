@@ -14,8 +14,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-# titan's own registrations, loaded like plugins are (optimizers, metrics writers)
-BUILTIN = ("titan.components.optim.builtin", "titan.components.observability.writers")
+# titan's own registrations, loaded like plugins are (optimizers, metrics writers, callbacks)
+BUILTIN = (
+    "titan.components.optim.builtin",
+    "titan.components.observability.writers",
+    "titan.components.training.callbacks",
+)
 
 _SECTIONS: dict[str, type] = {}
 _CHECKS: list[Callable] = []

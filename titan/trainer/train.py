@@ -37,17 +37,15 @@ from titan.components.observability.memory_measure import (
     state_bytes,
     write_measured,
 )
-from titan.components.observability.memory_snapshot import MemorySnapshot
 from titan.components.observability.metrics import MetricsLogger
-from titan.components.observability.profiling import maybe_profile
 from titan.components.observability.rank_times import RankTimes, keep_collective_stamps
 from titan.components.optim.grad_clip import clip_grad_norm_
 from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.optim.optimizer import build_optimizer
 from titan.components.quantization.float8 import scale_precomputer
+from titan.components.training.callbacks import StepEnd, build_callbacks
 from titan.components.training.gc import ScheduledGC
 from titan.components.training.loss import IGNORE_INDEX, reduce_loss
-from titan.components.training.validate import Validator
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
 from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
@@ -68,6 +66,7 @@ from titan.trainer import interrupts
 from titan.trainer.build import meta_parts, run_identity, training_save_bytes
 from titan.trainer.microbatch import ForwardBackward
 from titan.trainer.run_plan import RunPlan, plan_run
+from titan.trainer.run_view import RunView
 
 logger = logging.getLogger("titan")
 
@@ -119,16 +118,16 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
 
         self.train_state = TrainState()
+        # built before the resume: the checkpoint holds their states
+        self.run_view = RunView(self)
+        self.callbacks = build_callbacks(self.run_view, job.extensions)
+        self.train_state.callbacks = self.callbacks
         self.checkpointer = self._checkpointer()
         resumed = self.checkpointer.load()
         self.step = self.train_state.step
         self.ft = self._fault_tolerance()
 
         self.metrics = self._metrics_logger(resumed)
-        self.validator = self._validator() if job.validation.enable else None
-        self.memory_snapshot = MemorySnapshot.build(
-            job.profiling, dump_folder=job.job.dump_folder, rank=self.rank
-        )
 
     # ------------------------------------------------------------------ building
 
@@ -250,35 +249,16 @@ class Trainer:
         )
         return ft
 
-    def _validator(self) -> Validator:
-        t = self.job.training
-        return Validator(
-            self.job.validation,
-            global_batch_size=self.plan.validation_global_batch,
-            local_batch_size=self.plan.validation_local_batch,
-            tokenizer=self.plan.tokenizer,
-            seq_len=t.seq_len,
-            text_field=t.dataset_text_field,
-            seed=t.seed,
-            shard=self.shard,
-            model_parts=self.model_parts,
-            loss_sum=self.fwd_bwd.eval_loss_sum,
-            sum_groups=[self._pp_group(), self._dp_cp_group()],
-            device=self.device,
-            metrics=self.metrics,
-            chat=self.job.chat if t.dataset_format == "chat" else None,
-        )
-
     def _on_heal(self) -> None:
         """A live peer's state was loaded mid-step: continue from its step and data position."""
         self.step = self.train_state.step + 1
         self.dataloader.seek_global_batch(self.step)
         logger.info("torchft: healed from a live replica group; continuing at step %d", self.step)
 
-    def _pp_group(self) -> dist.ProcessGroup | None:
+    def pp_group(self) -> dist.ProcessGroup | None:
         return self.plan.dims["pp"].get_group() if self.pp_plan is not None else None
 
-    def _dp_cp_group(self) -> dist.ProcessGroup | None:
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
         mesh = self.plan.dims["dp_cp"]
         return mesh.get_group() if mesh.size() > 1 else None
 
@@ -312,9 +292,9 @@ class Trainer:
             self.tied_copies.sum_grads()
             params, copies = self.tied_copies.split(params)
         grad_norm = clip_grad_norm_(
-            params, self.job.training.max_norm, extra_group=self._pp_group(), uncounted=copies
+            params, self.job.training.max_norm, extra_group=self.pp_group(), uncounted=copies
         )
-        reduce_loss(loss, pp_group=self._pp_group(), dp_cp_group=self._dp_cp_group())
+        reduce_loss(loss, pp_group=self.pp_group(), dp_cp_group=self.dp_cp_group())
         loss_v, norm_v = loss.item(), grad_norm.item()
         # collective within the group: every rank asks, whatever it will do with the answer
         if self.ft is not None and not self.ft.should_commit():
@@ -382,56 +362,55 @@ class Trainer:
             0.8 * job.comm.train_timeout_seconds, self.rank, job.job.dump_folder
         )
         data_iter = iter(self.dataloader)
-        trace_dir = os.path.join(job.job.dump_folder, job.profiling.save_traces_folder)
         logger.info(
             "training %d steps, global batch %d sequences x %d tokens",
             t.steps,
             self.plan.global_batch_size,
             t.seq_len,
         )
-        with maybe_profile(
-            job.profiling, trace_dir=trace_dir, rank=self.rank, first_step=first_step
-        ) as prof:
-            while self.step < t.steps:
-                self.step += 1
-                started_ns = time.time_ns()
-                t0 = time.perf_counter()
-                microbatches = self.next_microbatches(data_iter)
-                data_s = time.perf_counter() - t0
-                # counted before the step: context parallelism shards the batch in place
-                batch_tokens = sum(x.numel() for x, *_ in microbatches)
-                lr = self.lr_scheduler.get_last_lr()[0]
-                # the first step is measured: what the memory planner's figures are checked on
-                tracker = self._activation_tracker() if self.step == first_step else None
-                snapshot = self.memory_snapshot.step(self.step) if self.memory_snapshot else None
-                with tracker or contextlib.nullcontext(), snapshot or contextlib.nullcontext():
-                    loss, grad_norm, skipped = self.train_step(microbatches)
-                self.skipped_steps += skipped
-                if self.step == first_step:
-                    self._after_first_step(tracker, watchdog)
-                elif self.step == first_step + 1 and self.device.type == "cuda":
-                    self._write_memory_measured(None, peak_only=True)
-                self.train_state.step = self.step
-                self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
-                # tp/cp/pp ranks share their batch: count each token once per device group
-                self.metrics.record_step(
-                    batch_tokens // self.plan.dims.non_dp,
-                    data_s,
-                    gc_sched.step(self.step),
-                    started_ns,
-                )
-                if self.metrics.should_log(self.step, t.steps):
-                    self._log_step(loss, grad_norm, lr)
-                if self.validator is not None and self.validator.due(self.step, t.steps):
-                    self.metrics.exclude(self.validator.run(self.step))
-                stop = self.step == t.exit_at_step
-                self._save_if_due(stop, watchdog)
-                watchdog.progress(f"step {self.step}")
-                if prof is not None:
-                    prof.step()
-                if stop:
-                    logger.info("stopping after step %d (training.exit_at_step)", self.step)
-                    break
+        view = self.run_view
+        self.emit("on_train_start")
+        while self.step < t.steps:
+            self.step += 1
+            started_ns = time.time_ns()
+            t0 = time.perf_counter()
+            microbatches = self.next_microbatches(data_iter)
+            data_s = time.perf_counter() - t0
+            # counted before the step: context parallelism shards the batch in place
+            batch_tokens = sum(x.numel() for x, *_ in microbatches)
+            lr = self.lr_scheduler.get_last_lr()[0]
+            # the first step is measured: what the memory planner's figures are checked on
+            tracker = self._activation_tracker() if self.step == first_step else None
+            with tracker or contextlib.nullcontext(), self._around_step():
+                loss, grad_norm, skipped = self.train_step(microbatches)
+            self.skipped_steps += skipped
+            if self.step == first_step:
+                self._after_first_step(tracker, watchdog)
+            elif self.step == first_step + 1 and self.device.type == "cuda":
+                self._write_memory_measured(None, peak_only=True)
+            self.train_state.step = self.step
+            self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
+            # tp/cp/pp ranks share their batch: count each token once per device group
+            self.metrics.record_step(
+                batch_tokens // self.plan.dims.non_dp,
+                data_s,
+                gc_sched.step(self.step),
+                started_ns,
+            )
+            logged = None
+            if self.metrics.should_log(self.step, t.steps):
+                logged = self._log_step(loss, grad_norm, lr)
+            figures = (loss, grad_norm, lr, skipped, self.train_state.tokens_seen, logged)
+            self.emit("on_step_end", StepEnd(self.step, *figures))
+            stop = self.step == t.exit_at_step or view.stop_reason is not None
+            self._save_if_due(stop, watchdog, requested=view.save_requested)
+            view.save_requested = False
+            watchdog.progress(f"step {self.step}")
+            if stop:
+                why = view.stop_reason or "training.exit_at_step"
+                logger.info("stopping after step %d (%s)", self.step, why)
+                break
+        self.emit("on_train_end")
         watchdog.stop()
         gc_sched.close()
         logger.info("training done after %d steps", self.step)
@@ -444,7 +423,20 @@ class Trainer:
         logger.info("collective timeout now %ds (comm.train_timeout_seconds)", timeout)
         watchdog.start()
 
-    def _log_step(self, loss: float, grad_norm: float, lr: float) -> None:
+    def emit(self, event: str, *args) -> None:
+        """Call `event` of every callback, in registration order."""
+        for callback in self.callbacks.values():
+            getattr(callback, event)(self.run_view, *args)
+
+    def _around_step(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for callback in self.callbacks.values():
+            context = callback.around_step(self.run_view, self.step)
+            if context is not None:
+                stack.enter_context(context)
+        return stack
+
+    def _log_step(self, loss: float, grad_norm: float, lr: float) -> dict:
         extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
         # the model's auxiliary losses, beside the cross-entropy `loss`, and what its hooks
         # measured (already the same on every rank)
@@ -453,21 +445,25 @@ class Trainer:
         mix = self.dataloader.source_tokens(self.job.training.seq_len)
         if mix is not None:  # the realized mix of weighted sources
             extra["source_tokens"] = mix
-        self.metrics.log(
+        return self.metrics.log(
             self.step, loss, grad_norm, lr, tokens_seen=self.train_state.tokens_seen, **extra
         )
 
-    def _save_if_due(self, stop: bool, watchdog: StepWatchdog) -> None:
-        """The step's checkpoint, if one is due; the last step's and an exit's block."""
+    def _save_if_due(self, stop: bool, watchdog: StepWatchdog, requested: bool = False) -> None:
+        """The step's checkpoint, if one is due or a callback asked for it; the last step's
+        and an exit's block."""
         final = self.step == self.job.training.steps
-        if not self.checkpointer.due(self.step, last=final or stop):
-            return
         ck = self.job.checkpoint
+        due = self.checkpointer.due(self.step, last=final or stop)
+        if not (due or (requested and ck.enable)):
+            return
         model_only = final and (ck.last_save_model_only or ck.last_save_in_hf)
         with watchdog.paused():
             self.metrics.exclude(
                 self.checkpointer.save(self.step, model_only=model_only, blocking=final or stop)
             )
+        path = self.checkpointer.root / f"step-{self.step}"
+        self.emit("on_checkpoint_saved", self.step, str(path))
 
     def _activation_tracker(self) -> ActivationTracker | None:
         # compiled code allocates below the dispatcher, where the tracker cannot see
@@ -495,8 +491,8 @@ class Trainer:
             self.ft.shutdown()
         self.checkpointer.close()
         self.metrics.close()
-        if self.memory_snapshot is not None:
-            self.memory_snapshot.close()
+        for callback in self.callbacks.values():
+            callback.close()
 
 
 def set_determinism(seed: int, deterministic: bool, compiling: bool) -> None:
@@ -520,6 +516,11 @@ def run(job: JobConfig, plan: RunPlan) -> None:
     try:
         trainer.train()
     except BaseException as e:
+        for callback in trainer.callbacks.values():
+            try:
+                callback.on_stop(trainer.run_view, e)
+            except Exception:  # noqa: BLE001  the run's own error is the one to report
+                logger.exception("callback %s failed in on_stop", type(callback).__name__)
         if isinstance(e, interrupts.Interrupted) or interrupts.received():
             # stopping: nothing waits for peers (an async save, a closing barrier) that are
             # stopping too; a save in flight stays incomplete, which a resume skips

@@ -103,6 +103,9 @@ class TrainState:
         # set before a load to the keys the checkpoint holds: one saved on CPU has no CUDA RNG
         # state, and DCP fails on a key the template asks for that the checkpoint lacks
         self.saved_keys: set[str] | None = None
+        # the run's callbacks by name (titan.components.training.callbacks): their states
+        # are saved and restored with the step
+        self.callbacks: dict = {}
 
     def state_dict(self) -> dict:
         sd = {
@@ -110,6 +113,18 @@ class TrainState:
             "tokens_seen": torch.tensor(self.tokens_seen),
             "rng_cpu": torch.get_rng_state(),
         }
+        states = {name: cb.state_dict() for name, cb in self.callbacks.items()}
+        states = {
+            name: state
+            for name, state in states.items()
+            if state
+            and (
+                self.saved_keys is None
+                or all(f"callbacks.{name}.{k}" in self.saved_keys for k in state)
+            )
+        }
+        if states:
+            sd["callbacks"] = states
         if torch.cuda.is_initialized() and (
             self.saved_keys is None or "rng_cuda" in self.saved_keys
         ):
@@ -118,6 +133,12 @@ class TrainState:
 
     def load_state_dict(self, sd: dict) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+        saved = sd.get("callbacks", {})
+        for name, callback in self.callbacks.items():
+            if name in saved:
+                callback.load_state_dict(saved[name])
+            elif callback.state_dict():
+                logger.info("the checkpoint holds no state of callback %s: it starts fresh", name)
         torch.set_rng_state(sd["rng_cpu"])
         if "rng_cuda" in sd:
             if torch.cuda.is_initialized():

@@ -12,20 +12,21 @@ import pickle
 
 import torch
 
+from titan.components.training.callbacks import Callback
+
 logger = logging.getLogger(__name__)
 
 MAX_ENTRIES = 100_000  # allocator events kept: the newest, enough for several steps of a big model
 
 
-class MemorySnapshot:
+class MemorySnapshot(Callback):
     def __init__(self, cfg, *, dump_folder: str, rank: int):
         self.start, self.freq, self.rank = cfg.memory_snapshot_start_step, cfg.profile_freq, rank
         self.folder = os.path.join(dump_folder, cfg.save_memory_snapshot_folder)
         self.recording = False
 
-    @classmethod
-    def build(cls, cfg, *, dump_folder: str, rank: int) -> "MemorySnapshot | None":
-        return cls(cfg, dump_folder=dump_folder, rank=rank) if cfg.enable_memory_snapshot else None
+    def around_step(self, run, step: int):
+        return self.step(step)
 
     @contextlib.contextmanager
     def step(self, step: int):
@@ -56,3 +57,10 @@ class MemorySnapshot:
         if self.recording:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.recording = False
+
+
+def build_callback(run, options) -> MemorySnapshot | None:
+    cfg = run.job.profiling
+    if not cfg.enable_memory_snapshot:
+        return None
+    return MemorySnapshot(cfg, dump_folder=run.job.job.dump_folder, rank=run.rank)

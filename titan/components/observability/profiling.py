@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from titan.components.training.callbacks import Callback, StepEnd
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,3 +50,36 @@ def maybe_profile(cfg, *, trace_dir: str, rank: int, first_step: int = 1):
 
         prof.step = step
         yield prof
+
+
+class ProfilerCallback(Callback):
+    """Traces every `profiling.profile_freq`-th step (maybe_profile's schedule)."""
+
+    def __init__(self, cfg, trace_dir: str, rank: int):
+        self.cfg, self.trace_dir, self.rank = cfg, trace_dir, rank
+        self.stack = contextlib.ExitStack()
+        self.prof = None
+
+    def on_train_start(self, run) -> None:
+        self.prof = self.stack.enter_context(
+            maybe_profile(
+                self.cfg, trace_dir=self.trace_dir, rank=self.rank, first_step=run.step + 1
+            )
+        )
+
+    def on_step_end(self, run, end: StepEnd) -> None:
+        self.prof.step()
+
+    def on_train_end(self, run) -> None:
+        self.stack.close()
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def build_callback(run, options) -> ProfilerCallback | None:
+    cfg = run.job.profiling
+    if not cfg.enable_profiling:
+        return None
+    trace_dir = os.path.join(run.job.job.dump_folder, cfg.save_traces_folder)
+    return ProfilerCallback(cfg, trace_dir, run.rank)

@@ -27,6 +27,7 @@ from titan.components.data.dataloader import (
 )
 from titan.components.data.dataset import DataError
 from titan.components.data.tokenizer import Tokenizer
+from titan.components.training.callbacks import Callback, StepEnd
 from titan.components.training.loss import sum_over
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ class Validator:
         loss_sum: LossSum,
         sum_groups: list[dist.ProcessGroup | None],
         device: torch.device,
-        metrics,
         chat=None,
     ):
         """`cfg`: the validation section; the batch sizes as the run plan resolved them.
@@ -61,7 +61,7 @@ class Validator:
         conversations (as the training data's)."""
         self.cfg = cfg
         self.model_parts, self.loss_sum = model_parts, loss_sum
-        self.sum_groups, self.device, self.metrics = sum_groups, device, metrics
+        self.sum_groups, self.device = sum_groups, device
         self.local_batch_size = local_batch_size
         # a rank's forwards per validation batch
         self.forwards = global_batch_size // (local_batch_size * shard.dp_world_size)
@@ -90,9 +90,8 @@ class Validator:
         return step % self.cfg.freq == 0 or step == last_step
 
     @torch.no_grad()
-    def run(self, step: int) -> float:
-        """Validate, log the loss; returns the seconds it took."""
-        t0 = time.perf_counter()
+    def run(self) -> tuple[float, int]:
+        """Validate; returns (the loss, this rank's forwards)."""
         self.loader.rewind()
         for part in self.model_parts:
             part.eval()
@@ -116,9 +115,7 @@ class Validator:
                 "validation.global_batch_size"
             )
         sum_over(totals, self.sum_groups)
-        loss = (totals[0] / totals[1]).item()
-        self.metrics.log_validation(step, loss, batches)
-        return time.perf_counter() - t0
+        return (totals[0] / totals[1]).item(), batches
 
     def _every_rank_has(self, has_batch: bool) -> bool:
         if not self.streamed or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -126,3 +123,43 @@ class Validator:
         flag = torch.tensor(int(has_batch), device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag)
+
+
+class ValidationCallback(Callback):
+    """Validates after every `validation.freq`-th step and the last; its time is kept out of
+    tokens/s."""
+
+    def __init__(self, validator: Validator, last_step: int):
+        self.validator, self.last_step = validator, last_step
+
+    def on_step_end(self, run, end: StepEnd) -> None:
+        if not self.validator.due(end.step, self.last_step):
+            return
+        t0 = time.perf_counter()
+        loss, batches = self.validator.run()
+        run.metrics.log_validation(end.step, loss, batches)
+        run.exclude_time(time.perf_counter() - t0)
+        run.notify("on_validation_end", end.step, loss, batches)
+
+
+def build_callback(run, options) -> ValidationCallback | None:
+    job = run.job
+    if not job.validation.enable:
+        return None
+    t = job.training
+    validator = Validator(
+        job.validation,
+        global_batch_size=run.plan.validation_global_batch,
+        local_batch_size=run.plan.validation_local_batch,
+        tokenizer=run.plan.tokenizer,
+        seq_len=t.seq_len,
+        text_field=t.dataset_text_field,
+        seed=t.seed,
+        shard=run.data_shard,
+        model_parts=run.model_parts,
+        loss_sum=run.eval_loss_sum,
+        sum_groups=run.loss_groups,
+        device=run.device,
+        chat=job.chat if t.dataset_format == "chat" else None,
+    )
+    return ValidationCallback(validator, t.steps)

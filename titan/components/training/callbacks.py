@@ -1,0 +1,111 @@
+"""Callbacks: the parts of a run that react to training rather than make it (validation,
+profiler traces, memory snapshots, a plugin's monitor), told of the trainer's events.
+
+A callback overrides what it needs of `Callback`. Every rank builds the same callbacks and
+gets every event in the same order (registration order, titan's own first), with figures that
+are the same on every rank (the global loss and gradient norm), so a callback may use
+collectives in its events (not in `on_stop`, which a failing rank reaches alone) and its
+requests (`run.request_stop`, `run.request_save`) are made alike on every rank. Its
+`state_dict()` (tensors) is saved in every training checkpoint and given back on resume, so a
+resumed run's callbacks continue exactly.
+
+A callback is registered with its spec: `register_callback(CallbackSpec("name", build=
+"module:function", section=..., options=...))`, titan's own in BUILTIN below, a plugin's
+through --job.custom_import. `function(run, options)` returns the callback, or None where
+this run does not use it (its section off). Torch-free: specs are read before torch loads.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from titan.config import extensions
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """A training step's figures, the same on every rank."""
+
+    step: int
+    loss: float  # the global batch's loss
+    grad_norm: float  # over every parameter of every rank
+    lr: float
+    skipped: bool  # the optimizer did not step (non-finite figures, torchft's quorum)
+    tokens_seen: int  # training tokens of all ranks so far
+    logged: dict | None  # the metrics record, when this step was logged
+
+
+class Callback:
+    """The trainer's events; `run` is the trainer's view (titan.trainer.run_view.RunView)."""
+
+    def on_train_start(self, run) -> None:
+        """Before the first step (after a resume: the step after the checkpoint's)."""
+
+    def around_step(self, run, step: int):
+        """A context manager the step runs inside, or None."""
+        return None
+
+    def on_step_end(self, run, end: StepEnd) -> None:
+        """After the step, its figures logged and before its checkpoint is due."""
+
+    def on_validation_end(self, run, step: int, loss: float, batches: int) -> None:
+        """After a validation pass (`batches`: the forwards of each rank)."""
+
+    def on_checkpoint_saved(self, run, step: int, path: str) -> None:
+        """A checkpoint of `step` is written, or being written (an async save)."""
+
+    def on_train_end(self, run) -> None:
+        """After the last step, or the step a stop was requested at."""
+
+    def on_stop(self, run, error: BaseException) -> None:
+        """The run ends with `error` (a failure, or an interrupting signal): on this rank
+        only, so no collectives."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue exactly, as tensors ({}: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class CallbackSpec:
+    name: str
+    # "module:function"; function(run, options) -> Callback | None
+    build: str
+    check: Callable | None = None  # check(job_config) raises ConfigError
+    section: str | None = None  # its own config section, if any
+    options: type | None = None
+
+
+_CALLBACKS = extensions.Registry("callback")
+register_callback = _CALLBACKS.add
+unregister_callback = _CALLBACKS.remove
+
+
+def build_callbacks(run, sections: dict) -> dict[str, Callback]:
+    """This run's callbacks by name, in registration order (titan's own first)."""
+    made = {
+        spec.name: extensions.load(spec.build)(run, _CALLBACKS.options_of(spec, sections))
+        for spec in _CALLBACKS.entries.values()
+    }
+    return {name: cb for name, cb in made.items() if cb is not None}
+
+
+def _check(job) -> None:
+    for spec in _CALLBACKS.entries.values():
+        if spec.check:
+            spec.check(job)
+
+
+_OWN = "titan.components"
+register_callback(CallbackSpec("validation", build=f"{_OWN}.training.validate:build_callback"))
+register_callback(CallbackSpec("profiler", build=f"{_OWN}.observability.profiling:build_callback"))
+register_callback(
+    CallbackSpec("memory_snapshot", build=f"{_OWN}.observability.memory_snapshot:build_callback")
+)
+extensions.register_check(_check)

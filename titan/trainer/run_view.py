@@ -1,0 +1,99 @@
+"""What a callback sees of the trainer (titan.components.training.callbacks): the run's
+config, plan, model and optimizer, the step, and what it may ask for."""
+
+import logging
+
+logger = logging.getLogger("titan")
+
+
+class RunView:
+    def __init__(self, trainer):
+        self._trainer = trainer
+        self.stop_reason: str | None = None
+        self.save_requested = False
+
+    # ---------------------------------------------------------------- what it reads
+
+    @property
+    def job(self):
+        return self._trainer.job
+
+    @property
+    def plan(self):
+        """The resolved run plan (titan.trainer.run_plan.RunPlan): layout, batch sizes."""
+        return self._trainer.plan
+
+    @property
+    def step(self) -> int:
+        """The last step trained (0 before the first)."""
+        return self._trainer.step
+
+    @property
+    def rank(self) -> int:
+        return self._trainer.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._trainer.world_size
+
+    @property
+    def device(self):
+        return self._trainer.device
+
+    @property
+    def dump_folder(self) -> str:
+        return self._trainer.job.job.dump_folder
+
+    @property
+    def model_parts(self) -> list:
+        """This rank's model parts (pipeline stages; one part without pipelining)."""
+        return self._trainer.model_parts
+
+    @property
+    def optimizer(self):
+        return self._trainer.optimizer
+
+    @property
+    def lr_scheduler(self):
+        return self._trainer.lr_scheduler
+
+    @property
+    def metrics(self):
+        """The MetricsLogger (its writers: `metrics.writers`)."""
+        return self._trainer.metrics
+
+    @property
+    def data_shard(self):
+        """This rank's slice of each global batch (DataShard)."""
+        return self._trainer.shard
+
+    @property
+    def eval_loss_sum(self):
+        """(inputs, labels[, doc_ids]) -> (this rank's summed token loss, its tokens), under
+        the run's layout (pipeline schedule, context parallelism)."""
+        return self._trainer.fwd_bwd.eval_loss_sum
+
+    @property
+    def loss_groups(self) -> list:
+        """The process groups a rank's loss sum and token count add up over (pipeline
+        stages, dp x cp ranks; None where a dimension is 1)."""
+        return [self._trainer.pp_group(), self._trainer.dp_cp_group()]
+
+    # ---------------------------------------------------------------- what it asks for
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after this step, saving a checkpoint (where checkpointing is on)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def request_save(self) -> None:
+        """Save a checkpoint of this step (where checkpointing is on)."""
+        self.save_requested = True
+
+    def exclude_time(self, seconds: float) -> None:
+        """Keep time spent outside the step (an evaluation) out of tokens/s."""
+        self._trainer.metrics.exclude(seconds)
+
+    def notify(self, event: str, *args) -> None:
+        """Tell every callback of an event (`on_validation_end`, say)."""
+        self._trainer.emit(event, *args)
