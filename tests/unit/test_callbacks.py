@@ -137,3 +137,24 @@ def test_a_callbacks_section_is_checked_before_launch(loss_ema):
 
     with pytest.raises(ConfigError, match=r"loss_ema.beta = 1.5: give a value in \[0, 1\)"):
         parse_args(["--loss_ema.beta", "1.5"])
+
+
+def test_a_stop_reaches_every_callback_even_past_a_failing_one(caplog):
+    from types import SimpleNamespace
+
+    from titan.trainer.train import Trainer
+
+    seen = []
+
+    class Breaks(Callback):
+        def on_stop(self, run, error):
+            raise RuntimeError("callback bug")
+
+    class Notes(Callback):
+        def on_stop(self, run, error):
+            seen.append((run, str(error)))
+
+    trainer = SimpleNamespace(callbacks={"breaks": Breaks(), "notes": Notes()}, run_view="view")
+    Trainer.stopping(trainer, KeyboardInterrupt("ctrl-c"))
+    assert seen == [("view", "ctrl-c")]
+    assert "callback Breaks failed in on_stop" in caplog.text

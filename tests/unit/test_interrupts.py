@@ -40,6 +40,9 @@ class _SaveFailsThenStopArrivesInClose:
     def train(self):
         raise SaveInterrupted("checkpoint step 8 was not written: peer closed the connection")
 
+    def stopping(self, error):
+        pass
+
     def close(self):
         _signal_self()
 

@@ -486,6 +486,14 @@ class Trainer:
             Path(self.job.job.dump_folder) / "memory_measured.json", self._measured, self.rank
         )
 
+    def stopping(self, error: BaseException) -> None:
+        """The run ends with `error`: tell the callbacks (on this rank only)."""
+        for callback in self.callbacks.values():
+            try:
+                callback.on_stop(self.run_view, error)
+            except Exception:  # noqa: BLE001  the run's own error is the one to report
+                logger.exception("callback %s failed in on_stop", type(callback).__name__)
+
     def close(self) -> None:
         if self.ft is not None:
             self.ft.shutdown()
@@ -516,11 +524,7 @@ def run(job: JobConfig, plan: RunPlan) -> None:
     try:
         trainer.train()
     except BaseException as e:
-        for callback in trainer.callbacks.values():
-            try:
-                callback.on_stop(trainer.run_view, e)
-            except Exception:  # noqa: BLE001  the run's own error is the one to report
-                logger.exception("callback %s failed in on_stop", type(callback).__name__)
+        trainer.stopping(e)
         if isinstance(e, interrupts.Interrupted) or interrupts.received():
             # stopping: nothing waits for peers (an async save, a closing barrier) that are
             # stopping too; a save in flight stays incomplete, which a resume skips
