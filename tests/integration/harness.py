@@ -15,6 +15,7 @@ Fixtures (`baseline`, `train_run`) live in conftest.py; tests import everything 
 
 import contextlib
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -109,31 +110,11 @@ def losses(dump) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(dump)}
 
 
-def train_layout(nproc, overrides, tmp_path, timeout=600) -> list[dict]:
-    """Rank 0's metrics records of a run on `nproc` ranks: forked ranks on CPU, a launch on
-    CUDA (where a forked rank could not start CUDA)."""
-    if DEVICE == "cpu":
-        from tests.forked import run_trainer
-        from titan.config.manager import with_config_file
-
-        # the config file a launch reads (CONFIG_FILE, else run_train.sh's default)
-        return run_trainer(tmp_path, nproc, with_config_file(overrides), deadline_s=timeout)
-    launch(nproc, overrides, tmp_path / "dump", timeout=timeout)
-    return read_metrics(tmp_path / "dump")
-
-
-class Trained:
-    """What a test reads of a finished run: its console (`stderr`, every rank's lines) and its
-    exit code (0: a forked run that failed has failed the test already)."""
-
-    def __init__(self, stderr: str, returncode: int = 0):
-        self.stderr, self.returncode = stderr, returncode
-
-
-def train(nproc, overrides, dump, timeout=600) -> Trained:
-    """A run whose checkpoints, metrics and console a test reads, in `dump`: forked ranks on
-    CPU (a resume is new processes reading the disk either way), a launch on CUDA. Refusals
-    and exit codes, which only the launcher's path shows, are `launch`'s."""
+def train(nproc, overrides, dump, timeout=600) -> subprocess.CompletedProcess:
+    """A run whose checkpoints, metrics and console (`stderr`: every rank's lines) a test
+    reads, in `dump`: forked ranks on CPU (a resume is new processes reading the disk either
+    way), a launch on CUDA. Refusals and exit codes, which only the launcher's path shows, are
+    `launch`'s (a forked run that fails has failed the test already)."""
     if DEVICE == "cpu":
         import tempfile
 
@@ -142,10 +123,16 @@ def train(nproc, overrides, dump, timeout=600) -> Trained:
 
         dump.parent.mkdir(parents=True, exist_ok=True)
         ranks = Path(tempfile.mkdtemp(prefix=f"{dump.name}-ranks-", dir=dump.parent))
-        run_trainer(ranks, nproc, with_config_file(overrides), deadline_s=timeout, dump=dump)
-        return Trained(rank_logs(ranks, nproc))
-    proc = launch(nproc, overrides, dump, timeout=timeout)
-    return Trained(proc.stderr, proc.returncode)
+        argv = with_config_file(overrides)
+        run_trainer(ranks, nproc, argv, deadline_s=timeout, dump=dump)
+        return subprocess.CompletedProcess(argv, 0, stdout="", stderr=rank_logs(ranks, nproc))
+    return launch(nproc, overrides, dump, timeout=timeout)
+
+
+def train_layout(nproc, overrides, tmp_path, timeout=600) -> list[dict]:
+    """Rank 0's metrics records of a `train` run on `nproc` ranks, in `tmp_path/dump`."""
+    train(nproc, overrides, tmp_path / "dump", timeout=timeout)
+    return read_metrics(tmp_path / "dump")
 
 
 def assert_matches_baseline(baseline, nproc, overrides, tmp_path, case, rtol=RTOL):
@@ -223,8 +210,6 @@ class Nodes:
         env: dict | None = None,
         rdzv_conf: str = "",
     ):
-        import subprocess
-
         require_devices(count * nproc)  # on CUDA all "nodes" share this machine's GPUs
         self._cores = contextlib.ExitStack()
         self._cores.enter_context(workers.busy(count * nproc))
@@ -274,7 +259,6 @@ class Nodes:
 
     def wait(self, timeout: float = 600) -> list[tuple[int, str, str]]:
         """(exit code, stdout, stderr) of every node; fails with every rank's last lines."""
-        import subprocess
         import time
 
         deadline = time.monotonic() + timeout

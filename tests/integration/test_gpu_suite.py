@@ -34,28 +34,25 @@ def finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def dry_run(tmp_path, rows: str) -> dict:
-    out = tmp_path / f"suite_{rows.replace(',', '_')}.json"
+def tiny_suite(out, *args, timeout) -> tuple[str, dict]:
+    """`gpu_suite.py --device cpu --tiny --out out *args`: its stdout and the JSON it wrote."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/gpu_suite.py",
-            "--device",
-            "cpu",
-            "--tiny",
-            "--rows",
-            rows,
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "benchmarks/gpu_suite.py", "--device", "cpu", "--tiny", *args]
+        + ["--out", str(out)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "| row | side | status |" in proc.stdout  # the markdown table
-    return json.loads(out.read_text())
+    return proc.stdout, json.loads(out.read_text())
+
+
+def dry_run(tmp_path, rows: str) -> dict:
+    out = tmp_path / f"suite_{rows.replace(',', '_')}.json"
+    stdout, data = tiny_suite(out, "--rows", rows, timeout=900)
+    assert "| row | side | status |" in stdout  # the markdown table
+    return data
 
 
 @pytest.mark.slow("every row of the GPU suite: eleven training runs, two saves and a nested pytest")
@@ -127,30 +124,8 @@ def test_dry_run_takes_every_path(tmp_path):
 
 def test_budget_skips_what_it_cannot_start(tmp_path):
     """--budget: rows that would start past it are reported skipped, and the JSON is written."""
-    out = tmp_path / "suite.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/gpu_suite.py",
-            "--device",
-            "cpu",
-            "--tiny",
-            "--rows",
-            "train,checkpoint",
-            "--only",
-            "SAC,save",
-            "--budget",
-            "1",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = json.loads(out.read_text())["rows"]
+    args = ["--rows", "train,checkpoint", "--only", "SAC,save", "--budget", "1"]
+    rows = tiny_suite(tmp_path / "suite.json", *args, timeout=300)[1]["rows"]
     # --only: the rows named SAC (not the full-AC one) and the saves
     assert sorted(r["kind"] for r in rows) == ["checkpoint"] * 2 + ["train"] * 4
     assert {r["status"] for r in rows} == {"skipped: over the suite's --budget"}

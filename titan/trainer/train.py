@@ -21,7 +21,7 @@ from titan.components.checkpoint.checkpointer import (
     SaveInterrupted,
     stop_save_process,
 )
-from titan.components.checkpoint.folders import CheckpointError
+from titan.components.checkpoint.folders import CheckpointError, step_folder
 from titan.components.checkpoint.hf_io import HFModelIO
 from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
 from titan.components.data.dataloader import DataShard, build_dataloader
@@ -462,7 +462,7 @@ class Trainer:
             self.metrics.exclude(
                 self.checkpointer.save(self.step, model_only=model_only, blocking=final or stop)
             )
-        path = self.checkpointer.root / f"step-{self.step}"
+        path = step_folder(self.checkpointer.root, self.step)
         self.emit("on_checkpoint_saved", self.step, str(path))
 
     def _activation_tracker(self) -> ActivationTracker | None:

@@ -35,6 +35,7 @@ from titan.components.checkpoint.folders import (
     saved_keys,
     saved_layout,
     saved_model_only,
+    step_folder,
     step_folders,
     write_complete_marker,
 )
@@ -409,7 +410,7 @@ class Checkpointer:
             state = {"model": self.states["model"].exported(dtype)}
         else:
             state = dict(self.states)
-        path = self.root / f"step-{step}"
+        path = step_folder(self.root, step)
         self._check_space(path, model_only, getattr(state.get("model"), "export_dtype", None))
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)  # a re-run of a step rewrites it whole

@@ -43,6 +43,11 @@ class CheckpointError(RuntimeError):
 # ----------------------------------------------------------------------------- folders
 
 
+def step_folder(root: Path, step: int) -> Path:
+    """The folder of `step`'s checkpoint under `root`."""
+    return root / f"step-{step}"
+
+
 def step_folders(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every `step-N` folder under `root`, oldest first."""
     out = []
@@ -179,7 +184,7 @@ def resume_candidate(root: Path, load_step: int, problem=folder_problem, warn=No
     folder cannot be used, or when every completed folder is damaged (starting afresh would
     write over the run's history)."""
     if load_step >= 0:
-        path = root / f"step-{load_step}"
+        path = step_folder(root, load_step)
         why = problem(path) if path.is_dir() else "does not exist"
         if why:
             have = [p.name for _, p in step_folders(root)] if root.is_dir() else []
