@@ -69,8 +69,8 @@ class RunView:
 
     @property
     def eval_loss_sum(self):
-        """(inputs, labels[, doc_ids]) -> (this rank's summed token loss, its tokens), under
-        the run's layout (pipeline schedule, context parallelism)."""
+        """A batch's tensors -> (this rank's summed token loss, its tokens), under the run's
+        layout (pipeline schedule, context parallelism)."""
         return self._trainer.fwd_bwd.eval_loss_sum
 
     @property
