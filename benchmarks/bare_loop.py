@@ -56,7 +56,8 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         if step == args.warmup + 1:
             t0 = time.perf_counter()
-        x, y = next(it)
+        batch = next(it)
+        x, y = batch["input_ids"], batch["labels"]
         opt.zero_grad(set_to_none=True)
         logits = model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(0, 1))

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan.config import parse_args  # noqa: E402
+from titan.plan.run_plan import plan_run  # noqa: E402
 from titan.planner.memory import human_bytes, rank_bytes  # noqa: E402
 from titan.tools.loss_compare import launch  # noqa: E402
-from titan.trainer.run_plan import plan_run  # noqa: E402
 
 
 def main() -> int:

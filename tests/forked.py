@@ -138,7 +138,7 @@ def build_trainer(rank, world_size, port, argv):
     """A Trainer on this forked rank, its process group made from the environment torchrun
     would set."""
     from titan.config import parse_args
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
     from titan.trainer.train import Trainer
 
     os.environ.update(

@@ -46,6 +46,7 @@ def test_titan_does_not_know_the_plugin():
         "plugin_corpus",
         "loss_ema",
         "LossEma",
+        "FreezeOptions",
     )
     for path in (REPO / "titan").rglob("*.py"):
         text = path.read_text()
@@ -66,6 +67,7 @@ def test_the_plugins_sections_are_in_help_and_checked():
         "--csv_metrics.file",
         "[gelu_llama]",
         "--loss_ema.beta",
+        "--freeze.modules",
     ):
         assert line in proc.stdout, line
     proc = subprocess.run(

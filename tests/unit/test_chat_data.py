@@ -152,7 +152,7 @@ def test_windows_pack_pad_truncate_drop(tmp_path, folders):
     for windows in (packed, padded, dropped):
         seen = []
         for i in range(len(windows)):
-            inputs, labels, docs = windows[i]
+            inputs, labels, docs = windows[i].values()
             assert inputs.dtype == labels.dtype == torch.int64 and docs.dtype == torch.int32
             assert inputs.shape == labels.shape == docs.shape == (seq,)
             for d in docs.unique().tolist():
@@ -162,7 +162,7 @@ def test_windows_pack_pad_truncate_drop(tmp_path, folders):
         whole = [ours.encode(m)[0] for m in convs[:3]]
         assert seen == (whole if windows is dropped else [*whole, ours.encode(long)[0][:seq]])
     # labels: the next token where it is counted, and never across conversations
-    inputs, labels, docs = packed[0]
+    inputs, labels, docs = packed[0].values()
     for start, conv in ((0, convs[0]), (lengths[0], convs[1])):
         ids, counted = ours.encode(conv)
         n = len(ids)
@@ -170,11 +170,11 @@ def test_windows_pack_pad_truncate_drop(tmp_path, folders):
         assert labels[start : start + n].tolist() == [*want, IGNORE_INDEX]
         assert inputs[start : start + n].tolist() == ids
     assert docs.tolist() == [0] * lengths[0] + [1] * lengths[1]
-    inputs, labels, docs = padded[2]
+    inputs, labels, docs = padded[2].values()
     assert (inputs[lengths[2] :] == tok.pad_id).all() and (labels[lengths[2] - 1 :] == -100).all()
     # the truncated conversation keeps the label of its last place (its next token is known)
     ids, counted = ours.encode(long)
-    assert packed[2][1][-1].item() == (ids[seq] if counted[seq] else IGNORE_INDEX)
+    assert packed[2]["labels"][-1].item() == (ids[seq] if counted[seq] else IGNORE_INDEX)
 
 
 @pytest.mark.parametrize(
@@ -270,4 +270,5 @@ def test_template_in_tokenizer_config_and_parquet_rows(tmp_path, folders):
     b = chat_windows([tmp_path / "c.jsonl"], template(folders["qwen3"]), opts, 0, "jsonl")
     assert len(a) == len(b) == 2
     for i in range(2):
-        assert all(torch.equal(x, y) for x, y in zip(a[i], b[i]))
+        assert a[i].keys() == b[i].keys()
+        assert all(torch.equal(a[i][k], b[i][k]) for k in a[i])

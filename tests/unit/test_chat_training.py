@@ -12,7 +12,7 @@ from tests.forked import run_trainer, tiny_run
 from titan.components.data.dataloader import DataShard, build_dataloader
 from titan.components.training.loss import IGNORE_INDEX
 from titan.config import ConfigError, parse_args
-from titan.trainer.run_plan import plan_run
+from titan.plan.run_plan import plan_run
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 
@@ -86,7 +86,8 @@ def test_first_loss_is_the_mean_over_counted_tokens(one_rank):
     total, counted, means = 0.0, 0, []
     with torch.no_grad():
         for _ in range(2):
-            inputs, labels, doc_ids = next(batches)
+            batch = next(batches)
+            inputs, labels, doc_ids = batch["input_ids"], batch["labels"], batch["doc_ids"]
             logits = model(inputs, doc_ids=doc_ids)
             ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
             n = int((labels != IGNORE_INDEX).sum())

@@ -18,7 +18,7 @@ from titan.components.checkpoint.folders import CheckpointError, folder_problem,
 from titan.components.checkpoint.identity import model_identity
 from titan.config import ConfigError, parse_args
 from titan.models.spec import get_train_spec
-from titan.trainer.run_plan import plan_run
+from titan.plan.run_plan import plan_run
 
 LLAMA = get_train_spec("llama3")
 

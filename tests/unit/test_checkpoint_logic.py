@@ -89,11 +89,11 @@ def test_data_position_is_layout_independent():
     it = iter(one)
     for _ in range(3 * 8):
         next(it)
-    expected = [next(it)[0][0] for _ in range(8)]
+    expected = [next(it)["input_ids"][0] for _ in range(8)]
     resumed = []
     for ds in two:
         it = iter(ds)
-        resumed += [next(it)[0][0] for _ in range(4)]
+        resumed += [next(it)["input_ids"][0] for _ in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(expected, resumed, strict=True))
 
 

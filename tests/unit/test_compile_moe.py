@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from titan.components.lora.adapters import apply_lora, init_adapters
-from titan.config.job_config import ActivationCheckpoint, Lora
+from titan.components.lora.spec import Lora
+from titan.config.job_config import ActivationCheckpoint
 from titan.models.common.aux_loss import AuxLossCollector
 from titan.models.spec import get_train_spec
 from titan.parallelisms.activation_checkpoint import apply_ac

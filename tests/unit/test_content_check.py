@@ -13,7 +13,7 @@ from titan.components.data.tokenizer import Tokenizer
 from titan.config import parse_args
 from titan.launcher import launch
 from titan.launcher.content_check import check_content
-from titan.trainer.run_plan import plan_run
+from titan.plan.run_plan import plan_run
 
 
 def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:

@@ -13,7 +13,7 @@ from tests.unit.test_cp_documents import FAMILIES, corpus  # noqa: F401  (a fixt
 from tests.unit.test_cp_documents import argv as documents_argv
 from titan.config import ConfigError, parse_args
 from titan.parallelisms.sequence_shard import SequenceShard
-from titan.trainer.run_plan import plan_run
+from titan.plan.run_plan import plan_run
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 

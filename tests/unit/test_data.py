@@ -63,14 +63,19 @@ def token_stream(tokenizer, path, text_field="text") -> list[int]:
     return tokens.read(0, len(tokens)).tolist()
 
 
+def xy(batch):
+    """(input_ids, labels) of a named batch (a tuple passes as it is)."""
+    return (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else batch
+
+
 def take(dl_or_iter, n):
     it = iter(dl_or_iter)
-    return [next(it) for _ in range(n)]
+    return [xy(next(it)) for _ in range(n)]
 
 
 def assert_batches_equal(a, b):
     assert len(a) == len(b)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(map(xy, a), map(xy, b)):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
@@ -104,7 +109,7 @@ def test_packing_windows_and_labels(tokenizer, tmp_path):
     dl = loader(
         tokenizer, 2, 2, dataset="d", path=str(path), seq_len=seq, shuffle=False, infinite=False
     )
-    batches = list(dl)
+    batches = list(map(xy, dl))
     assert len(batches) == n_windows // 2  # finite mode drops the incomplete global batch
     k = 0
     for x, y in batches:
@@ -162,7 +167,7 @@ def test_resume_matches_uninterrupted(tokenizer, dp, rank):
 
 
 def sequences(batches) -> list[list[int]]:
-    return [row.tolist() for x, _ in batches for row in x]
+    return [row.tolist() for x, _ in map(xy, batches) for row in x]
 
 
 @pytest.mark.parametrize("before,after,dp", [(8, 16, 2), (16, 8, 1), (8, 12, 3)])
@@ -236,7 +241,12 @@ def streamed(tokenizer, path, rank=0, dp=1, infinite=True, local=3, text_field="
 
 def windows(batches) -> list[int]:
     """The token stream the packed windows were cut from (each window is seq_len + 1)."""
-    return [t for x, y in batches for i in range(len(x)) for t in [x[i, 0].item(), *y[i].tolist()]]
+    return [
+        t
+        for x, y in map(xy, batches)
+        for i in range(len(x))
+        for t in [x[i, 0].item(), *y[i].tolist()]
+    ]
 
 
 def test_streamed_local_file_is_sharded_per_rank(tokenizer, tmp_path):
@@ -370,8 +380,16 @@ def test_shuffle_is_a_permutation(tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", DOCS * 4)
     seq = 8
     kw = dict(dataset="d", path=str(path), seq_len=seq, infinite=False)
-    plain = [tuple(r.tolist()) for x, _ in loader(tokenizer, 1, 1, shuffle=False, **kw) for r in x]
-    shuf = [tuple(r.tolist()) for x, _ in loader(tokenizer, 1, 1, shuffle=True, **kw) for r in x]
+    plain = [
+        tuple(r.tolist())
+        for x, _ in map(xy, loader(tokenizer, 1, 1, shuffle=False, **kw))
+        for r in x
+    ]
+    shuf = [
+        tuple(r.tolist())
+        for x, _ in map(xy, loader(tokenizer, 1, 1, shuffle=True, **kw))
+        for r in x
+    ]
     assert sorted(plain) == sorted(shuf) and plain != shuf
 
 
@@ -380,7 +398,7 @@ def test_shuffle_is_a_permutation(tokenizer, tmp_path):
 
 def _first_window(tokenizer, path, seq, **kw):
     dl = loader(tokenizer, 1, 1, dataset="x", path=str(path), seq_len=seq, shuffle=False, **kw)
-    return next(iter(dl))[0][0]
+    return xy(next(iter(dl)))[0][0]
 
 
 def test_jsonl_file(tokenizer, tmp_path):
@@ -508,5 +526,5 @@ def test_exactly_one_window(tokenizer):
         [1], [1.0], dp_rank=0, dp_world_size=1, global_batch_size=1, seed=0, shuffle=True
     )
     dl = IndexedLoader(MixedWindows([PackedWindows(tokens, 8)]), order, 1, Workers())
-    (x,), (y,) = next(iter(dl))
+    (x,), (y,) = xy(next(iter(dl)))
     assert x.tolist() == list(range(8)) and y.tolist() == list(range(1, 9))

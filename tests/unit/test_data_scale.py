@@ -132,7 +132,7 @@ def test_mixing_shares_resume_and_dp_invariance(tokenizer, corpus, tmp_path):
     two = [mixed(2, r) for r in range(2)]
     its = [iter(dl) for dl in two]
     for step in range(12):
-        assert torch.equal(torch.cat([next(it)[0] for it in its]), batches[step][0])
+        assert torch.equal(torch.cat([next(it)["input_ids"] for it in its]), batches[step][0])
     state = json.loads(json.dumps(two[0].state_dict()))
     resumed = mixed()
     resumed.load_state_dict(state)
@@ -185,7 +185,7 @@ def test_streamed_global_order_resumes_on_another_dp_degree(tokenizer, tmp_path)
     ]
     its = [iter(dl) for dl in two]
     for step in range(5):
-        assert torch.equal(torch.cat([next(it)[0] for it in its]), indexed[step][0])
+        assert torch.equal(torch.cat([next(it)["input_ids"] for it in its]), indexed[step][0])
     states = [json.loads(json.dumps(dl.state_dict())) for dl in two]
     assert states[0] == states[1]  # one position for every rank: saved once, as "global"
     one = loader(tokenizer, 4, 4, streaming=True, stream_order="global", **kw)

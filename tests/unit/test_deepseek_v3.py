@@ -476,7 +476,7 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
 )
 def test_what_it_cannot_do_is_refused_before_launch(flags, message, tmp_path):
     from titan.config import ConfigError, parse_args
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     job = parse_args([*COMMON, *flags, "--job.dump_folder", str(tmp_path)])
     with pytest.raises(ConfigError, match=message):
@@ -486,7 +486,7 @@ def test_what_it_cannot_do_is_refused_before_launch(flags, message, tmp_path):
 def test_an_hf_folder_of_another_shape_is_named_before_launch(tmp_path):
     """Experts, groups and MLA ranks of the folder against the flavor, field by field."""
     from titan.config import ConfigError, parse_args
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     other = DEBUG.with_updates(
         kv_lora_rank=32,

@@ -88,7 +88,7 @@ def test_the_planner_shards_for_any_world_size_without_a_chunk_per_rank():
 
 def test_a_malformed_hf_config_is_named_before_launch(tmp_path):
     from titan.config import ConfigError, parse_args
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,\n')
     job = parse_args(

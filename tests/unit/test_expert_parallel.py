@@ -179,7 +179,7 @@ def test_a_checkpoint_resumes_on_another_expert_parallel_degree(tmp_path):
 )
 def test_bad_expert_parallel_settings_are_refused_before_launch(flags, message, tmp_path):
     from titan.config import ConfigError, parse_args
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     job = parse_args(
         [
@@ -202,7 +202,7 @@ def test_bad_expert_parallel_settings_are_refused_before_launch(flags, message, 
 
 def test_experts_that_do_not_split_over_ep_are_refused(tmp_path):
     from titan.config import ConfigError, parse_args
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     job = parse_args(
         [

@@ -11,7 +11,7 @@ from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
 from titan.config import ConfigError, parse_args
 from titan.models.spec import get_train_spec
-from titan.trainer.run_plan import plan_run
+from titan.plan.run_plan import plan_run
 
 pytestmark = [
     pytest.mark.needs("torchao"),

@@ -9,7 +9,7 @@ from tests.forked import run_trainer, tiny_run
 from tests.unit.test_chat_training import CHAT
 from titan.components.checkpoint.folders import dcp_model_metadata
 from titan.config import ConfigError, parse_args
-from titan.trainer.run_plan import plan_run
+from titan.plan.run_plan import plan_run
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 

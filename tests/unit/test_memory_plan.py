@@ -10,8 +10,8 @@ import pytest
 
 from tests.forked import run_trainer, run_workers, tiny_run
 from titan.config import parse_args
+from titan.plan.run_plan import plan_run
 from titan.planner.memory import rank_bytes
-from titan.trainer.run_plan import plan_run
 
 ONE_STEP = tiny_run(1)
 LAYOUTS = {

@@ -16,7 +16,7 @@ from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
 from titan.config import parse_args
 from titan.models import spec as spec_registry
-from titan.trainer.run_plan import plan_run
+from titan.plan.run_plan import plan_run
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 

@@ -203,7 +203,7 @@ def test_the_depths_cross_to_and_from_the_hub_layout(tmp_path):
 
 def test_context_parallelism_is_refused_before_launch(tmp_path):
     from titan.config import ConfigError, parse_args
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     argv = [*COMMON, *DEPTH, "--parallelism.context_parallel_degree", "2"]
     with pytest.raises(ConfigError, match=r"set deepseek_v3\.mtp_depth = 0 or"):

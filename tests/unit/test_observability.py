@@ -103,7 +103,7 @@ def test_wandb_offline_run_holds_the_logged_values_and_resume_continues_it(
 
 def test_wandb_missing_is_named_before_launch(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     with pytest.raises(ConfigError, match=r"needs the wandb package: pip install 'titan\[wandb\]'"):
         plan_run(parse_args([*DEBUG, "--metrics.enable_wandb"]), 1)
@@ -200,7 +200,7 @@ def test_plot_cli_names_a_folder_without_metrics(tmp_path, capsys):
 
 
 def test_memory_snapshot_needs_cuda_and_says_so():
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     job = parse_args([*DEBUG, "--training.device", "cpu", "--profiling.enable_memory_snapshot"])
     with pytest.raises(
@@ -213,7 +213,7 @@ def test_memory_snapshot_needs_cuda_and_says_so():
 
 def test_flight_recorder_settings(tmp_path, monkeypatch):
     from titan.components.observability import flight_recorder
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     job = parse_args([*DEBUG, "--comm.trace_buf_size", "500", "--job.dump_folder", str(tmp_path)])
     plan_run(job, 1)  # accepted on CPU

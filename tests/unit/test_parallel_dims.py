@@ -5,7 +5,7 @@ import pytest
 from titan.config import ConfigError, parse_args
 from titan.models.llama3.args import Llama3Args
 from titan.parallelisms.parallel_dims import ParallelDims, ParallelismError, validate_against_model
-from titan.trainer.run_plan import plan_run
+from titan.plan.run_plan import plan_run
 
 
 def dims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, world_size=8):
@@ -321,7 +321,7 @@ def test_pipeline_stages_balance_unequal_layer_costs():
     from titan.config import parse_args
     from titan.models.spec import get_train_spec
     from titan.parallelisms.pipeline import stage_layer_ranges
-    from titan.trainer.run_plan import pipeline_plans
+    from titan.plan.run_plan import pipeline_plans
 
     # a costly first layer (a dense one before MoE layers): the first stage takes fewer
     assert stage_layer_ranges(6, 2, [], [5, 1, 1, 1, 1, 1]) == [range(0, 1), range(1, 6)]

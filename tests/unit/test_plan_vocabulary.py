@@ -10,8 +10,8 @@ import pytest
 
 from titan.config import ConfigError, parse_args
 from titan.models.llama3.args import LLAMA3_FLAVORS
+from titan.plan.run_plan import plan_run, vocabulary_note
 from titan.runtime.paths import REPO_ROOT
-from titan.trainer.run_plan import plan_run, vocabulary_note
 
 BUNDLED = "assets/tokenizer/tokenizer.json"
 

@@ -30,8 +30,8 @@ def job(*argv):
 def _check_untraceable(rank, world_size, argv, mode):
     import titan.planner.activations as activations
     from titan.launcher.launch import check_memory
+    from titan.plan.run_plan import plan_run
     from titan.planner.memory import check_fits
-    from titan.trainer.run_plan import plan_run
 
     def untraceable(*args, **kwargs):
         raise NotImplementedError("aten::made_up_op has no fake-tensor kernel")
@@ -72,7 +72,7 @@ def _pipeline_ranks(rank, world_size, argv, wide_blocks):
     """(the figures of every pipeline rank as the planner gives them, each rank's own
     figures built and traced alone, the ranks built)."""
     import titan.planner.memory as memory
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     j = job(*argv)
     plan = plan_run(j, 4)
@@ -149,8 +149,8 @@ def layout(**degrees):
 
 
 def test_a_suggested_hybrid_names_its_all_to_all_groups_and_plans():
+    from titan.plan.run_plan import plan_run
     from titan.planner.layout_search import CP_A2A_FIELD, Candidate
-    from titan.trainer.run_plan import plan_run
 
     hybrid = settings(layout(cp=4, cp_type="hybrid", cp_a2a=2), "none", 1, 4)
     assert hybrid[CP_A2A_FIELD] == 2

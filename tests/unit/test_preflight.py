@@ -4,7 +4,7 @@
 import pytest
 
 from titan.config import ConfigError, parse_args
-from titan.trainer.run_plan import plan_run
+from titan.plan.run_plan import plan_run
 
 
 def refused(*argv, world_size=1) -> str:

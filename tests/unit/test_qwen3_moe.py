@@ -346,7 +346,7 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
 )
 def test_what_an_moe_cannot_do_is_refused_before_launch(flags, message, tmp_path):
     from titan.config import ConfigError, parse_args
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     with pytest.raises(ConfigError, match=message):
         plan_run(parse_args([*COMMON, *flags, "--job.dump_folder", str(tmp_path)]), 2)

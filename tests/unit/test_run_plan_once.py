@@ -17,7 +17,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 def _count_plan_work() -> collections.Counter:
     """Counts, in this process, the reads of the tokenizer, the pipeline plans made from the
     config and the plan_run calls."""
-    import titan.trainer.run_plan as preflight
+    import titan.plan.run_plan as preflight
 
     counts = collections.Counter()
 

@@ -60,7 +60,7 @@ def test_val_loss_is_the_same_on_every_layout(tmp_path):
 )
 def test_validation_batches_that_do_not_split_are_refused(flags, message, tmp_path):
     from titan.config import ConfigError, parse_args
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     with pytest.raises(ConfigError, match=message):
         plan_run(parse_args(["--validation.enable", *flags, "--job.dump_folder", str(tmp_path)]), 4)

@@ -14,11 +14,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-# titan's own registrations, loaded like plugins are (optimizers, metrics writers, callbacks)
+# titan's own registrations, loaded like plugins are (optimizers, metrics writers, callbacks,
+# model converters: in the order they apply)
 BUILTIN = (
     "titan.components.optim.builtin",
     "titan.components.observability.writers",
     "titan.components.training.callbacks",
+    "titan.components.quantization.float8_spec",
+    "titan.components.training.chunked_loss_spec",
+    "titan.components.lora.spec",
 )
 
 _SECTIONS: dict[str, type] = {}

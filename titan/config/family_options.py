@@ -5,7 +5,7 @@ A family in titan/models/<family>/ declares them in `options.py`, a torch-free m
 one dataclass `Options` whose fields are made with `titan.config.job_config.opt`; it is loaded
 on its own, without the family's package (which imports torch). A family defined elsewhere
 (a plugin, a test) calls `register_family_options`. An option named like a field of the
-family's ModelArgs, when set, overrides the flavor's value (titan.trainer.run_plan).
+family's ModelArgs, when set, overrides the flavor's value (titan.plan.run_plan).
 """
 
 import dataclasses

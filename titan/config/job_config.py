@@ -40,7 +40,10 @@ class Model:
         "assets/tokenizer/tokenizer.json", "HF tokenizers tokenizer.json (or a folder holding one)"
     )
     converters: list[str] = opt(
-        [], "Rewrites of the model before the parallelisms: float8 (torchao; see [float8])"
+        [],
+        "Rewrites of the model before the parallelisms, by name: float8 (torchao; see "
+        "[float8]), or a plugin's; lora and chunked_loss also turn on by lora.rank and "
+        "training.loss_chunk_tokens",
     )
     attn_mask_type: Literal["causal", "block_causal"] = opt(
         "causal",
@@ -49,25 +52,6 @@ class Model:
     )
     document_positions: bool = opt(
         False, "With block_causal: restart RoPE positions at 0 at every document"
-    )
-
-
-@dataclass
-class Float8:
-    recipe_name: Literal["tensorwise", "rowwise"] = opt(
-        "tensorwise", "Scaling: one scale per tensor, or per row (more accurate, slower)"
-    )
-    filter_fqns: list[str] = opt(
-        ["output"], "Linear layers left in high precision: names containing any of these"
-    )
-    enable_fsdp_float8_all_gather: bool = opt(
-        False, "FSDP all-gathers the float8 weights (half the bytes); tensorwise only"
-    )
-    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
-        False, "Compute every weight's scale in one pass after the optimizer step"
-    )
-    emulate: bool = opt(
-        False, "Emulate float8 matmuls in float32 (CPU, tests); real float8 needs an SM 8.9+ GPU"
     )
 
 
@@ -431,24 +415,6 @@ class Chat:
 
 
 @dataclass
-class Lora:
-    rank: int = opt(
-        0,
-        "Low-rank adapters of this rank on the target linear layers, the base weights frozen "
-        "(no gradients, no optimizer state, checkpoints hold the adapters only); 0: off",
-    )
-    alpha: float = opt(16.0, "The adapters' output is scaled by alpha / rank (as PEFT's)")
-    dropout: float = opt(0.0, "Dropout on the adapters' input while training")
-    target_modules: list[str] = opt(
-        [r"attention\.w\w*$"],
-        "Regexes searched in each linear layer's name (layers.0.attention.wq) and each routed "
-        "experts' weight's (layers.1.feed_forward.experts.w1); what any matches gets adapters. "
-        r"Default: every attention projection; feed_forward\.w[123]$ adds a dense FFN, "
-        r"experts\.w[123]$ the shared and routed experts (one adapter per expert)",
-    )
-
-
-@dataclass
 class Validation:
     enable: bool = opt(False, "Evaluate loss on a held-out dataset during training")
     dataset: str = opt("kjv_valid", "Validation dataset (same forms as training.dataset)")
@@ -517,14 +483,12 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
-    float8: Float8 = field(default_factory=Float8)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     chat: Chat = field(default_factory=Chat)
-    lora: Lora = field(default_factory=Lora)
     validation: Validation = field(default_factory=Validation)
     memory: Memory = field(default_factory=Memory)
     debug: Debug = field(default_factory=Debug)

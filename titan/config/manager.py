@@ -359,20 +359,6 @@ def validate(cfg: JobConfig) -> None:
             "must be -1 (local x dp) or >= 1",
         ),
         (t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)"),
-        (t.loss_chunk_tokens >= 0, "training.loss_chunk_tokens", "must be >= 0 (0: off)"),
-        (
-            not t.loss_chunk_tokens or cfg.parallelism.tensor_parallel_degree == 1,
-            "training.loss_chunk_tokens",
-            "is for layouts without tensor parallelism: under TP the loss is already "
-            "vocabulary-parallel (each rank holds 1/tp of the logits); set it to 0",
-        ),
-        (
-            not t.loss_chunk_tokens
-            or "float8" not in cfg.model.converters
-            or "output" in cfg.float8.filter_fqns,
-            "training.loss_chunk_tokens",
-            "needs the output layer left out of float8 (float8.filter_fqns with 'output')",
-        ),
         (t.gc_freq >= 1, "training.gc_freq", "must be >= 1"),
         (t.dataloader_num_workers >= 0, "training.dataloader_num_workers", "must be >= 0"),
         (t.dataloader_prefetch_factor >= 1, "training.dataloader_prefetch_factor", "must be >= 1"),

@@ -33,7 +33,7 @@ def rendezvous_id(dump_folder: str) -> str:
 def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
     """plan_run for every world size the job may see (returns the last plan); ConfigError
     names the node count."""
-    from titan.trainer.run_plan import plan_run  # imports torch: only once the config parses
+    from titan.plan.run_plan import plan_run  # imports torch: only once the config parses
 
     elastic = min_nodes < max_nodes
     if elastic and job.training.global_batch_size == -1:
@@ -151,7 +151,7 @@ def main() -> None:
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         sys.exit(2)
-    from titan.trainer.run_plan import vocabulary_note
+    from titan.plan.run_plan import vocabulary_note
 
     note = vocabulary_note(job, plan)
     if note:

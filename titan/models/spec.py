@@ -77,6 +77,11 @@ class Model(Protocol):
     # every pipeline stage): for objectives computed inside forward (multi-token prediction)
     takes_labels: bool
 
+    # the batch fields beyond input_ids and labels (titan.components.data.batch) that forward
+    # takes as keyword arguments of the same names (a family's positions, images, ...);
+    # the documents of a block-causal mask are passed apart, as doc_ids
+    batch_fields: tuple[str, ...]
+
     def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
         """Logits; with a cache (generation), `tokens` continue the cached ones. Auxiliary
         losses (an MoE's load balancing) ride on an activation through

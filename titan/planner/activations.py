@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from titan.components.data.batch import sample
 from titan.components.observability.memory_measure import ActivationTracker, storages
 from titan.config import JobConfig
 from titan.models.common.aux_loss import AuxLossCollector
@@ -92,7 +93,7 @@ def _forward_held(
     tracker = ActivationTracker(parts)
     # as in a training step: auxiliary losses (an MoE's balancing, multi-token prediction)
     # ride on the activations and keep their graphs for backward
-    kwargs = fb.model_kwargs(tokens, labels)
+    kwargs = fb.model_kwargs(sample(tokens, labels))
     with (
         tracker,
         AuxLossCollector(1.0),
@@ -100,7 +101,7 @@ def _forward_held(
         fb.loss_parallel_ctx(),
     ):
         if fb.pp_plan is None:
-            out = loss = fb.forward_loss(tokens, labels, kwargs)
+            out = loss = fb.forward_loss(sample(tokens, labels), kwargs)
         else:
             out = part(tokens if hidden is None else hidden, **kwargs)
             # the schedule keeps each loss (and so its graph) until the step ends

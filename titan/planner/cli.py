@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         job = parse_args(rest)
         job.plan_only = True
-        from titan.trainer.run_plan import plan_run, vocabulary_note
+        from titan.plan.run_plan import plan_run, vocabulary_note
 
         run = plan_run(job, args.ngpu * args.nnodes)
         note = vocabulary_note(job, run)

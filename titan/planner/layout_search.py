@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from titan.config import ConfigError, JobConfig
 from titan.config.manager import with_overrides
 from titan.parallelisms.parallel_dims import DIMS, ParallelDims, heads_group_size
-from titan.trainer.run_plan import RunPlan
+from titan.plan.run_plan import RunPlan
 
 AC_COST = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}
 SOURCE = "--suggest"  # where a candidate's settings come from, as the config parser records it
@@ -225,8 +225,8 @@ def suggest(
     top: int = 5,
 ) -> list[Candidate]:
     """The `top` fastest candidates on the world size of `base`, the job's RunPlan."""
+    from titan.plan.run_plan import plan_run
     from titan.planner.memory import pipeline_rank_bytes
-    from titan.trainer.run_plan import plan_run
 
     world_size, global_batch = base.dims.world_size, base.global_batch_size
     budget = device_memory * (1 - margin)

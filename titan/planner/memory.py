@@ -18,7 +18,7 @@ import torch.distributed as dist
 from titan.components.optim.registry import optimizer_spec
 from titan.components.optim.registry import state_bytes as optimizer_state_bytes
 from titan.config import JobConfig
-from titan.trainer.run_plan import RunPlan
+from titan.plan.run_plan import RunPlan
 
 
 @contextlib.contextmanager

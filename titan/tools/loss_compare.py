@@ -214,7 +214,7 @@ def check_keys(keys: list[str], runs: dict[str, Run], common: list[str]) -> None
 
 def global_batch(run: Run, common: list[str]) -> int:
     """The sequences per optimizer step of `run`, as the launcher will resolve them."""
-    from titan.trainer.run_plan import plan_run
+    from titan.plan.run_plan import plan_run
 
     return plan_run(run_job(run, common), world_size=run.nproc).global_batch_size
 

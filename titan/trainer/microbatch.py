@@ -10,14 +10,15 @@ import contextlib
 import torch
 from torch import nn
 
+from titan.components.data.batch import INPUT_IDS, LABELS, Batch, extra_fields
 from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum, plain
 from titan.config import JobConfig
 from titan.models.common import aux_loss
-from titan.models.common.documents import document_ids, document_positions
+from titan.models.common.documents import document_kwargs
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.parallel_dims import heads_group_size
 from titan.parallelisms.pipeline import PipelinePlan, build_schedule
-from titan.trainer.run_plan import RunPlan
+from titan.plan.run_plan import RunPlan
 
 
 class ForwardBackward:
@@ -37,7 +38,8 @@ class ForwardBackward:
             device,
         )
         t, dims = job.training, plan.dims
-        # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks
+        # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks.
+        # What every step's count_step_tokens sets: unmasked, the global batch's tokens
         self.tokens_per_rank_step = (
             plan.global_batch_size // plan.data_parallel_size * t.seq_len // dims.cp
         )
@@ -70,11 +72,11 @@ class ForwardBackward:
         # normalized by every token of this rank's step: microbatches and stages add up
         return cross_entropy_sum(logits, labels) / self.tokens_per_rank_step
 
-    def count_step_tokens(self, counted: int) -> None:
-        """This step's loss is the mean over `counted` tokens of the global batch (labels that
-        are not IGNORE_INDEX): each rank's share of it, as the fixed count is shared."""
-        dims = self.plan.dims
-        self.tokens_per_rank_step = max(counted, 1) / (self.plan.data_parallel_size * dims.cp)
+    def count_step_tokens(self, counted: int, counted_over: int) -> None:
+        """This step's loss is the mean over `counted` tokens (labels that are not
+        IGNORE_INDEX), summed over `counted_over` data-parallel ranks: each rank's share of
+        it, as the count is shared by the dp x cp ranks."""
+        self.tokens_per_rank_step = max(counted, 1) / (counted_over * self.plan.dims.cp)
 
     def loss_parallel_ctx(self):
         return (
@@ -109,74 +111,58 @@ class ForwardBackward:
             heads_group=heads_group_size(par, dims.cp),
         )
 
-    def _chunked_loss(self) -> bool:
-        """Whether an output layer of this rank computes the loss in chunks: any of its parts
-        (a V-shaped pipeline puts the last stage second on rank 0)."""
+    def _output_takes_labels(self) -> bool:
+        """Whether an output layer of this rank computes the loss itself, given the labels:
+        any of its parts (a V-shaped pipeline puts the last stage second on rank 0)."""
         outputs = [getattr(p, "output", None) for p in self.parts]
         return any(getattr(o, "takes_labels", False) for o in outputs)
 
-    def model_kwargs(
-        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
-    ) -> dict:
-        """The model's arguments beside the tokens: the documents when attention is
-        block-causal (`doc_ids` when the data says them, else the runs BOS opens), the labels
-        when the model trains on them in forward (`takes_labels`) or its output layer
-        computes the loss (a chunked loss)."""
-        m = self.job.model
-        out = {"labels": labels} if self.parts[0].takes_labels or self._chunked_loss() else {}
-        if m.attn_mask_type != "block_causal":
-            return out
-        if doc_ids is None:
-            doc_ids = document_ids(inputs, self.plan.tokenizer.bos_id)
-        return {
-            **out,
-            "doc_ids": doc_ids,
-            **({"positions": document_positions(doc_ids)} if m.document_positions else {}),
-        }
+    def model_kwargs(self, batch: Batch) -> dict:
+        """The model's arguments beside the tokens: the batch's fields its family takes
+        (`batch_fields`), the documents when attention is block-causal, and the labels when
+        the model trains on them in forward (`takes_labels`) or its output layer computes
+        the loss."""
+        m, model = self.job.model, self.parts[0]
+        out = {k: v for k, v in extra_fields(batch).items() if k in model.batch_fields}
+        if model.takes_labels or self._output_takes_labels():
+            out[LABELS] = batch[LABELS]
+        block_causal = m.attn_mask_type == "block_causal"
+        bos = self.plan.tokenizer.bos_id
+        return {**out, **document_kwargs(batch, block_causal, m.document_positions, bos)}
 
-    def forward_loss(
-        self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict | None = None
-    ) -> torch.Tensor:
+    def forward_loss(self, batch: Batch, kwargs: dict | None = None) -> torch.Tensor:
         """The loss of one microbatch, ready for backward; call inside cp_ctx and
         loss_parallel_ctx. `kwargs`: model_kwargs of the batch, made before cp_ctx shards it."""
         if kwargs is None:
-            kwargs = self.model_kwargs(inputs, labels)
+            kwargs = self.model_kwargs(batch)
         with self.amp():
-            logits = self.parts[0](inputs, **kwargs)
-        return self.loss(logits, labels)
+            logits = self.parts[0](batch[INPUT_IDS], **kwargs)
+        return self.loss(logits, batch[LABELS])
 
-    def forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Loss of one microbatch (already divided by the step's token count), after backward."""
-        kwargs = self.model_kwargs(inputs, labels, doc_ids)  # documents of the whole sequences
-        with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx():
-            loss = self.forward_loss(inputs, labels, kwargs)
+        kwargs = self.model_kwargs(batch)  # documents of the whole sequences
+        with self.cp_ctx(batch[INPUT_IDS], batch[LABELS], kwargs=kwargs), self.loss_parallel_ctx():
+            loss = self.forward_loss(batch, kwargs)
             loss.backward()
         return plain(loss.detach())
 
-    def run_pipeline(
-        self,
-        schedule,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
-        train: bool = True,
-    ) -> torch.Tensor:
+    def run_pipeline(self, schedule, batch: Batch, train: bool = True) -> torch.Tensor:
         """Run `schedule` over one batch; the loss sum is nonzero only where the last stage is."""
         last = self.pp_plan.num_stages - 1
         has_first, has_last = 0 in self.pp_plan.stage_ids, last in self.pp_plan.stage_ids
         losses = [] if has_last else None
         run = schedule.step if train else schedule.eval
-        kwargs = self.model_kwargs(inputs, labels, doc_ids)  # every stage's attention needs them
-        inputs, labels = (inputs if has_first else None), (labels if has_last else None)
+        kwargs = self.model_kwargs(batch)  # every stage's attention needs them
+        inputs = batch[INPUT_IDS] if has_first else None
+        labels = batch[LABELS] if has_last else None
         with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx():
             run(
                 *((inputs,) if has_first else ()),
                 target=labels,
                 losses=losses,
-                # a chunked loss's last stage returns a loss, not logits: nothing to gather
-                return_outputs=not self._chunked_loss(),
+                # an output layer that computes the loss returns it, not logits: nothing to gather
+                return_outputs=not self._output_takes_labels(),
                 **kwargs,
             )
         total = torch.zeros((), device=self.device)
@@ -184,29 +170,27 @@ class ForwardBackward:
             total += plain(loss.detach())
         return total
 
-    def step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def step(self, batch: Batch) -> torch.Tensor:
         """Forward and backward of one microbatch of the step (all of a pipeline's)."""
         if self.schedule is not None:
-            return self.run_pipeline(self.schedule, inputs, labels, doc_ids)
-        return self.forward_backward(inputs, labels, doc_ids)
+            return self.run_pipeline(self.schedule, batch)
+        return self.forward_backward(batch)
 
-    def eval_loss_sum(
-        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, float]:
+    def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, float]:
         """This rank's summed token cross-entropy over a validation batch and its share of the
         counted tokens (counted before context parallelism shards the batch; 0 off the last
         pipeline stage)."""
+        labels = batch[LABELS]
         tokens = int((labels != IGNORE_INDEX).sum()) / self.plan.dims.cp
         if self.pp_plan is not None:
             if self.eval_schedule is None:
                 plan = self.plan.pipeline(self.plan.dims["pp"].get_local_rank(), validation=True)
                 self.eval_schedule = self._schedule(plan, cross_entropy_sum)
             has_last = self.pp_plan.num_stages - 1 in self.pp_plan.stage_ids
-            loss = self.run_pipeline(self.eval_schedule, inputs, labels, doc_ids, train=False)
+            loss = self.run_pipeline(self.eval_schedule, batch, train=False)
             return loss, tokens if has_last else 0
-        kwargs = self.model_kwargs(inputs, labels, doc_ids)
+        kwargs = self.model_kwargs(batch)
+        inputs = batch[INPUT_IDS]
         with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx(), self.amp():
             loss = cross_entropy_sum(self.parts[0](inputs, **kwargs), labels)
         return plain(loss), tokens

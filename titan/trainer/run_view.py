@@ -20,7 +20,7 @@ class RunView:
 
     @property
     def plan(self):
-        """The resolved run plan (titan.trainer.run_plan.RunPlan): layout, batch sizes."""
+        """The resolved run plan (titan.plan.run_plan.RunPlan): layout, batch sizes."""
         return self._trainer.plan
 
     @property
@@ -69,8 +69,8 @@ class RunView:
 
     @property
     def eval_loss_sum(self):
-        """A batch's tensors -> (this rank's summed token loss, its tokens), under the run's
-        layout (pipeline schedule, context parallelism)."""
+        """A named batch, on the device -> (this rank's summed token loss, its tokens), under
+        the run's layout (pipeline schedule, context parallelism)."""
         return self._trainer.fwd_bwd.eval_loss_sum
 
     @property

@@ -24,12 +24,12 @@ from titan.components.checkpoint.checkpointer import (
 from titan.components.checkpoint.folders import CheckpointError, step_folder
 from titan.components.checkpoint.hf_io import HFModelIO
 from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
+from titan.components.converters import Converters
+from titan.components.data.batch import INPUT_IDS, LABELS, to_device
 from titan.components.data.dataloader import DataShard, build_dataloader
 from titan.components.data.dataset import DataError
 from titan.components.fault_tolerance.injection import FaultInjector
 from titan.components.fault_tolerance.watchdog import StepWatchdog
-from titan.components.lora.adapters import init_adapters
-from titan.components.lora.training import adapter_exporter, log_trainable, model_state
 from titan.components.observability.flight_recorder import configure_flight_recorder
 from titan.components.observability.flops import peak_flops
 from titan.components.observability.memory_measure import (
@@ -42,7 +42,6 @@ from titan.components.observability.rank_times import RankTimes, keep_collective
 from titan.components.optim.grad_clip import clip_grad_norm_
 from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.optim.optimizer import build_optimizer
-from titan.components.quantization.float8 import scale_precomputer
 from titan.components.training.callbacks import StepEnd, build_callbacks
 from titan.components.training.gc import ScheduledGC
 from titan.components.training.loss import IGNORE_INDEX, reduce_loss
@@ -51,6 +50,7 @@ from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
 from titan.parallelisms.tied_weights import TiedCopies
 from titan.parallelisms.token_split import token_split
+from titan.plan.run_plan import RunPlan, plan_run
 from titan.runtime import final_error
 from titan.runtime.console import print_out
 from titan.runtime.distributed import (
@@ -65,7 +65,6 @@ from titan.runtime.logging_setup import init_logging, quiet_checkpoint_process
 from titan.trainer import interrupts
 from titan.trainer.build import meta_parts, run_identity, training_save_bytes
 from titan.trainer.microbatch import ForwardBackward
-from titan.trainer.run_plan import RunPlan, plan_run
 from titan.trainer.run_view import RunView
 
 logger = logging.getLogger("titan")
@@ -88,6 +87,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
 
+        self.converters = Converters(job)
         self.shard = self._data_shard()
         self.dataloader = build_dataloader(
             t,
@@ -147,16 +147,13 @@ class Trainer:
             if pp
             else "",
         )
-        log_trainable(self.model_parts, job.lora, pipelined=pp is not None)
+        self.converters.describe(self.model_parts, pipelined=pp is not None)
 
     def _post_optimizer_hooks(self) -> list:
-        """Run after every step, in order, told whether the optimizer stepped: float8 scales
-        of the new weights, then the family's (an MoE's router-bias update, say)."""
-        made = (
-            scale_precomputer(self.model_parts, self.job.float8),
-            *(make(self.model_parts, self.job) for make in self.plan.spec.post_optimizer_hooks),
-        )
-        return [h for h in made if h]
+        """Run after every step, in order, told whether the optimizer stepped: the converters'
+        (scales of the new weights, say), then the family's (an MoE's router-bias update)."""
+        family = (make(self.model_parts, self.job) for make in self.plan.spec.post_optimizer_hooks)
+        return self.converters.post_optimizer_hooks(self.model_parts) + [h for h in family if h]
 
     def _checkpointer(self) -> Checkpointer:
         job, plan = self.job, self.plan
@@ -165,10 +162,10 @@ class Trainer:
             dump_folder=job.job.dump_folder,
             rank=self.rank,
             layout=plan.layout(),
-            identity=run_identity(job, plan),
-            save_bytes=training_save_bytes(job, plan),
+            identity=run_identity(job, plan, self.converters),
+            save_bytes=training_save_bytes(job, plan, self.converters),
             states={
-                "model": model_state(self.model_parts, job.lora),
+                "model": self.converters.model_state(self.model_parts),
                 "optimizer": self.optimizer,
                 "lr_scheduler": self.lr_scheduler,
                 "dataloader": DataState(
@@ -180,7 +177,7 @@ class Trainer:
             if plan.spec.state_dict_adapter
             else None,
             on_save_phase=self.faults.on_checkpoint_phase if self.faults else None,
-            on_export=adapter_exporter(self.model_parts, job.lora, plan.spec, plan.model_args),
+            on_export=self.converters.exporter(self.model_parts, plan.spec, plan.model_args),
         )
 
     def _metrics_logger(self, resumed: bool) -> MetricsLogger:
@@ -216,13 +213,12 @@ class Trainer:
     def _build_model(self):
         """Meta-device model -> pipeline stages (if pp) -> parallelisms -> real memory -> init."""
         job = self.job
-        whole, parts, pp_plan = meta_parts(job, self.plan)
+        whole, parts, pp_plan = meta_parts(job, self.plan, self.converters)
         for part in parts:
             part.to_empty(device=self.device)
             # weights come from (seed, parameter name): identical whatever the layout
             part.init_weights(job.training.seed, buffer_device=self.device)
-            if job.lora.rank:
-                init_adapters(part, job.training.seed)
+            self.converters.init_weights(part, job.training.seed)
             part.train()
         tied = None
         if pp_plan is not None and whole.tied_parameters():
@@ -277,13 +273,13 @@ class Trainer:
         if self.ft is not None:
             self.checkpointer.wait_for_staging()  # a heal may overwrite the parameters
             self.ft.start_step()  # the quorum forms while forward/backward run
-        if self.job.training.dataset_format == "chat":  # the loss counts some tokens only
-            self.fwd_bwd.count_step_tokens(self._counted_tokens(microbatches))
+        # the loss is the mean over the labels the data counts, however many that is
+        self.fwd_bwd.count_step_tokens(*self._counted_tokens(microbatches))
         loss = torch.zeros((), device=self.device)
         weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
         with AuxLossCollector(weight, self.token_split) as aux:
             for batch in microbatches:
-                loss += self.fwd_bwd.step(*(t.to(self.device) for t in batch))
+                loss += self.fwd_bwd.step(to_device(batch, self.device))
         self.aux_losses = aux.floats()
         params = [p for part in self.model_parts for p in part.parameters()]
         shard_grads_like_params(params)
@@ -332,14 +328,16 @@ class Trainer:
         self.lr_scheduler.step()
         return loss_v, norm_v, True
 
-    def _counted_tokens(self, microbatches) -> int:
-        """The labels of the global batch that the loss counts (not IGNORE_INDEX)."""
-        mine = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, *_ in microbatches)
-        counted = torch.tensor(mine, dtype=torch.int64, device=self.device)
+    def _counted_tokens(self, microbatches) -> tuple[int, int]:
+        """(the labels the loss counts, not IGNORE_INDEX, summed over the dp ranks; how many
+        ranks that sum spans: torchft's replica groups count their own)."""
+        mine = sum(int((b[LABELS] != IGNORE_INDEX).sum()) for b in microbatches)
         dp = self.plan.dims["dp"]
-        if dp.size() > 1:
-            dist.all_reduce(counted, group=dp.get_group())
-        return int(counted.item())
+        if dp.size() == 1:
+            return mine, 1
+        counted = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        dist.all_reduce(counted, group=dp.get_group())
+        return int(counted.item()), dp.size()
 
     def next_microbatches(self, data_iter):
         return [next(data_iter) for _ in range(self.plan.grad_accum_steps)]
@@ -377,7 +375,7 @@ class Trainer:
             microbatches = self.next_microbatches(data_iter)
             data_s = time.perf_counter() - t0
             # counted before the step: context parallelism shards the batch in place
-            batch_tokens = sum(x.numel() for x, *_ in microbatches)
+            batch_tokens = sum(b[INPUT_IDS].numel() for b in microbatches)
             lr = self.lr_scheduler.get_last_lr()[0]
             # the first step is measured: what the memory planner's figures are checked on
             tracker = self._activation_tracker() if self.step == first_step else None

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from titan.components.data.batch import Batch, sample
 from titan.components.data.chat_template import ChatTemplate
 from titan.components.data.dataset import DataError, check_messages, iter_column, open_hub
 from titan.components.training.loss import IGNORE_INDEX
@@ -87,7 +88,8 @@ def encode_conversations(source: list[Path] | str, template: ChatTemplate, opts:
 
 
 class ChatWindows(Dataset):
-    """Window i: (inputs, labels, doc_ids), each (seq_len,)."""
+    """Window i: input_ids, labels and doc_ids (the conversation of each token), each
+    (seq_len,)."""
 
     def __init__(self, conversations, seq_len: int, pad_id: int, pack: bool, name: str):
         self.seq_len, self.name = seq_len, name
@@ -115,11 +117,11 @@ class ChatWindows(Dataset):
     def __len__(self) -> int:
         return len(self.inputs)
 
-    def __getitem__(self, i: int):
-        return (
+    def __getitem__(self, i: int) -> Batch:
+        return sample(
             torch.from_numpy(self.inputs[i].astype(np.int64)),
             torch.from_numpy(self.labels[i].astype(np.int64)),
-            torch.from_numpy(self.docs[i].copy()),
+            doc_ids=torch.from_numpy(self.docs[i].copy()),
         )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan.components.data.batch import INPUT_IDS
 from titan.components.data.chat import ChatOptions, chat_windows
 from titan.components.data.chat_template import ChatTemplate
 from titan.components.data.data_order import GlobalOrder
@@ -72,8 +73,8 @@ class IndexedLoader:
             ):
                 if generation != self._generation:
                     break
-                self.taken += batch[0].shape[0]
-                yield tuple(batch)
+                self.taken += batch[INPUT_IDS].shape[0]
+                yield batch
             else:
                 return  # a finite pass ended
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from titan.components.data.batch import Batch, sample
 from titan.components.data.dataset import DataError, iter_texts
 from titan.components.data.token_shards import (
     ArrayTokens,
@@ -47,9 +48,9 @@ class PackedWindows(Dataset):
     def __len__(self) -> int:
         return self.num_windows
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> Batch:
         window = torch.from_numpy(self.tokens.read(i * (self.seq_len + 1), self.seq_len + 1))
-        return window[:-1], window[1:]
+        return sample(window[:-1], window[1:])
 
 
 class MixedWindows(Dataset):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset
 
+from titan.components.data import batch
 from titan.components.data.dataset import DataError, DataShard, open_hub, open_local, text_column
 from titan.components.data.tokenizer import Tokenizer
 
@@ -71,7 +72,7 @@ class StreamingPackedDataset(IterableDataset):
                 while len(self.buffer) > self.seq_len:
                     window = torch.tensor(self.buffer[: self.seq_len + 1])
                     self.buffer = self.buffer[self.seq_len + 1 :]
-                    yield window[:-1], window[1:]
+                    yield batch.sample(window[:-1], window[1:])
             if not self.infinite:
                 return
             self.epoch += 1

@@ -1,30 +1,23 @@
-"""What a run with LoRA changes around the model: which of its state a checkpoint holds, what
-a final export writes beside the merged model, and the line that says what trains."""
+"""LoRA as a model converter: adapters on the meta model, initialized after the base; training
+checkpoints hold the adapters and record their settings; a final export writes the merged model
+and, beside it, the adapters as a PEFT folder."""
 
 import logging
 from pathlib import Path
 
 from torch import nn
 
-from titan.components.checkpoint.train_state import ModelState
-from titan.components.lora.adapters import is_adapter, merged_state
+from titan.components.converters import Converter
+from titan.components.lora.adapters import apply_lora, init_adapters, is_adapter, merged_state
 from titan.components.lora.peft_export import PeftExportError, write_peft_adapter
 
 logger = logging.getLogger(__name__)
 
 
-def model_state(parts: list[nn.Module], cfg) -> ModelState:
-    """The model's checkpoint state (`cfg`: the lora section): with adapters, training saves
-    hold them and exports the merged model."""
-    if not cfg.rank:
-        return ModelState(parts)
-    return ModelState(parts, trained=is_adapter, merge=lambda sd: merged_state(sd, parts))
-
-
 def adapter_exporter(parts: list[nn.Module], cfg, spec, args):
     """What a final HF export runs on its folder: the adapters as a PEFT folder (`adapter/`);
     None without adapters or an HF adapter for the family."""
-    if not cfg.rank or spec.state_dict_adapter is None:
+    if spec.state_dict_adapter is None:
         return None
 
     def export(folder: Path) -> None:
@@ -40,8 +33,6 @@ def adapter_exporter(parts: list[nn.Module], cfg, spec, args):
 
 
 def log_trainable(parts: list[nn.Module], cfg, pipelined: bool) -> None:
-    if not cfg.rank:
-        return
     trainable = sum(p.numel() for part in parts for p in part.parameters() if p.requires_grad)
     logger.info(
         "LoRA rank %d, alpha %g on %s: %.3fM trainable parameters%s, the rest frozen",
@@ -51,3 +42,32 @@ def log_trainable(parts: list[nn.Module], cfg, pipelined: bool) -> None:
         trainable / 1e6,
         " in this rank's stages" if pipelined else "",
     )
+
+
+class LoraConverter(Converter):
+    adds_parameters = True
+
+    def __init__(self, job):
+        self.cfg = job.lora
+
+    def convert(self, model: nn.Module) -> None:
+        apply_lora(model, self.cfg)
+
+    def init_weights(self, part: nn.Module, seed: int) -> None:
+        init_adapters(part, seed)
+
+    def describe(self, parts: list[nn.Module], pipelined: bool) -> None:
+        log_trainable(parts, self.cfg, pipelined)
+
+    def trained(self):
+        return is_adapter
+
+    def merge(self, state: dict, parts: list[nn.Module]) -> dict:
+        return merged_state(state, parts)
+
+    def identity(self) -> dict:
+        cfg = self.cfg
+        return {"rank": cfg.rank, "alpha": cfg.alpha, "target_modules": cfg.target_modules}
+
+    def exporter(self, parts: list[nn.Module], train_spec, model_args):
+        return adapter_exporter(parts, self.cfg, train_spec, model_args)

@@ -10,6 +10,8 @@ import logging
 
 from torch import nn
 
+from titan.components.converters import Converter
+
 logger = logging.getLogger(__name__)
 
 MISSING = "float8 needs torchao: pip install -e '.[float8]'"
@@ -68,3 +70,17 @@ def scale_precomputer(parts: list[nn.Module], cfg):
             precompute_float8_dynamic_scale_for_fsdp(part)
 
     return precompute
+
+
+class Float8Converter(Converter):
+    """The converter entry: float8 linears, and their scales after each step when FSDP
+    all-gathers them in float8."""
+
+    def __init__(self, job):
+        self.cfg = job.float8
+
+    def convert(self, model: nn.Module) -> None:
+        apply_float8(model, self.cfg)
+
+    def post_optimizer_hook(self, parts: list[nn.Module]):
+        return scale_precomputer(parts, self.cfg)

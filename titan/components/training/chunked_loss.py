@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from titan.components.converters import Converter
 from titan.components.training.loss import cross_entropy_sum
 
 
@@ -50,3 +51,14 @@ def apply_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
         raise TypeError(f"training.loss_chunk_tokens needs a plain nn.Linear output, got {output}")
     output.__class__ = ChunkedLossOutput
     output.chunk_tokens = chunk_tokens
+
+
+class ChunkedLossConverter(Converter):
+    """The converter entry: the output layer computes the loss, `loss_chunk_tokens` at a time."""
+
+    def __init__(self, job):
+        self.chunk_tokens = job.training.loss_chunk_tokens
+
+    def convert(self, model: nn.Module) -> None:
+        # on the whole model, before a pipeline split: the last stage keeps the output
+        apply_chunked_loss(model, self.chunk_tokens)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan.components.data.batch import to_device
 from titan.components.data.dataloader import (
     DataShard,
     build_chat_dataloader,
@@ -32,8 +33,8 @@ from titan.components.training.loss import sum_over
 
 logger = logging.getLogger(__name__)
 
-# (inputs, labels[, doc_ids]) -> (this rank's summed token cross-entropy, the tokens it
-# covers)
+# a batch (titan.components.data.batch) -> (this rank's summed token cross-entropy, the
+# tokens it covers)
 LossSum = Callable[..., tuple[torch.Tensor, float]]
 
 
@@ -102,7 +103,7 @@ class Validator:
             batch = next(batch_iter, None)
             if not self._every_rank_has(batch is not None):
                 break
-            loss_sum, tokens = self.loss_sum(*(t.to(self.device) for t in batch))
+            loss_sum, tokens = self.loss_sum(to_device(batch, self.device))
             totals[0] += loss_sum.double()
             totals[1] += tokens
             batches += 1

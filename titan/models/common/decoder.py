@@ -106,6 +106,8 @@ class Decoder(nn.Module):
     # whether forward takes the step's `labels` (the trainer passes them then): a family that
     # trains on targets inside forward (DeepSeek-V3's multi-token prediction) sets it
     takes_labels = False
+    # batch fields forward takes by name (see titan.models.spec.ModelProtocol)
+    batch_fields: tuple[str, ...] = ()
 
     def forward(
         self,

@@ -8,6 +8,27 @@ restart at each document, so a document sees exactly what it would see alone.
 
 import torch
 
+# the batch field that says each token's document (chat windows carry it; plain text's are
+# found from BOS), and the model's keyword argument for it
+DOC_IDS = "doc_ids"
+
+
+def document_kwargs(
+    batch: dict[str, torch.Tensor], block_causal: bool, restart_positions: bool, bos_id: int
+) -> dict[str, torch.Tensor]:
+    """The model's document arguments for a batch: none under a causal mask; under a
+    block-causal one the documents (the batch's own, else the runs BOS opens) and, when
+    positions restart at each document, the positions."""
+    if not block_causal:
+        return {}
+    docs = batch.get(DOC_IDS)
+    if docs is None:
+        docs = document_ids(batch["input_ids"], bos_id)
+    out = {DOC_IDS: docs}
+    if restart_positions:
+        out["positions"] = document_positions(docs)
+    return out
+
 
 def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
     """(batch, seq) int32: the index of each token's document within its window."""

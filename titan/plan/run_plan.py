@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
+from titan.components import converters
 from titan.components.data.dataset import DataError, local_files, parse_mix
 from titan.components.data.tokenizer import Tokenizer, TokenizerError
 from titan.components.observability.checks import check_observability
@@ -155,7 +156,6 @@ def plan_run(
             validation_pipelines = pipeline_plans(job, model_args, validation_batch=val_local)
     check_datasets(job)
     check_chat(job, tokenizer)
-    check_lora(job, spec, model_args)
     ck = job.checkpoint
     require(
         job,
@@ -196,7 +196,7 @@ def plan_run(
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     check_fault_tolerance(job, dims)
-    check_converters(job, device)
+    converters.plan_checks(job, spec, model_args, device)
     check_observability(job, device)
     return RunPlan(
         spec,
@@ -564,37 +564,6 @@ def check_chat(job: JobConfig, tokenizer: Tokenizer | None) -> None:
             raise ConfigError(f"training.dataset_format = 'chat': {e}") from None
 
 
-def check_lora(job: JobConfig, spec: TrainSpec, args: ModelArgs) -> None:
-    """Adapters: sane settings, targets that name plain linear layers, no other rewrite of
-    the same layers, and a base to resume from that is the one the run started from."""
-    lora = job.lora
-    if not lora.rank:
-        return
-    for key, ok, why in (
-        ("lora.rank", lora.rank > 0, "must be > 0 (0 turns LoRA off)"),
-        ("lora.alpha", lora.alpha > 0, "must be > 0"),
-        ("lora.dropout", 0 <= lora.dropout < 1, "must be in [0, 1)"),
-        (
-            "model.converters",
-            "float8" not in job.model.converters,
-            "float8 and LoRA both rewrite the linear layers; use one of them",
-        ),
-        (
-            "checkpoint.initial_load_model_only",
-            job.checkpoint.initial_load_model_only or not job.checkpoint.initial_load_path,
-            "LoRA starts from the base model's weights only (its optimizer state has no "
-            "place in the adapters')",
-        ),
-    ):
-        require(job, ok, key, why)
-    from titan.components.lora.adapters import apply_lora
-
-    try:
-        apply_lora(spec.build_meta(args), lora)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
 def check_mix(job: JobConfig) -> None:
     """Weighted sources: well-formed, local (indexed), and not combined with a single one."""
     t = job.training
@@ -654,54 +623,6 @@ def check_writable(job: JobConfig) -> None:
         why = _probe_write(_existing_ancestor(path))
         if why:
             raise ConfigError(f"{key}: cannot write {path}: {why}; choose a writable location")
-
-
-CONVERTERS = ("float8",)
-
-
-def check_converters(job: JobConfig, device: str) -> None:
-    unknown = [c for c in job.model.converters if c not in CONVERTERS]
-    require(
-        job, not unknown, "model.converters", f"unknown {unknown}; titan has {list(CONVERTERS)}"
-    )
-    if "float8" not in job.model.converters:
-        return
-    f8 = job.float8
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
-        from titan.components.quantization.float8 import MISSING
-
-        raise ConfigError(f"model.converters = {job.model.converters}: {MISSING}") from None
-    require(
-        job,
-        f8.emulate or device == "cuda",
-        "float8.emulate",
-        "float8 matmuls need a GPU (SM 8.9+: H100, L4, RTX 4090); on CPU set float8.emulate = true",
-    )
-    if device == "cuda" and not f8.emulate:
-        import torch
-
-        major, minor = torch.cuda.get_device_capability()
-        require(
-            job,
-            (major, minor) >= (8, 9),
-            "float8.emulate",
-            f"this GPU is SM {major}.{minor}; float8 matmuls need SM 8.9+ (or emulate)",
-        )
-    require(
-        job,
-        f8.recipe_name == "tensorwise" or not f8.enable_fsdp_float8_all_gather,
-        "float8.enable_fsdp_float8_all_gather",
-        "float8 all-gather needs recipe_name = "
-        "'tensorwise' (torchao has it for tensorwise scales only)",
-    )
-    require(
-        job,
-        f8.enable_fsdp_float8_all_gather or not f8.precompute_float8_dynamic_scale_for_fsdp,
-        "float8.precompute_float8_dynamic_scale_for_fsdp",
-        "precomputes the scales of float8 all-gathers: needs enable_fsdp_float8_all_gather",
-    )
 
 
 def check_fault_tolerance(job: JobConfig, dims: ParallelDims) -> None:

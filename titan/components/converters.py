@@ -1,0 +1,172 @@
+"""Model converters: rewrites of the whole meta model before any parallelism (float8's linear
+layers, the chunked loss's output layer, LoRA's adapters, a plugin's), and what each changes
+around the run: which parameters train, what a training checkpoint holds and records, what a
+final export adds, what runs after each optimizer step.
+
+One registry (on titan.config.extensions, as optimizers, writers and callbacks): an entry names
+its builder by module path, so this module and the entries' specs stay torch-free and a config
+is checked before torch is imported. The run assembles the enabled converters in one place,
+`Converters` (titan.trainer.build); nothing else names one.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from titan.config import extensions
+
+
+@dataclass(frozen=True)
+class ConverterSpec:
+    name: str
+    # "module:function"; function(job) -> Converter
+    build: str
+    # enabled(job): whether a run uses it by its own switch (lora.rank); model.converters
+    # naming it always enables it
+    enabled: Callable[[Any], bool] | None = None
+    check: Callable | None = None  # check(job) of an enabled one: the config alone, no torch
+    # plan_check(job, train_spec, model_args, device) of an enabled one, once the model is known
+    plan_check: Callable | None = None
+    section: str | None = None  # its own config section, if any
+    options: type | None = None
+
+
+class Converter:
+    """A converter: `convert` rewrites the meta model in place; the rest say what that changes
+    around the run, each defaulting to nothing."""
+
+    # its modules add parameters that a checkpoint holds (LoRA's adapters): a checkpoint's
+    # model is the family's converted by it
+    adds_parameters = False
+
+    def convert(self, model) -> None:
+        raise NotImplementedError
+
+    def init_weights(self, part, seed: int) -> None:
+        """After the family's init, on each materialized part: what convert() added."""
+
+    def describe(self, parts, pipelined: bool) -> None:
+        """Log what changed (once the parts are built)."""
+
+    def post_optimizer_hook(self, parts) -> Callable[[bool], dict | None] | None:
+        """Run after every step, told whether the optimizer stepped (float8's scales)."""
+        return None
+
+    def trained(self) -> Callable[[str], bool] | None:
+        """The parameters training changes, by name, when a training checkpoint holds only
+        them (the rest is the base the run started from); None: it holds the whole model."""
+        return None
+
+    def merge(self, state: dict, parts) -> dict:
+        """The plain model's state from the whole converted state, for exports."""
+        return state
+
+    def identity(self) -> dict:
+        """Settings a training checkpoint records; a resume must have the same ones."""
+        return {}
+
+    def exporter(self, parts, train_spec, model_args) -> Callable | None:
+        """What a final HF export also runs on its folder (LoRA's PEFT adapter)."""
+        return None
+
+
+_CONVERTERS = extensions.Registry("converter")
+register_converter = _CONVERTERS.add
+unregister_converter = _CONVERTERS.remove
+
+
+def _is_enabled(spec: ConverterSpec, job) -> bool:
+    return spec.name in job.model.converters or bool(spec.enabled and spec.enabled(job))
+
+
+def enabled_specs(job) -> list[ConverterSpec]:
+    """The converters a job uses, in registration order (titan's own first)."""
+    return [s for s in _CONVERTERS.entries.values() if _is_enabled(s, job)]
+
+
+def names() -> list[str]:
+    return list(_CONVERTERS.entries)
+
+
+def _check(job) -> None:
+    from titan.config.manager import require
+
+    unknown = [c for c in job.model.converters if c not in _CONVERTERS.entries]
+    require(job, not unknown, "model.converters", f"unknown {unknown}; titan has {names()}")
+    for spec in enabled_specs(job):
+        if spec.check:
+            spec.check(job)
+
+
+def plan_checks(job, train_spec, model_args, device: str) -> None:
+    """The checks the enabled converters make once the model and the device are known."""
+    for spec in enabled_specs(job):
+        if spec.plan_check:
+            spec.plan_check(job, train_spec, model_args, device)
+
+
+class Converters:
+    """The enabled converters of a run, applied and asked together."""
+
+    def __init__(self, job):
+        from titan.config import ConfigError
+
+        self.items: list[Converter] = [
+            extensions.load(spec.build)(job) for spec in enabled_specs(job)
+        ]
+        partial = [c for c in self.items if c.trained() is not None]
+        if len(partial) > 1:
+            raise ConfigError(
+                "model converters "
+                + ", ".join(type(c).__name__ for c in partial)
+                + " each keep only their own parameters in checkpoints; enable one of them"
+            )
+        self.partial: Converter | None = partial[0] if partial else None
+
+    def convert(self, model) -> None:
+        for c in self.items:
+            c.convert(model)
+
+    def saved(self, model):
+        """`model` converted by those that add parameters: the model a checkpoint holds."""
+        for c in self.items:
+            if c.adds_parameters:
+                c.convert(model)
+        return model
+
+    def init_weights(self, part, seed: int) -> None:
+        for c in self.items:
+            c.init_weights(part, seed)
+
+    def describe(self, parts, pipelined: bool) -> None:
+        for c in self.items:
+            c.describe(parts, pipelined)
+
+    def post_optimizer_hooks(self, parts) -> list:
+        return [h for h in (c.post_optimizer_hook(parts) for c in self.items) if h]
+
+    def model_state(self, parts):
+        from titan.components.checkpoint.train_state import ModelState
+
+        if self.partial is None:
+            return ModelState(parts)
+        merge = self.partial.merge
+        return ModelState(parts, trained=self.partial.trained(), merge=lambda sd: merge(sd, parts))
+
+    def identity(self) -> dict:
+        """What the partial converter records (empty without one)."""
+        return self.partial.identity() if self.partial else {}
+
+    def exporter(self, parts, train_spec, model_args) -> Callable | None:
+        made = [e for e in (c.exporter(parts, train_spec, model_args) for c in self.items) if e]
+        if not made:
+            return None
+
+        def export(folder) -> None:
+            for e in made:
+                e(folder)
+
+        return export
+
+
+extensions.register_check(_check)
