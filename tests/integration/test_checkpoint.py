@@ -470,7 +470,11 @@ def test_resume_onto_a_larger_global_batch_trains_the_next_sequences(tmp_path):
     tokenizer = Tokenizer(job.model.tokenizer_path)
     stream = iter(
         build_dataloader(
-            job.training, tokenizer=tokenizer, shard=DataShard(0, 1), global_batch_size=8
+            job.training,
+            tokenizer=tokenizer,
+            shard=DataShard(0, 1),
+            global_batch_size=8,
+            sections=job.extensions,
         )
     )
     batches = [next(stream) for _ in range(14)]  # sequences 0-111, in batches of 8
@@ -485,8 +489,8 @@ def test_resume_onto_a_larger_global_batch_trains_the_next_sequences(tmp_path):
     )
 
     def loss_on(first_batch: int) -> float:
-        x = torch.cat([batches[first_batch][0], batches[first_batch + 1][0]])
-        y = torch.cat([batches[first_batch][1], batches[first_batch + 1][1]])
+        x = torch.cat([batches[first_batch]["input_ids"], batches[first_batch + 1]["input_ids"]])
+        y = torch.cat([batches[first_batch]["labels"], batches[first_batch + 1]["labels"]])
         with torch.no_grad():
             return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
 

@@ -1,7 +1,7 @@
 """A plugin from outside the tree (tests/plugins/titan_plugin_example: a family, an optimizer,
-a metrics writer and a callback, each with its own config section, and a dataset name) trains
-through ./run_train.sh --job.custom_import, on 1 rank and FSDP 2, and nothing in titan/ knows
-its names."""
+a metrics writer, a callback, an objective term and a model converter, each with its own
+config section, and a dataset name) trains through ./run_train.sh --job.custom_import, on 1
+rank and FSDP 2, and nothing in titan/ knows its names."""
 
 import csv
 import json
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from tests.integration.harness import COMMON, dp_batch, launch, losses
+from titan.tools.loss_compare import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGINS = REPO / "tests" / "plugins"
@@ -30,6 +31,8 @@ PLUGIN = [
     "0.8",
     "--csv_metrics.enable",
     "--loss_ema.enable",
+    "--z_loss.weight",
+    "1e-4",
     # SGD learns slower than the harness's AdamW: 10 steps show it
     "--training.steps",
     "10",
@@ -47,6 +50,7 @@ def test_titan_does_not_know_the_plugin():
         "loss_ema",
         "LossEma",
         "FreezeOptions",
+        "ZLossOptions",
     )
     for path in (REPO / "titan").rglob("*.py"):
         text = path.read_text()
@@ -68,6 +72,7 @@ def test_the_plugins_sections_are_in_help_and_checked():
         "[gelu_llama]",
         "--loss_ema.beta",
         "--freeze.modules",
+        "--z_loss.weight",
     ):
         assert line in proc.stdout, line
     proc = subprocess.run(
@@ -119,6 +124,9 @@ def test_plugin_trains_on_one_rank_and_fsdp2_alike(tmp_path):
     a, b = losses(one), losses(two)
     assert a[len(a)] < a[1] - 0.1  # SGD trains the GELU family (8.16 -> 7.88 measured)
     assert max(abs(a[s] - b[s]) for s in a) < 1e-5
+    # the plugin's objective term, logged by its name, the same on both layouts
+    za, zb = ({r["step"]: r["z_loss"] for r in read_metrics(d)} for d in (one, two))
+    assert za.keys() == a.keys() and max(abs(za[s] - zb[s]) / za[s] for s in za) < 1e-5
     with open(one / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [float(r["train/loss"]) for r in rows] == [a[s] for s in sorted(a)]

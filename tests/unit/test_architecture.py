@@ -330,9 +330,8 @@ def test_every_flavor_answers_the_declared_members(family):
 # ----------------------------------------------------------------------------- the open trainer
 
 # training features reach the trainer through its seams (model converters, the named batch,
-# callbacks), never by name. Still named there and to go: the chat data's section, which the
-# dataloader takes beside the training section
-FEATURES = re.compile(r"lora|float8|chunk|mtp|doc_ids", re.IGNORECASE)
+# the objective, callbacks, components' own sections), never by name
+FEATURES = re.compile(r"lora|float8|chunk|mtp|chat|doc_ids", re.IGNORECASE)
 
 
 def test_the_trainer_names_no_training_feature():

@@ -77,7 +77,7 @@ def test_first_loss_is_the_mean_over_counted_tokens(one_rank):
         tokenizer=plan.tokenizer,
         shard=DataShard(),
         global_batch_size=8,
-        chat=job.chat,
+        sections=job.extensions,
     )
     batches = iter(loader)
     model = plan.spec.build_meta(plan.model_args)

@@ -187,7 +187,7 @@ def first_step_against_transformers(rank, world_size, port, argv, hf_dir):
 
     def recorded(data_iter):  # the batch step 1 trains on, kept as it came
         batch = take(data_iter)
-        seen.extend((x.clone(), y.clone()) for x, y in batch)
+        seen.extend((b["input_ids"].clone(), b["labels"].clone()) for b in batch)
         return batch
 
     trainer.next_microbatches = recorded

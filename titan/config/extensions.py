@@ -15,11 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 # titan's own registrations, loaded like plugins are (optimizers, metrics writers, callbacks,
-# model converters: in the order they apply)
+# objective terms, model converters: in the order they apply)
 BUILTIN = (
     "titan.components.optim.builtin",
     "titan.components.observability.writers",
     "titan.components.training.callbacks",
+    "titan.components.training.terms",
+    "titan.components.data.chat_spec",
     "titan.components.quantization.float8_spec",
     "titan.components.training.chunked_loss_spec",
     "titan.components.lora.spec",

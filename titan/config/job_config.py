@@ -392,29 +392,6 @@ class Comm:
 
 
 @dataclass
-class Chat:
-    messages_field: str = opt(
-        "messages", "Column holding each conversation: a list of {role, content} messages"
-    )
-    template: str = opt(
-        "",
-        "Jinja chat template file; empty = the tokenizer folder's (chat_template.jinja, or "
-        "tokenizer_config.json's chat_template)",
-    )
-    loss_on: Literal["assistant", "last_assistant"] = opt(
-        "assistant", "Tokens the loss counts: every assistant turn, or only the last one"
-    )
-    packing: Literal["pack", "pad"] = opt(
-        "pack",
-        "pack: conversations share a window, each seeing only itself (needs model."
-        "attn_mask_type = block_causal); pad: one conversation a window, padded",
-    )
-    overlong: Literal["truncate", "drop"] = opt(
-        "truncate", "A conversation longer than training.seq_len: cut at seq_len, or skipped"
-    )
-
-
-@dataclass
 class Validation:
     enable: bool = opt(False, "Evaluate loss on a held-out dataset during training")
     dataset: str = opt("kjv_valid", "Validation dataset (same forms as training.dataset)")
@@ -488,7 +465,6 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
-    chat: Chat = field(default_factory=Chat)
     validation: Validation = field(default_factory=Validation)
     memory: Memory = field(default_factory=Memory)
     debug: Debug = field(default_factory=Debug)

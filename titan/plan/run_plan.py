@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 from titan.components import converters
+from titan.components.data.chat_spec import check_template
 from titan.components.data.dataset import DataError, local_files, parse_mix
 from titan.components.data.tokenizer import Tokenizer, TokenizerError
 from titan.components.observability.checks import check_observability
@@ -155,7 +156,7 @@ def plan_run(
         if job.validation.enable:
             validation_pipelines = pipeline_plans(job, model_args, validation_batch=val_local)
     check_datasets(job)
-    check_chat(job, tokenizer)
+    check_template(job, tokenizer)
     ck = job.checkpoint
     require(
         job,
@@ -525,43 +526,6 @@ def check_datasets(job: JobConfig) -> None:
                 "global index to jump to. Train on local files without "
                 "training.dataset_streaming, or disable fault_tolerance"
             )
-
-
-def check_chat(job: JobConfig, tokenizer: Tokenizer | None) -> None:
-    """Conversations: read whole and indexed, from one source, with a template to render them
-    and, packed, a mask that keeps each to itself."""
-    t = job.training
-    if t.dataset_format != "chat":
-        return
-    for key, ok, why in (
-        ("training.dataset_mix", not t.dataset_mix, "mixes text sources; chat data is one source"),
-        (
-            "training.dataset_streaming",
-            not t.dataset_streaming,
-            "chat data is read whole into windows (they resume on any layout); unset it",
-        ),
-        (
-            "fault_tolerance.enable",
-            not job.fault_tolerance.enable,
-            "with chat data the loss is a mean over the counted tokens of the whole batch, "
-            "which torchft's replica groups do not share; disable one of the two",
-        ),
-    ):
-        require(job, ok, key, why)
-    require(
-        job,
-        job.chat.packing == "pad" or job.model.attn_mask_type == "block_causal",
-        "chat.packing",
-        "packed conversations would attend to each other: set model.attn_mask_type = "
-        '"block_causal", or chat.packing = "pad"',
-    )
-    if tokenizer is not None:
-        from titan.components.data.chat_template import ChatTemplate
-
-        try:
-            ChatTemplate.load(tokenizer, job.chat.template)
-        except DataError as e:
-            raise ConfigError(f"training.dataset_format = 'chat': {e}") from None
 
 
 def check_mix(job: JobConfig) -> None:

@@ -105,7 +105,7 @@ def _forward_held(
         else:
             out = part(tokens if hidden is None else hidden, **kwargs)
             # the schedule keeps each loss (and so its graph) until the step ends
-            loss = fb.loss(out, labels) if part.output is not None else None
+            loss = fb.objective.loss(out, labels) if part.output is not None else None
         held = tracker.held_bytes()
     del loss
     return held, sum(s.nbytes() for s in storages(out))

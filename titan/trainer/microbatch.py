@@ -12,8 +12,9 @@ from torch import nn
 
 from titan.components.data.batch import INPUT_IDS, LABELS, Batch, extra_fields
 from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum, plain
+from titan.components.training.objective import Objective
+from titan.components.training.terms import build_terms
 from titan.config import JobConfig
-from titan.models.common import aux_loss
 from titan.models.common.documents import document_kwargs
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.parallel_dims import heads_group_size
@@ -39,9 +40,10 @@ class ForwardBackward:
         )
         t, dims = job.training, plan.dims
         # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks.
-        # What every step's count_step_tokens sets: unmasked, the global batch's tokens
-        self.tokens_per_rank_step = (
-            plan.global_batch_size // plan.data_parallel_size * t.seq_len // dims.cp
+        # Every step counts its own (Objective.count); unmasked, the global batch's tokens
+        tokens = plan.global_batch_size // plan.data_parallel_size * t.seq_len // dims.cp
+        self.objective = Objective(
+            build_terms(job), tokens, dims.cp, logits=not self._output_takes_labels()
         )
         self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
         # FSDP casts parameters itself; a single replica needs autocast for bf16 compute
@@ -51,7 +53,7 @@ class ForwardBackward:
             if bf16_autocast
             else contextlib.nullcontext
         )
-        self.schedule = self._schedule(pp_plan, self.loss)
+        self.schedule = self._schedule(pp_plan, self.objective.loss)
         # forwards per microbatch of the step: a schedule splits each into its own
         self.pipeline_microbatches = pp_plan.n_microbatches if pp_plan is not None else 1
         self.eval_schedule = None  # built at the first validation
@@ -65,18 +67,8 @@ class ForwardBackward:
             self.plan.dims["pp"],
             self.device,
             loss_fn,
-            inference_ctx=aux_loss.paused,
+            inference_ctx=self.objective.paused,
         )
-
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # normalized by every token of this rank's step: microbatches and stages add up
-        return cross_entropy_sum(logits, labels) / self.tokens_per_rank_step
-
-    def count_step_tokens(self, counted: int, counted_over: int) -> None:
-        """This step's loss is the mean over `counted` tokens (labels that are not
-        IGNORE_INDEX), summed over `counted_over` data-parallel ranks: each rank's share of
-        it, as the count is shared by the dp x cp ranks."""
-        self.tokens_per_rank_step = max(counted, 1) / (counted_over * self.plan.dims.cp)
 
     def loss_parallel_ctx(self):
         return (
@@ -126,9 +118,10 @@ class ForwardBackward:
         out = {k: v for k, v in extra_fields(batch).items() if k in model.batch_fields}
         if model.takes_labels or self._output_takes_labels():
             out[LABELS] = batch[LABELS]
-        block_causal = m.attn_mask_type == "block_causal"
+        if m.attn_mask_type != "block_causal":
+            return out
         bos = self.plan.tokenizer.bos_id
-        return {**out, **document_kwargs(batch, block_causal, m.document_positions, bos)}
+        return {**out, **document_kwargs(batch, m.document_positions, bos)}
 
     def forward_loss(self, batch: Batch, kwargs: dict | None = None) -> torch.Tensor:
         """The loss of one microbatch, ready for backward; call inside cp_ctx and
@@ -137,7 +130,7 @@ class ForwardBackward:
             kwargs = self.model_kwargs(batch)
         with self.amp():
             logits = self.parts[0](batch[INPUT_IDS], **kwargs)
-        return self.loss(logits, batch[LABELS])
+        return self.objective.loss(logits, batch[LABELS])
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Loss of one microbatch (already divided by the step's token count), after backward."""

@@ -44,9 +44,9 @@ from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.optim.optimizer import build_optimizer
 from titan.components.training.callbacks import StepEnd, build_callbacks
 from titan.components.training.gc import ScheduledGC
-from titan.components.training.loss import IGNORE_INDEX, reduce_loss
+from titan.components.training.loss import IGNORE_INDEX
+from titan.components.training.objective import LOSS
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
-from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
 from titan.parallelisms.tied_weights import TiedCopies
 from titan.parallelisms.token_split import token_split
@@ -94,7 +94,7 @@ class Trainer:
             tokenizer=plan.tokenizer,
             shard=self.shard,
             global_batch_size=plan.global_batch_size,
-            chat=job.chat,
+            sections=job.extensions,
         )
         self.model_parts, self.pp_plan, self.tied_copies = self._build_model()
         self.fwd_bwd = ForwardBackward(job, plan, self.model_parts, self.pp_plan, self.device)
@@ -113,7 +113,7 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model_parts, job.optimizer, job.extensions)
         self.post_optimizer_hooks = self._post_optimizer_hooks()
-        self.aux_losses: dict[str, float] = {}
+        self.step_terms: dict[str, float] = {}  # the objective's terms of the last step
         self.hook_metrics: dict = {}  # what the hooks report of the last step (MoE loads)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
 
@@ -273,14 +273,13 @@ class Trainer:
         if self.ft is not None:
             self.checkpointer.wait_for_staging()  # a heal may overwrite the parameters
             self.ft.start_step()  # the quorum forms while forward/backward run
+        objective = self.fwd_bwd.objective
         # the loss is the mean over the labels the data counts, however many that is
-        self.fwd_bwd.count_step_tokens(*self._counted_tokens(microbatches))
-        loss = torch.zeros((), device=self.device)
+        objective.count(*self._counted_tokens(microbatches))
         weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
-        with AuxLossCollector(weight, self.token_split) as aux:
+        with objective.step(weight, self.token_split, self.device):
             for batch in microbatches:
-                loss += self.fwd_bwd.step(to_device(batch, self.device))
-        self.aux_losses = aux.floats()
+                self.fwd_bwd.step(to_device(batch, self.device))
         params = [p for part in self.model_parts for p in part.parameters()]
         shard_grads_like_params(params)
         copies = []
@@ -290,8 +289,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             params, self.job.training.max_norm, extra_group=self.pp_group(), uncounted=copies
         )
-        reduce_loss(loss, pp_group=self.pp_group(), dp_cp_group=self.dp_cp_group())
-        loss_v, norm_v = loss.item(), grad_norm.item()
+        self.step_terms = objective.reduce(self.pp_group(), self.dp_cp_group())
+        loss_v, norm_v = self.step_terms.pop(LOSS), grad_norm.item()
         # collective within the group: every rank asks, whatever it will do with the answer
         if self.ft is not None and not self.ft.should_commit():
             logger.warning(
@@ -436,9 +435,10 @@ class Trainer:
 
     def _log_step(self, loss: float, grad_norm: float, lr: float) -> dict:
         extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
-        # the model's auxiliary losses, beside the cross-entropy `loss`, and what its hooks
-        # measured (already the same on every rank)
-        extra.update(reduce_aux_losses(self.aux_losses))
+        # the objective's terms beside the cross-entropy `loss` (the model's own too), and
+        # what the hooks measured (already the same on every rank)
+        extra.update(self.step_terms)
+        extra.update(self.fwd_bwd.objective.model_terms())
         extra.update(self.hook_metrics)
         mix = self.dataloader.source_tokens(self.job.training.seq_len)
         if mix is not None:  # the realized mix of weighted sources

@@ -1,13 +1,21 @@
-"""An out-of-tree titan plugin: a model family, an optimizer, a metrics writer, a callback and a
-model converter, each with a config section of its own, and a dataset name; nothing in titan/
-knows their names.
+"""An out-of-tree titan plugin: a model family, an optimizer, a metrics writer, a callback, a
+model converter and an objective term, each with a config section of its own, and a dataset
+name; nothing in titan/ knows their names.
 
     PYTHONPATH=tests/plugins ./run_train.sh --job.custom_import titan_plugin_example \
         --model.name gelu_llama --optimizer.name SGD --csv_metrics.enable --loss_ema.enable \
-        --model.converters freeze
+        --model.converters freeze --z_loss.weight 1e-4
 
-Importing the package registers all six (titan imports it, in the launcher and in every
+Importing the package registers all seven (titan imports it, in the launcher and in every
 worker, before it reads the config).
 """
 
-from titan_plugin_example import data, family, freeze, loss_ema, optimizer, writer  # noqa: F401
+from titan_plugin_example import (  # noqa: F401
+    data,
+    family,
+    freeze,
+    loss_ema,
+    optimizer,
+    writer,
+    z_loss,
+)

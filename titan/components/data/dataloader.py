@@ -313,10 +313,11 @@ def build_chat_dataloader(
 
 
 def build_dataloader(
-    cfg, *, tokenizer: Tokenizer, shard: DataShard, global_batch_size: int, chat=None
+    cfg, *, tokenizer: Tokenizer, shard: DataShard, global_batch_size: int, sections: dict
 ):
-    """The training loader of `cfg` (the training section; `chat`: the chat section, read
-    when cfg.dataset_format is "chat"): infinite, shuffled per epoch."""
+    """The training loader of `cfg` (the training section; `sections`: the job's registered
+    sections, of which the data format's own, [chat], is read): infinite, shuffled per
+    epoch."""
     common = dict(
         dataset=cfg.dataset,
         dataset_path=cfg.dataset_path,
@@ -330,7 +331,7 @@ def build_dataloader(
         workers=Workers(cfg.dataloader_num_workers, cfg.dataloader_prefetch_factor),
     )
     if cfg.dataset_format == "chat":
-        return build_chat_dataloader(**common, chat=chat)
+        return build_chat_dataloader(**common, chat=sections["chat"])
     return build_text_dataloader(
         **common,
         text_field=cfg.dataset_text_field,

@@ -14,13 +14,11 @@ DOC_IDS = "doc_ids"
 
 
 def document_kwargs(
-    batch: dict[str, torch.Tensor], block_causal: bool, restart_positions: bool, bos_id: int
+    batch: dict[str, torch.Tensor], restart_positions: bool, bos_id: int
 ) -> dict[str, torch.Tensor]:
-    """The model's document arguments for a batch: none under a causal mask; under a
-    block-causal one the documents (the batch's own, else the runs BOS opens) and, when
-    positions restart at each document, the positions."""
-    if not block_causal:
-        return {}
+    """The model's arguments for a block-causal mask over a batch: the documents (the
+    batch's own, else the runs BOS opens) and, when positions restart at each document, the
+    positions."""
     docs = batch.get(DOC_IDS)
     if docs is None:
         docs = document_ids(batch["input_ids"], bos_id)

@@ -1,0 +1,116 @@
+"""What a training step minimizes, and what it logs of it: named terms with their weights.
+
+- `loss`: the cross-entropy of the labels the data counts, or its chunked form (the output
+  layer then computes the sum itself: titan.components.training.chunked_loss). Every term is
+  a sum over the counted tokens divided by the step's count of them over the global batch
+  (`count`), so gradient accumulation, pipeline microbatches and sequence shards add up to the
+  mean over the global batch, whatever the layout.
+- Terms on the output logits that a run registers (titan.components.training.terms: a
+  plugin's z-loss), weighted in what backward differentiates, logged unweighted under their
+  names.
+- The model's own terms (an MoE's balancing loss, multi-token prediction), which it computes
+  inside forward and attaches to activations (titan.models.common.aux_loss), weighted by the
+  family's settings. The objective opens the collector around a step, hands it the layout's
+  token split, and logs them under their names (`moe_aux_loss`, `mtp_loss`).
+
+Logged: `loss` stays the cross-entropy alone, comparable with other frameworks.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from titan.components.training.loss import cross_entropy_sum, plain, reduce_loss
+from titan.components.training.terms import Term
+from titan.models.common import aux_loss
+from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
+from titan.parallelisms.token_split import TokenSplit
+
+LOSS = "loss"
+
+
+class Objective:
+    def __init__(
+        self, terms: dict[str, Term], tokens_per_rank_step: float, cp: int, logits: bool = True
+    ):
+        """`tokens_per_rank_step`: the step's counted tokens each rank divides by until
+        `count` says the step's own; `cp`: the context-parallel degree (each cp rank holds
+        1/cp of every sequence); `logits`: whether the model's output is the logits (a
+        chunked loss's output layer returns the loss sum instead)."""
+        if terms and not logits:
+            from titan.config import ConfigError
+
+            raise ConfigError(
+                f"objective terms {list(terms)} need the output logits, which "
+                "training.loss_chunk_tokens never makes whole: set it to 0, or drop the terms"
+            )
+        self.terms, self.tokens, self.cp = terms, tokens_per_rank_step, cp
+        self._values: torch.Tensor | None = None  # this step's, detached: loss, then terms
+        self._aux: AuxLossCollector | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [LOSS, *self.terms]
+
+    def count(self, counted: int, counted_over: int) -> None:
+        """This step's terms are means over `counted` tokens (labels not IGNORE_INDEX), summed
+        over `counted_over` data-parallel ranks: each rank's share of it, as the count is
+        shared by the dp x cp ranks."""
+        self.tokens = max(counted, 1) / (counted_over * self.cp)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """What backward differentiates for one microbatch's output (a pipeline's loss
+        function): the cross-entropy plus the weighted terms, over the step's counted tokens."""
+        ce = cross_entropy_sum(logits, labels)
+        total, values = ce, [ce]
+        for term in self.terms.values():
+            v = _like(term.token_sum(logits, labels), ce)
+            total = total + term.weight * v
+            values.append(v)
+        if self._values is not None:  # within a step: kept for the log
+            self._values += torch.stack([plain(v.detach()).float() for v in values]) / self.tokens
+        return total / self.tokens
+
+    @contextlib.contextmanager
+    def step(self, microbatch_weight: float, split: TokenSplit, device: torch.device):
+        """Around a step's forward and backward: its values start at 0 and the model's own
+        terms are collected (`microbatch_weight`: one microbatch's share of the step)."""
+        self._values = torch.zeros(len(self.names), device=device)
+        with AuxLossCollector(microbatch_weight, split) as aux:
+            yield
+        self._aux = aux
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing is recorded within: a pipeline stage's shape inference, which runs the
+        model (and the loss) on empty tensors."""
+        values, self._values = self._values, None
+        try:
+            with aux_loss.paused():
+                yield
+        finally:
+            self._values = values
+
+    def reduce(
+        self, pp_group: dist.ProcessGroup | None, dp_cp_group: dist.ProcessGroup | None
+    ) -> dict[str, float]:
+        """The step's `loss` and terms over the run (collective: every rank calls it)."""
+        values = self._values
+        reduce_loss(values, pp_group=pp_group, dp_cp_group=dp_cp_group)
+        return dict(zip(self.names, values.tolist(), strict=True))
+
+    def model_terms(self) -> dict[str, float]:
+        """The model's own terms of the last step, summed over all ranks (collective: every
+        rank calls it, when the step is logged)."""
+        return reduce_aux_losses(self._aux.floats()) if self._aux is not None else {}
+
+
+def _like(value: torch.Tensor, ce: torch.Tensor) -> torch.Tensor:
+    """A term's sum in the cross-entropy's kind: under loss parallelism the cross-entropy is a
+    replicated DTensor, and a term computed from the whole logits is the same on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(ce, DTensor) and not isinstance(value, DTensor):
+        return DTensor.from_local(value, ce.device_mesh, [Replicate()] * ce.device_mesh.ndim)
+    return value
