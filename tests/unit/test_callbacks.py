@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
+from tests.example_plugin import registered
 from tests.forked import run_trainer, tiny_run
 from titan.components.training.callbacks import (
     Callback,
@@ -16,11 +17,9 @@ from titan.components.training.callbacks import (
     register_callback,
     unregister_callback,
 )
-from titan.config import extensions
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 
-PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "titan_plugin_example" / "loss_ema.py"
 CK = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
@@ -69,12 +68,8 @@ def recorder():
 
 @pytest.fixture
 def loss_ema():
-    """The example plugin's callback, registered in this process (forked ranks inherit it)."""
-    module = extensions.import_plugin(str(PLUGIN))
-    if "loss_ema" not in extensions.sections():
-        register_callback(module.SPEC)
-    yield module
-    unregister_callback("loss_ema")
+    with registered("loss_ema.py", "loss_ema", register_callback, unregister_callback) as m:
+        yield m
 
 
 def events(dump) -> list:

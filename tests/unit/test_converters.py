@@ -3,11 +3,11 @@ switched on by name or by their own keys, checked before launch, applied before 
 parallelism; a plugin's converter trains alike on 1 rank and FSDP 2."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.example_plugin import registered
 from tests.forked import run_trainer, tiny_run
 from titan.components.converters import (
     Converter,
@@ -17,19 +17,13 @@ from titan.components.converters import (
     register_converter,
     unregister_converter,
 )
-from titan.config import ConfigError, extensions, parse_args
-
-PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "titan_plugin_example" / "freeze.py"
+from titan.config import ConfigError, parse_args
 
 
 @pytest.fixture
 def freeze():
-    """The example plugin's converter, registered in this process (forked ranks inherit it)."""
-    module = extensions.import_plugin(str(PLUGIN))
-    if "freeze" not in extensions.sections():
-        register_converter(module.SPEC)
-    yield module
-    unregister_converter("freeze")
+    with registered("freeze.py", "freeze", register_converter, unregister_converter) as m:
+        yield m
 
 
 def test_titans_converters_are_entries_switched_on_by_their_old_keys():
@@ -108,6 +102,9 @@ def test_the_run_asks_its_converters_together(keeps):
     converters.exporter([model], None, None)("out")
     assert Keeps.calls[1:] == [("hook", True), ("export", "out")]
     assert converters.model_state([model]).partial
+    # a plugin's (order 100) applies after titan's, whatever was imported first
+    both = parse_args(["--model.converters", "keeps", "--training.loss_chunk_tokens", "8"])
+    assert [s.name for s in enabled_specs(both)] == ["chunked_loss", "keeps"]
     # two that each keep only their own parameters cannot share a checkpoint
     with pytest.raises(ConfigError, match="enable one of them"):
         Converters(parse_args(["--model.converters", "keeps", "--lora.rank", "4"]))

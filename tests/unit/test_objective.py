@@ -3,29 +3,23 @@ with their weights, logged by name; a plugin's term (the example's z-loss) train
 1 rank, FSDP 2, TP 2 and PP 2."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.example_plugin import registered
 from tests.forked import run_trainer, tiny_run
 from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.components.training.objective import Objective
 from titan.components.training.terms import build_terms, register_term, unregister_term
-from titan.config import ConfigError, extensions, parse_args
+from titan.config import ConfigError, parse_args
 from titan.parallelisms.token_split import TokenSplit
-
-PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "titan_plugin_example" / "z_loss.py"
 
 
 @pytest.fixture
 def z_loss():
-    """The example plugin's term, registered in this process (forked ranks inherit it)."""
-    module = extensions.import_plugin(str(PLUGIN))
-    if "z_loss" not in extensions.sections():
-        register_term(module.SPEC)
-    yield module
-    unregister_term("z_loss")
+    with registered("z_loss.py", "z_loss", register_term, unregister_term) as m:
+        yield m
 
 
 def batch(masked: int = 0):

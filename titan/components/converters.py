@@ -29,6 +29,9 @@ class ConverterSpec:
     plan_check: Callable | None = None
     section: str | None = None  # its own config section, if any
     options: type | None = None
+    # where it applies among the enabled ones, lowest first (titan's: float8 10, the chunked
+    # loss 20, LoRA 30); ties in registration order. Fixed here, not by import order
+    order: int = 100
 
 
 class Converter:
@@ -80,8 +83,9 @@ def _is_enabled(spec: ConverterSpec, job) -> bool:
 
 
 def enabled_specs(job) -> list[ConverterSpec]:
-    """The converters a job uses, in registration order (titan's own first)."""
-    return [s for s in _CONVERTERS.entries.values() if _is_enabled(s, job)]
+    """The converters a job uses, in the order they apply."""
+    on = [s for s in _CONVERTERS.entries.values() if _is_enabled(s, job)]
+    return sorted(on, key=lambda s: s.order)  # stable: ties keep registration order
 
 
 def names() -> list[str]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # titan's own registrations, loaded like plugins are (optimizers, metrics writers, callbacks,
-# objective terms, model converters: in the order they apply)
+# objective terms, model converters, the chat data's section)
 BUILTIN = (
     "titan.components.optim.builtin",
     "titan.components.observability.writers",

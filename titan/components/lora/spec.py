@@ -69,5 +69,6 @@ register_converter(
         plan_check=plan_check,
         section="lora",
         options=Lora,
+        order=30,
     )
 )

@@ -84,5 +84,6 @@ register_converter(
         plan_check=plan_check,
         section="float8",
         options=Float8,
+        order=10,
     )
 )

@@ -37,5 +37,6 @@ register_converter(
         build="titan.components.training.chunked_loss:ChunkedLossConverter",
         enabled=lambda job: job.training.loss_chunk_tokens != 0,
         check=check,
+        order=20,
     )
 )
