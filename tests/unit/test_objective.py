@@ -33,8 +33,8 @@ def batch(masked: int = 0):
 def test_without_terms_the_objective_is_the_cross_entropy_mean():
     logits, labels = batch(masked=2)
     objective = Objective({}, tokens_per_rank_step=12, cp=1)
-    objective.count(10, 1)  # 2 of 12 labels are not counted
-    with objective.step(1.0, TokenSplit(), torch.device("cpu")):
+    objective.count([labels], None)  # 2 of 12 labels are not counted
+    with objective.step(1.0, TokenSplit()):
         loss = objective.loss(logits, labels)
     assert torch.equal(loss, cross_entropy_sum(logits, labels) / 10)
     assert objective.reduce(None, None) == {"loss": loss.item()}
@@ -45,8 +45,8 @@ def test_a_terms_weight_is_in_backward_and_its_value_is_logged_unweighted(z_loss
     logits.requires_grad_(True)
     (term,) = build_terms(parse_args(["--z_loss.weight", "0.5"])).values()
     objective = Objective({"z_loss": term}, tokens_per_rank_step=12, cp=2)
-    objective.count(10, 1)  # per cp rank: 10 / 2 tokens
-    with objective.step(1.0, TokenSplit(), torch.device("cpu")):
+    objective.count([labels], None)  # 10 counted; per cp rank: 10 / 2 tokens
+    with objective.step(1.0, TokenSplit()):
         objective.loss(logits, labels).backward()
     z = torch.logsumexp(logits.detach(), -1).square()[labels != IGNORE_INDEX].sum()
     ce = cross_entropy_sum(logits.detach(), labels)

@@ -97,9 +97,7 @@ def _check(job) -> None:
 
     unknown = [c for c in job.model.converters if c not in _CONVERTERS.entries]
     require(job, not unknown, "model.converters", f"unknown {unknown}; titan has {names()}")
-    for spec in enabled_specs(job):
-        if spec.check:
-            spec.check(job)
+    _CONVERTERS.check(job, enabled_specs(job))
 
 
 def plan_checks(job, train_spec, model_args, device: str) -> None:

@@ -97,6 +97,12 @@ class Registry:
         if spec and spec.section:
             unregister_section(spec.section)
 
+    def check(self, job, specs=None) -> None:
+        """Each entry's own check on `job`, of `specs` (default: every entry)."""
+        for spec in self.entries.values() if specs is None else specs:
+            if spec.check:
+                spec.check(job)
+
     def options_of(self, spec, sections: dict):
         """The entry's own section among a job's added sections (None without one)."""
         return sections[spec.section] if spec.section else None

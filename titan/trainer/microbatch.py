@@ -43,7 +43,7 @@ class ForwardBackward:
         # Every step counts its own (Objective.count); unmasked, the global batch's tokens
         tokens = plan.global_batch_size // plan.data_parallel_size * t.seq_len // dims.cp
         self.objective = Objective(
-            build_terms(job), tokens, dims.cp, logits=not self._output_takes_labels()
+            build_terms(job), tokens, dims.cp, logits=not self._output_takes_labels(), device=device
         )
         self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
         # FSDP casts parameters itself; a single replica needs autocast for bf16 compute
@@ -132,13 +132,11 @@ class ForwardBackward:
             logits = self.parts[0](batch[INPUT_IDS], **kwargs)
         return self.objective.loss(logits, batch[LABELS])
 
-    def forward_backward(self, batch: Batch) -> torch.Tensor:
-        """Loss of one microbatch (already divided by the step's token count), after backward."""
+    def forward_backward(self, batch: Batch) -> None:
+        """Forward and backward of one microbatch (its terms go to `objective`)."""
         kwargs = self.model_kwargs(batch)  # documents of the whole sequences
         with self.cp_ctx(batch[INPUT_IDS], batch[LABELS], kwargs=kwargs), self.loss_parallel_ctx():
-            loss = self.forward_loss(batch, kwargs)
-            loss.backward()
-        return plain(loss.detach())
+            self.forward_loss(batch, kwargs).backward()
 
     def run_pipeline(self, schedule, batch: Batch, train: bool = True) -> torch.Tensor:
         """Run `schedule` over one batch; the loss sum is nonzero only where the last stage is."""
@@ -163,11 +161,13 @@ class ForwardBackward:
             total += plain(loss.detach())
         return total
 
-    def step(self, batch: Batch) -> torch.Tensor:
-        """Forward and backward of one microbatch of the step (all of a pipeline's)."""
+    def step(self, batch: Batch) -> None:
+        """Forward and backward of one microbatch of the step (all of a pipeline's); its terms
+        go to `objective`."""
         if self.schedule is not None:
-            return self.run_pipeline(self.schedule, batch)
-        return self.forward_backward(batch)
+            self.run_pipeline(self.schedule, batch)
+        else:
+            self.forward_backward(batch)
 
     def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, float]:
         """This rank's summed token cross-entropy over a validation batch and its share of the

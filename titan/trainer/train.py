@@ -44,7 +44,6 @@ from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.optim.optimizer import build_optimizer
 from titan.components.training.callbacks import StepEnd, build_callbacks
 from titan.components.training.gc import ScheduledGC
-from titan.components.training.loss import IGNORE_INDEX
 from titan.components.training.objective import LOSS
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
@@ -255,7 +254,11 @@ class Trainer:
         return self.plan.dims["pp"].get_group() if self.pp_plan is not None else None
 
     def dp_cp_group(self) -> dist.ProcessGroup | None:
-        mesh = self.plan.dims["dp_cp"]
+        return self._group("dp_cp")
+
+    def _group(self, dim: str) -> dist.ProcessGroup | None:
+        """The process group of the mesh dimension `dim`; None where it is 1 rank."""
+        mesh = self.plan.dims[dim]
         return mesh.get_group() if mesh.size() > 1 else None
 
     def _max_over_ranks(self, value: float) -> float:
@@ -275,9 +278,9 @@ class Trainer:
             self.ft.start_step()  # the quorum forms while forward/backward run
         objective = self.fwd_bwd.objective
         # the loss is the mean over the labels the data counts, however many that is
-        objective.count(*self._counted_tokens(microbatches))
+        objective.count([b[LABELS] for b in microbatches], self._group("dp"))
         weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
-        with objective.step(weight, self.token_split, self.device):
+        with objective.step(weight, self.token_split):
             for batch in microbatches:
                 self.fwd_bwd.step(to_device(batch, self.device))
         params = [p for part in self.model_parts for p in part.parameters()]
@@ -326,17 +329,6 @@ class Trainer:
             hook(False)
         self.lr_scheduler.step()
         return loss_v, norm_v, True
-
-    def _counted_tokens(self, microbatches) -> tuple[int, int]:
-        """(the labels the loss counts, not IGNORE_INDEX, summed over the dp ranks; how many
-        ranks that sum spans: torchft's replica groups count their own)."""
-        mine = sum(int((b[LABELS] != IGNORE_INDEX).sum()) for b in microbatches)
-        dp = self.plan.dims["dp"]
-        if dp.size() == 1:
-            return mine, 1
-        counted = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        dist.all_reduce(counted, group=dp.get_group())
-        return int(counted.item()), dp.size()
 
     def next_microbatches(self, data_iter):
         return [next(data_iter) for _ in range(self.plan.grad_accum_steps)]

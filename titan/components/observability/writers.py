@@ -62,9 +62,7 @@ def build_writers(cfg, sections: dict, context: WriterContext) -> list[MetricsWr
 
 
 def _check(job) -> None:
-    for spec in enabled_writers(job.metrics, job.extensions):
-        if spec.check:
-            spec.check(job)
+    _WRITERS.check(job, enabled_writers(job.metrics, job.extensions))
 
 
 def _check_wandb(job) -> None:

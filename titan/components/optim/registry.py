@@ -73,9 +73,7 @@ def _check(job) -> None:
         "optimizer.name",
         f"no such optimizer; registered: {', '.join(names)}{did_you_mean(name, names)}",
     )
-    spec = _OPTIMIZERS.entries[name]
-    if spec.check:
-        spec.check(job)
+    _OPTIMIZERS.check(job, [_OPTIMIZERS.entries[name]])
 
 
 extensions.register_check(_check)

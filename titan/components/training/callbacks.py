@@ -96,16 +96,10 @@ def build_callbacks(run, sections: dict) -> dict[str, Callback]:
     return {name: cb for name, cb in made.items() if cb is not None}
 
 
-def _check(job) -> None:
-    for spec in _CALLBACKS.entries.values():
-        if spec.check:
-            spec.check(job)
-
-
 _OWN = "titan.components"
 register_callback(CallbackSpec("validation", build=f"{_OWN}.training.validate:build_callback"))
 register_callback(CallbackSpec("profiler", build=f"{_OWN}.observability.profiling:build_callback"))
 register_callback(
     CallbackSpec("memory_snapshot", build=f"{_OWN}.observability.memory_snapshot:build_callback")
 )
-extensions.register_check(_check)
+extensions.register_check(_CALLBACKS.check)

@@ -21,23 +21,30 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from titan.components.training.loss import cross_entropy_sum, plain, reduce_loss
+from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum, plain, reduce_loss
 from titan.components.training.terms import Term
 from titan.models.common import aux_loss
 from titan.models.common.aux_loss import AuxLossCollector, reduce_aux_losses
 from titan.parallelisms.token_split import TokenSplit
 
 LOSS = "loss"
+CPU = torch.device("cpu")
 
 
 class Objective:
     def __init__(
-        self, terms: dict[str, Term], tokens_per_rank_step: float, cp: int, logits: bool = True
+        self,
+        terms: dict[str, Term],
+        tokens_per_rank_step: float,
+        cp: int,
+        logits: bool = True,
+        device: torch.device = CPU,
     ):
         """`tokens_per_rank_step`: the step's counted tokens each rank divides by until
         `count` says the step's own; `cp`: the context-parallel degree (each cp rank holds
         1/cp of every sequence); `logits`: whether the model's output is the logits (a
-        chunked loss's output layer returns the loss sum instead)."""
+        chunked loss's output layer returns the loss sum instead); `device`: where the step's
+        values and counts live."""
         if terms and not logits:
             from titan.config import ConfigError
 
@@ -45,7 +52,7 @@ class Objective:
                 f"objective terms {list(terms)} need the output logits, which "
                 "training.loss_chunk_tokens never makes whole: set it to 0, or drop the terms"
             )
-        self.terms, self.tokens, self.cp = terms, tokens_per_rank_step, cp
+        self.terms, self.tokens, self.cp, self.device = terms, tokens_per_rank_step, cp, device
         self._values: torch.Tensor | None = None  # this step's, detached: loss, then terms
         self._aux: AuxLossCollector | None = None
 
@@ -53,11 +60,17 @@ class Objective:
     def names(self) -> list[str]:
         return [LOSS, *self.terms]
 
-    def count(self, counted: int, counted_over: int) -> None:
-        """This step's terms are means over `counted` tokens (labels not IGNORE_INDEX), summed
-        over `counted_over` data-parallel ranks: each rank's share of it, as the count is
+    def count(self, labels: list[torch.Tensor], dp_group: dist.ProcessGroup | None) -> None:
+        """This step's terms are means over the labels the loss counts (not IGNORE_INDEX) in
+        this rank's microbatches' `labels`, summed over `dp_group` (None: this rank alone;
+        torchft's replica groups count their own): each rank's share of it, as the count is
         shared by the dp x cp ranks."""
-        self.tokens = max(counted, 1) / (counted_over * self.cp)
+        counted, ranks = sum(int((y != IGNORE_INDEX).sum()) for y in labels), 1
+        if dp_group is not None:
+            total = torch.tensor(counted, dtype=torch.int64, device=self.device)
+            dist.all_reduce(total, group=dp_group)
+            counted, ranks = int(total.item()), dist.get_world_size(dp_group)
+        self.tokens = max(counted, 1) / (ranks * self.cp)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """What backward differentiates for one microbatch's output (a pipeline's loss
@@ -73,10 +86,10 @@ class Objective:
         return total / self.tokens
 
     @contextlib.contextmanager
-    def step(self, microbatch_weight: float, split: TokenSplit, device: torch.device):
+    def step(self, microbatch_weight: float, split: TokenSplit):
         """Around a step's forward and backward: its values start at 0 and the model's own
         terms are collected (`microbatch_weight`: one microbatch's share of the step)."""
-        self._values = torch.zeros(len(self.names), device=device)
+        self._values = torch.zeros(len(self.names), device=self.device)
         with AuxLossCollector(microbatch_weight, split) as aux:
             yield
         self._aux = aux

@@ -42,10 +42,4 @@ def build_terms(job) -> dict[str, Term]:
     return {name: term for name, term in made.items() if term is not None}
 
 
-def _check(job) -> None:
-    for spec in _TERMS.entries.values():
-        if spec.check:
-            spec.check(job)
-
-
-extensions.register_check(_check)
+extensions.register_check(_TERMS.check)
