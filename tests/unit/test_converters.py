@@ -18,6 +18,7 @@ from titan.components.converters import (
     unregister_converter,
 )
 from titan.config import ConfigError, parse_args
+from titan.plan.run_plan import plan_run
 
 
 @pytest.fixture
@@ -106,8 +107,11 @@ def test_the_run_asks_its_converters_together(keeps):
     both = parse_args(["--model.converters", "keeps", "--training.loss_chunk_tokens", "8"])
     assert [s.name for s in enabled_specs(both)] == ["chunked_loss", "keeps"]
     # two that each keep only their own parameters cannot share a checkpoint
+    both = parse_args(["--model.converters", "keeps", "--lora.rank", "4"])
     with pytest.raises(ConfigError, match="enable one of them"):
-        Converters(parse_args(["--model.converters", "keeps", "--lora.rank", "4"]))
+        Converters(both)
+    with pytest.raises(ConfigError, match="enable one of them"):  # before any launch
+        plan_run(both, world_size=1)
 
 
 def test_a_plugins_converter_is_in_help_and_checked(freeze):

@@ -101,10 +101,12 @@ def _check(job) -> None:
 
 
 def plan_checks(job, train_spec, model_args, device: str) -> None:
-    """The checks the enabled converters make once the model and the device are known."""
+    """The checks the enabled converters make once the model and the device are known, and
+    theirs together (built here, so a conflict stops the launch, not the ranks)."""
     for spec in enabled_specs(job):
         if spec.plan_check:
             spec.plan_check(job, train_spec, model_args, device)
+    Converters(job)
 
 
 class Converters:

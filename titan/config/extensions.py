@@ -1,9 +1,10 @@
 """What is added to titan without editing it: config sections, config checks, and the modules
-that register them (titan's own optimizers and metrics writers, and plugins).
+that register them (titan's own components' and plugins').
 
-A module registers here when imported; titan's own are named in BUILTIN and imported on first
-use, a plugin's by `--job.custom_import` (imported by the launcher and by every worker before
-the config is parsed, so its sections appear in `--help` and are checked like titan's own).
+A module registers here when imported; titan's own are imported by the module BUILTIN names
+(titan.components.builtin) on first use, a plugin's by `--job.custom_import` (imported by the
+launcher and by every worker before the config is parsed, so its sections appear in `--help`
+and are checked like titan's own).
 Everything here is torch-free: a config is checked before torch is imported.
 """
 
@@ -14,18 +15,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-# titan's own registrations, loaded like plugins are (optimizers, metrics writers, callbacks,
-# objective terms, model converters, the chat data's section)
-BUILTIN = (
-    "titan.components.optim.builtin",
-    "titan.components.observability.writers",
-    "titan.components.training.callbacks",
-    "titan.components.training.terms",
-    "titan.components.data.chat_spec",
-    "titan.components.quantization.float8_spec",
-    "titan.components.training.chunked_loss_spec",
-    "titan.components.lora.spec",
-)
+# titan's own registrations (optimizers, metrics writers, callbacks, objective terms, model
+# converters, component sections), loaded like plugins are
+BUILTIN = ("titan.components.builtin",)
 
 _SECTIONS: dict[str, type] = {}
 _CHECKS: list[Callable] = []
