@@ -90,6 +90,10 @@ class GeluMLP(nn.Module):
 
 
 class GeluLlama(Decoder):
+    # a dataset that gives each token's RoPE position (the example plugin's plugin_corpus:
+    # positions within the document) has them passed to forward
+    batch_fields = ("positions",)
+
     def __init__(self, args: GeluLlamaArgs):
         super().__init__(args)
         # counted by this family's post-optimizer hook

@@ -132,7 +132,7 @@ def test_unshuffled_kjv_is_the_token_stream(tokenizer):
     from titan.runtime.paths import resolve
 
     ((x, y),) = take(loader(tokenizer, 2, 2, shuffle=False), 1)
-    with open(resolve(dataset_mod.BUNDLED["kjv"])) as f:
+    with open(resolve(dataset_mod.location_of("kjv"))) as f:
         first_doc = tokenizer.encode(json.loads(f.readline())["text"])
     # consecutive windows are consecutive, non-overlapping stretches of the stream
     whole = torch.cat([x[0], y[0, -1:], x[1], y[1, -1:]])

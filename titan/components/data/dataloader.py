@@ -11,14 +11,22 @@ import logging
 import warnings
 from dataclasses import dataclass
 
+from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan.components.data.batch import INPUT_IDS
 from titan.components.data.chat import ChatOptions, chat_windows
 from titan.components.data.chat_template import ChatTemplate
 from titan.components.data.data_order import GlobalOrder
-from titan.components.data.dataset import DataError, DataShard, local_files, parse_mix
-from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens
+from titan.components.data.dataset import (
+    DataError,
+    DataShard,
+    dataset_spec,
+    local_files,
+    parse_mix,
+    sample_fields,
+)
+from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens, with_fields
 from titan.components.data.streaming import StreamingPackedDataset
 from titan.components.data.tokenizer import Tokenizer
 
@@ -156,13 +164,25 @@ class IndexedLoader:
         self._generation += 1
 
 
+class _Fields(IterableDataset):
+    """A stream's samples with its dataset's batch fields added."""
+
+    def __init__(self, dataset: IterableDataset, fields):
+        self.dataset, self.fields = dataset, fields
+
+    def __iter__(self):
+        for sample in self.dataset:
+            yield with_fields(sample, self.fields)
+
+
 class StreamLoader:
     """A streamed source; its state is the stream's (per dp rank, or global)."""
 
-    def __init__(self, dataset: StreamingPackedDataset, local_batch_size: int):
+    def __init__(self, dataset: StreamingPackedDataset, local_batch_size: int, fields=None):
         self.dataset = dataset
         self.global_index = dataset.global_index
-        self._loader = _loader(dataset, local_batch_size, Workers())
+        source = dataset if fields is None else _Fields(dataset, fields)
+        self._loader = _loader(source, local_batch_size, Workers())
 
     def __iter__(self):
         return iter(self._loader)
@@ -194,6 +214,19 @@ def _check_divisible(global_batch_size: int, shard: DataShard) -> None:
         )
 
 
+def _mix_fields(names: list[str], tokenizer: Tokenizer):
+    """The batch fields of a (mix of) registered dataset(s): samples of one batch must carry
+    the same fields, so every source of a mix adds the same ones."""
+    added = {name: getattr(dataset_spec(name), "fields", None) for name in names}
+    if len(set(added.values())) > 1:
+        listed = ", ".join(f"{n}: {f or 'none'}" for n, f in added.items())
+        raise DataError(
+            f"training.dataset_mix: its sources add different batch fields ({listed}); a "
+            "batch's samples must carry the same fields: mix datasets that add the same ones"
+        )
+    return sample_fields(names[0], tokenizer)
+
+
 def build_text_dataloader(
     *,
     dataset: str,
@@ -218,6 +251,7 @@ def build_text_dataloader(
     section whose dataset this is, for the errors that name its keys."""
     _check_divisible(global_batch_size, shard)
     sources = mix or [(dataset, 1.0)]
+    fields = _mix_fields([name for name, _ in sources], tokenizer)
     files = [
         local_files(
             name,
@@ -243,7 +277,7 @@ def build_text_dataloader(
             global_batch_size=global_batch_size,
             key=f"{section}.dataset",
         )
-        return StreamLoader(ds, local_batch_size)
+        return StreamLoader(ds, local_batch_size, fields)
     for (name, _), f in zip(sources, files):
         if f is None:
             raise DataError(
@@ -266,7 +300,7 @@ def build_text_dataloader(
         infinite=infinite,
         names=[name for name, _ in sources],
     )
-    return IndexedLoader(MixedWindows(windows), order, local_batch_size, workers)
+    return IndexedLoader(MixedWindows(windows, fields), order, local_batch_size, workers)
 
 
 def build_chat_dataloader(
@@ -309,7 +343,8 @@ def build_chat_dataloader(
         infinite=infinite,
         names=[dataset],
     )
-    return IndexedLoader(MixedWindows([windows]), order, local_batch_size, workers)
+    fields = sample_fields(dataset, tokenizer)
+    return IndexedLoader(MixedWindows([windows], fields), order, local_batch_size, workers)
 
 
 def build_dataloader(

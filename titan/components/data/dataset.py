@@ -8,34 +8,73 @@ Indexed sources (local files, token shards) are packed into windows with a globa
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from titan.components.data.token_shards import is_shard_folder
+from titan.config import extensions
 from titan.runtime.paths import resolve
 
 logger = logging.getLogger(__name__)
 
-# dataset names and where they are read from: titan's bundled corpus, and what plugins add
-BUNDLED = {
-    "kjv": "assets/corpus/kjv_train.jsonl",
-    "kjv_valid": "assets/corpus/kjv_valid.jsonl",
-    "chat": "assets/corpus/chat_train.jsonl",
-    "chat_valid": "assets/corpus/chat_valid.jsonl",
-}
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A name for training.dataset and validation.dataset: `location` is a local file or
+    folder (absolute, or relative to the repo), or a hub dataset (`org/name`,
+    `org/name:subset`). `fields`: "module:function", function(tokenizer) -> a function of
+    one sample (the mapping of titan.components.data.batch) returning the batch fields the
+    dataset adds to it (a family reads those it lists in `batch_fields`)."""
+
+    name: str
+    location: str
+    fields: str | None = None
+    check: Callable | None = None  # check(job) raises ConfigError
+    section: str | None = None
+    options: type | None = None
 
 
-def register_dataset(name: str, location: str) -> None:
-    """A name for training.dataset and validation.dataset: `location` is a local file or folder
-    (absolute, or relative to the repo), or a hub dataset (`org/name`, `org/name:subset`)."""
-    if name in BUNDLED and BUNDLED[name] != location:
-        raise ValueError(f"a dataset named {name!r} is already registered ({BUNDLED[name]})")
-    BUNDLED[name] = location
+# titan's bundled corpus, and what plugins add
+_DATASETS = extensions.Registry("dataset")
+for _name, _location in (
+    ("kjv", "assets/corpus/kjv_train.jsonl"),
+    ("kjv_valid", "assets/corpus/kjv_valid.jsonl"),
+    ("chat", "assets/corpus/chat_train.jsonl"),
+    ("chat_valid", "assets/corpus/chat_valid.jsonl"),
+):
+    _DATASETS.add(DatasetSpec(_name, _location))
+extensions.register_check(_DATASETS.check)
+unregister_dataset = _DATASETS.remove
+
+
+def register_dataset(spec: DatasetSpec | str, location: str | None = None) -> None:
+    """Register a dataset name (`register_dataset(name, location)` makes its spec). The same
+    spec registered again is a no-op: a plugin may be imported twice."""
+    if not isinstance(spec, DatasetSpec):
+        spec = DatasetSpec(spec, location)
+    if _DATASETS.entries.get(spec.name) == spec:
+        return
+    _DATASETS.add(spec)
+
+
+def dataset_spec(name: str) -> DatasetSpec | None:
+    return _DATASETS.entries.get(name)
 
 
 def location_of(name: str) -> str:
     """Where a dataset name is read from: a registered name's location, else the name."""
-    return BUNDLED.get(name, name)
+    spec = dataset_spec(name)
+    return spec.location if spec else name
+
+
+def sample_fields(name: str, tokenizer) -> Callable | None:
+    """The function that adds a registered dataset's batch fields to each of its samples
+    (None: it adds none)."""
+    spec = dataset_spec(name)
+    if spec is None or spec.fields is None:
+        return None
+    return extensions.load(spec.fields)(tokenizer)
 
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -253,7 +292,7 @@ def open_hub(name: str, key: str = "training.dataset"):
         # the libraries read the switches once, at import: ask them, not os.environ
         offline = hf_config.HF_HUB_OFFLINE
         raise DataError(
-            f"{key} '{name}' is neither a registered name ({', '.join(BUNDLED)}) nor "
+            f"{key} '{name}' is neither a registered name ({', '.join(_DATASETS.entries)}) nor "
             f"a local path, and loading it from the HF hub failed"
             f"{' (HF offline mode is set)' if offline else ''}: {type(e).__name__}: "
             f"{str(e).rstrip('.')}. Without network access, point {key}_path at local "

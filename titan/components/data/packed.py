@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -54,17 +55,23 @@ class PackedWindows(Dataset):
 
 
 class MixedWindows(Dataset):
-    """Indexed by (source, window), as `GlobalOrder` yields them."""
+    """Indexed by (source, window), as `GlobalOrder` yields them. `fields`: the function that
+    adds the batch fields of the sources' registered dataset (titan.components.data.dataset
+    `sample_fields`), None where it adds none."""
 
-    def __init__(self, sources: list[PackedWindows]):
-        self.sources = sources
+    def __init__(self, sources: list[Dataset], fields: Callable | None = None):
+        self.sources, self.fields = sources, fields
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.sources)
 
     def __getitem__(self, index: tuple[int, int]):
         source, window = index
-        return self.sources[source][window]
+        return with_fields(self.sources[source][window], self.fields)
+
+
+def with_fields(sample: Batch, fields: Callable | None) -> Batch:
+    return sample if fields is None else {**sample, **fields(sample)}
 
 
 def open_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> TokenShards:
