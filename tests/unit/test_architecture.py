@@ -332,6 +332,9 @@ def test_every_flavor_answers_the_declared_members(family):
 # training features reach the trainer through its seams (model converters, the named batch,
 # the objective, callbacks, components' own sections), never by name
 FEATURES = re.compile(r"lora|float8|chunk|mtp|chat|doc_ids", re.IGNORECASE)
+# and what is a hook in nature is a callback: garbage collection, stragglers, the metrics
+# writers, profiler traces, memory snapshots
+HOOKS = re.compile(r"\bgc\b|straggler|rank_times\b|writer|profil|snapshot", re.IGNORECASE)
 
 
 def test_the_trainer_names_no_training_feature():
@@ -344,3 +347,14 @@ def test_the_trainer_names_no_training_feature():
     assert found == []
     # the scan sees them where they live
     assert FEATURES.search((TITAN / "components" / "lora" / "spec.py").read_text())
+
+
+def test_the_loop_calls_no_hook_by_name():
+    train = (TITAN / "trainer" / "train.py").read_text().splitlines()
+    found = [
+        f"train.py:{n}: {line.strip()}" for n, line in enumerate(train, 1) if HOOKS.search(line)
+    ]
+    assert found == []
+    callbacks = (TITAN / "components" / "training" / "callbacks.py").read_text()
+    for name in ("gc", "rank_times", "metrics_writers", "profiler", "memory_snapshot"):
+        assert f'CallbackSpec("{name}"' in callbacks, name

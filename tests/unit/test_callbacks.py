@@ -1,6 +1,6 @@
-"""Callbacks: the trainer's events in order, a callback's stop and save requests, its state in
-checkpoints (a resumed run continues it bit for bit), and titan's own (validation) on the
-same seam."""
+"""Callbacks: the trainer's events in order, the figures a callback adds to a logged step, a
+callback's stop and save requests, its state in checkpoints (a resumed run continues it bit
+for bit), and titan's own (validation) on the same seam."""
 
 import json
 import sys
@@ -44,6 +44,9 @@ class Recorder(Callback):
         if end.step == self.stop_at:
             run.request_stop("the recorder says so")
 
+    def figures(self, run, step):
+        return {"recorder_step": step, "recorder_lr": run.lr_scheduler.get_last_lr()[0]}
+
     def on_validation_end(self, run, step, loss, batches):
         self._write(run, "validation_end", step, loss, batches)
 
@@ -82,6 +85,9 @@ def test_events_in_order_and_requests_to_save_and_stop(recorder, tmp_path):
     records = run_trainer(tmp_path, 2, argv)
     dump = tmp_path / "dump"
     assert [r["step"] for r in records] == [1, 2, 3]  # stopped at 3, not at 6
+    # what a callback adds to a logged step's record reaches the writers (metrics.jsonl)
+    assert [r["recorder_step"] for r in records] == [1, 2, 3]
+    assert all(r["recorder_lr"] > 0 and "gc_s" in r for r in records)
     (val,) = [json.loads(x) for x in (dump / "validation.jsonl").read_text().splitlines()]
     assert events(dump) == [
         ["train_start", 0],

@@ -99,24 +99,30 @@ def test_no_mfu_on_cpu_unless_a_peak_is_given(monkeypatch):
     assert peak_flops(torch.device("cpu"), torch.bfloat16, override=2e11)[0] == 2e11
 
 
-def _logged(tmp_path, peak, caplog):
+def _logger_and_writers(tmp_path, peak, cfg):
+    """A MetricsLogger and rank 0's metrics writers (their callback) for a fresh run."""
+    from types import SimpleNamespace
+
     from titan.components.observability.metrics import MetricsLogger
+    from titan.components.observability.writers import MetricsWriters
+
+    log = MetricsLogger(cfg, device=torch.device("cpu"), flops_per_token=1e9, peak_flops=peak)
+    writers = MetricsWriters(cfg, {}, {})
+    writers.on_train_start(SimpleNamespace(dump_folder=str(tmp_path), step=0))
+    return log, writers
+
+
+def _logged(tmp_path, peak, caplog):
     from titan.config import JobConfig
 
     cfg = JobConfig().metrics
     cfg.enable_tensorboard = False
-    log = MetricsLogger(
-        cfg,
-        dump_folder=str(tmp_path),
-        rank=0,
-        device=torch.device("cpu"),
-        flops_per_token=1e9,
-        peak_flops=peak,
-    )
-    log.record_step(tokens=1000, data_s=0.0, gc_s=0.0)
+    log, writers = _logger_and_writers(tmp_path, peak, cfg)
+    log.record_step(tokens=1000, data_s=0.0)
     with caplog.at_level("INFO", logger="titan.components.observability.metrics"):
         record = log.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_seen=1000)
-    log.close()
+    writers.write(1, record)
+    writers.close()
     return record, caplog.records[-1].getMessage()
 
 
@@ -143,22 +149,14 @@ def test_lists_are_tensorboard_histograms_only(tmp_path, caplog):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from titan.components.observability.metrics import MetricsLogger
     from titan.config import JobConfig
 
     cfg = JobConfig().metrics
-    log = MetricsLogger(
-        cfg,
-        dump_folder=str(tmp_path),
-        rank=0,
-        device=torch.device("cpu"),
-        flops_per_token=1e9,
-        peak_flops=None,
-    )
-    log.record_step(tokens=1000, data_s=0.0, gc_s=0.0)
+    log, writers = _logger_and_writers(tmp_path, None, cfg)
+    log.record_step(tokens=1000, data_s=0.0)
     loads = [0.5, 0.0, 0.25, 0.25]
     with caplog.at_level("INFO", logger="titan.components.observability.metrics"):
-        log.log(
+        record = log.log(
             1,
             loss=2.0,
             grad_norm=1.0,
@@ -167,7 +165,8 @@ def test_lists_are_tensorboard_histograms_only(tmp_path, caplog):
             expert_load_imbalance=2.0,
             **{"expert_load/layer_1": loads},
         )
-    log.close()
+    writers.write(1, record)
+    writers.close()
     line = caplog.records[-1].getMessage()
     assert "expert_load_imbalance: 2" in line and "layer_1" not in line
     (record,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

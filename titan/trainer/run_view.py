@@ -59,7 +59,7 @@ class RunView:
 
     @property
     def metrics(self):
-        """The MetricsLogger (its writers: `metrics.writers`)."""
+        """The MetricsLogger: the step's record and console line, the newest step's times."""
         return self._trainer.metrics
 
     @property

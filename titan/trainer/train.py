@@ -4,7 +4,6 @@ Read top to bottom: build everything from the config, then loop over steps.
 """
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -38,12 +37,10 @@ from titan.components.observability.memory_measure import (
     write_measured,
 )
 from titan.components.observability.metrics import MetricsLogger
-from titan.components.observability.rank_times import RankTimes, keep_collective_stamps
 from titan.components.optim.grad_clip import clip_grad_norm_
 from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.optim.optimizer import build_optimizer
 from titan.components.training.callbacks import StepEnd, build_callbacks
-from titan.components.training.gc import ScheduledGC
 from titan.components.training.objective import LOSS
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
@@ -78,8 +75,8 @@ class Trainer:
         self.job, self.plan = job, plan
         t, dims = job.training, plan.dims
         self.device = pick_device(t.device)
-        configure_flight_recorder(job.comm, job.job.dump_folder, self.device.type)
-        keep_collective_stamps(job.metrics, dims.world_size)
+        keep_step = job.metrics.per_rank and dims.world_size > 1
+        configure_flight_recorder(job.comm, job.job.dump_folder, self.device.type, keep_step)
         self.rank, self.world_size = init_distributed(self.device, job.comm.init_timeout_seconds)
         set_determinism(t.seed, t.deterministic, compiling=job.compile.enable)
         dims.build_mesh(self.device.type)
@@ -122,11 +119,11 @@ class Trainer:
         self.callbacks = build_callbacks(self.run_view, job.extensions)
         self.train_state.callbacks = self.callbacks
         self.checkpointer = self._checkpointer()
-        resumed = self.checkpointer.load()
+        self.checkpointer.load()
         self.step = self.train_state.step
         self.ft = self._fault_tolerance()
 
-        self.metrics = self._metrics_logger(resumed)
+        self.metrics = self._metrics_logger()
 
     # ------------------------------------------------------------------ building
 
@@ -179,8 +176,8 @@ class Trainer:
             on_export=self.converters.exporter(self.model_parts, plan.spec, plan.model_args),
         )
 
-    def _metrics_logger(self, resumed: bool) -> MetricsLogger:
-        job, m, t = self.job, self.job.metrics, self.job.training
+    def _metrics_logger(self) -> MetricsLogger:
+        m, t = self.job.metrics, self.job.training
         peak, peak_source = peak_flops(self.device, to_dtype(t.mixed_precision_param), m.peak_flops)
         if peak is None:
             logger.info("MFU %s", peak_source)
@@ -188,16 +185,10 @@ class Trainer:
             logger.info("MFU is relative to %.4g TFLOP/s (%s)", peak / 1e12, peak_source)
         return MetricsLogger(
             m,
-            dump_folder=job.job.dump_folder,
-            rank=self.rank,
             device=self.device,
             flops_per_token=self.plan.model_args.flops_per_token(t.seq_len),
             peak_flops=peak,
             max_over_ranks=self._max_over_ranks,
-            resume_step=self.step if resumed else None,
-            run_config=dataclasses.asdict(job),
-            rank_times=RankTimes.build(m, rank=self.rank, world_size=self.world_size),
-            sections=job.extensions,
         )
 
     def _data_shard(self) -> DataShard:
@@ -343,7 +334,6 @@ class Trainer:
             self.checkpointer.save(0, model_only=True, blocking=True)
             logger.info("seed checkpoint written; start training with checkpoint.enable")
             return
-        gc_sched = ScheduledGC(t.gc_freq)
         first_step = self.step + 1
         # at 80% of the collective timeout, so a stuck rank reports itself before its peers'
         # collectives time out (they only know that *someone* is late)
@@ -380,12 +370,7 @@ class Trainer:
             self.train_state.step = self.step
             self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
             # tp/cp/pp ranks share their batch: count each token once per device group
-            self.metrics.record_step(
-                batch_tokens // self.plan.dims.non_dp,
-                data_s,
-                gc_sched.step(self.step),
-                started_ns,
-            )
+            self.metrics.record_step(batch_tokens // self.plan.dims.non_dp, data_s, started_ns)
             logged = None
             if self.metrics.should_log(self.step, t.steps):
                 logged = self._log_step(loss, grad_norm, lr)
@@ -401,7 +386,6 @@ class Trainer:
                 break
         self.emit("on_train_end")
         watchdog.stop()
-        gc_sched.close()
         logger.info("training done after %d steps", self.step)
 
     def _after_first_step(self, tracker, watchdog: StepWatchdog) -> None:
@@ -426,7 +410,11 @@ class Trainer:
         return stack
 
     def _log_step(self, loss: float, grad_norm: float, lr: float) -> dict:
-        extra = {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
+        extra = {}
+        for callback in self.callbacks.values():  # what they measured of the step
+            extra.update(callback.figures(self.run_view, self.step) or {})
+        if self.skipped_steps:
+            extra["skipped_steps"] = self.skipped_steps
         # the objective's terms beside the cross-entropy `loss` (the model's own too), and
         # what the hooks measured (already the same on every rank)
         extra.update(self.step_terms)
@@ -488,7 +476,6 @@ class Trainer:
         if self.ft is not None:
             self.ft.shutdown()
         self.checkpointer.close()
-        self.metrics.close()
         for callback in self.callbacks.values():
             callback.close()
 

@@ -35,9 +35,21 @@ def flight_recorder_env(cfg, dump_folder: str) -> dict[str, str]:
     }
 
 
-def configure_flight_recorder(cfg, dump_folder: str, device_type: str) -> None:
+# collectives the recorder keeps at least for per-rank step times: one step's, with room
+STEP_BUFFER = 2000
+
+
+def configure_flight_recorder(
+    cfg, dump_folder: str, device_type: str, keep_step: bool = False
+) -> None:
+    """`cfg`: the comm section; `keep_step`: the run reads its collectives' stamps for
+    each rank's step time (rank_times.py), whose recorder then keeps one step's at least
+    (comm.trace_buf_size may set a larger buffer)."""
     env = flight_recorder_env(cfg, dump_folder) if device_type == "cuda" else {}
     if env:
         (Path(dump_folder) / cfg.save_traces_folder).mkdir(parents=True, exist_ok=True)
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    # the current name only: the older one makes torch warn that it is deprecated
+    if keep_step and int(os.environ.get(BUFFER_VAR) or 0) < STEP_BUFFER:
+        os.environ[BUFFER_VAR] = str(STEP_BUFFER)

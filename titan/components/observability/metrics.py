@@ -1,18 +1,16 @@
-"""Training metrics: a line on the console for people, and each logged step's figures to the
-run's metrics writers (metrics.jsonl, which tools and tests read, TensorBoard, W&B, any
-registered one: titan.components.observability.writers).
+"""Training metrics: each logged step's record (loss, throughput, MFU, memory, and what the
+callbacks add: GC seconds, per-rank step times) and its line on the console. The record goes
+to the run's metrics writers (metrics.jsonl, which tools and tests read, TensorBoard, W&B, any
+registered one) through their callback, titan.components.observability.writers.
 """
 
 import logging
-import os
 import resource
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
-
-from titan.components.observability.writers import WriterContext, build_writers
 
 logger = logging.getLogger(__name__)
 
@@ -73,92 +71,63 @@ class _Window:
     start: float = field(default_factory=time.perf_counter)
     tokens: int = 0
     data_s: float = 0.0
-    gc_s: float = 0.0
     steps: int = 0
     excluded_s: float = 0.0
     last_step: tuple | None = None  # (start ns, end ns, data s) of the newest step
 
 
 class MetricsLogger:
-    """Configured by `cfg` (the metrics section). Rank 0 writes the files; every rank prints.
+    """Configured by `cfg` (the metrics section); every rank prints its own line.
 
     `peak_flops` None leaves MFU out (null in the JSONL, n/a on the console);
-    `max_over_ranks(value)` is a collective giving the largest value over all ranks;
-    `resume_step` keeps the history of a resumed run up to that step; `run_config` (the
-    merged job config as a dict) is the W&B run's config; `rank_times` (a RankTimes) adds
-    every rank's own step time to each record; `sections` are the job's added config
-    sections, where a registered writer finds its own.
+    `max_over_ranks(value)` is a collective giving the largest value over all ranks.
     """
 
     def __init__(
         self,
         cfg,
         *,
-        dump_folder: str,
-        rank: int,
         device: torch.device,
         flops_per_token: float,
         peak_flops: float | None,
-        resume_step: int | None = None,
         max_over_ranks=None,
-        run_config: dict | None = None,
-        rank_times=None,
-        sections: dict | None = None,
     ):
         self.log_freq = cfg.log_freq
         self.device = device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         plain = cfg.disable_color_printing or not sys.stderr.isatty()
         self.color = (lambda k: "") if plain else _COLORS.get
-        self.enabled = rank == 0
         # every rank must call log(): the cross-rank memory maximum is a collective
         self.max_over_ranks = max_over_ranks
-        self.rank_times = rank_times
         self.window = _Window()
-        self.writers = []
-        if not self.enabled:
-            return
-        os.makedirs(dump_folder, exist_ok=True)
-        self.writers = build_writers(
-            cfg,
-            sections or {},
-            WriterContext(
-                dump_folder=dump_folder, resume_step=resume_step, run_config=run_config or {}
-            ),
-        )
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
 
-    def record_step(
-        self, tokens: int, data_s: float, gc_s: float, started_ns: int | None = None
-    ) -> None:
+    def record_step(self, tokens: int, data_s: float, started_ns: int | None = None) -> None:
         """`started_ns`: the step's start (time.time_ns()); it ends now."""
         w = self.window
         if started_ns is not None:
             w.last_step = (started_ns, time.time_ns(), data_s)
         w.tokens += tokens
         w.data_s += data_s
-        w.gc_s += gc_s
         w.steps += 1
+
+    def last_step_times(self) -> tuple[int, int, float] | None:
+        """(start ns, end ns, seconds waiting for data) of the newest step recorded."""
+        return self.window.last_step
 
     def log(
         self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int, **extra
     ) -> dict:
-        """Emit one record for the window ending at `step`; every rank must call it.
+        """The record of the window ending at `step`, printed; every rank must call it.
         `tokens_seen`: training tokens consumed by all ranks so far. An `extra` value that is
-        a list of numbers (an MoE layer's expert loads) is a TensorBoard histogram only."""
-        histograms = {k: v for k, v in extra.items() if isinstance(v, list)}
-        extra = {k: v for k, v in extra.items() if k not in histograms}
+        a list of numbers (an MoE layer's expert loads) is a distribution for the writers,
+        not printed."""
         w = self.window
         elapsed = max(time.perf_counter() - w.start - w.excluded_s, 1e-9)
         tps = w.tokens / elapsed
         tflops = tps * self.flops_per_token / 1e12
-        per_rank = (
-            self.rank_times.gather(*w.last_step)
-            if self.rank_times is not None and w.last_step
-            else {}
-        )
         record = {
             "step": step,
             "loss": loss,
@@ -169,18 +138,12 @@ class MetricsLogger:
             "mfu": None if self.peak_flops is None else 100 * tflops * 1e12 / self.peak_flops,
             **self._memory(),
             "data_pct": 100 * w.data_s / elapsed,
-            "gc_s": w.gc_s,
             "step_time_s": elapsed / max(w.steps, 1),
             "tokens_seen": tokens_seen,
-            **per_rank,
             **extra,
         }
         self.window = _Window()
-        scalars = {f"train/{k}": v for k, v in record.items() if k != "step"}
-        for writer in self.writers:
-            writer.scalars(step, scalars)
-            for k, v in histograms.items():
-                writer.distribution(step, f"train/{k}", v)
+        printed = {k: v for k, v in extra.items() if not isinstance(v, list)}
         # each rank prints its own line (memory differs per rank); LOG_RANK picks what is shown
         c = self.color
         logger.info(
@@ -189,8 +152,8 @@ class MetricsLogger:
             f"{c('mem')}memory: {record['memory_gib']:6.2f}GiB  "
             f"{c('tps')}tps: {tps:>10,.0f}  tflops: {tflops:7.2f}  "
             f"{c('mfu')}mfu: {_percent(record['mfu'])}{c('reset')}  "
-            f"data: {record['data_pct']:4.1f}%  gc: {w.gc_s:.3f}s"
-            + "".join(f"  {k}: {_short(v)}" for k, v in extra.items())
+            f"data: {record['data_pct']:4.1f}%"
+            + "".join(f"  {k}: {_short(v)}" for k, v in printed.items())
         )
         return record
 
@@ -201,17 +164,8 @@ class MetricsLogger:
         return mem
 
     def log_validation(self, step: int, loss: float, steps: int) -> None:
-        if not self.enabled:
-            return
-        for writer in self.writers:
-            writer.scalars(step, {"validation/loss": loss, "validation/batches": steps})
         logger.info(f"validation  step: {step:>6}  loss: {loss:8.4f}  batches: {steps}")
 
     def exclude(self, seconds: float) -> None:
         """Keep time spent outside training steps (validation, checkpoints) out of tokens/s."""
         self.window.excluded_s += seconds
-
-    def close(self) -> None:
-        for writer in self.writers:
-            writer.close()
-        self.writers = []

@@ -8,7 +8,8 @@ the sum, over the collectives of a training step, of (latest - its own). Its own
 is its wall time less that wait: a straggler's is the largest, the others' are what they
 computed. Each log step measures its own step (the last of the window): the recorder's
 buffer (torch's default, 2000 collectives) then needs to hold one step's collectives, and
-reading it costs milliseconds, not the seconds of a window's worth.
+reading it costs milliseconds, not the seconds of a window's worth (the buffer is set before
+the process group is made: flight_recorder.configure_flight_recorder).
 
 Each log step costs two collectives: an all-reduce (max) of the step's stamps, hashed by
 (process group, sequence number) into a fixed table of 16384 slots (128 KiB), and an
@@ -19,7 +20,6 @@ slow host, shows only where the host waits for it before the next issue.
 """
 
 import logging
-import os
 import pickle
 import socket
 import statistics
@@ -27,26 +27,16 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from titan.components.observability.flight_recorder import BUFFER_VAR
+from titan.components.training.callbacks import Callback
 
 logger = logging.getLogger(__name__)
 
 SLOTS = 1 << 14
-BUFFER = 2000  # collectives the recorder keeps at least: one step's, with room
 
 
-def keep_collective_stamps(cfg, world_size: int) -> None:
-    """Before the process group is made: the recorder needs a buffer (comm.trace_buf_size
-    may set a larger one)."""
-    if not (cfg.per_rank and world_size > 1):
-        return
-    # the current name only: the older one makes torch warn that it is deprecated
-    if int(os.environ.get(BUFFER_VAR) or 0) < BUFFER:
-        os.environ[BUFFER_VAR] = str(BUFFER)
-
-
-class RankTimes:
-    """`cfg` is the metrics section. `gather` is a collective: every rank calls it."""
+class RankTimes(Callback):
+    """`cfg` is the metrics section. `gather` is a collective: every rank calls it (at every
+    logged step, for the last step trained: `figures`)."""
 
     def __init__(self, cfg, *, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -61,6 +51,10 @@ class RankTimes:
         return (
             cls(cfg, rank=rank, world_size=world_size) if cfg.per_rank and world_size > 1 else None
         )
+
+    def figures(self, run, step: int) -> dict:
+        times = run.metrics.last_step_times()
+        return self.gather(*times) if times is not None else {}
 
     def _stamps(self, start_ns: int, end_ns: int) -> list[tuple[int, int]]:
         """(slot, issue time in ns) of the collectives issued between start and end."""
@@ -116,3 +110,7 @@ class RankTimes:
                         self.patience,
                     )
         return record
+
+
+def build_callback(run, options) -> RankTimes | None:
+    return RankTimes.build(run.job.metrics, rank=run.rank, world_size=run.world_size)

@@ -4,7 +4,8 @@ A writer is an object with `scalars(step, values)` (values: {"train/loss": ..., 
 may be None where a figure is unknown, e.g. MFU without a peak), `distribution(step, name,
 values)` (numbers indexed by position, e.g. an MoE layer's expert loads) and `close()`.
 metrics.jsonl, TensorBoard and W&B are writers; a new backend is one module with its writer
-and one `register_writer` call (a plugin's through --job.custom_import). Only rank 0 writes.
+and one `register_writer` call (a plugin's through --job.custom_import). Only rank 0 writes,
+through the `metrics_writers` callback (MetricsWriters), which gets each logged step's record.
 Torch-free: a writer's builder is named by module path and imported when a run starts.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from titan.components.training.callbacks import Callback
 from titan.config import extensions
 
 
@@ -59,6 +61,58 @@ def build_writers(cfg, sections: dict, context: WriterContext) -> list[MetricsWr
         extensions.load(spec.build)(cfg, _options(spec, sections), context)
         for spec in enabled_writers(cfg, sections)
     ]
+
+
+class MetricsWriters(Callback):
+    """The run's writers, as a callback: each logged step's record (`train/<key>`; a list of
+    numbers, an MoE layer's expert loads, is a distribution only) and each validation's
+    figures (`validation/<key>`). Only rank 0 writes; they are opened when training starts,
+    when a resumed run knows the step its history is kept up to."""
+
+    def __init__(self, cfg, sections: dict, run_config: dict):
+        self.cfg, self.sections, self.run_config = cfg, sections, run_config
+        self.writers: list[MetricsWriter] = []
+
+    def on_train_start(self, run) -> None:
+        import os
+
+        os.makedirs(run.dump_folder, exist_ok=True)
+        context = WriterContext(
+            dump_folder=run.dump_folder,
+            resume_step=run.step or None,
+            run_config=self.run_config,
+        )
+        self.writers = build_writers(self.cfg, self.sections, context)
+
+    def on_step_end(self, run, end) -> None:
+        if end.logged is not None:
+            self.write(end.step, end.logged)
+
+    def write(self, step: int, record: dict) -> None:
+        lists = {k: v for k, v in record.items() if isinstance(v, list)}
+        scalars = {f"train/{k}": v for k, v in record.items() if k != "step" and k not in lists}
+        for writer in self.writers:
+            writer.scalars(step, scalars)
+            for k, v in lists.items():
+                writer.distribution(step, f"train/{k}", v)
+
+    def on_validation_end(self, run, step: int, loss: float, batches: int) -> None:
+        for writer in self.writers:
+            writer.scalars(step, {"validation/loss": loss, "validation/batches": batches})
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        self.writers = []
+
+
+def build_callback(run, options) -> MetricsWriters | None:
+    import dataclasses
+
+    if run.rank != 0:
+        return None
+    job = run.job
+    return MetricsWriters(job.metrics, job.extensions, dataclasses.asdict(job))
 
 
 def _check(job) -> None:

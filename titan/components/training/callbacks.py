@@ -1,5 +1,6 @@
-"""Callbacks: the parts of a run that react to training rather than make it (validation,
-profiler traces, memory snapshots, a plugin's monitor), told of the trainer's events.
+"""Callbacks: the parts of a run that react to training rather than make it (scheduled garbage
+collection, per-rank step times and stragglers, the metrics writers, validation, profiler
+traces, memory snapshots, a plugin's monitor), told of the trainer's events.
 
 A callback overrides what it needs of `Callback`. Every rank builds the same callbacks and
 gets every event in the same order (registration order, titan's own first), with figures that
@@ -43,6 +44,12 @@ class Callback:
 
     def around_step(self, run, step: int):
         """A context manager the step runs inside, or None."""
+        return None
+
+    def figures(self, run, step: int) -> dict | None:
+        """At a step that is logged, before its record is made: figures to add to it (a
+        number, or a list of numbers for a histogram), the same on every rank, which every
+        rank calls (collectives allowed)."""
         return None
 
     def on_step_end(self, run, end: StepEnd) -> None:
@@ -97,6 +104,15 @@ def build_callbacks(run, sections: dict) -> dict[str, Callback]:
 
 
 _OWN = "titan.components"
+# the figures' callbacks first: the metrics writers then see a validation's figures, and every
+# later callback the step's whole record
+register_callback(CallbackSpec("gc", build=f"{_OWN}.training.gc:build_callback"))
+register_callback(
+    CallbackSpec("rank_times", build=f"{_OWN}.observability.rank_times:build_callback")
+)
+register_callback(
+    CallbackSpec("metrics_writers", build=f"{_OWN}.observability.writers:build_callback")
+)
 register_callback(CallbackSpec("validation", build=f"{_OWN}.training.validate:build_callback"))
 register_callback(CallbackSpec("profiler", build=f"{_OWN}.observability.profiling:build_callback"))
 register_callback(
