@@ -38,7 +38,7 @@ import titan.components.optim.builtin  # noqa: E402, F401  (registers AdamW)
 from titan.components.checkpoint.checkpointer import Checkpointer, local_state_bytes  # noqa: E402
 from titan.components.checkpoint.train_state import ModelState, TrainState  # noqa: E402
 from titan.components.optim.optimizer import build_optimizer  # noqa: E402
-from titan.config.job_config import Optimizer  # noqa: E402
+from titan.components.optim.optimizer_spec import Optimizer  # noqa: E402
 from titan.models.llama3 import LLAMA3_FLAVORS, Transformer  # noqa: E402
 from titan.models.llama3.model import rope_cache  # noqa: E402
 from titan.runtime.distributed import init_distributed, pick_device  # noqa: E402

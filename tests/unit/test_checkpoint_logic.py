@@ -12,7 +12,7 @@ from titan.components.data.data_order import GlobalOrder
 from titan.components.data.dataloader import IndexedLoader, Workers
 from titan.components.data.packed import MixedWindows, PackedWindows
 from titan.components.optim.lr_scheduler import build_lr_scheduler
-from titan.config.job_config import LRScheduler
+from titan.components.optim.lr_scheduler_spec import LRScheduler
 
 
 def _write(path, marker=True):

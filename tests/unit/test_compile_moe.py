@@ -10,11 +10,11 @@ from torch._dynamo.utils import counters
 
 from titan.components.lora.adapters import apply_lora, init_adapters
 from titan.components.lora.spec import Lora
-from titan.config.job_config import ActivationCheckpoint
 from titan.models.common.aux_loss import AuxLossCollector
 from titan.models.spec import get_train_spec
 from titan.parallelisms.activation_checkpoint import apply_ac
 from titan.parallelisms.compile import compile_blocks
+from titan.parallelisms.sections import ActivationCheckpoint
 
 MODELS = {"qwen3_moe": ("qwen3", "debugmodel_moe"), "deepseek_v3": ("deepseek_v3", "debugmodel")}
 SETUPS = {

@@ -7,8 +7,8 @@ import sys
 import pytest
 import tomllib
 
+from titan.components.optim.optimizer_spec import ParamGroup
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml
-from titan.config.job_config import ParamGroup
 from titan.config.manager import _coerce, source_of
 
 

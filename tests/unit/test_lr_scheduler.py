@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan.components.optim.lr_scheduler import build_lr_scheduler, lr_factor
-from titan.config.job_config import LRScheduler
+from titan.components.optim.lr_scheduler_spec import LRScheduler
 
 
 def f(step, total=100, warmup=10, decay_ratio=None, decay_type="linear", min_lr=0.0):

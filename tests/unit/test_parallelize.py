@@ -10,9 +10,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.forked import run_trainer
-from titan.config.job_config import ActivationCheckpoint
 from titan.models.spec import get_train_spec
 from titan.parallelisms.activation_checkpoint import apply_ac
+from titan.parallelisms.sections import ActivationCheckpoint
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 

@@ -100,12 +100,12 @@ def _check(job) -> None:
     _CONVERTERS.check(job, enabled_specs(job))
 
 
-def plan_checks(job, train_spec, model_args, device: str) -> None:
+def plan_checks(job, plan) -> None:
     """The checks the enabled converters make once the model and the device are known, and
     theirs together (built here, so a conflict stops the launch, not the ranks)."""
     for spec in enabled_specs(job):
         if spec.plan_check:
-            spec.plan_check(job, train_spec, model_args, device)
+            spec.plan_check(job, plan.spec, plan.model_args, plan.device)
     Converters(job)
 
 
@@ -174,3 +174,4 @@ class Converters:
 
 
 extensions.register_check(_check)
+extensions.register_plan_check(plan_checks)

@@ -1,5 +1,6 @@
-"""What is added to titan without editing it: config sections, config checks, and the modules
-that register them (titan's own components' and plugins').
+"""What is added to titan without editing it: config sections, config checks (of the config
+alone, and of the planned run), and the modules that register them (titan's own components'
+and plugins').
 
 A module registers here when imported; titan's own are imported by the module BUILTIN names
 (titan.components.builtin) on first use, a plugin's by `--job.custom_import` (imported by the
@@ -46,6 +47,22 @@ def register_check(check: Callable) -> None:
 def unregister_check(check: Callable) -> None:
     if check in _CHECKS:
         _CHECKS.remove(check)
+
+
+_PLAN_CHECKS: list[Callable] = []
+
+
+def register_plan_check(check: Callable) -> None:
+    """`check(job, plan)` runs when the run is planned (titan.plan.run_plan.plan_run), once the
+    model, the layout, the tokenizer and the device are known (`plan`: the RunPlan); it
+    raises ConfigError, so a launch stops before any rank starts."""
+    if check not in _PLAN_CHECKS:
+        _PLAN_CHECKS.append(check)
+
+
+def plan_checks() -> list[Callable]:
+    _load_builtin()
+    return list(_PLAN_CHECKS)
 
 
 def _load_builtin() -> None:

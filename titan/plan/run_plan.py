@@ -8,16 +8,10 @@ by other launchers.
 import dataclasses
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, fields, is_dataclass
-from pathlib import Path
 
-from titan.components import converters
-from titan.components.data.chat_spec import check_template
-from titan.components.data.dataset import DataError, local_files, parse_mix
 from titan.components.data.tokenizer import Tokenizer, TokenizerError
-from titan.components.observability.checks import check_observability
-from titan.config import ConfigError, JobConfig
+from titan.config import ConfigError, JobConfig, extensions
 from titan.config.manager import require, source_of
 from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_names
 from titan.parallelisms.parallel_dims import (
@@ -42,6 +36,7 @@ class RunPlan:
     grad_accum_steps: int
     # data-parallel replicas in all: the mesh's dp times torchft replica groups
     data_parallel_size: int
+    device: str  # "cuda" or "cpu"
     # every pipeline rank's stages (index: pp rank), for training batches and for validation
     # batches (same stages, as many microbatches as a validation batch holds); empty without
     # pipelining, and validation's without validation
@@ -155,51 +150,11 @@ def plan_run(
         pipelines = pipeline_plans(job, model_args)
         if job.validation.enable:
             validation_pipelines = pipeline_plans(job, model_args, validation_batch=val_local)
-    check_datasets(job)
-    check_template(job, tokenizer)
-    ck = job.checkpoint
-    require(
-        job,
-        not ck.create_seed_checkpoint or ck.enable,
-        "checkpoint.create_seed_checkpoint",
-        "needs checkpoint.enable (the seed is written to the checkpoint folder)",
-    )
-    require(
-        job,
-        not ck.last_save_in_hf or ck.enable,
-        "checkpoint.last_save_in_hf",
-        "needs checkpoint.enable (the HF folder is the final save, step-N in the "
-        "checkpoint folder)",
-    )
-    for key in ("last_save_in_hf", "initial_load_in_hf"):
-        require(
-            job,
-            not getattr(ck, key) or spec.state_dict_adapter is not None,
-            f"checkpoint.{key}",
-            f"model {m.name} registers no HF state-dict adapter",
-        )
-    require(
-        job,
-        not ck.initial_load_path or resolve(ck.initial_load_path).is_dir(),
-        "checkpoint.initial_load_path",
-        "no such folder",
-    )
-    if ck.async_mode == "async_with_pinned_mem":
-        require(
-            job,
-            device == "cuda",
-            "checkpoint.async_mode",
-            "pinned staging memory needs CUDA; use async on CPU",
-        )
-    check_writable(job)
     grad_accum = global_batch // (t.local_batch_size * dp_size)
     check_moe(job, spec, model_args, dims, grad_accum)
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
-    check_fault_tolerance(job, dims)
-    converters.plan_checks(job, spec, model_args, device)
-    check_observability(job, device)
-    return RunPlan(
+    plan = RunPlan(
         spec,
         model_args,
         dims,
@@ -207,11 +162,16 @@ def plan_run(
         global_batch,
         grad_accum,
         dp_size,
+        device,
         pipelines,
         validation_pipelines,
         val_global,
         val_local,
     )
+    # the components' own: data, checkpoints, converters, torchft, profiling, ...
+    for check in extensions.plan_checks():
+        check(job, plan)
+    return plan
 
 
 def check_moe(
@@ -493,139 +453,3 @@ def pipeline_plans(
             else "parallelism"
         )
         raise ConfigError(f"{where}: {e}") from None
-
-
-def check_datasets(job: JobConfig) -> None:
-    """Local datasets must exist; a streamed one cannot be combined with torchft healing."""
-    sets = [("training", job.training)]
-    if job.validation.enable:
-        sets.append(("validation", job.validation))
-    if job.training.dataset_mix:
-        check_mix(job)
-    for section, cfg in sets:
-        if section == "training" and cfg.dataset_mix:
-            continue
-        try:
-            files = local_files(cfg.dataset, cfg.dataset_path, key=f"{section}.dataset_path")
-        except DataError as e:
-            raise ConfigError(
-                str(e) if str(e).startswith(section) else f"{section}.dataset: {e}"
-            ) from None
-        streamed = files is None or cfg.dataset_streaming
-        if section == "training" and streamed and cfg.dataloader_num_workers:
-            raise ConfigError(
-                f"training.dataloader_num_workers = {cfg.dataloader_num_workers} with the "
-                f"streamed dataset {cfg.dataset!r}: streams are read in the trainer's process. "
-                "Set dataloader_num_workers = 0, or pretokenize the data "
-                "(scripts/pretokenize.py) and train on the shard folder"
-            )
-        if section == "training" and streamed and job.fault_tolerance.enable:
-            raise ConfigError(
-                f"fault_tolerance.enable with the streamed dataset {cfg.dataset!r}: a group that "
-                "heals from a live one must jump to its data position, and a stream has no "
-                "global index to jump to. Train on local files without "
-                "training.dataset_streaming, or disable fault_tolerance"
-            )
-
-
-def check_mix(job: JobConfig) -> None:
-    """Weighted sources: well-formed, local (indexed), and not combined with a single one."""
-    t = job.training
-    try:
-        mix = parse_mix(t.dataset_mix)
-        for name, _ in mix:
-            if local_files(name, None, key="training.dataset_mix") is None:
-                raise DataError(
-                    f"training.dataset_mix source {name!r} is neither a local path "
-                    "nor a bundled name; mixed sources are read indexed, so "
-                    "pretokenize a hub dataset first (scripts/pretokenize.py)"
-                )
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    for key in ("training.dataset_path", "training.dataset_streaming"):
-        require(
-            job,
-            source_of(job, key) == "the default",
-            key,
-            "cannot be combined with training.dataset_mix (its entries name the sources, "
-            "which are read indexed)",
-        )
-
-
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def _probe_write(folder: Path) -> str | None:
-    """Why a file cannot be created in `folder` (None if it can). Leaves nothing behind.
-
-    A real write, not os.access: root ignores permission bits but not read-only mounts or
-    immutable folders.
-    """
-    if not folder.is_dir():
-        return f"{folder} exists but is not a folder"
-    try:
-        fd, name = tempfile.mkstemp(prefix=".titan-write-check-", dir=folder)
-        os.close(fd)
-        os.remove(name)
-    except OSError as e:
-        return f"{folder} is not writable ({e.strerror})"
-    return None
-
-
-def check_writable(job: JobConfig) -> None:
-    """Dump and checkpoint folders must be writable before anything starts (whether their
-    disk holds one more save is the launcher's `checkpoint_check`)."""
-    dump = Path(job.job.dump_folder)
-    targets = [("job.dump_folder", dump)]
-    if job.checkpoint.enable:
-        targets.append(("checkpoint.folder", dump / job.checkpoint.folder))
-    for key, path in targets:
-        why = _probe_write(_existing_ancestor(path))
-        if why:
-            raise ConfigError(f"{key}: cannot write {path}: {why}; choose a writable location")
-
-
-def check_fault_tolerance(job: JobConfig, dims: ParallelDims) -> None:
-    ft = job.fault_tolerance
-    if not ft.enable:
-        return
-    require(
-        job,
-        0 <= ft.replica_id < ft.group_size,
-        "fault_tolerance.replica_id",
-        f"must lie in [0, fault_tolerance.group_size = {ft.group_size})",
-    )
-    require(
-        job,
-        1 <= ft.min_replica_size <= ft.group_size,
-        "fault_tolerance.min_replica_size",
-        f"must lie in [1, fault_tolerance.group_size = {ft.group_size}]",
-    )
-    require(
-        job,
-        dims.dp_replicate == 1,
-        "parallelism.data_parallel_replicate_degree",
-        "must be 1 with fault_tolerance: the torchft replica groups are the replicate dim",
-    )
-    require(
-        job,
-        not dims.pp_enabled,
-        "parallelism.pipeline_parallel_degree",
-        "pipeline parallelism is not supported with fault_tolerance yet; set it to 1",
-    )
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "fault_tolerance.enable needs torchft: pip install -e '.[torchft]'"
-        ) from None
-    if not os.environ.get("TORCHFT_LIGHTHOUSE"):
-        raise ConfigError(
-            "fault_tolerance.enable needs a torchft lighthouse: start `torchft_lighthouse "
-            "--min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000` and set "
-            "TORCHFT_LIGHTHOUSE=http://HOST:29510 for every replica group"
-        )

@@ -78,4 +78,5 @@ def check_template(job, tokenizer) -> None:
 
 
 extensions.register_section("chat", Chat)
+extensions.register_plan_check(lambda job, plan: check_template(job, plan.tokenizer))
 extensions.register_check(check)

@@ -107,12 +107,12 @@ class MetricsWriters(Callback):
 
 
 def build_callback(run, options) -> MetricsWriters | None:
-    import dataclasses
+    from titan.config.manager import as_dict
 
     if run.rank != 0:
         return None
     job = run.job
-    return MetricsWriters(job.metrics, job.extensions, dataclasses.asdict(job))
+    return MetricsWriters(job.metrics, job.extensions, as_dict(job))
 
 
 def _check(job) -> None:

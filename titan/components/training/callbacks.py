@@ -105,17 +105,13 @@ def build_callbacks(run, sections: dict) -> dict[str, Callback]:
 
 _OWN = "titan.components"
 # the figures' callbacks first: the metrics writers then see a validation's figures, and every
-# later callback the step's whole record
+# later callback the step's whole record; validation's and profiling's own are registered with
+# their sections (training/validation_spec.py, observability/profiling_spec.py), after these
 register_callback(CallbackSpec("gc", build=f"{_OWN}.training.gc:build_callback"))
 register_callback(
     CallbackSpec("rank_times", build=f"{_OWN}.observability.rank_times:build_callback")
 )
 register_callback(
     CallbackSpec("metrics_writers", build=f"{_OWN}.observability.writers:build_callback")
-)
-register_callback(CallbackSpec("validation", build=f"{_OWN}.training.validate:build_callback"))
-register_callback(CallbackSpec("profiler", build=f"{_OWN}.observability.profiling:build_callback"))
-register_callback(
-    CallbackSpec("memory_snapshot", build=f"{_OWN}.observability.memory_snapshot:build_callback")
 )
 extensions.register_check(_CALLBACKS.check)

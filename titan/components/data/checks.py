@@ -1,0 +1,72 @@
+"""The data's checks once the run is planned: local datasets exist, a mix is well formed, and
+streams are not combined with what needs a global index (worker processes, torchft healing).
+Registered with titan.config.extensions, as every component's are."""
+
+from titan.config import extensions
+
+
+def check_datasets(job, plan=None) -> None:
+    """Local datasets must exist; a streamed one cannot be combined with torchft healing."""
+    from titan.components.data.dataset import DataError, local_files
+    from titan.config import ConfigError
+
+    sets = [("training", job.training)]
+    if job.validation.enable:
+        sets.append(("validation", job.validation))
+    if job.training.dataset_mix:
+        check_mix(job)
+    for section, cfg in sets:
+        if section == "training" and cfg.dataset_mix:
+            continue
+        try:
+            files = local_files(cfg.dataset, cfg.dataset_path, key=f"{section}.dataset_path")
+        except DataError as e:
+            raise ConfigError(
+                str(e) if str(e).startswith(section) else f"{section}.dataset: {e}"
+            ) from None
+        streamed = files is None or cfg.dataset_streaming
+        if section == "training" and streamed and cfg.dataloader_num_workers:
+            raise ConfigError(
+                f"training.dataloader_num_workers = {cfg.dataloader_num_workers} with the "
+                f"streamed dataset {cfg.dataset!r}: streams are read in the trainer's process. "
+                "Set dataloader_num_workers = 0, or pretokenize the data "
+                "(scripts/pretokenize.py) and train on the shard folder"
+            )
+        if section == "training" and streamed and job.fault_tolerance.enable:
+            raise ConfigError(
+                f"fault_tolerance.enable with the streamed dataset {cfg.dataset!r}: a group that "
+                "heals from a live one must jump to its data position, and a stream has no "
+                "global index to jump to. Train on local files without "
+                "training.dataset_streaming, or disable fault_tolerance"
+            )
+
+
+def check_mix(job) -> None:
+    """Weighted sources: well-formed, local (indexed), and not combined with a single one."""
+    from titan.components.data.dataset import DataError, local_files, parse_mix
+    from titan.config import ConfigError
+    from titan.config.manager import require, source_of
+
+    t = job.training
+    try:
+        mix = parse_mix(t.dataset_mix)
+        for name, _ in mix:
+            if local_files(name, None, key="training.dataset_mix") is None:
+                raise DataError(
+                    f"training.dataset_mix source {name!r} is neither a local path "
+                    "nor a bundled name; mixed sources are read indexed, so "
+                    "pretokenize a hub dataset first (scripts/pretokenize.py)"
+                )
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    for key in ("training.dataset_path", "training.dataset_streaming"):
+        require(
+            job,
+            source_of(job, key) == "the default",
+            key,
+            "cannot be combined with training.dataset_mix (its entries name the sources, "
+            "which are read indexed)",
+        )
+
+
+extensions.register_plan_check(check_datasets)

@@ -1,0 +1,36 @@
+"""The [debug] section: fault injection for titan's own tests (NaN losses, slow, hung or killed
+ranks), listed by --help apart from the options of real runs; torch-free (the injector is
+injection.py)."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from titan.config import extensions
+from titan.config.job_config import opt
+
+
+@dataclass
+class Debug:
+    nan_at_step: int = opt(
+        -1, "Test hook: make the model's output, so the loss, NaN at this step (-1 = never)"
+    )
+    sleep_at_step: int = opt(-1, "Test hook: debug.sleep_rank sleeps inside this step (-1 = never)")
+    sleep_rank: int = opt(0, "Test hook: the rank that sleeps at debug.sleep_at_step")
+    sleep_seconds: float = opt(3600.0, "Test hook: how long that rank sleeps")
+    sleep_every_step: bool = opt(
+        False, "Test hook: sleep in every step from debug.sleep_at_step on (a straggler)"
+    )
+    kill_in_checkpoint_step: int = opt(
+        -1,
+        "Test hook: debug.kill_rank SIGKILLs itself while saving this step's checkpoint, "
+        "on the first launch only (-1 = never)",
+    )
+    kill_in_checkpoint_phase: Literal["written", "writing"] = opt(
+        "written",
+        "Test hook: when it dies: its files written, before the save is marked "
+        "complete; or as it starts writing them (a synchronous save), peers mid-save",
+    )
+    kill_rank: int = opt(0, "Test hook: the rank killed by debug.kill_in_checkpoint_step")
+
+
+extensions.register_section("debug", Debug)

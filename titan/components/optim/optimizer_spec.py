@@ -1,0 +1,82 @@
+"""The [optimizer] section (which optimizer, its common settings, per-name parameter groups)
+and its checks; torch-free. Each optimizer's own settings are its registry entry's section
+(registry.py)."""
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from titan.config import extensions
+from titan.config.job_config import opt
+
+
+@dataclass
+class ParamGroup:
+    params: str = opt(
+        "", "Regex searched in each parameter's name; the first group matching a parameter takes it"
+    )
+    lr: float | None = opt(None, "Peak learning rate of the group; None = optimizer.lr")
+    weight_decay: float | None = opt(
+        None, "Weight decay of the group; None = optimizer.weight_decay"
+    )
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "Optimizer, a name in the optimizer registry (AdamW, Adam, ...)")
+    lr: float = opt(8e-4, "Peak learning rate")
+    beta1: float = opt(0.9, "Adam beta1")
+    beta2: float = opt(0.95, "Adam beta2")
+    eps: float = opt(1e-8, "Adam epsilon")
+    weight_decay: float = opt(0.1, "Decoupled weight decay")
+    implementation: Literal["fused", "foreach", "for-loop"] = opt(
+        "fused", "Kernel: fused, foreach, or for-loop (fused falls back where unsupported)"
+    )
+    state_dtype: Literal["float32", "bfloat16"] = opt(
+        "float32", "Dtype of Adam's moment estimates between steps (the update runs in float32)"
+    )
+    param_groups: list[ParamGroup] = opt(
+        [],
+        "Parameters trained with their own lr or weight decay, by name: "
+        "[[optimizer.param_groups]] tables (params = regex, lr, weight_decay); on the command "
+        "line in TOML's inline form, '[{params = \"norm\", weight_decay = 0.0}]'",
+    )
+
+
+def _regexes_compile(patterns: list[str]) -> bool:
+    try:
+        for p in patterns:
+            re.compile(p)
+    except re.error:
+        return False
+    return True
+
+
+def check(job) -> None:
+    from titan.config.manager import require
+
+    o = job.optimizer
+    for ok, key, why in (
+        (o.lr >= 0, "optimizer.lr", "must be >= 0"),
+        (o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
+        (
+            all(
+                g.params
+                and (g.lr is None or g.lr >= 0)
+                and (g.weight_decay is None or g.weight_decay >= 0)
+                for g in o.param_groups
+            ),
+            "optimizer.param_groups",
+            "each group needs params (a regex of parameter names) and lr, weight_decay >= 0",
+        ),
+        (
+            _regexes_compile([g.params for g in o.param_groups]),
+            "optimizer.param_groups",
+            "a params regex does not compile (Python re syntax)",
+        ),
+    ):
+        require(job, ok, key, why)
+
+
+extensions.register_section("optimizer", Optimizer)
+extensions.register_check(check)
