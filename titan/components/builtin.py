@@ -1,24 +1,35 @@
 """titan's own registrations, loaded like a plugin's (titan.config.extensions imports this on
-first use): each module registers its entries and sections when imported. Converters apply by
-their spec's order, not by the order here."""
+first use): each module registers its entries, sections and checks when imported, in the
+order below, which is --help's order of their sections and the order their checks run.
+Converters apply by their spec's order, not by the order here."""
+
+import importlib
+
+from titan.config.family_options import register_titan_families
 
 # the data's plan checks first: a dataset's problem is named before what it makes fail later
-from titan.components.data import checks as data_checks  # noqa: F401, I001
-
-# then in the order --help lists their sections; callbacks before validation's and
-# profiling's, which register with their sections after titan's own (GC, per-rank times, the
-# metrics writers)
-from titan.components.optim import optimizer_spec, lr_scheduler_spec  # noqa: F401
-from titan.parallelisms import sections as parallelism_sections  # noqa: F401
-from titan.components.checkpoint import spec as checkpoint_spec  # noqa: F401
-from titan.components.observability import metrics_spec, writers  # noqa: F401
-from titan.components.training import callbacks  # noqa: F401
-from titan.components.training import validation_spec  # noqa: F401
-from titan.components.observability import profiling_spec  # noqa: F401
-from titan.components.fault_tolerance import spec as fault_tolerance_spec  # noqa: F401
-from titan.components.data import chat_spec  # noqa: F401
-from titan.components.lora import spec as lora_spec  # noqa: F401
-from titan.components.optim import builtin as optimizers  # noqa: F401
-from titan.components.quantization import float8_spec  # noqa: F401
-from titan.components.training import chunked_loss_spec, terms  # noqa: F401
-from titan.components.fault_tolerance import injection_spec  # noqa: F401
+importlib.import_module("titan.components.data.checks")
+# the families' sections ([llama3], ...) right after the core's
+register_titan_families()
+for module in (
+    "titan.components.optim.optimizer_spec",
+    "titan.components.optim.lr_scheduler_spec",
+    "titan.parallelisms.sections",
+    "titan.components.checkpoint.spec",
+    "titan.components.observability.metrics_spec",
+    "titan.components.observability.writers",
+    # titan's own callbacks (GC, per-rank times, the metrics writers) before validation's and
+    # profiling's, which register with their sections
+    "titan.components.training.callbacks",
+    "titan.components.training.validation_spec",
+    "titan.components.observability.profiling_spec",
+    "titan.components.fault_tolerance.spec",
+    "titan.components.data.chat_spec",
+    "titan.components.lora.spec",
+    "titan.components.optim.builtin",
+    "titan.components.quantization.float8_spec",
+    "titan.components.training.chunked_loss_spec",
+    "titan.components.training.terms",
+    "titan.components.fault_tolerance.injection_spec",
+):
+    importlib.import_module(module)

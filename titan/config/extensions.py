@@ -16,8 +16,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-# titan's own registrations (optimizers, metrics writers, callbacks, objective terms, model
-# converters, component sections), loaded like plugins are
+# titan's own registrations (its components' sections, checks and entries; its families'
+# sections), loaded like plugins are
 BUILTIN = ("titan.components.builtin",)
 
 _SECTIONS: dict[str, type] = {}
@@ -35,6 +35,10 @@ def register_section(name: str, options_cls: type) -> None:
 
 def unregister_section(name: str) -> None:
     _SECTIONS.pop(name, None)
+
+
+def registered_sections() -> list[str]:
+    return list(_SECTIONS)
 
 
 def register_check(check: Callable) -> None:

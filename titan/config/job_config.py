@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from titan.config import extensions
-from titan.config.family_options import family_sections
 
 
 def opt(default, doc: str):
@@ -232,9 +231,8 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     comm: Comm = field(default_factory=Comm)
     memory: Memory = field(default_factory=Memory)
-    # the sections model families own ([qwen3], ...): titan.config.family_options
-    families: dict[str, Any] = field(default_factory=family_sections, repr=False)
-    # the sections registered by titan's components and by plugins: titan.config.extensions
+    # the sections registered by titan's components, its families ([qwen3], ...:
+    # titan.config.family_options) and plugins: titan.config.extensions
     extensions: dict[str, Any] = field(default_factory=extensions.sections, repr=False)
     # not a section: where each value set by a file or the command line came from
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
@@ -243,11 +241,10 @@ class JobConfig:
     plan_only: bool = field(default=False, repr=False, compare=False)
 
     def __getattr__(self, name: str):
-        # job.<family> reaches a family's section; only called when no attribute has the name
-        for added in ("families", "extensions"):
-            sections = self.__dict__.get(added) or {}
-            if name in sections:
-                return sections[name]
+        # job.<section> reaches a registered section; only called when no attribute has the name
+        sections = self.__dict__.get("extensions") or {}
+        if name in sections:
+            return sections[name]
         raise AttributeError(f"{type(self).__name__} has no section {name!r}")
 
 

@@ -33,7 +33,7 @@ def _sections(cfg: JobConfig) -> dict[str, Any]:
         for f in dataclasses.fields(cfg)
         if dataclasses.is_dataclass(getattr(cfg, f.name))
     }
-    return {**own, **cfg.extensions, **cfg.families}
+    return {**own, **cfg.extensions}
 
 
 def _field_types(section_obj) -> dict[str, Any]:

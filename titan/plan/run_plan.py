@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, is_dataclass
 
 from titan.components.data.tokenizer import Tokenizer, TokenizerError
 from titan.config import ConfigError, JobConfig, extensions
+from titan.config.family_options import options_of
 from titan.config.manager import require, source_of
 from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_names
 from titan.parallelisms.parallel_dims import (
@@ -362,7 +363,7 @@ def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer | N
 def family_overrides(job: JobConfig, spec: TrainSpec, args: ModelArgs) -> dict:
     """The family's options ([<family>]) set by a file or the command line that name a field
     of its ModelArgs: they override the flavor's value."""
-    options = job.families.get(spec.name)
+    options = options_of(job, spec.name)
     if options is None:
         return {}
     return {
