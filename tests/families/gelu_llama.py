@@ -2,8 +2,8 @@
 
 It proves the model contract: nothing in titan is edited for it. It also uses what the
 contract offers beyond a plain decoder: an auxiliary loss, a post-optimizer-step hook and a
-config section of its own ([gelu_llama]). Everything a family provides
-is here (args, model, TP plan, state-dict adapter, one TrainSpec), built only from
+config section of its own ([gelu_llama], its TrainSpec's family_options). Everything a
+family provides is here (args, model, TP plan, state-dict adapter, one TrainSpec), built only from
 titan/models/common: its attention, decoder, pipeline split, HF renaming and parallelize
 policy, the latter with this family's MLP plan.
 `register()` is the one registry line a real family puts in titan/models/__init__.py.
@@ -17,9 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from titan.config.family_options import register_family_options, unregister_family_options
 from titan.config.job_config import opt
-from titan.models import spec as spec_registry
 from titan.models.args_base import ModelArgsBase
 from titan.models.common.attention import Attention
 from titan.models.common.aux_loss import attach_aux_loss
@@ -28,7 +26,7 @@ from titan.models.common.hf_adapter import DecoderHFAdapter
 from titan.models.common.init import normal
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.common.rope import inverse_frequencies, rope_table
-from titan.models.spec import TrainSpec, register_train_spec
+from titan.models.spec import TrainSpec, register_train_spec, unregister_train_spec
 
 NAME = "gelu_llama"
 
@@ -211,11 +209,10 @@ def register() -> None:
             pipelining_fn=pipeline_decoder,
             state_dict_adapter=GeluLlamaAdapter,
             post_optimizer_hooks=(count_optimizer_steps,),
+            family_options=GeluLlamaOptions,
         )
     )
-    register_family_options(NAME, GeluLlamaOptions)
 
 
 def unregister() -> None:
-    spec_registry._REGISTRY.pop(NAME)
-    unregister_family_options(NAME)
+    unregister_train_spec(NAME)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from titan.config import extensions
+from titan.config.family_options import register_family_options, unregister_family_options
 from titan.models.args_base import OPTIONAL_MEMBERS
 
 if TYPE_CHECKING:
@@ -176,6 +178,14 @@ class TrainSpec:
     # each makes, from the built model parts and the job, a callable run after every step
     # (or None: nothing to do in this run), e.g. an MoE's router-bias update
     post_optimizer_hooks: tuple[PostOptimizerHook, ...] = ()
+    # the family's own [<name>] section (a dataclass of titan.config.job_config.opt fields),
+    # for a family outside titan/models (titan's own declare theirs in options.py)
+    family_options: type | None = None
+    # what every entry of the one registry (titan.config.extensions.Registry) has; a family's
+    # section is `family_options`
+    section = None
+    options = None
+    check = None
 
     def build_meta(self, args: ModelArgs) -> nn.Module:
         """The model with parameters on the meta device: shapes, no memory."""
@@ -206,7 +216,8 @@ class TrainSpec:
         return None
 
 
-_REGISTRY: dict[str, TrainSpec] = {}
+_FAMILIES = extensions.Registry("train spec")
+_REGISTRY: dict[str, TrainSpec] = _FAMILIES.entries
 
 
 def register_train_spec(spec: TrainSpec) -> None:
@@ -238,7 +249,16 @@ def register_train_spec(spec: TrainSpec) -> None:
             f"{adapter.__name__} lacks export_problems: inherit "
             "titan.models.common.hf_adapter.DecoderHFAdapter or define it"
         )
-    _REGISTRY[spec.name] = spec
+    _FAMILIES.add(spec)
+    if spec.family_options is not None:
+        register_family_options(spec.name, spec.family_options)
+
+
+def unregister_train_spec(name: str) -> None:
+    spec = _REGISTRY.get(name)
+    _FAMILIES.remove(name)
+    if spec is not None and spec.family_options is not None:
+        unregister_family_options(name)
 
 
 def get_train_spec(name: str) -> TrainSpec:
