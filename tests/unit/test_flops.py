@@ -108,7 +108,7 @@ def _logger_and_writers(tmp_path, peak, cfg):
 
     log = MetricsLogger(cfg, device=torch.device("cpu"), flops_per_token=1e9, peak_flops=peak)
     writers = MetricsWriters(cfg, {}, {})
-    writers.on_train_start(SimpleNamespace(dump_folder=str(tmp_path), step=0))
+    writers.on_train_start(SimpleNamespace(dump_folder=str(tmp_path), step=0, rank=0))
     return log, writers
 
 

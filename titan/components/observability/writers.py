@@ -76,6 +76,8 @@ class MetricsWriters(Callback):
     def on_train_start(self, run) -> None:
         import os
 
+        if run.rank != 0:
+            return
         os.makedirs(run.dump_folder, exist_ok=True)
         context = WriterContext(
             dump_folder=run.dump_folder,
@@ -106,11 +108,9 @@ class MetricsWriters(Callback):
         self.writers = []
 
 
-def build_callback(run, options) -> MetricsWriters | None:
+def build_callback(run, options) -> MetricsWriters:
     from titan.config.manager import as_dict
 
-    if run.rank != 0:
-        return None
     job = run.job
     return MetricsWriters(job.metrics, job.extensions, as_dict(job))
 
