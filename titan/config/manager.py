@@ -337,6 +337,12 @@ def require(cfg: JobConfig, ok: bool, key: str, why: str) -> None:
         raise ConfigError(f"{key} = {value!r} (from {source_of(cfg, key)}): {why}")
 
 
+def require_all(cfg: JobConfig, checks) -> None:
+    """`require` of each (ok, key, why) in turn: the first that fails raises."""
+    for ok, key, why in checks:
+        require(cfg, ok, key, why)
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need only the config itself (model/world-size checks come later): the
     core sections' here, every component's own after them (titan.config.extensions)."""
@@ -378,8 +384,7 @@ def validate(cfg: JobConfig) -> None:
             "must be -1 (never) or >= 1",
         ),
     ]
-    for ok, key, why in checks:
-        require(cfg, ok, key, why)
+    require_all(cfg, checks)
     for check in extensions.checks():
         check(cfg)
 

@@ -69,26 +69,28 @@ PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 
 
 def check(job) -> None:
-    from titan.config.manager import require
+    from titan.config.manager import require_all
 
     ck = job.checkpoint
-    for ok, key, why in (
-        (ck.interval >= 1, "checkpoint.interval", "must be >= 1"),
-        (ck.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0 (0 = all)"),
-        (ck.write_threads >= 1, "checkpoint.write_threads", "must be >= 1"),
-        (ck.load_step >= -1, "checkpoint.load_step", "must be -1 (newest) or >= 0"),
+    require_all(
+        job,
         (
-            set(ck.exclude_from_loading) <= set(PARTS),
-            "checkpoint.exclude_from_loading",
-            "may list only " + ", ".join(PARTS),
+            (ck.interval >= 1, "checkpoint.interval", "must be >= 1"),
+            (ck.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0 (0 = all)"),
+            (ck.write_threads >= 1, "checkpoint.write_threads", "must be >= 1"),
+            (ck.load_step >= -1, "checkpoint.load_step", "must be -1 (newest) or >= 0"),
+            (
+                set(ck.exclude_from_loading) <= set(PARTS),
+                "checkpoint.exclude_from_loading",
+                "may list only " + ", ".join(PARTS),
+            ),
+            (
+                not ck.initial_load_in_hf or bool(ck.initial_load_path),
+                "checkpoint.initial_load_in_hf",
+                "needs checkpoint.initial_load_path (an HF folder)",
+            ),
         ),
-        (
-            not ck.initial_load_in_hf or bool(ck.initial_load_path),
-            "checkpoint.initial_load_in_hf",
-            "needs checkpoint.initial_load_path (an HF folder)",
-        ),
-    ):
-        require(job, ok, key, why)
+    )
 
 
 def check_plan(job, plan) -> None:

@@ -44,24 +44,26 @@ class Metrics:
 
 
 def check(job) -> None:
-    from titan.config.manager import require
+    from titan.config.manager import require_all
 
     m = job.metrics
-    for ok, key, why in (
-        (m.log_freq >= 1, "metrics.log_freq", "must be >= 1"),
-        (m.peak_flops >= 0, "metrics.peak_flops", "must be >= 0 (0 = automatic)"),
+    require_all(
+        job,
         (
-            m.straggler_threshold > 0,
-            "metrics.straggler_threshold",
-            "a fraction above the median step time, e.g. 0.2",
+            (m.log_freq >= 1, "metrics.log_freq", "must be >= 1"),
+            (m.peak_flops >= 0, "metrics.peak_flops", "must be >= 0 (0 = automatic)"),
+            (
+                m.straggler_threshold > 0,
+                "metrics.straggler_threshold",
+                "a fraction above the median step time, e.g. 0.2",
+            ),
+            (
+                m.straggler_log_steps >= 1,
+                "metrics.straggler_log_steps",
+                "consecutive log steps before a warning: 1 or more",
+            ),
         ),
-        (
-            m.straggler_log_steps >= 1,
-            "metrics.straggler_log_steps",
-            "consecutive log steps before a warning: 1 or more",
-        ),
-    ):
-        require(job, ok, key, why)
+    )
 
 
 extensions.register_section("metrics", Metrics)

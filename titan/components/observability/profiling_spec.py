@@ -28,27 +28,32 @@ class Profiling:
 
 
 def check(job) -> None:
-    from titan.config.manager import require
+    from titan.config.manager import require_all
 
     p = job.profiling
-    for ok, key, why in (
-        (p.profile_freq >= 1, "profiling.profile_freq", "must be >= 1"),
-        (p.profiler_active >= 1, "profiling.profiler_active", "must be >= 1"),
+    require_all(
+        job,
         (
-            # the trace's window; memory snapshots alone keep only profile_freq
-            not p.enable_profiling
-            or (p.profiler_warmup >= 0 and p.profiler_warmup + p.profiler_active <= p.profile_freq),
-            "profiling.profiler_warmup",
-            f"warmup + active ({p.profiler_active}) steps must fit in profiling.profile_freq "
-            f"({p.profile_freq})",
+            (p.profile_freq >= 1, "profiling.profile_freq", "must be >= 1"),
+            (p.profiler_active >= 1, "profiling.profiler_active", "must be >= 1"),
+            (
+                # the trace's window; memory snapshots alone keep only profile_freq
+                not p.enable_profiling
+                or (
+                    p.profiler_warmup >= 0
+                    and p.profiler_warmup + p.profiler_active <= p.profile_freq
+                ),
+                "profiling.profiler_warmup",
+                f"warmup + active ({p.profiler_active}) steps must fit in profiling.profile_freq "
+                f"({p.profile_freq})",
+            ),
+            (
+                p.memory_snapshot_start_step >= 1,
+                "profiling.memory_snapshot_start_step",
+                "steps count from 1",
+            ),
         ),
-        (
-            p.memory_snapshot_start_step >= 1,
-            "profiling.memory_snapshot_start_step",
-            "steps count from 1",
-        ),
-    ):
-        require(job, ok, key, why)
+    )
 
 
 def check_device(job, plan) -> None:

@@ -19,19 +19,21 @@ class LRScheduler:
 
 
 def check(job) -> None:
-    from titan.config.manager import require
+    from titan.config.manager import require_all
 
     s = job.lr_scheduler
-    for ok, key, why in (
-        (s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0"),
+    require_all(
+        job,
         (
-            s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
-            "lr_scheduler.decay_ratio",
-            "must be None or in [0, 1]",
+            (s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0"),
+            (
+                s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+                "lr_scheduler.decay_ratio",
+                "must be None or in [0, 1]",
+            ),
+            (0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", "must be in [0, 1]"),
         ),
-        (0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", "must be in [0, 1]"),
-    ):
-        require(job, ok, key, why)
+    )
 
 
 extensions.register_section("lr_scheduler", LRScheduler)

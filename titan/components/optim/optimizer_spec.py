@@ -53,29 +53,31 @@ def _regexes_compile(patterns: list[str]) -> bool:
 
 
 def check(job) -> None:
-    from titan.config.manager import require
+    from titan.config.manager import require_all
 
     o = job.optimizer
-    for ok, key, why in (
-        (o.lr >= 0, "optimizer.lr", "must be >= 0"),
-        (o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
+    require_all(
+        job,
         (
-            all(
-                g.params
-                and (g.lr is None or g.lr >= 0)
-                and (g.weight_decay is None or g.weight_decay >= 0)
-                for g in o.param_groups
+            (o.lr >= 0, "optimizer.lr", "must be >= 0"),
+            (o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
+            (
+                all(
+                    g.params
+                    and (g.lr is None or g.lr >= 0)
+                    and (g.weight_decay is None or g.weight_decay >= 0)
+                    for g in o.param_groups
+                ),
+                "optimizer.param_groups",
+                "each group needs params (a regex of parameter names) and lr, weight_decay >= 0",
             ),
-            "optimizer.param_groups",
-            "each group needs params (a regex of parameter names) and lr, weight_decay >= 0",
+            (
+                _regexes_compile([g.params for g in o.param_groups]),
+                "optimizer.param_groups",
+                "a params regex does not compile (Python re syntax)",
+            ),
         ),
-        (
-            _regexes_compile([g.params for g in o.param_groups]),
-            "optimizer.param_groups",
-            "a params regex does not compile (Python re syntax)",
-        ),
-    ):
-        require(job, ok, key, why)
+    )
 
 
 extensions.register_section("optimizer", Optimizer)

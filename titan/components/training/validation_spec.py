@@ -29,24 +29,26 @@ class Validation:
 
 
 def check(job) -> None:
-    from titan.config.manager import require
+    from titan.config.manager import require_all
 
     v = job.validation
-    for ok, key, why in (
-        (v.freq >= 1, "validation.freq", "must be >= 1"),
-        (v.steps == -1 or v.steps >= 1, "validation.steps", "must be -1 (full pass) or >= 1"),
+    require_all(
+        job,
         (
-            v.local_batch_size >= 1 or v.local_batch_size == -1,
-            "validation.local_batch_size",
-            "must be >= 1, or -1 (each rank's whole share of a validation batch)",
+            (v.freq >= 1, "validation.freq", "must be >= 1"),
+            (v.steps == -1 or v.steps >= 1, "validation.steps", "must be -1 (full pass) or >= 1"),
+            (
+                v.local_batch_size >= 1 or v.local_batch_size == -1,
+                "validation.local_batch_size",
+                "must be >= 1, or -1 (each rank's whole share of a validation batch)",
+            ),
+            (
+                v.global_batch_size >= 1 or v.global_batch_size == -1,
+                "validation.global_batch_size",
+                "must be >= 1, or -1 (local_batch_size x dp)",
+            ),
         ),
-        (
-            v.global_batch_size >= 1 or v.global_batch_size == -1,
-            "validation.global_batch_size",
-            "must be >= 1, or -1 (local_batch_size x dp)",
-        ),
-    ):
-        require(job, ok, key, why)
+    )
 
 
 register_callback(
