@@ -53,8 +53,11 @@ def register_dataset(spec: DatasetSpec | str, location: str | None = None) -> No
     spec registered again is a no-op: a plugin may be imported twice."""
     if not isinstance(spec, DatasetSpec):
         spec = DatasetSpec(spec, location)
-    if _DATASETS.entries.get(spec.name) == spec:
+    taken = _DATASETS.entries.get(spec.name)
+    if taken == spec:
         return
+    if taken is not None:
+        raise ValueError(f"a dataset named {spec.name!r} is already registered ({taken.location})")
     _DATASETS.add(spec)
 
 
