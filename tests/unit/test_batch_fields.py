@@ -91,3 +91,12 @@ def test_only_a_family_that_lists_the_field_reads_it(plugin_corpus, tmp_path):
         gelu_llama.unregister()
     assert runs["llama", plugin_corpus] == runs["llama", "kjv"]
     assert runs["gelu", plugin_corpus] != runs["gelu", "kjv"]
+
+
+def test_the_plan_refuses_such_a_mix_before_any_rank_starts(plugin_corpus):
+    from titan.components.data.checks import check_datasets
+    from titan.config import ConfigError, parse_args
+
+    job = parse_args(["--training.dataset_mix", f"{plugin_corpus}=1,kjv=1"])
+    with pytest.raises(ConfigError, match=r"training.dataset_mix: its sources add different"):
+        check_datasets(job)

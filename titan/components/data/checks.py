@@ -43,7 +43,12 @@ def check_datasets(job, plan=None) -> None:
 
 def check_mix(job) -> None:
     """Weighted sources: well-formed, local (indexed), and not combined with a single one."""
-    from titan.components.data.dataset import DataError, local_files, parse_mix
+    from titan.components.data.dataset import (
+        DataError,
+        check_same_fields,
+        local_files,
+        parse_mix,
+    )
     from titan.config import ConfigError
     from titan.config.manager import require, source_of
 
@@ -57,6 +62,7 @@ def check_mix(job) -> None:
                     "nor a bundled name; mixed sources are read indexed, so "
                     "pretokenize a hub dataset first (scripts/pretokenize.py)"
                 )
+        check_same_fields([name for name, _ in mix])
     except DataError as e:
         raise ConfigError(str(e)) from None
     for key in ("training.dataset_path", "training.dataset_streaming"):

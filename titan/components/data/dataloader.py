@@ -21,7 +21,7 @@ from titan.components.data.data_order import GlobalOrder
 from titan.components.data.dataset import (
     DataError,
     DataShard,
-    dataset_spec,
+    check_same_fields,
     local_files,
     parse_mix,
     sample_fields,
@@ -214,19 +214,6 @@ def _check_divisible(global_batch_size: int, shard: DataShard) -> None:
         )
 
 
-def _mix_fields(names: list[str], tokenizer: Tokenizer):
-    """The batch fields of a (mix of) registered dataset(s): samples of one batch must carry
-    the same fields, so every source of a mix adds the same ones."""
-    added = {name: getattr(dataset_spec(name), "fields", None) for name in names}
-    if len(set(added.values())) > 1:
-        listed = ", ".join(f"{n}: {f or 'none'}" for n, f in added.items())
-        raise DataError(
-            f"training.dataset_mix: its sources add different batch fields ({listed}); a "
-            "batch's samples must carry the same fields: mix datasets that add the same ones"
-        )
-    return sample_fields(names[0], tokenizer)
-
-
 def build_text_dataloader(
     *,
     dataset: str,
@@ -251,7 +238,8 @@ def build_text_dataloader(
     section whose dataset this is, for the errors that name its keys."""
     _check_divisible(global_batch_size, shard)
     sources = mix or [(dataset, 1.0)]
-    fields = _mix_fields([name for name, _ in sources], tokenizer)
+    check_same_fields([name for name, _ in sources])
+    fields = sample_fields(sources[0][0], tokenizer)
     files = [
         local_files(
             name,

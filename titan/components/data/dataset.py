@@ -71,6 +71,18 @@ def location_of(name: str) -> str:
     return spec.location if spec else name
 
 
+def check_same_fields(names: list[str]) -> None:
+    """Samples of one batch must carry the same fields: every source of a mix adds the same
+    ones (DataError naming each source's)."""
+    added = {name: getattr(dataset_spec(name), "fields", None) for name in names}
+    if len(set(added.values())) > 1:
+        listed = ", ".join(f"{n}: {f or 'none'}" for n, f in added.items())
+        raise DataError(
+            f"training.dataset_mix: its sources add different batch fields ({listed}); a "
+            "batch's samples must carry the same fields: mix datasets that add the same ones"
+        )
+
+
 def sample_fields(name: str, tokenizer) -> Callable | None:
     """The function that adds a registered dataset's batch fields to each of its samples
     (None: it adds none)."""
