@@ -52,7 +52,7 @@ r = resource.getrusage(resource.RUSAGE_CHILDREN)
 print("BENCH_RUSAGE " + json.dumps({"maxrss_kib": r.ru_maxrss, "cpu_s": r.ru_utime + r.ru_stime,
                                     "code": code}), flush=True)
 """
-STEP1 = re.compile(r"step:\s+1\s")
+STEP1 = re.compile(r"step:\s+1[\s/]")
 TT_LOG = re.compile(r"step:\s*(\d+)\s.*tps:\s*([\d,]+)")
 LAYOUTS = {
     "1": (1, {}),

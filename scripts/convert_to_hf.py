@@ -92,6 +92,7 @@ def main(argv=None) -> None:
     from titan.components.checkpoint import hf_io
     from titan.components.checkpoint.identity import args_in_record
     from titan.components.data.tokenizer import Tokenizer, TokenizerError
+    from titan.components.lora.merged import adapters_of, merged_state
     from titan.models.spec import get_train_spec
 
     t0 = time.time()
@@ -148,7 +149,13 @@ def main(argv=None) -> None:
             base = spec.flavors[args.flavor].with_updates(max_seq_len=args.max_seq_len)
         else:
             base = args_in_record(spec, record, args.max_seq_len)
-        state = checkpoint.load_dcp_model_state(ckpt)
+        adapters = adapters_of(record)
+        # a LoRA run's training save holds adapters only: its base with them folded in
+        state = (
+            merged_state(ckpt, spec, base, adapters)
+            if adapters
+            else checkpoint.load_dcp_model_state(ckpt)
+        )
         vocab = spec.vocab_size_of({n: t.shape for n, t in state.items()}, base)
         model_args = base.with_updates(vocab_size=vocab)
         if args.overwrite:  # only now: a checkpoint that fails to read leaves the old export

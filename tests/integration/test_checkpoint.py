@@ -74,7 +74,7 @@ def straight_then_resumed(straight, tmp_path, nproc, layout, extra=(), resume_st
     if resume_step != STOP:  # the async save's copy is awaited within the next step
         log = first.stderr
         staged = log.index(f"checkpoint step {resume_step} staged")
-        assert staged < re.search(rf"step:\s+{resume_step + 1}\s", log).start()
+        assert staged < re.search(rf"step:\s+{resume_step + 1}/", log).start()
         assert "Traceback" not in log  # the saving process is stopped, not left to die
     proc = train(
         nproc,

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -53,7 +54,12 @@ def test_debug_model_learns_and_logs(train_run):
     assert abs(tb_loss[-1][1] - last) < 1e-5
     assert "loss:" in proc.stderr  # the human-readable line exists too
     # start-up gets comm.init_timeout_seconds; from the end of step 1, the training limit
-    assert proc.stderr.index("collective timeout now 100s") < proc.stderr.index("step:      2")
+    assert proc.stderr.index("collective timeout now 100s") < proc.stderr.index("step:  2/30")
+    # progress: N/total and, from step 2 to the one before last, the time left
+    lines = {int(m[1]): m[0] for m in re.finditer(r".*step: +(\d+)/30 .*", proc.stderr)}
+    assert sorted(lines) == list(range(1, 31))
+    assert re.search(r"  eta: (\d+m)?\d+s$", lines[2]) and re.search(r"eta: \d", lines[29])
+    assert "eta" not in lines[1] and "eta" not in lines[30]
     assert "\033[" not in proc.stderr  # no color codes when not writing to a terminal
 
 

@@ -180,17 +180,17 @@ def test_windows_pack_pad_truncate_drop(tmp_path, folders):
 @pytest.mark.parametrize(
     "record, problem",
     [
-        ({"text": "no messages"}, "record 2 has no field 'messages'"),
+        ({"text": "no messages"}, "record 3 has no field 'messages'"),
         ({"messages": "hello"}, "not a list of messages (str)"),
         ({"messages": []}, "not a list of messages (list, empty)"),
-        ({"messages": [{"content": "hi"}]}, "message 0 has no role"),
+        ({"messages": [{"content": "hi"}]}, "message 1 has no role"),
         (
             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
-            "message 1 (assistant) has no text content",
+            "message 2 (assistant) has no text content",
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 3}]},
-            "message 1 (assistant) has no text content",
+            "message 2 (assistant) has no text content",
         ),
         (
             {
@@ -199,7 +199,7 @@ def test_windows_pack_pad_truncate_drop(tmp_path, folders):
                     {"role": "assistant", "content": "a"},
                 ]
             },
-            "message 0 (user) has empty content",
+            "message 1 (user) has empty content",
         ),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
     ],
@@ -210,7 +210,7 @@ def test_bad_rows_are_named(record, problem, tmp_path, folders):
     with pytest.raises(DataError) as e:
         chat_windows(files, template(folders["llama3"]), ChatOptions(seq_len=64), 0, "bad")
     msg = str(e.value)
-    assert problem in msg and "bad.jsonl: record 2" in msg, msg
+    assert problem in msg and "bad.jsonl: record 3" in msg, msg
 
 
 def test_a_template_that_drops_the_answer_is_refused(folders, tmp_path):
@@ -219,7 +219,7 @@ def test_a_template_that_drops_the_answer_is_refused(folders, tmp_path):
     with pytest.raises(DataError, match="does not render its content"):
         ChatTemplate(hides, tok, {}, "inline").encode(CONVERSATIONS[1])
     rows = write_jsonl(tmp_path / "rows.jsonl", [{"messages": CONVERSATIONS[1]}])
-    with pytest.raises(DataError, match=r"rows.jsonl: conversation 0 .*does not render"):
+    with pytest.raises(DataError, match=r"rows.jsonl: conversation 1 .*does not render"):
         chat_windows([rows], ChatTemplate(hides, tok, {}, "inline"), ChatOptions(64), 0, "rows")
 
 

@@ -264,7 +264,13 @@ def _failing_save(rank, world_size, root):
     from titan.components.checkpoint.train_state import TrainState
 
     def no_space(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        # as DCP reports it: each rank's error in a CheckpointException, a BaseException
+        from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise CheckpointException("write", {0: _wrap_exception(e)}) from None
 
     cfg = parse_args([]).checkpoint
     cfg.enable = True

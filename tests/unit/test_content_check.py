@@ -101,7 +101,7 @@ CHAT = [
     "line, says",
     [
         ('{"text": "a document"}', "line 2 has no 'messages' field"),
-        ('{"messages": [{"role": "user"}]}', "line 2: message 0 (user) has no text content"),
+        ('{"messages": [{"role": "user"}]}', "line 2: message 1 (user) has no text content"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2: no assistant message"),
     ],
     ids=["text_not_chat", "no_content", "no_assistant"],

@@ -222,7 +222,7 @@ def test_damaged_shard_folder_is_refused(tokenizer, corpus, tmp_path):
         (b"", r"empty.jsonl holds no records"),
         (
             b'{"text": "fine"}\n{"body": "no text"}\n',
-            r"bad.jsonl: record 1 has no text in field 'text'",
+            r"bad.jsonl: record 2 has no text in field 'text'",
         ),
         (b'{"text": "caf\xe9"}\n', r"bad.jsonl, line 1: not a JSON record \(not UTF-8 text\)"),
     ],

@@ -79,6 +79,27 @@ def test_checkpoints_hold_the_adapters_only(one_rank):
     assert moments and all(".lora_" in k for k in moments)
 
 
+def test_an_adapters_checkpoint_reads_as_the_merged_model(one_rank, tmp_path):
+    """What generate and convert_to_hf read of an adapters-only save: its base made again from
+    the run's seed, the adapters folded in; equal to the merged model the run exports."""
+    import torch
+
+    from titan.components.checkpoint.folders import load_dcp_model_state, saved_model
+    from titan.components.checkpoint.identity import args_in_record
+    from titan.components.lora.merged import adapters_of, merged_state
+    from titan.models.spec import get_train_spec
+
+    export = ["--checkpoint.enable", "--checkpoint.last_save_model_only"]
+    losses(tmp_path, 1, *export, "--checkpoint.export_dtype", "float32")
+    exported = load_dcp_model_state(tmp_path / "dump" / "checkpoint" / f"step-{STEPS}")
+    saved = one_rank[1] / f"step-{STEPS}"
+    record, spec = saved_model(saved), get_train_spec("llama3")
+    assert set(adapters_of(record)["base"]) == {"seed"}
+    ours = merged_state(saved, spec, args_in_record(spec, record, 64), adapters_of(record))
+    assert sorted(ours) == sorted(exported)
+    assert all(torch.equal(ours[k], exported[k]) for k in ours)
+
+
 def test_resume_continues_exactly(one_rank, tmp_path):
     """Steps 3-4 after resuming at step 2 (the base re-made from the seed, the adapters and
     their optimizer state from the checkpoint) are the uninterrupted run's, bit for bit."""

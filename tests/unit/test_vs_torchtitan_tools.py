@@ -28,7 +28,8 @@ def test_torchtitan_log_lines_give_step_and_tokens_per_second():
     assert vs.TT_LOG.findall(log) == [("1", "2,111"), ("20", "4,238")]
     assert vs.STEP1.search(log.splitlines()[0]) and not vs.STEP1.search(log.splitlines()[1])
     # titan's own console line for step 1 is found the same way (start-up time)
-    assert vs.STEP1.search("[titan rank0] 21:41:56 INFO step:      1  loss:   8.0983")
+    assert vs.STEP1.search("[titan rank0] 21:41:56 INFO step:  1/40  loss:   8.0983")
+    assert not vs.STEP1.search("[titan rank0] 21:41:56 INFO step: 10/40  loss:   8.0983")
 
 
 def test_torchtitan_gets_titans_shape_and_the_same_training_settings(tmp_path):

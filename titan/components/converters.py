@@ -88,6 +88,18 @@ def enabled_specs(job) -> list[ConverterSpec]:
     return sorted(on, key=lambda s: s.order)  # stable: ties keep registration order
 
 
+def _disabled_sections(job) -> dict[str, str]:
+    return {
+        key: f"the {spec.name} converter is off"
+        for spec in _CONVERTERS.entries.values()
+        if spec.section and not _is_enabled(spec, job)
+        for key in extensions.changed_keys(job, spec.section)
+    }
+
+
+extensions.register_ignored(_disabled_sections)
+
+
 def names() -> list[str]:
     return list(_CONVERTERS.entries)
 

@@ -37,6 +37,10 @@ def unregister_section(name: str) -> None:
     _SECTIONS.pop(name, None)
 
 
+def section_class(name: str) -> type | None:
+    return _SECTIONS.get(name)
+
+
 def registered_sections() -> list[str]:
     return list(_SECTIONS)
 
@@ -62,6 +66,57 @@ def register_plan_check(check: Callable) -> None:
     raises ConfigError, so a launch stops before any rank starts."""
     if check not in _PLAN_CHECKS:
         _PLAN_CHECKS.append(check)
+
+
+_IGNORED: list[Callable] = []
+
+
+def register_ignored(find: Callable) -> None:
+    """`find(job)` -> {key: why} for options the config sets that this run does not use (a
+    family's section when another family trains, a switched-off feature's settings); the
+    launcher names them all in one warning."""
+    if find not in _IGNORED:
+        _IGNORED.append(find)
+
+
+def ignored_options(job) -> dict[str, str]:
+    """Every option the config sets that the run ignores, with why."""
+    _load_builtin()
+    out: dict[str, str] = {}
+    for find in _IGNORED:
+        out.update(find(job))
+    return out
+
+
+def ignored_warning(job) -> str | None:
+    """One line naming every option the run ignores, grouped by why (None: none is)."""
+    by_why: dict[str, list[str]] = {}
+    for key, why in ignored_options(job).items():
+        by_why.setdefault(why, []).append(key)
+    if not by_why:
+        return None
+    return "this run ignores " + "; ".join(
+        f"{', '.join(keys)} ({why})" for why, keys in by_why.items()
+    )
+
+
+def changed_keys(job, section: str) -> list[str]:
+    """The `section.key`s the config sets (TOML or command line) to other than the default."""
+    obj = job.extensions.get(section) if section in job.extensions else getattr(job, section)
+    default = type(obj)()
+    return [
+        key
+        for key in job.sources
+        if key.startswith(section + ".")
+        and getattr(obj, key.split(".", 1)[1], None) != getattr(default, key.split(".", 1)[1], None)
+    ]
+
+
+def ignored_when(job, section: str, off: bool, why: str, switch: str | None = None) -> dict:
+    """{key: why} for the changed keys of `section` (but its `switch`) when `off`."""
+    if not off:
+        return {}
+    return {k: why for k in changed_keys(job, section) if k != f"{section}.{switch}"}
 
 
 def plan_checks() -> list[Callable]:
@@ -98,7 +153,11 @@ class Registry:
 
     def add(self, spec) -> None:
         if spec.name in self.entries:
-            raise ValueError(f"a {self.kind} named {spec.name!r} is already registered")
+            article = "an" if self.kind[0] in "aeiou" else "a"
+            raise ValueError(
+                f"{article} {self.kind} named {spec.name!r} is already registered; register "
+                "it under another name"
+            )
         if (spec.section is None) != (spec.options is None):
             raise ValueError(f"{self.kind} {spec.name!r}: section and options come together")
         self.entries[spec.name] = spec
@@ -147,7 +206,11 @@ def import_plugin(name: str):
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001  whatever the plugin raises, named in one line
+            sys.modules.pop(module_name, None)
+            raise PluginImportError(_failed(name, e)) from None
         return module
     try:
         return importlib.import_module(name)
@@ -157,7 +220,31 @@ def import_plugin(name: str):
                 f"job.custom_import {name!r}: no module {e.name!r} on sys.path; add its folder "
                 "to PYTHONPATH or pass the path of its .py file"
             ) from None
-        raise
+        raise PluginImportError(_failed(name, e)) from None
+    except Exception as e:  # noqa: BLE001
+        raise PluginImportError(_failed(name, e)) from None
+
+
+def _failed(name: str, e: Exception) -> str:
+    """One line for a plugin whose import raised `e`: where, what, and that it is the
+    plugin's to fix."""
+    import traceback
+
+    if isinstance(e, SyntaxError):
+        where = f"{e.filename}, line {e.lineno}"
+        what = f"SyntaxError: {e.msg}"
+    else:
+        # the innermost frame outside titan's own files: the plugin's line that raised
+        own = str(Path(__file__).resolve().parents[1])
+        frames = [
+            f
+            for f in traceback.extract_tb(e.__traceback__)
+            if own not in f.filename and not f.filename.startswith("<frozen")
+        ]
+        frame = frames[-1] if frames else traceback.extract_tb(e.__traceback__)[-1]
+        where = f"{frame.filename}, line {frame.lineno}"
+        what = f"{type(e).__name__}: {e}"
+    return f"job.custom_import {name!r}: importing it failed at {where}: {what}; fix the plugin"
 
 
 def flag_values(argv: list[str], key: str) -> list[str]:

@@ -38,6 +38,25 @@ def options_of(job, family: str):
 _families: set[str] = set()
 
 
+def option_names(family: str) -> set[str]:
+    """The keys of the family's section (empty where it declares none)."""
+    import dataclasses
+
+    cls = extensions.section_class(family) if family in _families else None
+    return {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+
+
+def _other_families(job) -> dict[str, str]:
+    return {
+        key: f"this run trains {job.model.name}"
+        for family in sorted(_families - {job.model.name})
+        for key in extensions.changed_keys(job, family)
+    }
+
+
+extensions.register_ignored(_other_families)
+
+
 def register_titan_families() -> None:
     """titan's own families' sections (titan/components/builtin.py calls it, in --help's
     order)."""

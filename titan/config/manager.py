@@ -492,3 +492,30 @@ def to_toml(cfg: JobConfig) -> str:
             out.append(f"# {f.name} = None" if v is None else f"{f.name} = {_toml_value(v)}")
         out.append("")
     return "\n".join(out)
+
+
+def _ignored_parallelism(job: JobConfig) -> dict[str, str]:
+    """The [parallelism] options of a parallelism the run does not use."""
+    p, out = job.parallelism, {}
+    unused = {
+        "context_parallel_": p.context_parallel_degree == 1,
+        "pipeline_parallel_": p.pipeline_parallel_degree == 1,
+    }
+    for key in extensions.changed_keys(job, "parallelism"):
+        name = key.split(".", 1)[1]
+        for prefix, off in unused.items():
+            if off and name.startswith(prefix) and name != prefix + "degree":
+                out[key] = f"parallelism.{prefix}degree is 1"
+        if p.tensor_parallel_degree == 1 and name in (
+            "enable_sequence_parallel",
+            "disable_loss_parallel",
+        ):
+            out[key] = "parallelism.tensor_parallel_degree is 1"
+    if p.context_parallel_degree > 1 and p.context_parallel_type != "hybrid":
+        key = "parallelism.context_parallel_alltoall_degree"
+        if key in extensions.changed_keys(job, "parallelism"):
+            out[key] = f"parallelism.context_parallel_type is {p.context_parallel_type}"
+    return out
+
+
+extensions.register_ignored(_ignored_parallelism)

@@ -44,7 +44,8 @@ def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> No
         folder_problem,
         resume_candidate,
     )
-    from titan.components.checkpoint.identity import INITIAL_LOAD_FIX, RESUME_FIX
+    from titan.components.checkpoint.identity import INITIAL_LOAD_FIX, RESUME_FIX, refusal
+    from titan.components.checkpoint.trained_with import resume_problem, trained_with
     from titan.trainer.build import run_identity
 
     ck = job.checkpoint
@@ -55,7 +56,10 @@ def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> No
         if resuming:
             path = resume_candidate(root, ck.load_step, lambda p: folder_problem(p, mode))
             if path is not None and (why := identity.problem(path, ck.allow_rope_change)):
-                raise CheckpointError(f"cannot resume from {path}: {why}. {RESUME_FIX}")
+                raise CheckpointError(refusal("cannot resume from", path, why, RESUME_FIX))
+            ours = trained_with(job.optimizer.name, plan.tokenizer)
+            if path is not None and (why := resume_problem(path, ours, ck.exclude_from_loading)):
+                raise CheckpointError(f"cannot resume from {path}: {why}")
         if path is None and ck.initial_load_path and not ck.initial_load_in_hf:
             path = resolve(ck.initial_load_path)
             why = folder_problem(path, mode) if path.is_dir() else "does not exist"
@@ -63,7 +67,7 @@ def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> No
                 why = identity.problem(path, ck.allow_rope_change, base=True)
             if why:
                 raise CheckpointError(
-                    f"checkpoint.initial_load_path {path}: {why}. {INITIAL_LOAD_FIX}"
+                    refusal("checkpoint.initial_load_path", path, why, INITIAL_LOAD_FIX)
                 )
     except CheckpointError as e:
         raise ConfigError(str(e)) from None

@@ -11,7 +11,13 @@ the middle of a file) is the workers' to report (titan/runtime/final_error.py).
 import json
 from pathlib import Path
 
-from titan.components.data.dataset import DataError, check_messages, local_files, parse_mix
+from titan.components.data.dataset import (
+    DataError,
+    chat_hint,
+    check_messages,
+    local_files,
+    parse_mix,
+)
 from titan.components.data.token_shards import ShardError, is_shard_folder, verify
 from titan.components.data.tokenizer import Tokenizer
 from titan.config import ConfigError, JobConfig
@@ -114,6 +120,7 @@ def _check_jsonl_head(path: Path, text_field: str, chat: bool) -> None:
                 raise DataError(
                     f"{where} has {what} (fields: {sorted(record)[:8]}); set {key} to the "
                     f"field holding the {holds}, or fix the file"
+                    + ("" if chat else chat_hint(record))
                 )
 
 

@@ -18,7 +18,7 @@ import os
 import shlex
 import sys
 
-from titan.config import ConfigError, help_text, parse_args, to_toml
+from titan.config import ConfigError, extensions, help_text, parse_args, to_toml
 from titan.runtime.console import print_out
 from titan.runtime.final_error import run_torchrun
 
@@ -111,6 +111,16 @@ def check_log_ranks(text: str, nproc: int) -> None:
         )
 
 
+def dry_run(text: str) -> bool:
+    """DRY_RUN as a switch: 1/true/yes/on, or 0/false/no/off/unset."""
+    value = text.strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"DRY_RUN={text!r}: use DRY_RUN=1 to only print the command, or unset it")
+
+
 def check_memory(job, plan) -> None:
     """States that cannot fit the device fail here, not as an out-of-memory at step 1.
     `plan`: the job's RunPlan at the fewest ranks it may run on (they hold the most each)."""
@@ -133,6 +143,7 @@ def main() -> None:
             print_out(help_text(trainer_args))
             sys.exit(0)
         job = parse_args(trainer_args)
+        dry = dry_run(os.environ.get("DRY_RUN", ""))
         from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 
         ta = get_args_parser().parse_args([*torchrun_args, "-m", "titan.trainer"])
@@ -153,6 +164,9 @@ def main() -> None:
         sys.exit(2)
     from titan.plan.run_plan import vocabulary_note
 
+    ignored = extensions.ignored_warning(job)
+    if ignored:
+        print(f"titan: warning: {ignored}", file=sys.stderr, flush=True)
     note = vocabulary_note(job, plan)
     if note:
         print(f"titan: note: {note}", file=sys.stderr, flush=True)
@@ -163,7 +177,7 @@ def main() -> None:
         # printed once, here: a last override wins over every form (flag, =true, TOML)
         trainer_args = [*trainer_args, "--job.no_print_config"]
     command = [*torchrun_args, "-m", "titan.trainer", *trainer_args]
-    if os.environ.get("DRY_RUN", "0") not in ("", "0"):
+    if dry:
         print_out("torchrun " + shlex.join(command))
         sys.exit(0)
     from titan.trainer import interrupts

@@ -20,6 +20,7 @@ OPTIONAL_MEMBERS = (
     "layer_costs",
     "layout_problems",
     "block_count",
+    "masked_labels_problem",
 )
 
 
@@ -45,6 +46,11 @@ class ModelArgsBase:
         ParallelDims; its degrees tp, cp, pp, ep, ...), each naming the degree and the fix
         (empty: it trains in any layout the generic checks accept)."""
         return []
+
+    def masked_labels_problem(self) -> str | None:
+        """Why this model cannot train on labels that mask tokens (chat data masks its
+        prompts), naming the fix; None: it can."""
+        return None
 
     def block_count(self) -> int:
         """The blocks the model holds: the main stack's n_layers and any after it (DeepSeek-V3's

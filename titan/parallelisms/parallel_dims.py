@@ -234,11 +234,13 @@ def validate_against_model(
     local_batch_size: int,
     global_batch_size: int,
     dp_size: int | None = None,
+    cp_load_balance: bool = True,
 ) -> None:
     """Model- and batch-dependent checks, run before any process group exists.
 
     `model_args`: a ModelArgs (heads, kv heads, layers). `dp_size`: data-parallel replicas in
-    all, when more than the mesh's (torchft groups).
+    all, when more than the mesh's (torchft groups). `cp_load_balance`: CP splits each
+    sequence into 2 x cp chunks (else cp).
     """
     dp_size = dp_size or dims.dp
     n_heads, n_kv_heads, n_layers = model_args.n_heads, model_args.n_kv_heads, model_args.n_layers
@@ -251,10 +253,15 @@ def validate_against_model(
         raise ParallelismError(
             f"pipeline_parallel_degree {dims.pp} exceeds the model's {n_layers} layers"
         )
-    if seq_len % (2 * dims.cp) and dims.cp > 1:
+    if cp_load_balance and seq_len % (2 * dims.cp) and dims.cp > 1:
         raise ParallelismError(
             f"training.seq_len {seq_len} must be divisible by 2 x context_parallel_degree "
             f"= {2 * dims.cp} (load balancing splits each sequence into 2 x cp chunks)"
+        )
+    if not cp_load_balance and seq_len % dims.cp:
+        raise ParallelismError(
+            f"training.seq_len {seq_len} must be divisible by context_parallel_degree "
+            f"{dims.cp} (each cp rank holds an equal part of every sequence)"
         )
     per_step = local_batch_size * dp_size
     if global_batch_size % per_step:

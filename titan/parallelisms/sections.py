@@ -45,3 +45,22 @@ def check(job) -> None:
 extensions.register_section("activation_checkpoint", ActivationCheckpoint)
 extensions.register_section("compile", Compile)
 extensions.register_check(check)
+
+
+def _ignored(job) -> dict[str, str]:
+    ac, compiled = job.activation_checkpoint, job.compile
+    return {
+        **extensions.ignored_when(
+            job,
+            "activation_checkpoint",
+            ac.mode == "none",
+            "activation_checkpoint.mode is none",
+            "mode",
+        ),
+        **extensions.ignored_when(
+            job, "compile", not compiled.enable, "compile.enable is false", "enable"
+        ),
+    }
+
+
+extensions.register_ignored(_ignored)

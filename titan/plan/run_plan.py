@@ -104,6 +104,7 @@ def plan_run(
             local_batch_size=t.local_batch_size,
             global_batch_size=global_batch,
             dp_size=dp_size,
+            cp_load_balance=job.parallelism.context_parallel_load_balance,
         )
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
@@ -346,9 +347,12 @@ def resolve_model_args(job: JobConfig, spec: TrainSpec, tokenizer: Tokenizer | N
     args = args.with_updates(**overrides)
     problems = args.problems()
     if problems:
+        # the settings a problem names (by its field, or an MoE's without the moe_ prefix),
+        # with where each was set; not every one given
         given = "".join(
             f", {spec.name}.{k} = {v!r} (from {source_of(job, f'{spec.name}.{k}')})"
             for k, v in overrides.items()
+            if any(k in p or k.removeprefix("moe_") in p for p in problems)
         )
         raise ConfigError(f"model {spec.name} {m.flavor}{given}: {'; '.join(problems)}")
     if tokenizer is not None and tokenizer.vocab_size > args.vocab_size:

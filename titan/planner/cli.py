@@ -19,6 +19,7 @@ import sys
 from titan.config import ConfigError, parse_args, with_config_file
 from titan.planner.layout_search import Hardware, suggest
 from titan.planner.memory import device_memory_bytes, human_bytes, pipeline_rank_bytes
+from titan.runtime.console import plural
 
 # the largest world the planner builds meshes for (8 MiB a mesh of int64 ranks); no run is
 # larger, and a mesh of 10^9 ranks alone would take 8 GB
@@ -78,7 +79,7 @@ def render(report: dict) -> str:
     model = report["model"]
     lines = [
         f"{model['name']} {model['flavor']} (vocabulary {model['vocab_size']}) on "
-        f"{report['world_size']} ranks: "
+        f"{plural(report['world_size'], 'rank')}: "
         + ", ".join(f"{k} {v}" for k, v in lay.items())
         + f"; activation checkpointing {report['activation_checkpoint']}",
         f"{'rank':>6} {'pp':>3} " + " ".join(f"{c:>12}" for c in _COLUMNS),
@@ -101,9 +102,14 @@ def render(report: dict) -> str:
             f"its {lay['ep']} ep ranks in every MoE layer (above: balanced)"
         )
     if report["device_memory_bytes"] is not None:
+        headroom = report["headroom_bytes"]
         lines.append(
-            f"device memory {human_bytes(report['device_memory_bytes'])}: headroom "
-            f"{human_bytes(report['headroom_bytes'])} on the fullest rank"
+            f"device memory {human_bytes(report['device_memory_bytes'])}: "
+            + (
+                f"fits, headroom {human_bytes(headroom)} on the fullest rank"
+                if headroom >= 0
+                else f"does NOT fit: the fullest rank needs {human_bytes(-headroom)} more"
+            )
         )
     return "\n".join(lines)
 
@@ -173,6 +179,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 f"--device-memory {args.device_memory} bytes: must be > 0 (e.g. 80GiB)"
             )
+        for flag, ok, why in (
+            ("--top", args.top >= 1, "must be >= 1 (layouts to show)"),
+            ("--margin", 0 <= args.margin < 1, "must be in [0, 1) (a share of device memory)"),
+            ("--peak-tflops", args.peak_tflops > 0, "must be > 0 (e.g. 989 for an H100's bf16)"),
+            ("--efficiency", 0 < args.efficiency <= 1, "must be in (0, 1] (a share of peak)"),
+            ("--intra-node-gbps", args.intra_node_gbps > 0, "must be > 0"),
+            ("--inter-node-gbps", args.inter_node_gbps > 0, "must be > 0"),
+        ):
+            if not ok:
+                raise ConfigError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: {why}")
         job = parse_args(rest)
         job.plan_only = True
         from titan.plan.run_plan import plan_run, vocabulary_note
@@ -207,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"titan: config error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=1) if args.json else render(report))
-    return 0
+    fits = report["headroom_bytes"] is None or report["headroom_bytes"] >= 0
+    return 0 if fits else 1
 
 
 def suggestions_json(found: list, memory: int) -> dict:
@@ -238,11 +255,11 @@ def _cp_type(layout: dict) -> str:
 def render_suggestions(found: list, memory: int, world_size: int) -> str:
     if not found:
         return (
-            f"no layout of {world_size} ranks fits {human_bytes(memory)} per device with "
+            f"no layout of {plural(world_size, 'rank')} fits {human_bytes(memory)} per device with "
             "the margin: add devices, bf16 optimizer states or a smaller seq_len"
         )
     lines = [
-        f"layouts of {world_size} ranks that fit {human_bytes(memory)}, fastest first "
+        f"layouts of {plural(world_size, 'rank')} that fit {human_bytes(memory)}, fastest first "
         "(step-time model: python -m titan.planner --help, README):"
     ]
     for i, c in enumerate(found, 1):

@@ -1,4 +1,5 @@
-"""Output of titan's command-line tools into a pipe that may close early (`| head`)."""
+"""Output of titan's command-line tools: into a pipe that may close early (`| head`), and
+counts in words."""
 
 import os
 import signal
@@ -14,3 +15,8 @@ def print_out(text: str) -> None:
         # the unwritten rest is still buffered: flushed again at exit, it would raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(128 + signal.SIGPIPE)
+
+
+def plural(n: int, word: str) -> str:
+    """ "1 step", "2 steps"."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

@@ -10,8 +10,9 @@
 A DCP checkpoint (a step folder, or a checkpoint root: its newest complete step) is read
 with the model of the training config (--job.config_file, --model.flavor, ...; any titan
 override is accepted); its vocabulary comes from the checkpoint. An HF folder brings its
-own architecture (config.json) and tokenizer. The tokenizer is the HF folder's, else
---model.tokenizer_path. With --chat each prompt is a user turn (after --system's text, when
+own architecture (config.json) and tokenizer. The tokenizer is the HF folder's, else the one
+the checkpoint's run trained with (recorded in its marker), else --model.tokenizer_path
+(which, when given, is used). With --chat each prompt is a user turn (after --system's text, when
 given) rendered with the tokenizer's chat template (or --chat.template), and the answer ends
 at the tokenizer's EOS (the end of an assistant turn). Several ranks split the model by
 tensor parallelism and each reads only its shards. Decoding keeps a KV cache; temperature 0
@@ -137,8 +138,9 @@ def positions(args) -> int:
 
 def model_args(path: Path, job, spec):
     """The args of the model in `path` (a folder as `checkpoint_folder` gives it), with
-    max_seq_len its positions: an HF folder's own; for DCP, --model.flavor's at the training
-    seq_len, with the checkpoint's vocabulary, after checking that the shapes are the flavor's."""
+    max_seq_len its positions: an HF folder's own; for DCP, those its marker records (at the
+    training seq_len), else --model.flavor's with the checkpoint's vocabulary, after checking
+    that the shapes are the flavor's."""
     from titan.components.checkpoint import folders as checkpoint
     from titan.components.checkpoint import hf_io
 
@@ -148,12 +150,18 @@ def model_args(path: Path, job, spec):
     shapes = {n: s for n, (s, _) in checkpoint.dcp_model_metadata(path).items()}
     name = job.model.flavor
     saved = checkpoint.saved_model(path) or {}
-    if "model.flavor" not in job.sources and saved.get("family") == spec.name:
-        name = saved["flavor"]  # the flavor it records, unless one is named
-        if name not in spec.flavors:  # from_hf: the architecture is in the record
-            from titan.components.checkpoint.identity import args_in_record
+    named = "model.flavor" in job.sources and job.model.flavor != saved.get("flavor")
+    if saved.get("family") == spec.name and not named:
+        # the architecture it records (the flavor with the family's options it trained
+        # with: an MTP depth, say), unless another flavor is named
+        from titan.components.checkpoint.identity import args_in_record
 
-            return args_in_record(spec, saved, job.training.seq_len)
+        args = args_in_record(spec, saved, job.training.seq_len)
+        flavor = spec.flavors.get(saved.get("flavor"))
+        if flavor is None:
+            return args
+        # the training settings (balancing rates) are the flavor's: they train, not generate
+        return args.with_updates(**{k: getattr(flavor, k) for k in args.training_knobs})
     if name not in spec.flavors:
         raise GenerateError(
             f"--model.flavor {name}: {spec.name} has flavors {', '.join(spec.flavors)}"
@@ -234,6 +242,7 @@ def load_model(path: Path, job, spec, max_len: int, device: torch.device, tp_dim
     from titan.components.checkpoint import folders as checkpoint
     from titan.components.checkpoint import hf_io
     from titan.components.checkpoint.train_state import ModelState
+    from titan.components.lora.merged import adapters_of, merged_state
 
     path = checkpoint_folder(path)
     args = model_args(path, job, spec).with_updates(max_seq_len=max_len)
@@ -243,13 +252,22 @@ def load_model(path: Path, job, spec, max_len: int, device: torch.device, tp_dim
     model.to_empty(device=device)
     model.init_weights(0, buffer_device=device)  # builds the RoPE table; weights come next
     state = ModelState([model])
+    adapters = {} if _is_hf(path) else adapters_of(checkpoint.saved_model(path))
     if _is_hf(path):
         loaded, _ = hf_io.load_hf_into(state.state_dict(), path, spec, args)
+    elif adapters:  # a LoRA run's save: its base, with the adapters folded in
+        if tp_dims is not None:
+            raise GenerateError(
+                f"{path} holds LoRA adapters only: generate from it in one process (the "
+                "adapters are folded into the base there)"
+            )
+        loaded = merged_state(path, spec, args, adapters)
     else:
         import torch.distributed.checkpoint as dcp
 
         loaded = state.state_dict()
-        dcp.load({checkpoint.MODEL_KEY: loaded}, checkpoint_id=str(path))
+        with checkpoint._quiet_no_dist():  # one process without a group: meant
+            dcp.load({checkpoint.MODEL_KEY: loaded}, checkpoint_id=str(path))
     state.load_state_dict(loaded)
     logger.info("loaded %s (%.1fM parameters)", path, args.num_params() / 1e6)
     return model.eval(), args
@@ -291,6 +309,10 @@ def check_options(opts) -> None:
         (opts.temperature >= 0, f"--temperature {opts.temperature}: must be >= 0 (0 = greedy)"),
         (opts.top_k >= 0, f"--top-k {opts.top_k}: must be >= 0 (0 = no limit)"),
         (0 < opts.top_p <= 1, f"--top-p {opts.top_p}: must lie in (0, 1] (1 = no cut)"),
+        (
+            opts.system is None or opts.chat,
+            "--system is the system turn of a chat prompt: add --chat (or drop --system)",
+        ),
     ]
     for ok, why in problems:
         if not ok:  # also NaN, which compares false either way
@@ -335,6 +357,22 @@ def chat_prompts(tokenizer, prompts: list[str], system: str | None, template: st
     ]
 
 
+def trained_tokenizer(path: Path, job) -> str:
+    """The tokenizer a DCP step folder's model was trained with (its marker's record), unless
+    --model.tokenizer_path names one; saves older than the record: the config's."""
+    from titan.components.checkpoint.trained_with import saved_trained_with
+
+    saved = (saved_trained_with(path).get("tokenizer") or {}).get("path")
+    if "model.tokenizer_path" in job.sources or saved is None:
+        return job.model.tokenizer_path
+    if not Path(saved).exists():
+        raise GenerateError(
+            f"{path} was trained with the tokenizer {saved}, which is not there: pass the "
+            "same tokenizer with --model.tokenizer_path"
+        )
+    return saved
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -345,15 +383,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     ap.add_argument(
         "--max-new-tokens",
+        "--max_new_tokens",
         type=int,
         default=64,
         help="at most this many tokens per prompt (>= 1; prompt + these must fit "
         "the model's positions)",
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
     ap.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (1: all)"
+        "--top-k", "--top_k", type=int, default=0, help="sample among the k likeliest (0: all)"
+    )
+    ap.add_argument(
+        "--top-p",
+        "--top_p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling mass, in (0, 1] (1: all)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -390,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         tok_path = (
             path
             if _is_hf(path) and (path / "tokenizer.json").is_file()
-            else job.model.tokenizer_path
+            else trained_tokenizer(path, job)
         )
         tokenizer = Tokenizer(str(tok_path))
         prompts = (

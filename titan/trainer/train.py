@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from titan.components.checkpoint.checkpointer import (
@@ -23,6 +24,7 @@ from titan.components.checkpoint.checkpointer import (
 from titan.components.checkpoint.folders import CheckpointError, step_folder
 from titan.components.checkpoint.hf_io import HFModelIO
 from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
+from titan.components.checkpoint.trained_with import trained_with
 from titan.components.converters import Converters
 from titan.components.data.batch import INPUT_IDS, LABELS, to_device
 from titan.components.data.dataloader import DataShard, build_dataloader
@@ -48,7 +50,7 @@ from titan.parallelisms.tied_weights import TiedCopies
 from titan.parallelisms.token_split import token_split
 from titan.plan.run_plan import RunPlan, plan_run
 from titan.runtime import final_error
-from titan.runtime.console import print_out
+from titan.runtime.console import plural, print_out
 from titan.runtime.distributed import (
     clean_exit,
     init_distributed,
@@ -174,6 +176,7 @@ class Trainer:
             else None,
             on_save_phase=self.faults.on_checkpoint_phase if self.faults else None,
             on_export=self.converters.exporter(self.model_parts, plan.spec, plan.model_args),
+            trained_with=trained_with(job.optimizer.name, plan.tokenizer),
         )
 
     def _metrics_logger(self) -> MetricsLogger:
@@ -189,6 +192,7 @@ class Trainer:
             flops_per_token=self.plan.model_args.flops_per_token(t.seq_len),
             peak_flops=peak,
             max_over_ranks=self._max_over_ranks,
+            total_steps=t.steps,
         )
 
     def _data_shard(self) -> DataShard:
@@ -269,7 +273,8 @@ class Trainer:
             self.ft.start_step()  # the quorum forms while forward/backward run
         objective = self.fwd_bwd.objective
         # the loss is the mean over the labels the data counts, however many that is
-        objective.count([b[LABELS] for b in microbatches], self._group("dp"))
+        if objective.count([b[LABELS] for b in microbatches], self._group("dp")) == 0:
+            raise objective.nothing_counted(self.step)
         weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
         with objective.step(weight, self.token_split):
             for batch in microbatches:
@@ -342,8 +347,8 @@ class Trainer:
         )
         data_iter = iter(self.dataloader)
         logger.info(
-            "training %d steps, global batch %d sequences x %d tokens",
-            t.steps,
+            "training %s, global batch %d sequences x %d tokens",
+            plural(t.steps, "step"),
             self.plan.global_batch_size,
             t.seq_len,
         )
@@ -357,7 +362,8 @@ class Trainer:
             data_s = time.perf_counter() - t0
             # counted before the step: context parallelism shards the batch in place
             batch_tokens = sum(b[INPUT_IDS].numel() for b in microbatches)
-            lr = self.lr_scheduler.get_last_lr()[0]
+            # optimizer.lr on its schedule (a param group's own lr follows the same factor)
+            lr = self.job.optimizer.lr * self.lr_scheduler.last_factor
             # the first step is measured: what the memory planner's figures are checked on
             tracker = self._activation_tracker() if self.step == first_step else None
             with tracker or contextlib.nullcontext(), self._around_step():
@@ -386,7 +392,7 @@ class Trainer:
                 break
         self.emit("on_train_end")
         watchdog.stop()
-        logger.info("training done after %d steps", self.step)
+        logger.info("training done after %s", plural(self.step, "step"))
 
     def _after_first_step(self, tracker, watchdog: StepWatchdog) -> None:
         self._write_memory_measured(tracker)
@@ -555,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
         logger.error("%s", e)
         kind, code = next(v for cls, v in FINAL_ERRORS.items() if isinstance(e, cls))
         final_error.record(kind, e, code)
-    except (Exception, interrupts.Interrupted) as e:
+    # DCP's CheckpointException is a BaseException: a failed load or save is reported too
+    except (Exception, CheckpointException, interrupts.Interrupted) as e:
         try:
             code = _report(e, job)
         except interrupts.Interrupted as stop:  # the signal came while reporting: say that

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
 
@@ -39,13 +40,14 @@ from titan.components.checkpoint.folders import (
     step_folders,
     write_complete_marker,
 )
-from titan.components.checkpoint.identity import INITIAL_LOAD_FIX, RESUME_FIX
+from titan.components.checkpoint.identity import INITIAL_LOAD_FIX, RESUME_FIX, refusal
 from titan.components.checkpoint.integrity import (
     ChecksummingWriter,
     collect_sidecars,
     file_problem,
     remove_sidecars,
 )
+from titan.components.checkpoint.trained_with import resume_problem
 from titan.runtime.dtypes import to_dtype
 from titan.runtime.paths import resolve
 
@@ -134,6 +136,10 @@ class SaveInterrupted(RuntimeError):
     rank failure, which torchrun restarts (MAX_RESTARTS), not a checkpoint error."""
 
 
+def _writer_thread_failed(args) -> None:
+    logger.debug("a checkpoint writer thread failed: %r", args.exc_value)
+
+
 def _chain(e: BaseException):
     """`e` and every exception beneath it: causes, contexts, DCP's per-rank failures."""
     seen, todo = set(), [e]
@@ -191,6 +197,8 @@ class Checkpointer:
     and once a save's files are written, before it is marked complete ("written").
     `on_export(folder)` runs on every rank once a final model-only save is written into
     `folder`, before it is marked complete (LoRA writes its PEFT adapter there).
+    `trained_with` (`trained_with.trained_with`: optimizer, tokenizer) is recorded with each
+    save, and a resume onto another is refused.
     """
 
     def __init__(
@@ -206,6 +214,7 @@ class Checkpointer:
         hf=None,
         on_save_phase: Callable[[str, int], None] | None = None,
         on_export: Callable[[Path], None] | None = None,
+        trained_with: dict | None = None,
     ):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
@@ -217,6 +226,7 @@ class Checkpointer:
         self.hf = hf
         self.on_save_phase = on_save_phase
         self.on_export = on_export
+        self.trained_with = trained_with
         self._pending = None  # (upload future, path, step) of an async save in flight
         self._staging = None  # (staging future, step) while its copy may still be running
         self._async_stager = None
@@ -268,7 +278,7 @@ class Checkpointer:
             else None
         )
         if why:
-            raise CheckpointError(f"{what} {path}: {why}. {fix}")
+            raise CheckpointError(refusal(what, path, why, fix))
 
     def load(self) -> bool:
         """Restore from the newest usable checkpoint, else load the initial load path; True if
@@ -283,6 +293,9 @@ class Checkpointer:
             # the checkpoint holds what training changed (adapters); the rest is the base
             self._initial_load()
         keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
+        why = resume_problem(path, self.trained_with or {}, self.cfg.exclude_from_loading)
+        if why:
+            raise CheckpointError(f"cannot resume from {path}: {why}")
         present = saved_keys(path)
         absent = [k for k in keys if k not in present]
         if absent:
@@ -515,9 +528,12 @@ class Checkpointer:
         stays as it was. A full disk or a folder it may not write is one line that says why
         (a checkpoint error: a restart would fail alike); anything else (a rank that died
         mid-save, an I/O error) is a rank failure, which torchrun restarts to resume."""
+        # DCP's writer threads would each print their traceback of the same failure first
+        hook, threading.excepthook = threading.excepthook, _writer_thread_failed
         try:
             yield
-        except Exception as e:  # noqa: BLE001  DCP wraps each rank's OSError its own way
+        # DCP wraps each rank's OSError its own way, in a CheckpointException: a BaseException
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
             if self.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
             kept = next(
@@ -549,6 +565,8 @@ class Checkpointer:
                 + f". Free space under {self.root} (or point job.dump_folder at another disk) "
                 "and resume"
             ) from None
+        finally:
+            threading.excepthook = hook
 
     def _stager(self):
         """One stager per run: its staging buffers are reused by every save, so only the first
@@ -623,6 +641,7 @@ class Checkpointer:
             fmt,
             model=self.identity.record() if self.identity else None,
             files=files or None,
+            trained_with=self.trained_with,
         )
         remove_sidecars(path)
         if self._purger is not None:

@@ -91,11 +91,12 @@ def write_complete_marker(
     fmt: str = "dcp",
     model: dict | None = None,
     files: dict[str, list[int]] | None = None,
+    trained_with: dict | None = None,
 ) -> None:
     """Mark `path` complete: write a temp file, fsync it, rename it into place. The marker
     records the step, the format ("dcp", or "hf" for an HF export), the parallel layout that
-    saved it, the model it holds (`identity.ModelIdentity`'s record) and each file's
-    [crc32, size] as written."""
+    saved it, the model it holds (`identity.ModelIdentity`'s record), what else it trained
+    with (`trained_with`: optimizer, tokenizer) and each file's [crc32, size] as written."""
     tmp = path / (COMPLETE_MARKER + ".tmp")
     with open(tmp, "w") as f:
         json.dump(
@@ -107,6 +108,7 @@ def write_complete_marker(
                 "format": fmt,
                 "model": model,
                 "files": files,
+                "trained_with": trained_with,
             },
             f,
         )

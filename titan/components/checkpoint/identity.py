@@ -53,6 +53,15 @@ ROPE_FIX = (
 )
 
 
+class Fixed(str):
+    """A problem whose text ends with its own fix: the generic one is not added to it."""
+
+
+def refusal(what: str, path, why: str, fix: str) -> str:
+    """The one line refusing to load `path`: the problem, and `fix` unless it has its own."""
+    return f"{what} {path}: {why}" + ("" if isinstance(why, Fixed) else f". {fix}")
+
+
 @dataclass(frozen=True)
 class ModelIdentity:
     family: str
@@ -98,8 +107,13 @@ class ModelIdentity:
         args = saved.get("args") or {}
         knobs = self.knobs
         theirs_arch, ours_arch = _without(args, knobs), _without(self.args, knobs)
+        from titan.config.family_options import option_names
+
+        # an arg the family's section sets is named by its key, which is what to change
+        options = option_names(self.family)
+        key = {k: f"{self.family}.{k}" if k in options else k for k in ours_arch}
         diffs = {
-            k: f"{k} {theirs_arch.get(k)} (checkpoint) vs {v} (this run)"
+            k: f"{key[k]} {theirs_arch.get(k)} (checkpoint) vs {v} (this run)"
             for k, v in ours_arch.items()
             if theirs_arch.get(k) != v
         }
@@ -112,10 +126,20 @@ class ModelIdentity:
             diffs = {k: v for k, v in diffs.items() if k not in rope}
         if diffs:
             only_rope = not allow_rope_change and set(diffs) == set(rope)
-            return (
+            settable = [k for k in diffs if k in options and k not in rope]
+            # only the family's options differ: setting them is the fix
+            kind = Fixed if settable and len(settable) == len(diffs) else str
+            return kind(
                 f"it was saved from {theirs} and this run builds {self.describe()}: "
                 + ", ".join(diffs.values())
                 + (f". {ROPE_FIX}" if only_rope else "")
+                + (
+                    "; set "
+                    + ", ".join(f"--{key[k]} {theirs_arch.get(k)}" for k in settable)
+                    + " to load it"
+                    if settable
+                    else ""
+                )
             )
         changed = [
             f"{name} {_at(args, path)} -> {value}"
@@ -137,13 +161,13 @@ class ModelIdentity:
         theirs = {k: v for k, v in saved.items() if k != "base"}
         ours = {k: v for k, v in self.adapters.items() if k != "base"}
         if theirs != ours:
-            return (
+            return Fixed(
                 f"it holds {_adapters(theirs)} and this run trains {_adapters(ours)}; resume "
                 "with the [lora] settings it was saved with"
             )
         was, now = saved.get("base") or {}, self.adapters.get("base") or {}
         if set(was) != set(now) or was.get("seed") != now.get("seed"):
-            return (
+            return Fixed(
                 f"its adapters were trained on {_base(was)} and this run's base is "
                 f"{_base(now)}; resume on the base they were trained on"
                 + (f" (checkpoint.initial_load_path = {was['path']!r})" if "path" in was else "")

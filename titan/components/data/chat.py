@@ -10,6 +10,7 @@ conversation its own window. Windows are then read in `GlobalOrder`, as packed t
 """
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def _message_batches(source: list[Path] | str, field: str):
     if ds.column_names is not None and field not in ds.column_names:
         raise DataError(f"dataset {source} has no column '{field}' ({ds.column_names}); set {key}")
     for n, row in enumerate(ds):
-        check_messages(row.get(field), f"{source}: record {n}", field)
+        check_messages(row.get(field), f"{source}: record {n + 1}", field)
         yield [row[field]]
 
 
@@ -61,7 +62,15 @@ def encode_conversations(source: list[Path] | str, template: ChatTemplate, opts:
     """(ids, labels) int32 arrays per conversation in the data's order, cut to fit a window
     (or left out: `opts.truncate`); and their counts. `source`: local files or a hub name."""
     counts, out = ChatCounts(), []
+    start = last = time.monotonic()
     for batch in _message_batches(source, opts.messages_field):
+        if time.monotonic() - last >= 5.0:  # a large corpus takes a while: say how far
+            last = time.monotonic()
+            logger.info(
+                "rendering chat data: %d conversations so far (%.0fs)",
+                counts.conversations,
+                last - start,
+            )
         for messages in batch:
             counts.conversations += 1
             try:
@@ -69,7 +78,7 @@ def encode_conversations(source: list[Path] | str, template: ChatTemplate, opts:
             except DataError as e:
                 where = source if isinstance(source, str) else ", ".join(map(str, source))
                 raise DataError(
-                    f"{where}: conversation {counts.conversations - 1} (counted from the "
+                    f"{where}: conversation {counts.conversations} (counted from 1, from the "
                     f"first file's first record): {e}; fix the template or drop that record"
                 ) from None
             ids, counted = np.asarray(ids, np.int32), np.asarray(counted, bool)
@@ -130,6 +139,17 @@ def chat_windows(
 ) -> ChatWindows:
     conversations, counts = encode_conversations(source, template, opts)
     windows = ChatWindows(conversations, opts.seq_len, pad_id, opts.pack, name)
+    if counts.counted == 0:
+        raise DataError(
+            f"{name}: no token the loss counts is left in any conversation (the loss counts "
+            "only assistant replies)"
+            + (
+                f": training.seq_len {opts.seq_len} cuts off every reply ({counts.truncated} of "
+                f"{counts.conversations} conversations are longer); raise training.seq_len"
+                if counts.truncated
+                else "; the data holds no assistant turn"
+            )
+        )
     logger.info(
         "chat data %s: %d conversations in %d windows of %d tokens (%s), %.1f%% of the "
         "places filled, %.1f%% of tokens counted by the loss; %d longer than seq_len %s",

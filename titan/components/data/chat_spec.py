@@ -77,6 +77,16 @@ def check_template(job, tokenizer) -> None:
         raise ConfigError(f"training.dataset_format = 'chat': {e}") from None
 
 
+def check_model(job, plan) -> None:
+    """A model that reads tokens from the labels cannot train on a chat's masked ones."""
+    from titan.config import ConfigError
+
+    why = plan.model_args.masked_labels_problem()
+    if job.training.dataset_format == "chat" and why:
+        raise ConfigError(f"training.dataset_format = 'chat' with {job.model.name} {why}")
+
+
 extensions.register_section("chat", Chat)
 extensions.register_plan_check(lambda job, plan: check_template(job, plan.tokenizer))
+extensions.register_plan_check(check_model)
 extensions.register_check(check)

@@ -205,7 +205,7 @@ class ChatTemplate:
                 continue
             if pos < 0:
                 raise DataError(
-                    f"message {i} (assistant): the chat template {self.where} does not render "
+                    f"message {i + 1} (assistant): the chat template {self.where} does not render "
                     "its content as given, so its tokens cannot be found"
                 )
             head = text.rfind(self.header, cursor, pos) if self.header else -1

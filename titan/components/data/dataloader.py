@@ -98,6 +98,8 @@ class IndexedLoader:
             "global_batch_size": self.order.global_batch_size,
             "source_counts": self.order.counts_at(batches).tolist(),
             "seq_len": self.windows.sources[0].seq_len,
+            "sources": list(self.order.names),
+            "source_windows": [int(n) for n in self.order.sizes],
         }
 
     def source_tokens(self, seq_len: int) -> dict[str, int] | None:
@@ -146,9 +148,50 @@ class IndexedLoader:
                 position,
                 saved_seq,
             )
+        counts = state.get("source_counts")
+        if state.get("sources") is not None and state["sources"] != list(self.order.names):
+            position, counts, offset = self._other_sources(state)
+        else:
+            self._say_if_resized(state)
         self.first_batch = batches
-        self.order.start_at(position, state.get("source_counts"))
+        self.order.start_at(position, counts)
         self._jump(offset)
+
+    def _other_sources(self, state: dict) -> tuple[int, list[int], int]:
+        """The data is not the checkpoint's: each source it also read continues where it
+        stopped, a new one starts at its beginning. Returns (position, counts, offset)."""
+        saved = dict(zip(state["sources"], state["source_counts"]))
+        counts = [int(saved.get(name, 0)) for name in self.order.names]
+        kept = [n for n in self.order.names if n in saved]
+        new = [n for n in self.order.names if n not in saved]
+        logger.warning(
+            "the data is not what the checkpoint trained on (%s then, %s now): %s",
+            "+".join(state["sources"]),
+            "+".join(self.order.names),
+            "; ".join(
+                part
+                for part in (
+                    f"{', '.join(new)} start(s) at the beginning" if new else "",
+                    f"{', '.join(kept)} continue(s) where the checkpoint stopped" if kept else "",
+                )
+                if part
+            ),
+        )
+        return sum(counts), counts, 0
+
+    def _say_if_resized(self, state: dict) -> None:
+        for name, was, now in zip(
+            state.get("sources") or [], state.get("source_windows") or [], self.order.sizes
+        ):
+            if was != now:
+                logger.warning(
+                    "%s holds %d windows now and held %d when the checkpoint was saved: its "
+                    "files changed, so the data continues at the checkpoint's place in a new "
+                    "order",
+                    name,
+                    now,
+                    was,
+                )
 
     def rewind(self) -> None:
         self.first_batch = 0

@@ -8,6 +8,7 @@ Indexed sources (local files, token shards) are packed into windows with a globa
 """
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,9 +122,22 @@ def local_files(
     if p.is_file():
         files = [p]
     elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.suffix in _FORMATS)
+        named = sorted(f for f in p.rglob("*") if f.suffix in _FORMATS)
+        broken = [f for f in named if f.is_symlink() and not f.exists()]
+        if broken:
+            raise DataError(
+                f"dataset folder {p}: {broken[0]} is a link to {os.readlink(broken[0])}, "
+                "which does not exist; fix or remove the link"
+            )
+        files = [f for f in named if f.is_file()]  # a sub-folder named x.jsonl is a folder
         if not files:
             raise DataError(f"dataset folder {p} holds no {'/'.join(_FORMATS)} files")
+    elif p.exists():
+        raise DataError(
+            f"dataset path '{candidate}' is neither a file nor a folder (a named pipe or a "
+            "device): datasets are read, indexed and re-read from files; write the data to a "
+            f"{'/'.join(_FORMATS)} file"
+        )
     elif path is not None:
         raise DataError(f"dataset path '{path}' does not exist; fix {key}")
     elif _looks_local(name):
@@ -185,13 +199,21 @@ def open_local(files: list[Path]):
     ), fmt
 
 
+def chat_hint(fields) -> str:
+    """For records read as text that have no text field: if they look like chat data, say
+    how to read them so."""
+    if any(f in fields for f in ("messages", "conversations")):
+        return '; these records look like chat data: set training.dataset_format = "chat"'
+    return ""
+
+
 def text_column(ds, fmt: str, text_field: str, where) -> str:
     field = "text" if fmt == "text" else text_field
     columns = ds.column_names
     if columns is not None and field not in columns:
         raise DataError(
             f"dataset {where} has no column '{field}' (columns: {columns}); "
-            "set training.dataset_text_field"
+            "set training.dataset_text_field" + chat_hint(columns)
         )
     return field
 
@@ -205,7 +227,9 @@ def _text_check(value, where: str, field: str) -> None:
 
 
 def check_messages(value, where: str, field: str) -> None:
-    """A conversation is a non-empty list of {role, content} with text in both."""
+    """A conversation is a non-empty list of {role, content} with text in both. Content given
+    as OpenAI-style parts ([{"type": "text", "text": ...}, ...]) becomes their text, joined
+    (in place)."""
     if value is None:
         raise DataError(
             f"{where} has no field '{field}'; fix or drop that record, or set chat.messages_field"
@@ -221,14 +245,29 @@ def check_messages(value, where: str, field: str) -> None:
             problem = f"is a {type(message).__name__}, not a {{role, content}} object"
         elif not isinstance(message.get("role"), str) or not message["role"]:
             problem = "has no role"
-        elif not isinstance(message.get("content"), str):
+        elif isinstance(message.get("content"), list):
+            problem = _join_parts(message)
+        if problem is None and not isinstance(message.get("content"), str):
             problem = f"({message['role']}) has no text content"
-        elif not message["content"].strip():
+        elif problem is None and not message["content"].strip():
             problem = f"({message['role']}) has empty content"
         if problem:
-            raise DataError(f"{where}: message {i} {problem}; fix or drop that record")
+            raise DataError(f"{where}: message {i + 1} {problem}; fix or drop that record")
     if not any(m["role"] == "assistant" for m in value):
         raise DataError(f"{where}: no assistant message, nothing to train on; fix or drop it")
+
+
+def _join_parts(message: dict) -> str | None:
+    """OpenAI-style content parts to their text, in place; why not, if they are not text."""
+    parts = message["content"]
+    kinds = sorted({p.get("type") if isinstance(p, dict) else type(p).__name__ for p in parts})
+    if kinds != ["text"] or not all(isinstance(p.get("text"), str) for p in parts):
+        return (
+            f"({message['role']}) has content parts of type {', '.join(map(str, kinds))}: only "
+            "text parts ({'type': 'text', 'text': ...}) are trained"
+        )
+    message["content"] = "".join(p["text"] for p in parts)
+    return None
 
 
 def iter_texts(files: list[Path], text_field: str, batch_size: int = 1024):
@@ -239,7 +278,8 @@ def iter_texts(files: list[Path], text_field: str, batch_size: int = 1024):
 
 def iter_column(files: list[Path], field: str, check, key: str, batch_size: int = 1024):
     """One column of local files' records in order, in lists of up to `batch_size` values,
-    each passed to `check(value, "FILE: record N", field)` first (it raises a DataError).
+    each passed to `check(value, "FILE: record N", field)` first (N counts from 1; it raises
+    a DataError).
     `key`: the config key naming the column. Plain-text files' column is their text."""
     for f in files:
         fmt = _FORMATS[f.suffix]
@@ -252,11 +292,12 @@ def iter_column(files: list[Path], field: str, check, key: str, batch_size: int 
             for batch in ds.iter(batch_size=batch_size):
                 values = batch.get(column)
                 if values is None:
+                    hint = chat_hint(batch) if key == "training.dataset_text_field" else ""
                     raise DataError(
-                        f"{f} has no field '{column}' (fields: {sorted(batch)}); set {key}"
+                        f"{f} has no field '{column}' (fields: {sorted(batch)}); set {key}{hint}"
                     )
                 for i, value in enumerate(values):
-                    check(value, f"{f}: record {n + i}", column)
+                    check(value, f"{f}: record {n + i + 1}", column)  # from 1, as lines
                 n += len(values)
                 yield values
         except DataError:
@@ -295,10 +336,37 @@ def _bad_jsonl_line(f: Path) -> tuple[int, str] | None:
     return None
 
 
+def _hub_unreachable() -> str | None:
+    """Why the HF hub cannot be reached (None: it can, or offline mode reads the cache):
+    asked once, in 3 s, instead of the libraries' retries (half a minute of warnings)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from datasets import config as hf_config
+
+    if hf_config.HF_HUB_OFFLINE:
+        return None
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or 443
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as e:
+        return f"{host} cannot be reached ({type(e).__name__}: {e})"
+    return None
+
+
 def open_hub(name: str, key: str = "training.dataset"):
     from datasets import load_dataset
 
     repo, _, subset = location_of(name).partition(":")  # "allenai/c4:en" names a subset
+    unreachable = _hub_unreachable()
+    if unreachable:
+        raise DataError(
+            f"{key} '{name}' is neither a registered name ({', '.join(_DATASETS.entries)}) nor "
+            f"a local path, and the HF hub is not reachable: {unreachable}. Without network "
+            f"access, point {key}_path at local jsonl/json/parquet/txt files (or set "
+            "HF_HUB_OFFLINE=1 to read the hub's local cache)"
+        )
     try:
         return load_dataset(repo, subset or None, split="train", streaming=True)
     except Exception as e:  # noqa: BLE001  any hub failure gets one actionable message

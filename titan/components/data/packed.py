@@ -98,7 +98,7 @@ def _cache_key(files: list[Path], tokenizer: Tokenizer, text_field: str) -> str:
     return h.hexdigest()[:20]
 
 
-def _with_progress(docs, tokens, every_s: float = 15.0):
+def _with_progress(docs, tokens, every_s: float = 5.0):
     """`docs`, logging the tokens written every `every_s` seconds of a slow read."""
     start = last = time.monotonic()
     for ids in docs:

@@ -141,6 +141,15 @@ def apply_lora(model: nn.Module, cfg) -> list[str]:
             f"lora.target_modules {cfg.target_modules} match no linear layer; the model's are "
             f"named like {', '.join(names[:4])}"
         )
+    widths = [(n, min(m.in_features, m.out_features)) for n, m in linears] + [
+        (f"{n}.{w}", min(getattr(m, w).shape[-2:])) for n, m, chosen in experts for w in chosen
+    ]
+    name, narrowest = min(widths, key=lambda w: w[1])
+    if cfg.rank > narrowest:
+        raise ValueError(
+            f"lora.rank {cfg.rank} is more than {name}'s smaller side ({narrowest}): an "
+            f"adapter of that rank is no low-rank update; use lora.rank <= {narrowest}"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     for _, module in linears:

@@ -1,6 +1,7 @@
 """LoRA's converter entry (on when `lora.rank` > 0) and its [lora] section; torch-free (the
 converter is titan.components.lora.training.LoraConverter)."""
 
+import re
 from dataclasses import dataclass
 
 from titan.components.converters import ConverterSpec, register_converter
@@ -47,6 +48,11 @@ def check(job) -> None:
         ),
     ):
         require(job, ok, key, why)
+    for pattern in lora.target_modules:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            require(job, False, "lora.target_modules", f"{pattern!r} is not a regex ({e})")
 
 
 def plan_check(job, train_spec, model_args, device: str) -> None:

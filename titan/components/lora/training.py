@@ -49,6 +49,7 @@ class LoraConverter(Converter):
 
     def __init__(self, job):
         self.cfg = job.lora
+        self.base = job.checkpoint.initial_load_path
 
     def convert(self, model: nn.Module) -> None:
         apply_lora(model, self.cfg)
@@ -58,6 +59,12 @@ class LoraConverter(Converter):
 
     def describe(self, parts: list[nn.Module], pipelined: bool) -> None:
         log_trainable(parts, self.cfg, pipelined)
+        if not self.base:
+            logger.warning(
+                "LoRA without checkpoint.initial_load_path: the adapters train on a frozen "
+                "base of random weights; point checkpoint.initial_load_path at the model to "
+                "fine-tune (with checkpoint.initial_load_in_hf for an HF folder)"
+            )
 
     def trained(self):
         return is_adapter

@@ -1,20 +1,75 @@
 """`<dump_folder>/metrics.jsonl` (one object per logged step) and `validation.jsonl`: the
 history tools and tests read. A resumed run keeps the records up to its checkpoint's step and
-drops what a crashed run logged after it."""
+drops what a crashed run logged after it; a new run in a folder that holds another run's
+history moves that history aside (`metrics.1.jsonl`, ...) rather than deleting it. The files
+are strict JSON: a non-finite figure (a skipped step's loss) is written as null."""
 
 import json
+import logging
+import math
 import os
 
+logger = logging.getLogger(__name__)
 
-def _truncate_history(path: str, keep_until: int | None) -> None:
-    if keep_until is None or not os.path.exists(path):
-        if os.path.exists(path):
-            os.remove(path)
-        return
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _set_aside(path: str) -> str:
+    """Rename `path` (metrics.jsonl) to the first free metrics.N.jsonl; returns that name."""
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(f"{stem}.{n}{ext}"):
+        n += 1
+    os.rename(path, f"{stem}.{n}{ext}")
+    return f"{stem}.{n}{ext}"
+
+
+def _records_until(path: str, keep_until: int) -> list[str]:
+    """The lines of steps up to `keep_until`; a line that is not JSON (a torn last line,
+    what a crash or a full disk leaves) is dropped with a warning."""
+    kept, torn = [], 0
     with open(path) as f:
-        kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= keep_until]
-    with open(path, "w") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line)["step"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                torn += 1
+                continue
+            if step <= keep_until:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if torn:
+        logger.warning(
+            "%s: %d line(s) that are not a step's record (cut short by a crash or a full "
+            "disk) dropped",
+            path,
+            torn,
+        )
+    return kept
+
+
+def _start_history(path: str, resume_step: int | None) -> None:
+    if not os.path.exists(path):
+        return
+    if resume_step is None:
+        moved = _set_aside(path)
+        logger.warning(
+            "%s held an earlier run's history: kept as %s (this run starts a new one)",
+            path,
+            os.path.basename(moved),
+        )
+        return
+    kept = _records_until(path, resume_step)
+    with open(path + ".tmp", "w") as f:
         f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 class JsonlWriter:
@@ -24,13 +79,13 @@ class JsonlWriter:
             for prefix, name in (("train/", "metrics.jsonl"), ("validation/", "validation.jsonl"))
         }
         for path in self.paths.values():
-            _truncate_history(path, context.resume_step)
+            _start_history(path, context.resume_step)
         self.train = open(self.paths["train/"], "a")
 
     def scalars(self, step: int, values: dict) -> None:
         train = {k.removeprefix("train/"): v for k, v in values.items() if k.startswith("train/")}
         if train:
-            self.train.write(json.dumps({"step": step, **train}) + "\n")
+            self.train.write(_line({"step": step, **train}))
             self.train.flush()
         val = {
             "val_" + k.removeprefix("validation/"): v
@@ -39,10 +94,14 @@ class JsonlWriter:
         }
         if val:
             with open(self.paths["validation/"], "a") as f:
-                f.write(json.dumps({"step": step, **val}) + "\n")
+                f.write(_line({"step": step, **val}))
 
     def distribution(self, step: int, name: str, values: list[float]) -> None:
         pass  # histograms are TensorBoard's and W&B's; the JSONL keeps scalars
 
     def close(self) -> None:
         self.train.close()
+
+
+def _line(record: dict) -> str:
+    return json.dumps({k: _finite(v) for k, v in record.items()}, allow_nan=False) + "\n"

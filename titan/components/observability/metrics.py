@@ -52,6 +52,14 @@ def _percent(value: float | None) -> str:
     return "  n/a" if value is None else f"{value:5.2f}%"
 
 
+def _duration(seconds: float) -> str:
+    """1h02m, 3m05s or 42s."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 def _status_kib(field: str) -> int | None:
     """A field of /proc/self/status in KiB (Linux), else None."""
     try:
@@ -80,7 +88,8 @@ class MetricsLogger:
     """Configured by `cfg` (the metrics section); every rank prints its own line.
 
     `peak_flops` None leaves MFU out (null in the JSONL, n/a on the console);
-    `max_over_ranks(value)` is a collective giving the largest value over all ranks.
+    `max_over_ranks(value)` is a collective giving the largest value over all ranks;
+    `total_steps` is the run's last step (the line shows `step N/total` and an ETA).
     """
 
     def __init__(
@@ -91,8 +100,10 @@ class MetricsLogger:
         flops_per_token: float,
         peak_flops: float | None,
         max_over_ranks=None,
+        total_steps: int | None = None,
     ):
         self.log_freq = cfg.log_freq
+        self.total_steps = total_steps
         self.device = device
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         plain = cfg.disable_color_printing or not sys.stderr.isatty()
@@ -147,15 +158,28 @@ class MetricsLogger:
         # each rank prints its own line (memory differs per rank); LOG_RANK picks what is shown
         c = self.color
         logger.info(
-            f"{c('step')}step: {step:>6}  {c('loss')}loss: {loss:8.4f}{c('reset')}  "
+            f"{c('step')}step: {self._progress(step)}  {c('loss')}loss: {loss:8.4f}{c('reset')}  "
             f"grad_norm: {grad_norm:7.4f}  lr: {lr:.2e}  "
             f"{c('mem')}memory: {record['memory_gib']:6.2f}GiB  "
             f"{c('tps')}tps: {tps:>10,.0f}  tflops: {tflops:7.2f}  "
             f"{c('mfu')}mfu: {_percent(record['mfu'])}{c('reset')}  "
             f"data: {record['data_pct']:4.1f}%"
             + "".join(f"  {k}: {_short(v)}" for k, v in printed.items())
+            + self._eta(step, record["step_time_s"])
         )
         return record
+
+    def _progress(self, step: int) -> str:
+        if self.total_steps is None:
+            return f"{step:>6}"
+        return f"{step:>{len(str(self.total_steps))}}/{self.total_steps}"
+
+    def _eta(self, step: int, step_time_s: float) -> str:
+        """The time left at the newest window's pace; step 1's window holds the start-up
+        (building, compiling, the first loads), so it gives none."""
+        if self.total_steps is None or step <= 1 or step >= self.total_steps:
+            return ""
+        return f"  eta: {_duration((self.total_steps - step) * step_time_s)}"
 
     def _memory(self) -> dict[str, float]:
         mem = memory_gib(self.device)

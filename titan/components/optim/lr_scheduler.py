@@ -68,6 +68,7 @@ class LRSchedulersContainer:
     def _apply(self) -> None:
         # the lr of step s (1-based) is set after s - 1 steps are done
         f = self.factor(self.steps_done + 1)
+        self.last_factor = f
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * f
 

@@ -60,6 +60,12 @@ def check(job) -> None:
         job,
         (
             (o.lr >= 0, "optimizer.lr", "must be >= 0"),
+            (
+                o.lr > 0 or any(g.lr for g in o.param_groups),
+                "optimizer.lr",
+                "0 with no param group's lr above it: no weight would ever change; set "
+                "optimizer.lr > 0",
+            ),
             (o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
             (
                 all(
@@ -80,5 +86,38 @@ def check(job) -> None:
     )
 
 
+def check_param_groups(job, plan) -> None:
+    """Each param group takes a trainable parameter of the model (a regex matching none, or
+    only names an earlier group takes, would silently leave its settings unused)."""
+    groups = job.optimizer.param_groups
+    if not groups:
+        return
+    from titan.components.converters import Converters
+    from titan.components.optim.registry import clean_name
+    from titan.config.manager import require
+
+    model = Converters(job).saved(plan.spec.build_meta(plan.model_args))
+    names = [clean_name(n) for n, p in model.named_parameters() if p.requires_grad]
+    taken = [0] * len(groups)
+    for name in names:
+        first = next((i for i, g in enumerate(groups) if re.search(g.params, name)), None)
+        if first is not None:
+            taken[first] += 1
+    for g, n in zip(groups, taken):
+        matched = any(re.search(g.params, name) for name in names)
+        require(
+            job,
+            n > 0,
+            "optimizer.param_groups",
+            f"params = {g.params!r} "
+            + (
+                "takes no parameter: an earlier group's regex takes all it matches"
+                if matched
+                else f"matches no trainable parameter (they are named like {', '.join(names[:3])})"
+            ),
+        )
+
+
 extensions.register_section("optimizer", Optimizer)
 extensions.register_check(check)
+extensions.register_plan_check(check_param_groups)

@@ -60,17 +60,30 @@ class Objective:
     def names(self) -> list[str]:
         return [LOSS, *self.terms]
 
-    def count(self, labels: list[torch.Tensor], dp_group: dist.ProcessGroup | None) -> None:
+    def count(self, labels: list[torch.Tensor], dp_group: dist.ProcessGroup | None) -> int:
         """This step's terms are means over the labels the loss counts (not IGNORE_INDEX) in
         this rank's microbatches' `labels`, summed over `dp_group` (None: this rank alone;
         torchft's replica groups count their own): each rank's share of it, as the count is
-        shared by the dp x cp ranks."""
+        shared by the dp x cp ranks. Returns the count."""
         counted, ranks = sum(int((y != IGNORE_INDEX).sum()) for y in labels), 1
         if dp_group is not None:
             total = torch.tensor(counted, dtype=torch.int64, device=self.device)
             dist.all_reduce(total, group=dp_group)
             counted, ranks = int(total.item()), dist.get_world_size(dp_group)
         self.tokens = max(counted, 1) / (ranks * self.cp)
+        return counted
+
+    @staticmethod
+    def nothing_counted(step: int) -> Exception:
+        """The error of a step whose global batch has no counted label: its update would
+        change the weights (momentum, weight decay) learning nothing."""
+        from titan.components.data.dataset import DataError
+
+        return DataError(
+            f"step {step}: no label of the global batch is one the loss counts (all are "
+            "masked: prompts or padding only, or chat replies training.seq_len cuts off), so "
+            "nothing can be learned; raise training.seq_len or check the data"
+        )
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """What backward differentiates for one microbatch's output (a pipeline's loss

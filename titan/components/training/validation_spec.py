@@ -4,6 +4,7 @@
 from dataclasses import dataclass
 
 from titan.components.training.callbacks import CallbackSpec, register_callback
+from titan.config import extensions
 from titan.config.job_config import opt
 
 
@@ -51,6 +52,11 @@ def check(job) -> None:
     )
 
 
+extensions.register_ignored(
+    lambda job: extensions.ignored_when(
+        job, "validation", not job.validation.enable, "validation.enable is false", "enable"
+    )
+)
 register_callback(
     CallbackSpec(
         "validation",

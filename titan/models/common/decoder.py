@@ -189,17 +189,20 @@ class Decoder(nn.Module):
         self.rope = self.rope_table(self.args, device=buffer_device or self.rope.device)
         out_init = normal(self.args.dim**-0.5)
         tied = self.args.tie_word_embeddings
+        # a tied matrix starts at HF's initializer_range (0.02): at init the normed residual
+        # stream is mostly the input token's own embedding, whose logit is then std x dim
+        # against the others' spread of std x sqrt(dim) (at std dim^-0.5 the first logits
+        # pick the input token itself: a first loss of 13.5 for the debug model, not ~7.6)
+        tied_init = normal(0.02)
         if tied and self.tok_embeddings is not None and self.output is not None:
             # to_empty() gives each module its own new parameter: tie them again
             self.output.weight = self.tok_embeddings.weight
         if self.tok_embeddings is not None:
-            # a tied matrix is scaled for its output role, where a large init would blow up
-            # the first logits
             seeded_init_(
                 self.tok_embeddings.weight,
                 "tok_embeddings.weight",
                 seed,
-                out_init if tied else normal(1.0, truncate=False),
+                tied_init if tied else normal(1.0, truncate=False),
             )
         for layer_id, layer in self.layers.items():
             layer.init_weights(seed, f"layers.{layer_id}")
@@ -211,5 +214,5 @@ class Decoder(nn.Module):
                 self.output.weight,
                 "tok_embeddings.weight" if tied else "output.weight",
                 seed,
-                out_init,
+                tied_init if tied else out_init,
             )

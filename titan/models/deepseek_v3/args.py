@@ -129,6 +129,14 @@ class DeepSeekV3Args(DecoderParamCount):
     def block_count(self) -> int:
         return self.n_layers + self.mtp_depth
 
+    def masked_labels_problem(self) -> str | None:
+        if not self.mtp_depth:
+            return None
+        return (
+            f"mtp_depth {self.mtp_depth}: a prediction depth reads the next tokens from the "
+            "labels, where a masked token (a prompt's) has no id; set deepseek_v3.mtp_depth = 0"
+        )
+
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         """The main model's, plus each prediction depth's block, merging projection and two
         norms (its embedding and output head are the main model's)."""

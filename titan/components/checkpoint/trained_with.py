@@ -1,0 +1,53 @@
+"""What a run trained with besides its model: the optimizer whose state a checkpoint holds
+and the tokenizer its weights read. Each save records them in its marker; a resume onto
+another optimizer or tokenizer is refused in one line before any state is read (DCP would
+fail deep in the load on missing optimizer keys, and another tokenizer's ids silently mean
+other tokens). Saves older than the record are not checked."""
+
+from pathlib import Path
+
+from titan.components.checkpoint.folders import _marker
+
+
+def trained_with(optimizer: str, tokenizer) -> dict:
+    """The record of a run with the optimizer named `optimizer` and `tokenizer` (a
+    titan Tokenizer, or None when unknown): its folder (or file, if not named
+    tokenizer.json) and fingerprint."""
+    from titan.components.data.token_shards import tokenizer_fingerprint
+
+    if tokenizer is None:
+        return {"optimizer": optimizer}
+    file = tokenizer.path
+    where = file.parent if file.name == "tokenizer.json" else file
+    return {
+        "optimizer": optimizer,
+        "tokenizer": {"path": str(where), "fingerprint": tokenizer_fingerprint(tokenizer)},
+    }
+
+
+def saved_trained_with(path: Path) -> dict:
+    """The record of a complete step folder's marker ({} for saves older than it)."""
+    return _marker(path).get("trained_with") or {}
+
+
+def resume_problem(path: Path, ours: dict, exclude: list[str]) -> str | None:
+    """Why the step folder `path` does not resume into a run that trains with `ours`
+    (`trained_with`), not loading the state parts `exclude`; None if it does."""
+    saved = saved_trained_with(path)
+    theirs_opt, our_opt = saved.get("optimizer"), ours.get("optimizer")
+    loads_optimizer = "optimizer" not in exclude and not _marker(path).get("model_only")
+    if loads_optimizer and theirs_opt and our_opt and theirs_opt != our_opt:
+        return (
+            f"its optimizer state is {theirs_opt}'s and this run's optimizer is {our_opt}: "
+            f"resume with --optimizer.name {theirs_opt}, or start {our_opt}'s state afresh "
+            "with --checkpoint.exclude_from_loading optimizer"
+        )
+    theirs_tok, our_tok = saved.get("tokenizer") or {}, ours.get("tokenizer") or {}
+    if our_tok and theirs_tok and theirs_tok.get("fingerprint") != our_tok.get("fingerprint"):
+        return (
+            f"its model was trained with the tokenizer {theirs_tok.get('path')} and this run "
+            f"reads {our_tok.get('path')}, which maps text to other ids: resume with "
+            f"--model.tokenizer_path {theirs_tok.get('path')}, or start a new run from these "
+            "weights with checkpoint.initial_load_path"
+        )
+    return None
