@@ -20,6 +20,8 @@ from titan.launcher import launch
 from titan.plan.run_plan import plan_run
 from titan.runtime.paths import REPO_ROOT
 
+CONFIG = ("--job.config_file", "train_configs/debug_model.toml")
+
 
 def launch_main(monkeypatch, capsys, tmp_path, *overrides, dry_run="1"):
     """(exit code, stdout, stderr) of the launcher's main on these overrides, with DRY_RUN."""
@@ -99,14 +101,16 @@ def test_every_ignored_option_is_named_in_one_warning(monkeypatch, capsys, tmp_p
     assert code == 0
     warnings = [line for line in err.splitlines() if "ignores" in line]
     assert warnings == [
-        "titan: warning: this run ignores parallelism.context_parallel_type, "
-        "parallelism.context_parallel_load_balance (parallelism.context_parallel_degree is 1); "
-        "deepseek_v3.mtp_depth (this run trains llama3); validation.freq (validation.enable is "
-        "false); lora.alpha (the lora converter is off)"
+        "titan: warning: this run ignores deepseek_v3.mtp_depth (this run trains llama3); "
+        "lora.alpha (the lora converter is off); parallelism.context_parallel_load_balance, "
+        "parallelism.context_parallel_type (parallelism.context_parallel_degree is 1); "
+        "validation.freq (validation.enable is false)"
     ], err
-    # what a run uses, or sets to the default, is not named
+    # what a run uses, or sets to the default, is not named; nor a config file's settings of
+    # what it switches off (debug_model.toml's [validation], a template)
     job = parse_args(["--validation.enable", "--validation.freq", "7", "--lora.alpha", "16"])
     assert extensions.ignored_warning(job) is None
+    assert extensions.ignored_warning(parse_args(list(CONFIG))) is None
 
 
 def test_a_param_group_that_takes_no_parameter_is_refused():
@@ -463,6 +467,10 @@ def test_generate_reads_a_checkpoint_with_its_family_options(tmp_path, capsys):
     why = model_identity(spec, "debugmodel", other).problem(step)
     assert "deepseek_v3.mtp_depth 1 (checkpoint) vs 2 (this run)" in why
     assert why.endswith("set --deepseek_v3.mtp_depth 1 to load it")
+    # as the base of a run without the depths: loaded without them (a resume is refused)
+    plain = model_identity(spec, "debugmodel", args.with_updates(mtp_depth=0))
+    assert plain.problem(step, base=True) is None
+    assert "set --deepseek_v3.mtp_depth 1" in plain.problem(step)
 
 
 def test_an_unreachable_hub_is_one_line_at_once(monkeypatch):
@@ -501,3 +509,22 @@ def test_the_first_loss_is_near_uniform_tied_or_not(flavor, tokenizer):
         logits = model(ids[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
     assert abs(loss - math.log(2048)) < 1.0, loss
+
+
+def test_a_base_with_prediction_depths_starts_a_run_without_them(tmp_path):
+    """Through the trainer: a DeepSeek-V3 run with mtp_depth 0 starts from a save with one
+    depth, the depth's weights left unread; the first loss is the base's, not a fresh init's."""
+    from tests.forked import run_trainer, tiny_run
+
+    deepseek = ["--job.config_file", "train_configs/deepseek_v3_debug.toml", *tiny_run(1)]
+    run_trainer(
+        tmp_path / "a", 1, [*deepseek, "--checkpoint.enable", "--deepseek_v3.mtp_depth", "1"]
+    )
+    base = tmp_path / "a" / "dump" / "checkpoint" / "step-1"
+    flags = [*deepseek, "--deepseek_v3.mtp_depth", "0", "--training.seed", "7"]
+    fresh = run_trainer(tmp_path / "b", 1, flags)
+    loaded = run_trainer(tmp_path / "c", 1, [*flags, "--checkpoint.initial_load_path", str(base)])
+    assert loaded[0]["loss"] != fresh[0]["loss"]
+    assert (
+        "the blocks beyond this run's are not loaded" in (tmp_path / "c" / "rank0.log").read_text()
+    )

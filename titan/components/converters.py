@@ -93,7 +93,7 @@ def _disabled_sections(job) -> dict[str, str]:
         key: f"the {spec.name} converter is off"
         for spec in _CONVERTERS.entries.values()
         if spec.section and not _is_enabled(spec, job)
-        for key in extensions.changed_keys(job, spec.section)
+        for key in extensions.changed_keys(job, spec.section, typed=True)
     }
 
 

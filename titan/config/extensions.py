@@ -73,8 +73,9 @@ _IGNORED: list[Callable] = []
 
 def register_ignored(find: Callable) -> None:
     """`find(job)` -> {key: why} for options the config sets that this run does not use (a
-    family's section when another family trains, a switched-off feature's settings); the
-    launcher names them all in one warning."""
+    family's section when another family trains, a switched-off feature's settings given on
+    the command line: `changed_keys`, `ignored_when`); the launcher names them all in one
+    warning."""
     if find not in _IGNORED:
         _IGNORED.append(find)
 
@@ -91,7 +92,7 @@ def ignored_options(job) -> dict[str, str]:
 def ignored_warning(job) -> str | None:
     """One line naming every option the run ignores, grouped by why (None: none is)."""
     by_why: dict[str, list[str]] = {}
-    for key, why in ignored_options(job).items():
+    for key, why in sorted(ignored_options(job).items()):
         by_why.setdefault(why, []).append(key)
     if not by_why:
         return None
@@ -100,23 +101,26 @@ def ignored_warning(job) -> str | None:
     )
 
 
-def changed_keys(job, section: str) -> list[str]:
-    """The `section.key`s the config sets (TOML or command line) to other than the default."""
+def changed_keys(job, section: str, typed: bool = False) -> list[str]:
+    """The `section.key`s the config sets (TOML or command line; `typed`: the command line
+    only) to other than the default."""
     obj = job.extensions.get(section) if section in job.extensions else getattr(job, section)
     default = type(obj)()
     return [
         key
-        for key in job.sources
+        for key, source in job.sources.items()
         if key.startswith(section + ".")
+        and (not typed or source.startswith("command line"))
         and getattr(obj, key.split(".", 1)[1], None) != getattr(default, key.split(".", 1)[1], None)
     ]
 
 
 def ignored_when(job, section: str, off: bool, why: str, switch: str | None = None) -> dict:
-    """{key: why} for the changed keys of `section` (but its `switch`) when `off`."""
+    """{key: why} for the keys of `section` (but its `switch`) the command line sets when `off`:
+    a config file's settings of a feature it switches off are a template to switch it on."""
     if not off:
         return {}
-    return {k: why for k in changed_keys(job, section) if k != f"{section}.{switch}"}
+    return {k: why for k in changed_keys(job, section, typed=True) if k != f"{section}.{switch}"}
 
 
 def plan_checks() -> list[Callable]:

@@ -21,6 +21,7 @@ OPTIONAL_MEMBERS = (
     "layout_problems",
     "block_count",
     "masked_labels_problem",
+    "training_blocks",
 )
 
 
@@ -29,6 +30,9 @@ class ModelArgsBase:
     training_knobs: ClassVar[tuple[str, ...]] = ()
     # the context the model was published for (HF max_position_embeddings); None: max_seq_len
     context_len: int | None = None
+    # the field counting blocks after the main stack that only training uses (DeepSeek-V3's
+    # multi-token-prediction depths): a base checkpoint with more of them loads without them
+    training_blocks: ClassVar[str | None] = None
 
     def moe_args(self) -> MoEArgs | None:
         """The MoE layers' settings with this run's balancing; None for a dense model."""

@@ -10,13 +10,13 @@
 A DCP checkpoint (a step folder, or a checkpoint root: its newest complete step) is read
 with the model of the training config (--job.config_file, --model.flavor, ...; any titan
 override is accepted); its vocabulary comes from the checkpoint. An HF folder brings its
-own architecture (config.json) and tokenizer. The tokenizer is the HF folder's, else the one
-the checkpoint's run trained with (recorded in its marker), else --model.tokenizer_path
-(which, when given, is used). With --chat each prompt is a user turn (after --system's text, when
-given) rendered with the tokenizer's chat template (or --chat.template), and the answer ends
-at the tokenizer's EOS (the end of an assistant turn). Several ranks split the model by
-tensor parallelism and each reads only its shards. Decoding keeps a KV cache; temperature 0
-is greedy.
+own architecture (config.json) and tokenizer. The tokenizer is the HF folder's; for DCP,
+--model.tokenizer_path when given, else the one the run trained with (its marker records it).
+With --chat each prompt is a user turn (after --system's text, when given) rendered with the
+tokenizer's chat template (or --chat.template), and the answer ends at the tokenizer's EOS
+(the end of an assistant turn). Several ranks split the model by tensor parallelism and each
+reads only its shards. A LoRA run's training save (adapters only) is read as its base with
+the adapters folded in, in one process. Decoding keeps a KV cache; temperature 0 is greedy.
 
 A prompt plus --max-new-tokens must fit the model's positions (an HF folder's
 max_position_embeddings; for DCP the flavor's published context, else training.seq_len), and

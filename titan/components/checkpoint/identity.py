@@ -75,6 +75,10 @@ class ModelIdentity:
     # save holds (the base is loaded from where the run started)
     adapters: dict = field(default_factory=dict)
     adapter_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # the args field of blocks only training uses, and this model's block count: a base may
+    # hold more of those blocks (ModelArgsBase.training_blocks)
+    training_blocks: str | None = None
+    block_count: int = 0
 
     def record(self) -> dict:
         out = {"family": self.family, "flavor": self.flavor, "args": self.args}
@@ -92,15 +96,15 @@ class ModelIdentity:
         adapters)."""
         saved = saved_model(path)
         if saved is not None:
-            why = self._record_problem(saved, allow_rope_change)
+            why = self._record_problem(saved, allow_rope_change, base)
             if not why and not base:
                 why = self._adapters_problem(saved.get("adapters") or {})
             if why:
                 return why
         expected = self.adapter_shapes if self.adapters and not base else self.shapes
-        return self._tensor_problem(path, expected)
+        return self._tensor_problem(path, expected, base)
 
-    def _record_problem(self, saved: dict, allow_rope_change: bool) -> str | None:
+    def _record_problem(self, saved: dict, allow_rope_change: bool, base: bool) -> str | None:
         theirs = f"{saved.get('family')} {saved.get('flavor')}"
         if saved.get("family") != self.family:
             return f"it holds a {theirs} model and this run builds {self.describe()}"
@@ -117,6 +121,15 @@ class ModelIdentity:
             for k, v in ours_arch.items()
             if theirs_arch.get(k) != v
         }
+        extra = self.training_blocks
+        if base and extra in diffs and (theirs_arch.get(extra) or 0) > ours_arch[extra]:
+            logger.info(
+                "the base holds %s %s, this run %s: the blocks beyond this run's are not loaded",
+                extra,
+                theirs_arch.get(extra),
+                ours_arch[extra],
+            )
+            del diffs[extra]
         rope = [k for k in diffs if k.startswith(ROPE_PREFIX)]
         if allow_rope_change and rope:
             logger.info(
@@ -180,8 +193,10 @@ class ModelIdentity:
             )
         return None
 
-    def _tensor_problem(self, path: Path, expected: dict) -> str | None:
+    def _tensor_problem(self, path: Path, expected: dict, base: bool = False) -> str | None:
         held = {name: tuple(size) for name, (size, _) in dcp_model_metadata(path).items()}
+        if base and self.training_blocks:  # a base's blocks beyond this model's: not loaded
+            held = {n: s for n, s in held.items() if not _beyond(n, self.block_count)}
         missing = [n for n in expected if n not in held]
         shapes = [
             f"{n} {list(held[n])} (checkpoint) vs {list(s)} (this run)"
@@ -206,6 +221,14 @@ class ModelIdentity:
                     f"does not tie them, and this {self.describe()} model does"
                 )
         return None
+
+
+def _beyond(name: str, blocks: int) -> bool:
+    """Whether `name` is a parameter of a block numbered `blocks` or higher."""
+    parts = name.split(".")
+    return (
+        len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= blocks
+    )
 
 
 def _adapters(settings: dict | None) -> str:
@@ -260,6 +283,8 @@ def model_identity(spec, flavor: str, args, adapted=None, adapters: dict | None 
         knobs=knobs,
         adapters=dict(adapters or {}) if adapted is not None else {},
         adapter_shapes=adapter_shapes,
+        training_blocks=args.training_blocks,
+        block_count=args.block_count(),
     )
 
 

@@ -85,7 +85,7 @@ def _other_optimizers(job) -> dict[str, str]:
         key: f"optimizer.name is {name}"
         for spec in _OPTIMIZERS.entries.values()
         if spec.section and spec.name != name
-        for key in extensions.changed_keys(job, spec.section)
+        for key in extensions.changed_keys(job, spec.section, typed=True)
     }
 
 

@@ -67,6 +67,7 @@ class DeepSeekV3Args(DecoderParamCount):
     mtp_loss_weight: float = 0.3
     # what a run may change without changing the model (titan.components.checkpoint.identity)
     training_knobs: ClassVar[tuple[str, ...]] = (*BALANCING_KNOBS, "mtp_loss_weight")
+    training_blocks: ClassVar[str | None] = "mtp_depth"
 
     def with_updates(self, **kw) -> "DeepSeekV3Args":
         return replace(self, **kw)
