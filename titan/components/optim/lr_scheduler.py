@@ -6,6 +6,8 @@ from functools import partial
 
 import torch
 
+from titan.runtime.console import plural
+
 logger = logging.getLogger(__name__)
 
 
@@ -92,12 +94,12 @@ def build_lr_scheduler(optimizer, cfg, total_steps: int) -> LRSchedulersContaine
     if cfg.warmup_steps > total_steps:
         logger.warning(
             "lr_scheduler.warmup_steps %d exceeds training.steps %d: the warmup is "
-            "cut to %d steps, the lr reaching optimizer.lr at the last step; set "
+            "cut to %s, the lr reaching optimizer.lr at the last step; set "
             "lr_scheduler.warmup_steps <= training.steps to keep this schedule in "
             "a longer run",
             cfg.warmup_steps,
             total_steps,
-            total_steps,
+            plural(total_steps, "step"),
         )
     return LRSchedulersContainer(
         optimizer, total_steps, cfg.warmup_steps, cfg.decay_ratio, cfg.decay_type, cfg.min_lr_factor
