@@ -16,9 +16,8 @@ from titan.launcher.content_check import check_content
 from titan.plan.run_plan import plan_run
 
 
-def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:
-    """The launcher's one line for these trainer overrides; asserts exit 2, nothing written."""
-    dump = tmp_path / "never"
+def run_launcher(monkeypatch, capsys, dump, overrides, nproc: int = 2) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the launcher's main on these trainer overrides."""
     monkeypatch.setattr(
         sys,
         "argv",
@@ -26,7 +25,7 @@ def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:
             "titan.launcher.launch",
             "--standalone",
             "--nnodes=1",
-            "--nproc_per_node=2",
+            f"--nproc_per_node={nproc}",
             "--",
             *overrides,
             "--job.dump_folder",
@@ -35,8 +34,15 @@ def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:
     )
     with pytest.raises(SystemExit) as exit_:
         launch.main()
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2, err
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def launcher_refuses(monkeypatch, capsys, tmp_path, *overrides) -> str:
+    """The launcher's one line for these trainer overrides; asserts exit 2, nothing written."""
+    dump = tmp_path / "never"
+    code, _, err = run_launcher(monkeypatch, capsys, dump, overrides)
+    assert code == 2, err
     assert err.startswith("titan: config error: ") and err.count("\n") == 1, err
     assert not dump.exists()
     return err

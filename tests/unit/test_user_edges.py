@@ -25,25 +25,10 @@ CONFIG = ("--job.config_file", "train_configs/debug_model.toml")
 
 def launch_main(monkeypatch, capsys, tmp_path, *overrides, dry_run="1"):
     """(exit code, stdout, stderr) of the launcher's main on these overrides, with DRY_RUN."""
+    from tests.unit.test_content_check import run_launcher
+
     monkeypatch.setenv("DRY_RUN", dry_run)
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        [
-            "titan.launcher.launch",
-            "--standalone",
-            "--nnodes=1",
-            "--nproc_per_node=1",
-            "--",
-            *overrides,
-            "--job.dump_folder",
-            str(tmp_path / "dump"),
-        ],
-    )
-    with pytest.raises(SystemExit) as exit_:
-        launch.main()
-    out = capsys.readouterr()
-    return exit_.value.code, out.out, out.err
+    return run_launcher(monkeypatch, capsys, tmp_path / "dump", overrides, nproc=1)
 
 
 # ----------------------------------------------------------------------------- names that moved
