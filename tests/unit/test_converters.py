@@ -154,3 +154,11 @@ def test_a_plugins_converter_trains_alike_on_one_rank_and_fsdp2(freeze, tmp_path
         keys = FileSystemReader(str(step)).read_metadata().state_dict_metadata
         moments = [k for k in keys if k.startswith("optimizer.state.")]
         assert moments and not any("tok_embeddings" in k or "output." in k for k in moments)
+
+
+def test_a_model_with_every_parameter_frozen_is_refused(freeze, tmp_path):
+    everything = "tok_embeddings,layers,norm,output"
+    argv = [*tiny_run(2), "--model.converters", "freeze", "--freeze.modules", everything]
+    with pytest.raises(pytest.fail.Exception) as e:
+        run_trainer(tmp_path, 1, argv)
+    assert "ConfigError: no parameter of the model trains" in str(e.value)

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titan.components.checkpoint.tied_state import saved_form, saved_key, tied_names
 from titan.components.optim.registry import clean_name, optimizer_spec, options_of
-from titan.config import extensions
+from titan.config import ConfigError, extensions
 
 # tensors only (exp_avg, exp_avg_sq, step): hyper-parameters come from the config on resume
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -51,12 +51,33 @@ def param_groups(part: nn.Module, cfg) -> list[dict]:
     return [by_key[k] for k in sorted(by_key, key=lambda k: k[0])]
 
 
+def _any_rank_trains(model_parts: list[nn.Module]) -> bool:
+    """Whether a parameter trains on any rank (a pipeline stage may hold only frozen ones);
+    collective when a process group exists."""
+    import torch
+    import torch.distributed as dist
+
+    params = [p for part in model_parts for p in part.parameters()]
+    mine = any(p.requires_grad for p in params)
+    if not dist.is_initialized():
+        return mine
+    device = params[0].device if params else torch.device("cpu")
+    flag = torch.tensor([int(mine)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 class OptimizersContainer:
     """Looks like one optimizer; is a Stateful for DCP."""
 
     def __init__(self, model_parts: list[nn.Module], cfg, sections: dict):
         spec = optimizer_spec(cfg.name)
         build, options = extensions.load(spec.build), options_of(spec, sections)
+        if not _any_rank_trains(model_parts):
+            raise ConfigError(
+                "no parameter of the model trains: model.converters froze every one, so "
+                "nothing would be learned; leave some unfrozen"
+            )
         self.model_parts = model_parts
         self.ties = tied_names(model_parts)
         self.optimizers = [build(param_groups(part, cfg), cfg, options) for part in model_parts]
