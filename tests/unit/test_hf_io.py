@@ -289,6 +289,7 @@ def test_convert_scripts_end_to_end(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "step-10" in r.stdout
+    assert "single process" not in r.stderr and "distributed is disabled" not in r.stderr
     assert {
         "config.json",
         "model.safetensors",

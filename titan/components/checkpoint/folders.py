@@ -18,6 +18,7 @@ saves and restores a training run with them.
 
 import contextlib
 import json
+import logging
 import os
 import re
 import time
@@ -270,13 +271,25 @@ def saved_keys(path: Path) -> set[str]:
 # ----------------------------------------------------------------------------- model-only folders
 
 
+def _not_single_process_note(record) -> bool:
+    return "Running in single process mode" not in record.getMessage()
+
+
 @contextlib.contextmanager
 def _quiet_no_dist():
-    """DCP warns on every no_dist call that it assumes single-process use; we mean it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*single process.*")
-        yield
+    """DCP warns on every no_dist call that it assumes single-process use, and its HF
+    consolidation logs the same; we mean it."""
+    consolidation = logging.getLogger("torch.distributed.checkpoint._consolidate_hf_safetensors")
+    consolidation.addFilter(_not_single_process_note)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to.*single process.*"
+            )
+            yield
+    finally:
+        consolidation.removeFilter(_not_single_process_note)
 
 
 def _canonical(name: str) -> str:
