@@ -289,13 +289,13 @@ class Checkpointer:
         if path is None:
             return self._initial_load()
         self._check_identity(path, "cannot resume from", RESUME_FIX)
+        why = resume_problem(path, self.trained_with or {}, self.cfg.exclude_from_loading)
+        if why:
+            raise CheckpointError(f"cannot resume from {path}: {why}")
         if self.states["model"].partial:
             # the checkpoint holds what training changed (adapters); the rest is the base
             self._initial_load()
         keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
-        why = resume_problem(path, self.trained_with or {}, self.cfg.exclude_from_loading)
-        if why:
-            raise CheckpointError(f"cannot resume from {path}: {why}")
         present = saved_keys(path)
         absent = [k for k in keys if k not in present]
         if absent:

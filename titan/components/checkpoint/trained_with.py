@@ -33,9 +33,10 @@ def saved_trained_with(path: Path) -> dict:
 def resume_problem(path: Path, ours: dict, exclude: list[str]) -> str | None:
     """Why the step folder `path` does not resume into a run that trains with `ours`
     (`trained_with`), not loading the state parts `exclude`; None if it does."""
-    saved = saved_trained_with(path)
+    marker = _marker(path)
+    saved = marker.get("trained_with") or {}
     theirs_opt, our_opt = saved.get("optimizer"), ours.get("optimizer")
-    loads_optimizer = "optimizer" not in exclude and not _marker(path).get("model_only")
+    loads_optimizer = "optimizer" not in exclude and not marker.get("model_only")
     if loads_optimizer and theirs_opt and our_opt and theirs_opt != our_opt:
         return (
             f"its optimizer state is {theirs_opt}'s and this run's optimizer is {our_opt}: "
