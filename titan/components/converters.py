@@ -88,16 +88,13 @@ def enabled_specs(job) -> list[ConverterSpec]:
     return sorted(on, key=lambda s: s.order)  # stable: ties keep registration order
 
 
-def _disabled_sections(job) -> dict[str, str]:
-    return {
-        key: f"the {spec.name} converter is off"
-        for spec in _CONVERTERS.entries.values()
-        if spec.section and not _is_enabled(spec, job)
-        for key in extensions.changed_keys(job, spec.section, typed=True)
-    }
-
-
-extensions.register_ignored(_disabled_sections)
+extensions.register_ignored(
+    lambda job: _CONVERTERS.unused_sections(
+        job,
+        used=lambda spec: _is_enabled(spec, job),
+        why=lambda spec: f"the {spec.name} converter is off",
+    )
+)
 
 
 def names() -> list[str]:

@@ -179,6 +179,16 @@ class Registry:
             if spec.check:
                 spec.check(job)
 
+    def unused_sections(self, job, used: Callable, why: Callable) -> dict[str, str]:
+        """{key: why(spec)} for the options of each entry's own section that the command line
+        sets while `used(spec)` is false (for `register_ignored`)."""
+        return {
+            key: why(spec)
+            for spec in self.entries.values()
+            if spec.section and not used(spec)
+            for key in changed_keys(job, spec.section, typed=True)
+        }
+
     def options_of(self, spec, sections: dict):
         """The entry's own section among a job's added sections (None without one)."""
         return sections[spec.section] if spec.section else None

@@ -502,7 +502,8 @@ def _ignored_parallelism(job: JobConfig) -> dict[str, str]:
         "pipeline_parallel_": p.pipeline_parallel_degree == 1,
     }
     # typed on the command line: a config file's are a template for the other degrees
-    for key in extensions.changed_keys(job, "parallelism", typed=True):
+    typed = extensions.changed_keys(job, "parallelism", typed=True)
+    for key in typed:
         name = key.split(".", 1)[1]
         for prefix, off in unused.items():
             if off and name.startswith(prefix) and name != prefix + "degree":
@@ -514,7 +515,7 @@ def _ignored_parallelism(job: JobConfig) -> dict[str, str]:
             out[key] = "parallelism.tensor_parallel_degree is 1"
     if p.context_parallel_degree > 1 and p.context_parallel_type != "hybrid":
         key = "parallelism.context_parallel_alltoall_degree"
-        if key in extensions.changed_keys(job, "parallelism", typed=True):
+        if key in typed:
             out[key] = f"parallelism.context_parallel_type is {p.context_parallel_type}"
     return out
 

@@ -79,14 +79,10 @@ def _check(job) -> None:
 extensions.register_check(_check)
 
 
-def _other_optimizers(job) -> dict[str, str]:
-    name = job.optimizer.name
-    return {
-        key: f"optimizer.name is {name}"
-        for spec in _OPTIMIZERS.entries.values()
-        if spec.section and spec.name != name
-        for key in extensions.changed_keys(job, spec.section, typed=True)
-    }
-
-
-extensions.register_ignored(_other_optimizers)
+extensions.register_ignored(
+    lambda job: _OPTIMIZERS.unused_sections(
+        job,
+        used=lambda spec: spec.name == job.optimizer.name,
+        why=lambda spec: f"optimizer.name is {job.optimizer.name}",
+    )
+)
