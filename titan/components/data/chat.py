@@ -10,7 +10,6 @@ conversation its own window. Windows are then read in `GlobalOrder`, as packed t
 """
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,13 @@ from torch.utils.data import Dataset
 
 from titan.components.data.batch import Batch, sample
 from titan.components.data.chat_template import ChatTemplate
-from titan.components.data.dataset import DataError, check_messages, iter_column, open_hub
+from titan.components.data.dataset import (
+    DataError,
+    check_messages,
+    iter_column,
+    open_hub,
+    with_progress,
+)
 from titan.components.training.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -62,15 +67,11 @@ def encode_conversations(source: list[Path] | str, template: ChatTemplate, opts:
     """(ids, labels) int32 arrays per conversation in the data's order, cut to fit a window
     (or left out: `opts.truncate`); and their counts. `source`: local files or a hub name."""
     counts, out = ChatCounts(), []
-    start = last = time.monotonic()
-    for batch in _message_batches(source, opts.messages_field):
-        if time.monotonic() - last >= 5.0:  # a large corpus takes a while: say how far
-            last = time.monotonic()
-            logger.info(
-                "rendering chat data: %d conversations so far (%.0fs)",
-                counts.conversations,
-                last - start,
-            )
+    batches = with_progress(
+        _message_batches(source, opts.messages_field),
+        lambda s: f"rendering chat data: {counts.conversations} conversations so far ({s:.0f}s)",
+    )
+    for batch in batches:
         for messages in batch:
             counts.conversations += 1
             try:

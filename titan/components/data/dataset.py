@@ -9,6 +9,7 @@ Indexed sources (local files, token shards) are packed into windows with a globa
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +198,18 @@ def open_local(files: list[Path]):
     return load_dataset(
         fmt, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs
     ), fmt
+
+
+def with_progress(items, line: Callable[[float], str], every_s: float = 5.0):
+    """`items`, logging `line(seconds so far)` every `every_s` seconds of a slow read
+    (tokenizing a corpus, rendering chat data)."""
+    start = last = time.monotonic()
+    for item in items:
+        yield item
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            logger.info("%s", line(now - start))
 
 
 def chat_hint(fields) -> str:

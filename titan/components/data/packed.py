@@ -7,7 +7,6 @@ once into the same shard format in a cache and read memory-mapped from then on.
 import hashlib
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from titan.components.data.batch import Batch, sample
-from titan.components.data.dataset import DataError, iter_texts
+from titan.components.data.dataset import DataError, iter_texts, with_progress
 from titan.components.data.token_shards import (
     ArrayTokens,
     ShardError,
@@ -98,17 +97,6 @@ def _cache_key(files: list[Path], tokenizer: Tokenizer, text_field: str) -> str:
     return h.hexdigest()[:20]
 
 
-def _with_progress(docs, tokens, every_s: float = 5.0):
-    """`docs`, logging the tokens written every `every_s` seconds of a slow read."""
-    start = last = time.monotonic()
-    for ids in docs:
-        yield ids
-        now = time.monotonic()
-        if now - last >= every_s:
-            last = now
-            logger.info("tokenizing: %d tokens so far (%.0fs)", tokens(), now - start)
-
-
 def cached_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> TokenShards:
     """Tokenize local files once into a shard folder under TITAN_CACHE_DIR (default
     ~/.cache/titan), keyed by the files' paths, sizes and modification times and the
@@ -142,7 +130,9 @@ def cached_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> T
             for batch in encode_documents(tokenizer, iter_texts(files, text_field))
             for ids in batch
         )
-        writer.add(_with_progress(docs, lambda: writer.tokens))
+        writer.add(
+            with_progress(docs, lambda s: f"tokenizing: {writer.tokens} tokens so far ({s:.0f}s)")
+        )
         return TokenShards(writer.close(), tokenizer)
     except BaseException:
         writer.abort()
