@@ -1,6 +1,9 @@
 """The GPU suite: one command that measures titan on one GPU against torchtitan, and the
 checks that need a GPU. Rows (each a fresh trainer process, titan and torchtitan interleaved):
 
+- train/peer (MoE, first): DeepSeek-V3 at Moonlight-16B-A3B's shape (64 routed experts, 6 a
+  token, 2 shared) and Qwen3-30B-A3B's (128 experts, 8 a token), each cut to 4 layers, bf16,
+  selective AC, expert parallelism 1, each followed by torchtitan on the same shape;
 - train/peer: Llama 3 8B cut to --cut-layers layers and Llama 3 1B, seq_len 8192, bf16,
   torch.compile; selective (per-op) vs full AC; float8 (rowwise) vs bf16. Each titan row is
   followed by torchtitan on the same shape, batch, seq_len, AC, compile and dtype: tokens/s
@@ -9,8 +12,6 @@ checks that need a GPU. Rows (each a fresh trainer process, titan and torchtitan
   the 8B shape, datasheet). Both use the bundled tokenizer (vocabulary 2048) and corpus. On
   one GPU titan (dp_shard 1) applies no FSDP and computes bf16 under autocast; torchtitan
   0.2 does the same, 0.3 wraps a one-rank FSDP (see gpu_suite_torchtitan.py);
-- train (MoE, no peer): DeepSeek-V3 at Moonlight-16B-A3B's shape cut to 4 layers (64 routed
-  experts, 6 a token), bf16, selective AC, expert parallelism 1;
 - checkpoint: training blocked by an async (pinned-memory) save vs a sync save (< 10%);
 - tests: the 1-GPU CUDA tests (TITAN_TEST_DEVICE=cuda pytest -m "integration or gpu", a
   selection: see --tests), among them the CUDA-only observability checks: memory snapshots
@@ -22,7 +23,7 @@ reported as such and the suite goes on; the exit code is 1 if any did.
 On the lent GPU machine (Python 3.12, torch 2.11, no network): here, once,
 `bash scripts/gpu_wheels.sh` (titan's data stack, torchao, torchtitan 0.2.2: 0.3.0 needs a
 newer torch than 2.11), then one device-tool call (carry [".whl"]). On an H200 each row takes
-30-60 s (the compiled ones included), about 8 minutes for all 12; rows run in order of
+30-60 s (the compiled ones included), about 10 minutes for all 16; rows run in order of
 importance, and `--budget` stops the suite in time, reporting the rest as skipped (the JSON is
 written after every row):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -277,7 +278,7 @@ def run_row(row, ctx: dict, timeout: float) -> dict:
         if ctx["peer_status"]:
             res["status"] = ctx["peer_status"]
         else:
-            margs = model_args(row.shape, ctx["vocab"], row.seq_len)
+            margs = model_args(row.shape, ctx["vocab"], row.seq_len, row.model)
             spec = peer_side.peer_spec(
                 row, margs, args.device, *ctx["peer_inputs"], dump, args.peer_attention
             )

@@ -75,17 +75,43 @@ def plan(
         # debug-model-sized stand-ins; fp32, as bf16 matmuls on CPUs without bf16 units run
         # 20x slower; compile on one row only (its compilation dominates a tiny run)
         big, small, ckpt_shape = "debugmodel_cut2", "debugmodel", "debugmodel"
-        moe = "debugmodel"
+        moes = {"deepseek_v3": "debugmodel", "qwen3": "debugmodel_moe"}
         seq, big_batch, small_batch, n, warm, dtype = 64, 2, 2, steps or 6, 2, "float32"
         compile_rows = {0}
     else:
         big, small, ckpt_shape = f"8B_cut{cut_layers}", "1B", "1B_cut4"
-        # Moonlight-16B-A3B's width, 64 experts (6 a token, 2 shared) on 4 layers (one dense)
-        moe = "16B_cut4"
+        # Moonlight-16B-A3B's width (64 experts, 6 a token, 2 shared) and Qwen3-30B-A3B's
+        # (128 experts, 8 a token), 4 layers each (Moonlight's first one dense)
+        moes = {"deepseek_v3": "16B_cut4", "qwen3": "30B-A3B_cut4"}
         seq, big_batch, small_batch, n, warm, dtype = 8192, 1, 2, steps or 20, 8, "bfloat16"
         compile_rows = {0, 1, 2, 3}
-    # the order is what a short lease should get first: the 8B pair, then the CUDA tests,
-    # the 1B pair, the MoE row and the saves; full AC and float8 last (see --budget)
+
+    def pair(label: str, **common) -> list[Row]:
+        kind_rows = [k for k in ("train", "peer") if k in kinds]
+        return [Row(k, label, **common) for k in kind_rows]
+
+    # the order is what a short lease should get first: the MoE pairs (the open question),
+    # the 8B pair, the CUDA tests, the 1B pair and the saves; full AC and float8 last (see
+    # --budget)
+    moe_pairs = {}
+    # compiled on the GPU only (on the CPU, compilation would dominate the dry run)
+    for c in (False,) if tiny else (False, True):
+        for model, shape in moes.items():
+            family = {"deepseek_v3": "DeepSeek-V3", "qwen3": "Qwen3-MoE"}[model]
+            moe_pairs.setdefault(c, []).extend(
+                pair(
+                    f"{family} {_label(shape, dtype, False, 'selective', c)}",
+                    shape=shape,
+                    model=model,
+                    seq_len=seq,
+                    batch=big_batch,
+                    steps=n,
+                    warmup=warm,
+                    dtype=dtype,
+                    compile=c,
+                )
+            )
+    rows = list(moe_pairs[False])
     train = [
         (big, False, "selective"),
         (small, False, "selective"),
@@ -95,25 +121,21 @@ def plan(
     pairs = []
     for i, (shape, f8, ac) in enumerate(train):
         c = i in compile_rows
-        common = dict(
-            shape=shape,
-            seq_len=seq,
-            batch=big_batch if shape == big else small_batch,
-            steps=n,
-            warmup=warm,
-            dtype=dtype,
-            float8=f8,
-            ac=ac,
-            compile=c,
+        pairs.append(
+            pair(
+                _label(shape, dtype, f8, ac, c),
+                shape=shape,
+                seq_len=seq,
+                batch=big_batch if shape == big else small_batch,
+                steps=n,
+                warmup=warm,
+                dtype=dtype,
+                float8=f8,
+                ac=ac,
+                compile=c,
+            )
         )
-        label = _label(shape, dtype, f8, ac, c)
-        pair = []
-        if "train" in kinds:
-            pair.append(Row("train", label, **common))
-        if "peer" in kinds:
-            pair.append(Row("peer", label, **common))
-        pairs.append(pair)
-    rows = list(pairs[0])
+    rows += pairs[0] + moe_pairs.get(True, [])
     if "tests" in kinds:
         if tests is None:
             # on the GPU: the gpu-marked tests and the debug model's learning run on CUDA;
@@ -134,22 +156,6 @@ def plan(
             Row("tests", f"pytest on {device}: {' '.join(tests)}", pytest_args=tuple(tests))
         )
     rows += pairs[1]
-    if "train" in kinds:
-        # an MoE (DeepSeek-V3, expert parallelism 1: one GPU) for the record; torchtitan's
-        # side is only built for Llama shapes, so it has no peer row
-        rows.append(
-            Row(
-                "train",
-                f"DeepSeek-V3 {_label(moe, dtype, False, 'selective', False)}",
-                shape=moe,
-                model="deepseek_v3",
-                seq_len=seq,
-                batch=big_batch,
-                steps=n,
-                warmup=warm,
-                dtype=dtype,
-            )
-        )
     if "checkpoint" in kinds:
         # saves every 2 steps: the first async save allocates (and pins) the staging buffers,
         # the last is always blocking; the ones between are the steady state compared

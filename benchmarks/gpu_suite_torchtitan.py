@@ -18,9 +18,34 @@ machine. Two release lines are driven, as their configs differ:
 Both get titan's float8 recipe (rowwise) with the output projection left in high precision.
 Metrics come from its TensorBoard events (loss, tokens/s, max reserved memory).
 
+MoE rows (row.model deepseek_v3 or qwen3) have peers on 0.2.x only (0.3 refuses them): the
+shape is registered as flavor "gpu_suite" of its deepseekv3_args / qwen3_args, trained with
+`--model.name deepseek_v3` / `qwen3`. Dims, heads, MLA ranks and head dims, dense layers,
+experts, top_k, shared experts, score function, renormalized top-k weights, route scale and
+expert groups are titan's; causal SDPA; its grouped-mm experts on CUDA (its DeepSeek-V3 falls
+back to a loop itself below SM90). What differs and cannot be made equal:
+- balancing: 0.2 has no auxiliary loss at all, so titan's DeepSeek-V3 sequence-wise loss
+  (coefficient 1e-4) and Qwen3-MoE's load-balancing loss (1e-3) have no counterpart there.
+  DeepSeek-V3's expert bias moves by titan's rate after each step (its load_balance_coeff),
+  by the same sign rule, re-centred to mean zero (titan's is not); its Qwen3 never moves a
+  bias, so the peer has none (as titan's Qwen3 at the default rate 0);
+- its Qwen3 puts experts in every layer or none: a titan shape with dense layers among MoE
+  ones (the debug model's first layer) gets experts there too, and more parameters (the
+  Qwen3-30B-A3B shape has none and matches exactly);
+- DeepSeek-V3 YaRN: it scales RoPE only past original_seq_len and has no rotation mscale; the
+  published 16B uses plain RoPE, which the peer keeps with a factor of 1 over the row's
+  length. A titan shape it cannot reproduce (such YaRN, multi-token prediction, tied
+  embeddings, two-halves RoPE) is refused rather than run as another model;
+- precision details: its router projection runs in the autocast dtype (titan's sigmoid
+  router in float32), its grouped mm in bf16 whatever the dtype, and its DeepSeek-V3 final
+  norm uses torch's default eps instead of norm_eps.
+
 On CPU (the dry run) the entry first makes torchtitan take the CPU as its device, which it
 does not do itself (peak memory then is the process's peak RSS, as in titan); 0.3 gets causal
-SDPA there, as flex attention has no CPU backward.
+SDPA there, as flex attention has no CPU backward. MoE peers there run their experts as a
+loop (its grouped-mm path pads with a Triton kernel) and count tokens per expert through a
+float histogram (the CPU has no integer one). torchtitan 0.2.2 imports triton whatever the
+device, so the CPU run needs the triton package installed.
 """
 
 import json
@@ -57,24 +82,15 @@ def probe(env: dict) -> tuple[str | None, str]:
 def peer_spec(
     row, args, device: str, tokenizer_dir: Path, data_dir: Path, dump: Path, attention: str
 ) -> dict:
-    """Everything the entry needs, from the titan row and titan's model args for its shape."""
+    """Everything the entry needs, from the titan row and titan's model args for its shape
+    (`args` must be of the row's family, row.model)."""
+    shapes = {"llama3": _llama3_shape, "deepseek_v3": _deepseek_v3_shape, "qwen3": _qwen3_shape}
+    if row.model not in shapes:
+        raise ValueError(f"no torchtitan peer for model {row.model!r} (only {', '.join(shapes)})")
     return {
+        "model": row.model,
         "device": device,
-        "dim": args.dim,
-        "n_layers": args.n_layers,
-        "n_heads": args.n_heads,
-        "n_kv_heads": args.n_kv_heads,
-        "vocab_size": args.vocab_size,
-        "ffn_hidden": args.ffn_hidden_dim,
-        "multiple_of": args.multiple_of,
-        "ffn_dim_multiplier": args.ffn_dim_multiplier,
-        "norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": args.rope_scaling_factor,
-        "rope_low": args.rope_low_freq_factor,
-        "rope_high": args.rope_high_freq_factor,
-        "rope_original_max_len": args.rope_original_max_len,
-        "tied": args.tie_word_embeddings,
+        **shapes[row.model](args, row.seq_len),
         "seq_len": row.seq_len,
         "batch": row.batch,
         "steps": row.steps,
@@ -86,6 +102,111 @@ def peer_spec(
         "tokenizer_dir": str(tokenizer_dir),
         "data_dir": str(data_dir),
         "dump": str(dump),
+    }
+
+
+def _common_shape(args) -> dict:
+    return {
+        "dim": args.dim,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "vocab_size": args.vocab_size,
+        "ffn_hidden": args.ffn_hidden_dim,
+        "norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "tied": args.tie_word_embeddings,
+    }
+
+
+def _llama3_shape(args, seq_len: int) -> dict:
+    return {
+        **_common_shape(args),
+        "n_kv_heads": args.n_kv_heads,
+        "multiple_of": args.multiple_of,
+        "ffn_dim_multiplier": args.ffn_dim_multiplier,
+        "rope_scaling": args.rope_scaling_factor,
+        "rope_low": args.rope_low_freq_factor,
+        "rope_high": args.rope_high_freq_factor,
+        "rope_original_max_len": args.rope_original_max_len,
+    }
+
+
+def _moe_shape(args) -> dict | None:
+    """The routed experts' settings with the run's balancing (titan's MoEArgs), or None."""
+    m = args.moe_args()
+    if m is None:
+        return None
+    return {
+        "n_experts": m.n_experts,
+        "top_k": m.top_k,
+        "hidden": m.hidden_dim,
+        "n_shared": m.n_shared_experts,
+        "score_func": m.score_func,
+        "route_norm": m.norm_topk_prob,
+        "route_scale": m.route_scale,
+        "n_groups": m.n_groups,
+        "topk_groups": m.topk_groups,
+        # a bias that never moves stays zero: the same routing as no bias
+        "bias_update_rate": m.bias_update_rate if m.score_bias else 0.0,
+    }
+
+
+def _deepseek_v3_shape(args, seq_len: int) -> dict:
+    problems = _deepseek_v3_problems(args, seq_len)
+    if problems:
+        raise ValueError(f"torchtitan 0.2's DeepSeek-V3 cannot match: {'; '.join(problems)}")
+    return {
+        **_common_shape(args),
+        "moe": _moe_shape(args),
+        "n_dense_layers": args.n_dense_layers,
+        "q_lora_rank": args.q_lora_rank,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "rope_scaling": args.rope_scaling_factor,
+        "rope_original_max_len": args.rope_original_max_len,
+        "rope_beta_fast": args.rope_beta_fast,
+        "rope_beta_slow": args.rope_beta_slow,
+        "rope_mscale": args.rope_mscale_all_dim,
+    }
+
+
+def _deepseek_v3_problems(args, seq_len: int) -> list[str]:
+    """What of titan's DeepSeek-V3 torchtitan 0.2's cannot express (empty: nothing)."""
+    out = [] if args.moe else ["moe None (it builds routed experts past n_dense_layers)"]
+    if args.mtp_depth:
+        out.append(f"mtp_depth {args.mtp_depth} (it has no multi-token prediction)")
+    if not args.interleaved_rope:
+        out.append("interleaved_rope False (it rotates pairs (2i, 2i+1) only)")
+    if args.tie_word_embeddings:
+        out.append("tie_word_embeddings (it never ties)")
+    if args.rope_scaling_factor is not None:
+        # it applies YaRN only past original_seq_len, its one mscale setting the softmax
+        # temperature, with no rotation scale: titan's case of equal mscales, past that length
+        if not args.rope_mscale or args.rope_mscale != args.rope_mscale_all_dim:
+            out.append(
+                f"YaRN with rope_mscale {args.rope_mscale} != rope_mscale_all_dim "
+                f"{args.rope_mscale_all_dim}"
+            )
+        if seq_len <= args.rope_original_max_len:
+            out.append(
+                f"YaRN at seq_len {seq_len} <= rope_original_max_len "
+                f"{args.rope_original_max_len} (it scales only longer sequences)"
+            )
+    return out
+
+
+def _qwen3_shape(args, seq_len: int) -> dict:
+    if args.rope_scaling_factor is not None:
+        raise ValueError("torchtitan 0.2's Qwen3 has no YaRN: rope_scaling_factor must be None")
+    return {
+        **_common_shape(args),
+        "moe": _moe_shape(args),
+        "n_kv_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        # it puts experts in every layer or none; the entry says so when titan's differ
+        "dense_layers": [i for i in range(args.n_layers) if not args.is_moe_layer(i)],
     }
 
 
@@ -232,7 +353,11 @@ def suite_config():
 
 
 def _v02_register(s: dict) -> None:
-    """The row's shape as flavor "gpu_suite" of torchtitan 0.2's llama3 args."""
+    """The row's shape as flavor "gpu_suite" of its family's args in torchtitan 0.2."""
+    {"llama3": _v02_llama3, "deepseek_v3": _v02_deepseek_v3, "qwen3": _v02_qwen3}[s["model"]](s)
+
+
+def _v02_llama3(s: dict) -> None:
     from torchtitan.models.llama3 import llama3_args
     from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 
@@ -255,8 +380,101 @@ def _v02_register(s: dict) -> None:
     )
 
 
+def _v02_moe(s: dict):
+    """torchtitan 0.2's MoEArgs for the row's routed experts."""
+    from torchtitan.models.moe import MoEArgs
+
+    m = s["moe"]
+    grouped = m["n_groups"] > 1
+    return MoEArgs(
+        num_experts=m["n_experts"],
+        num_shared_experts=m["n_shared"],
+        score_func=m["score_func"],
+        route_norm=m["route_norm"],
+        route_scale=m["route_scale"],
+        # titan weighs each expert's output, not its input
+        score_before_experts=False,
+        top_k=m["top_k"],
+        num_expert_groups=m["n_groups"] if grouped else None,
+        num_limited_groups=m["topk_groups"] if grouped else None,
+        # its grouped-mm path pads token groups with a Triton kernel: none on the CPU
+        use_grouped_mm=s["device"] != "cpu",
+        # its name for the expert-bias update rate; None: no bias at all
+        load_balance_coeff=m["bias_update_rate"] or None,
+    )
+
+
+def _v02_deepseek_v3(s: dict) -> None:
+    from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs, deepseekv3_args
+
+    yarn = s["rope_scaling"] is not None
+    deepseekv3_args["gpu_suite"] = DeepSeekV3ModelArgs(
+        max_seq_len=s["seq_len"],
+        vocab_size=s["vocab_size"],
+        dim=s["dim"],
+        inter_dim=s["ffn_hidden"],
+        moe_inter_dim=s["moe"]["hidden"],
+        n_layers=s["n_layers"],
+        n_dense_layers=s["n_dense_layers"],
+        n_heads=s["n_heads"],
+        norm_eps=s["norm_eps"],
+        moe_args=_v02_moe(s),
+        q_lora_rank=s["q_lora_rank"],
+        kv_lora_rank=s["kv_lora_rank"],
+        qk_nope_head_dim=s["qk_nope_head_dim"],
+        qk_rope_head_dim=s["qk_rope_head_dim"],
+        v_head_dim=s["v_head_dim"],
+        attn_type="sdpa",
+        attn_mask_type="causal",
+        rope_theta=s["rope_theta"],
+        # it applies YaRN to sequences longer than original_seq_len: without titan's YaRN,
+        # a factor of 1 over the row's own length keeps plain RoPE
+        original_seq_len=s["rope_original_max_len"] if yarn else s["seq_len"],
+        rope_factor=s["rope_scaling"] if yarn else 1.0,
+        beta_fast=s["rope_beta_fast"],
+        beta_slow=s["rope_beta_slow"],
+        mscale=s["rope_mscale"] if yarn else 1.0,
+    )
+
+
+def _v02_qwen3(s: dict) -> None:
+    from torchtitan.models.qwen3 import Qwen3ModelArgs, qwen3_args
+
+    moe = s["moe"] is not None
+    if moe and s["dense_layers"]:
+        print(
+            f"gpu_suite peer: torchtitan 0.2's Qwen3 puts experts in every layer; titan's "
+            f"layers {s['dense_layers']} are dense (its parameter count differs)",
+            flush=True,
+        )
+    moe_kw = (
+        {"moe_enabled": True, "moe_inter_dim": s["moe"]["hidden"], "moe_args": _v02_moe(s)}
+        if moe
+        else {}
+    )
+    qwen3_args["gpu_suite"] = Qwen3ModelArgs(
+        dim=s["dim"],
+        n_layers=s["n_layers"],
+        n_heads=s["n_heads"],
+        n_kv_heads=s["n_kv_heads"],
+        vocab_size=s["vocab_size"],
+        head_dim=s["head_dim"],
+        hidden_dim=s["ffn_hidden"],
+        norm_eps=s["norm_eps"],
+        rope_theta=s["rope_theta"],
+        qk_norm=True,
+        max_seq_len=s["seq_len"],
+        attn_type="sdpa",
+        attn_mask_type="causal",
+        enable_weight_tying=s["tied"],
+        **moe_kw,
+    )
+
+
 def _v02_args(s: dict) -> list[str]:
     out = [
+        "--model.name",
+        s["model"],
         "--model.flavor",
         "gpu_suite",
         "--model.hf_assets_path",
@@ -350,11 +568,33 @@ def _cpu_device() -> None:
         torch.distributed.set_timeout = lambda timeout, group=None: None
 
 
+def _cpu_integer_histc() -> None:
+    """torchtitan's MoE router counts tokens per expert with torch.histc on the int64 expert
+    ids, which CUDA takes and the CPU does not: on the CPU the ids are counted as floats (exact:
+    one unit-wide bin per expert) and the counts given back as integers, as CUDA's are."""
+    import torch
+
+    histc = torch.histc
+
+    def integer_histc(input, bins=100, min=0, max=0, **kw):
+        if input.is_floating_point():
+            return histc(input, bins, min, max, **kw)
+        return histc(input.float(), bins, min, max).to(input.dtype)
+
+    torch.histc = integer_histc
+
+
 def main() -> None:
     import importlib.metadata
 
     s = json.loads(os.environ[PEER_ENV])
-    v02 = importlib.metadata.version("torchtitan").startswith("0.2.")
+    version = importlib.metadata.version("torchtitan")
+    v02 = version.startswith("0.2.")
+    if not v02 and s["model"] != "llama3":
+        raise NotImplementedError(
+            f"torchtitan {version}: only 0.2.x MoE peers are supported ({s['model']} is "
+            "built for torchtitan 0.2's args only); carry torchtitan 0.2.x"
+        )
     # before any torchtitan import: 0.2's parser binds sys.argv when its module is imported
     sys.argv = [
         sys.argv[0],
@@ -363,6 +603,7 @@ def main() -> None:
     ]
     if s["device"] == "cpu":
         _cpu_device()
+        _cpu_integer_histc()
     if v02:
         _v02_register(s)
         from torchtitan.train import Trainer

@@ -68,10 +68,12 @@ def test_dry_run_takes_every_path(tmp_path):
     by_kind = {
         k: [r for r in rows if r["kind"] == k] for k in ("train", "peer", "checkpoint", "tests")
     }
-    assert [len(v) for v in by_kind.values()] == [5, 4, 2, 1]
-    # the MoE row (no torchtitan peer) learns too
-    (moe,) = [r for r in by_kind["train"] if r["model"] == "deepseek_v3"]
-    assert moe["flops_per_token"] > 0 and moe["loss_last"] < moe["loss_first"], moe
+    assert [len(v) for v in by_kind.values()] == [6, 6, 2, 1]
+    # the MoE rows run first (a short lease's first question), and learn
+    moes = [r for r in rows[:4] if r["kind"] == "train"]
+    assert [r["model"] for r in moes] == ["deepseek_v3", "qwen3"]
+    for moe in moes:
+        assert moe["flops_per_token"] > 0 and moe["loss_last"] < moe["loss_first"], moe
 
     for r in by_kind["train"]:
         assert r["status"] == "ok", r
@@ -127,5 +129,24 @@ def test_budget_skips_what_it_cannot_start(tmp_path):
     args = ["--rows", "train,checkpoint", "--only", "SAC,save", "--budget", "1"]
     rows = tiny_suite(tmp_path / "suite.json", *args, timeout=300)[1]["rows"]
     # --only: the rows named SAC (not the full-AC one) and the saves
-    assert sorted(r["kind"] for r in rows) == ["checkpoint"] * 2 + ["train"] * 4
+    assert sorted(r["kind"] for r in rows) == ["checkpoint"] * 2 + ["train"] * 5
     assert {r["status"] for r in rows} == {"skipped: over the suite's --budget"}
+
+
+def test_the_experts_benchmark_times_every_path(capsys):
+    """benchmarks/moe_experts.py's dry run: the four ways the experts compute, each timed."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import moe_experts
+    finally:
+        sys.path.pop(0)
+    assert moe_experts.main(["--device", "cpu", "--tiny", "--iters", "1"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| debug")]
+    paths = [tuple(c.strip() for c in r.split("|")[2:4]) for r in rows]
+    assert paths == [
+        ("bf16 autocast", "grouped GEMM"),
+        ("bf16 autocast", "per-expert loop"),
+        ("fp32", "grouped GEMM"),
+        ("fp32", "per-expert loop"),
+    ]
+    assert all(float(r.split("|")[4]) > 0 for r in rows)

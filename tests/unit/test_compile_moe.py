@@ -1,7 +1,7 @@
 """Compiled MoE blocks on CPU: torch.compile traces every block of the MoE debug models whole
 (no graph break in titan's code: the experts' grouped GEMM, the balancing loss, the routing
-counts), with per-op activation checkpointing and LoRA experts too, and the compiled step
-gives eager's loss and gradients."""
+counts), with per-op activation checkpointing, LoRA experts and bf16 autocast too, and the
+compiled step gives eager's loss and gradients."""
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ SETUPS = {
     "plain": {},
     "per-op AC": {"ac": "op"},
     "LoRA experts": {"lora": [r"feed_forward\.experts\.w\d$", r"attention\.wo$"]},
+    "bf16 autocast": {"autocast": True},
 }
 
 
@@ -40,10 +41,11 @@ def _model(family: str, flavor: str, setup: dict):
     return model.train()
 
 
-def _step(model, tokens):
+def _step(model, tokens, autocast=False):
     with AuxLossCollector(1.0) as aux:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), aux.floats(), grads
@@ -62,8 +64,9 @@ def test_moe_blocks_compile_whole_and_match_eager(model_name, setup):
     counters.clear()
     compile_blocks(compiled.layers, "aot_eager", fullgraph=False)
     tokens = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(1))
-    want_loss, want_aux, want_grads = _step(eager, tokens)
-    got_loss, got_aux, got_grads = _step(compiled, tokens)
+    autocast = SETUPS[setup].get("autocast", False)
+    want_loss, want_aux, want_grads = _step(eager, tokens, autocast)
+    got_loss, got_aux, got_grads = _step(compiled, tokens, autocast)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] > 0  # it compiled at all
     # the same ops in the same order (aot_eager's decompositions keep fp32 rounding to a few

@@ -44,6 +44,20 @@ def memory_gib(device: torch.device) -> dict[str, float]:
     return stats
 
 
+def on_host(values: dict) -> dict:
+    """`values` with each tensor replaced by its number (0-dim) or list of numbers, read from
+    the device in one copy: figures measured every step stay on the device until logged."""
+    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        return values
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors.values()]).tolist()
+    out, at = dict(values), 0
+    for k, t in tensors.items():
+        out[k] = flat[at] if t.dim() == 0 else flat[at : at + t.numel()]
+        at += t.numel()
+    return out
+
+
 def _short(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -134,7 +148,8 @@ class MetricsLogger:
         """The record of the window ending at `step`, printed; every rank must call it.
         `tokens_seen`: training tokens consumed by all ranks so far. An `extra` value that is
         a list of numbers (an MoE layer's expert loads) is a distribution for the writers,
-        not printed."""
+        not printed; a tensor is read here (`on_host`)."""
+        extra = on_host(extra)
         w = self.window
         elapsed = max(time.perf_counter() - w.start - w.excluded_s, 1e-9)
         tps = w.tokens / elapsed

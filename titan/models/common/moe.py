@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from titan.models.common.aux_loss import TokenSplit, attach_group_loss, collecting, token_split
 from titan.models.common.feed_forward import FeedForward
-from titan.models.common.grouped_mm import grouped_mm
+from titan.models.common.grouped_mm import compute_dtype, grouped_mm
 from titan.models.common.init import normal, zeros
 from titan.models.common.moe_args import MoEArgs
 
@@ -165,7 +165,7 @@ class GroupedExperts(nn.Module):
 
 def _sizes(counts: torch.Tensor, rows: int) -> list[int]:
     if torch.compiler.is_compiling() or not is_fake(counts):
-        return counts.tolist()  # under torch.compile, a graph break (CUDA fp32, CPU bf16)
+        return counts.tolist()  # under torch.compile, a graph break (other devices)
     # fake tensors (the memory planner's trace) hold no values; whatever the split, the
     # experts' tensors add up to the same rows x width, so an even one has the same bytes
     n = counts.numel()
@@ -173,18 +173,20 @@ def _sizes(counts: torch.Tensor, rows: int) -> list[int]:
 
 
 def _grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Where torch's grouped GEMM runs: CUDA in bfloat16 with 16-byte aligned rows; CPU in
+    """Where torch's grouped GEMM runs, in the dtype a linear layer would compute in (under
+    autocast, its dtype: `grouped_mm` casts the operands): CUDA in bfloat16, and in float32
+    (torch's fallback kernel, 3.6-7.4x faster than the per-expert loop on an H100 in spite of
+    its host reads of the offsets: benchmarks/RESULTS.md), with 16-byte aligned rows; CPU in
     float32, where it equals the per-expert loop bit for bit, forward and backward, and is
-    faster (tests/unit/test_moe.py), compiled too (through titan::grouped_mm). The planner's
-    fake tensors take it only in bfloat16, all torch's shape function accepts."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    faster (tests/unit/test_moe.py), and in bfloat16; compiled too (titan::grouped_mm). The
+    planner's fake tensors take it only in bfloat16, all torch's shape function accepts."""
+    dtype = compute_dtype(x, w)
+    if not hasattr(torch, "_grouped_mm") or dtype not in (torch.float32, torch.bfloat16):
         return False
-    cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
-    if cpu_fp32 and (torch.compiler.is_compiling() or not is_fake(x)):
-        return True
-    if x.is_cuda or is_fake(x):
-        return x.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
-    return False
+    aligned = (x.shape[-1] * dtype.itemsize) % 16 == 0 and (w.shape[-2] * dtype.itemsize) % 16 == 0
+    if torch.compiler.is_compiling() or not is_fake(x):  # a real run, eager or compiled
+        return x.device.type == "cpu" or (x.is_cuda and aligned)
+    return dtype == torch.bfloat16 and aligned
 
 
 class MoE(nn.Module):

@@ -33,7 +33,9 @@ def _moe_layers(parts: list[nn.Module]) -> dict[int, MoE]:
 def moe_balance_hook(parts: list[nn.Module], job) -> Callable[[bool], dict] | None:
     """The hook of a model with MoE layers (None for a dense one). Each call returns the step's
     metrics: `expert_load_imbalance` (the largest over layers of max / mean tokens per expert)
-    and `expert_load/layer_<i>` (each expert's share of the layer's tokens, for TensorBoard)."""
+    and `expert_load/layer_<i>` (each expert's share of the layer's tokens, for TensorBoard),
+    as tensors on the device: nothing waits for the device until a step is logged (the
+    trainer reads them then, all in one copy)."""
     args = parts[0].args
     if args.moe_args() is None:
         return None
@@ -60,10 +62,10 @@ def moe_balance_hook(parts: list[nn.Module], job) -> Callable[[bool], dict] | No
                 update_expert_bias_(moe.router.expert_bias, counts[i], rate)
         rows = counts[moe_rows]
         share = rows / rows.sum(dim=1, keepdim=True).clamp(min=1)
-        imbalance = (rows.max(dim=1).values / rows.mean(dim=1).clamp(min=1e-9)).max().item()
+        imbalance = (rows.max(dim=1).values / rows.mean(dim=1).clamp(min=1e-9)).max()
         return {
             "expert_load_imbalance": imbalance,
-            **{f"expert_load/layer_{i}": share[n].tolist() for n, i in enumerate(moe_rows)},
+            **{f"expert_load/layer_{i}": share[n] for n, i in enumerate(moe_rows)},
         }
 
     return after_step
