@@ -34,7 +34,8 @@ DISPATCH, COMBINE = "expert_parallel.dispatch", "expert_parallel.combine"
 
 class ExpertParallel(ParallelStyle):
     """`module` holds stacked expert weights (experts, ...) and is called as
-    module(rows sorted by expert, counts per expert).
+    module(rows sorted by expert, counts per expert); rows past the last expert's (choices
+    dropped for capacity) are not sent, and come back as zeros.
 
     `device_mesh` is the 1-D ep mesh, or (ep, tp) under tensor parallelism: then each tp rank
     dispatches its own tokens within its ep group and the experts are whole on the tp ranks,
@@ -153,11 +154,16 @@ class _Route:
         self.order = torch.argsort(expert * ep + source, stable=True)
 
     def send(self, x: torch.Tensor) -> torch.Tensor:
+        # rows past the experts' (choices dropped for capacity) stay here
+        self.rows = x.shape[0]
+        x = x[: sum(self.send_splits)]
         rows = funcol.all_to_all_single_autograd(x, self.recv_splits, self.send_splits, self.group)
         return rows[self.order]
 
     def receive(self, out: torch.Tensor) -> torch.Tensor:
         back = torch.empty_like(out).index_copy(0, self.order, out)
-        return funcol.all_to_all_single_autograd(
+        back = funcol.all_to_all_single_autograd(
             back, self.send_splits, self.recv_splits, self.group
         )
+        missing = self.rows - back.shape[0]  # the dropped rows' outputs: masked by the layer
+        return torch.cat([back, back.new_zeros(missing, back.shape[1])]) if missing else back

@@ -1,7 +1,8 @@
 """Mixture-of-experts feed-forward: a router picks each token's top-k experts, the routed
 experts (stacked 3-D SwiGLU weights) run over the tokens sorted by expert, and shared experts
-(when there are any) see every token. Dropless: every token reaches all k of its experts,
-however unevenly they are chosen.
+(when there are any) see every token. Dropless by default: every token reaches all k of its
+experts, however unevenly they are chosen; with a capacity factor an over-full expert drops
+choices (titan.models.common.moe_capacity).
 
 Routers: softmax top-k with optional renormalization of the k weights (Qwen3-MoE), and
 sigmoid scores with group-limited top-k, a score-correction bias that steers the choice but
@@ -21,8 +22,10 @@ from titan.models.common.feed_forward import FeedForward
 from titan.models.common.grouped_mm import compute_dtype, grouped_mm
 from titan.models.common.init import normal, zeros
 from titan.models.common.moe_args import MoEArgs
+from titan.models.common.moe_capacity import choice_ranks, padded_slots
 
 AUX_LOSS_NAME = "moe_aux_loss"  # how metrics.jsonl and TensorBoard name it
+Z_LOSS_NAME = "moe_z_loss"
 
 
 class Gate(nn.Linear):
@@ -58,11 +61,15 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (tokens, dim) -> weights (tokens, k) float32, indices (tokens, k), and every
         expert's score (tokens, experts) float32, which auxiliary losses use."""
+        return self.route(self.gate(x))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gate's logits (tokens, experts) -> what `forward` returns."""
         a = self.args
         if a.score_func == "sigmoid":
-            scores = self.gate(x).sigmoid()
+            scores = logits.sigmoid()
         else:
-            scores = self.gate(x).softmax(dim=-1, dtype=torch.float32)
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
         choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
         if a.n_groups > 1:
             grouped = choice.unflatten(-1, (a.n_groups, -1))
@@ -121,7 +128,9 @@ class GroupedExperts(nn.Module):
         return inits
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: (tokens, dim), sorted so that expert e's `counts[e]` tokens are contiguous."""
+        """x: (rows, dim), sorted so that expert e's `counts[e]` rows are contiguous; rows past
+        the last expert's (dropped token choices) are no expert's: their outputs are left
+        undefined by the grouped GEMM, zero by the loop, and the caller masks them."""
         if _grouped_mm_fits(x, self.w1):
             offsets = counts.cumsum(0).to(torch.int32)  # no host sync
             # each row's expert, for the biases (output_size: no host sync either)
@@ -138,7 +147,11 @@ class GroupedExperts(nn.Module):
             return linear(h, "w2", self.b2)
         # the same products one expert at a time, where torch's grouped GEMM cannot run
         sizes = _sizes(counts, x.shape[0])
-        outs = [self._one(e, chunk) for e, chunk in enumerate(x.split(sizes)) if sizes[e]]
+        rest = x.shape[0] - sum(sizes)
+        chunks = x.split([*sizes, rest])
+        outs = [self._one(e, chunks[e]) for e in range(len(sizes)) if sizes[e]]
+        if rest:
+            outs.append(x.new_zeros(rest, self.w2.shape[1]))
         return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[1])
 
     def _one(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -220,11 +233,13 @@ class MoE(nn.Module):
         # bias update and the load metrics read (titan.models.common.moe_balance). Not model
         # state: a resumed run starts its step at zero anyway
         self.register_buffer("expert_load", torch.zeros(args.n_experts), persistent=False)
+        # token choices dropped for capacity since the last reset (the same counting)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
 
     def param_inits(self, out_init) -> dict:
         """Parameter (and bias buffer) name -> how to fill it; `out_init` for what writes the
         residual stream."""
-        inits = {"router.gate.weight": normal(0.02), "expert_load": zeros}
+        inits = {"router.gate.weight": normal(0.02), "expert_load": zeros, "dropped": zeros}
         if self.router.gate.bias is not None:
             inits["router.gate.bias"] = zeros
         if self.router.expert_bias is not None:
@@ -244,10 +259,11 @@ class MoE(nn.Module):
         its part of each sequence)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, indices, scores = self.router(flat)
+        logits = self.router.gate(flat)
+        weights, indices, scores = self.router.route(logits)
         if collecting():  # a training step (not validation, generation or shape inference)
             self.expert_load.add_(tokens_per_expert(indices, self.args.n_experts))
-        out = self.routed(flat, weights, indices).view(shape)
+        out = self.routed(flat, weights, indices, group_tokens=shape[1]).view(shape)
         if self.shared_experts is not None:
             # on the unflattened tokens: tensor parallelism splits them by sequence
             out = out + self.shared_experts(x)
@@ -257,20 +273,77 @@ class MoE(nn.Module):
                 scores, indices, shape[0], a.aux_loss, a.aux_loss_scope, token_split()
             )
             out = attach_group_loss(out, AUX_LOSS_NAME, a.aux_loss_coeff * share, groups)
+        if a.router_z_loss_coeff and collecting():
+            share, groups = z_loss_share(logits, shape[0], token_split())
+            out = attach_group_loss(out, Z_LOSS_NAME, a.router_z_loss_coeff * share, groups)
         return out
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's k experts of weight x expert(token)."""
-        n_experts, k = self.args.n_experts, indices.shape[1]
+    def routed(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        group_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """Sum over each token's k experts of weight x expert(token); with a capacity factor,
+        over the choices kept in each routing group of `group_tokens` tokens (default: all)."""
+        a = self.args
+        n_experts, k = a.n_experts, indices.shape[1]
+        capacity = a.capacity(group_tokens or x.shape[0])
+        kept = None
         flat_experts = indices.reshape(-1)
+        if capacity is not None:
+            group = group_tokens or x.shape[0]
+            ranks = choice_ranks(weights, indices, group, n_experts, a.drop_policy)
+            kept = ranks < capacity
+            if collecting():
+                self.dropped.add_((~kept).sum())
+            if a.pad_to_capacity:
+                slots = padded_slots(indices, ranks, kept, group, n_experts, capacity)
+                return self._padded(x, weights, slots, n_experts * capacity * (x.shape[0] // group))
+            # dropped choices sort after every expert's, where no expert reads them
+            flat_experts = torch.where(kept, flat_experts, n_experts)
         # stable: within one expert, tokens keep their order, so each token's k outputs are
         # added in expert order below (what transformers' per-expert loop does)
         order = torch.argsort(flat_experts, stable=True)
-        counts = _count(flat_experts, n_experts)
+        counts = _count(flat_experts, n_experts + (kept is not None))[:n_experts]
         tokens = order // k
-        out = self.experts(x[tokens], counts)
-        out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        rows = x[tokens]
+        if kept is not None:
+            keep = kept[order, None]
+            rows = torch.where(keep, rows, 0)  # no gradient reaches a dropped choice's token
+        out = self.experts(rows, counts)
+        if kept is not None:
+            # the rows no expert computed, before anything (the weights' gradient) reads them
+            out = torch.where(keep, out, 0)
+        out = out * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+
+    def _padded(
+        self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, n_rows: int
+    ) -> torch.Tensor:
+        """The capacity-padded computation: each expert gets exactly its capacity of rows per
+        group (`n_rows` in all), the kept choices at their `slots` and zero rows elsewhere."""
+        k = weights.shape[1]
+        tokens = torch.arange(slots.numel(), device=x.device) // k
+        # one row past the end takes every dropped choice; no expert reads it
+        rows = x.new_zeros(n_rows + 1, x.shape[1]).index_copy(0, slots, x[tokens])
+        counts = torch.full((self.args.n_experts,), n_rows // self.args.n_experts, device=x.device)
+        out = self.experts(rows[:-1], counts)
+        out = torch.cat([out, out.new_zeros(1, out.shape[1])])[slots]
+        out = out * weights.reshape(-1, 1)
+        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+
+
+def z_loss_share(logits: torch.Tensor, batch: int, split: TokenSplit) -> tuple[torch.Tensor, int]:
+    """ST-MoE's router z-loss of one layer as this rank's share (like `balance_loss_share`):
+    per sequence, the mean over its tokens of logsumexp(logits)^2; this rank's share is the
+    sum over its tokens divided by the sequence length, and the step's loss the mean over its
+    sequences, so that every layout minimizes the same mean over all tokens."""
+    n_tokens = logits.shape[0]
+    seq_len, sequences = split.seq_len or n_tokens // batch, split.sequences or batch
+    z = torch.logsumexp(logits.float(), dim=-1).square().sum()
+    return z / seq_len, sequences
 
 
 # ---------------------------------------------------------------- load balancing

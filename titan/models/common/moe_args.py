@@ -1,6 +1,7 @@
 """The settings of an MoE layer (titan.models.common.moe), torch-free so that a family's args
 module stays light (the launcher's config check imports every family's args)."""
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -11,6 +12,15 @@ AUX_LOSS_SCOPES = ("sequence", "global_batch")
 # a family's args fields that set its MoE layers' balancing: training settings, not the
 # architecture (their `training_knobs`, titan.components.checkpoint.identity)
 BALANCING_KNOBS = ("moe_aux_loss_coeff", "moe_bias_update_rate", "moe_aux_loss_scope")
+DROP_POLICIES = ("probs", "position")
+# the training settings every MoE family's section has (titan.models.common.moe_options) and
+# its args carry under the same names (MoETraining)
+TRAINING_KNOBS = (
+    "moe_capacity_factor",
+    "moe_drop_policy",
+    "moe_pad_to_capacity",
+    "moe_router_z_loss_coeff",
+)
 
 
 @dataclass(frozen=True)
@@ -36,13 +46,37 @@ class MoEArgs:
     # the tokens whose routing counts and scores one loss term is computed from: each
     # "sequence" (averaged over the global batch), or the whole "global_batch"
     aux_loss_scope: str = "sequence"
+    # token dropping: each expert takes at most ceil(capacity_factor x k x S / n_experts) of
+    # the choices of each routing group of S tokens (a sequence, or this rank's part of it
+    # under context or sequence parallelism); None: dropless. A dropped choice adds nothing:
+    # a token that loses all k passes through the residual (and the shared experts) only
+    capacity_factor: float | None = None
+    # which choices an over-full expert keeps: its highest routing weights ("probs") or the
+    # earliest tokens of the group ("position")
+    drop_policy: str = "probs"
+    # every expert computes exactly its capacity of rows (zero rows fill the rest): static
+    # shapes, the same work whatever the routing
+    pad_to_capacity: bool = False
+    # ST-MoE's router z-loss: the mean over tokens of logsumexp(router logits)^2, times this
+    router_z_loss_coeff: float = 0.0
     # what a run may change without changing the model (titan.components.checkpoint.identity)
     training_knobs: ClassVar[tuple[str, ...]] = (
         "bias_update_rate",
         "aux_loss",
         "aux_loss_coeff",
         "aux_loss_scope",
+        "capacity_factor",
+        "drop_policy",
+        "pad_to_capacity",
+        "router_z_loss_coeff",
     )
+
+    def capacity(self, group_tokens: int) -> int | None:
+        """The choices one expert takes of a routing group of `group_tokens` tokens (Megatron's
+        ceil(tokens x k / experts x factor)); None: dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(group_tokens * self.top_k / self.n_experts * self.capacity_factor)
 
     def layer_params(self, dim: int, active: bool = False) -> int:
         """The router, routed and shared experts of one layer; `active`: those one token uses
@@ -65,6 +99,14 @@ class MoEArgs:
             out.append(
                 f"aux_loss_scope {self.aux_loss_scope!r} is not one of {', '.join(AUX_LOSS_SCOPES)}"
             )
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            out.append(f"capacity_factor {self.capacity_factor} must be > 0 (or None: dropless)")
+        if self.drop_policy not in DROP_POLICIES:
+            out.append(f"drop_policy {self.drop_policy!r} is not one of {', '.join(DROP_POLICIES)}")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            out.append("pad_to_capacity needs a capacity_factor")
+        if self.router_z_loss_coeff < 0:
+            out.append(f"router_z_loss_coeff {self.router_z_loss_coeff} must be >= 0")
         if self.score_func not in ("softmax", "sigmoid"):
             out.append(f"score_func {self.score_func!r} is not 'softmax' or 'sigmoid'")
         if not 1 <= self.top_k <= self.n_experts:
@@ -85,3 +127,24 @@ class MoEArgs:
                     "experts of topk_groups groups"
                 )
         return out
+
+
+@dataclass(frozen=True)
+class MoETraining:
+    """The token-dropping and router z-loss settings of a family's args (a base class of its
+    args dataclass; the values come from its config section, titan.models.common.moe_options).
+    Defaults: dropless, no z-loss."""
+
+    moe_capacity_factor: float | None = None
+    moe_drop_policy: str = "probs"
+    moe_pad_to_capacity: bool = False
+    moe_router_z_loss_coeff: float = 0.0
+
+    def moe_training(self) -> dict:
+        """These settings as MoEArgs fields."""
+        return {
+            "capacity_factor": self.moe_capacity_factor,
+            "drop_policy": self.moe_drop_policy,
+            "pad_to_capacity": self.moe_pad_to_capacity,
+            "router_z_loss_coeff": self.moe_router_z_loss_coeff,
+        }

@@ -6,12 +6,12 @@ configs (DeepSeek-V3, and Moonlight-16B-A3B, the DeepSeek-V3 architecture at 16B
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from titan.models.common.moe_args import BALANCING_KNOBS, MoEArgs
+from titan.models.common.moe_args import BALANCING_KNOBS, TRAINING_KNOBS, MoEArgs, MoETraining
 from titan.models.common.param_count import DecoderParamCount
 
 
 @dataclass(frozen=True)
-class DeepSeekV3Args(DecoderParamCount):
+class DeepSeekV3Args(DecoderParamCount, MoETraining):
     dim: int = 7168
     n_layers: int = 61
     n_heads: int = 128
@@ -66,7 +66,11 @@ class DeepSeekV3Args(DecoderParamCount):
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.3
     # what a run may change without changing the model (titan.components.checkpoint.identity)
-    training_knobs: ClassVar[tuple[str, ...]] = (*BALANCING_KNOBS, "mtp_loss_weight")
+    training_knobs: ClassVar[tuple[str, ...]] = (
+        *BALANCING_KNOBS,
+        *TRAINING_KNOBS,
+        "mtp_loss_weight",
+    )
     training_blocks: ClassVar[str | None] = "mtp_depth"
 
     def with_updates(self, **kw) -> "DeepSeekV3Args":
@@ -94,6 +98,7 @@ class DeepSeekV3Args(DecoderParamCount):
             aux_loss="deepseek",
             aux_loss_coeff=self.moe_aux_loss_coeff,
             aux_loss_scope=self.moe_aux_loss_scope,
+            **self.moe_training(),
         )
 
     def problems(self) -> list[str]:

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from titan.config.job_config import opt
+from titan.config.moe_options import MoEOptions
 
 
 @dataclass
-class Options:
+class Options(MoEOptions):
     moe_bias_update_rate: float = opt(
         0.001,
         "move each expert's routing bias by this rate towards the mean load after every "

@@ -7,14 +7,14 @@ openai/gpt-oss-20b and gpt-oss-120b."""
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from titan.models.common.moe_args import BALANCING_KNOBS, MoEArgs
+from titan.models.common.moe_args import BALANCING_KNOBS, TRAINING_KNOBS, MoEArgs, MoETraining
 from titan.models.common.param_count import DecoderParamCount
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF layer_types
 
 
 @dataclass(frozen=True)
-class GptOssArgs(DecoderParamCount):
+class GptOssArgs(DecoderParamCount, MoETraining):
     dim: int = 2880
     n_layers: int = 24
     n_heads: int = 64
@@ -46,7 +46,7 @@ class GptOssArgs(DecoderParamCount):
     # (HF router_aux_loss_coef) and the tokens of one loss term
     moe_aux_loss_coeff: float = 0.001
     moe_aux_loss_scope: str = "sequence"
-    training_knobs: ClassVar[tuple[str, ...]] = BALANCING_KNOBS
+    training_knobs: ClassVar[tuple[str, ...]] = (*BALANCING_KNOBS, *TRAINING_KNOBS)
 
     def with_updates(self, **kw) -> "GptOssArgs":
         return replace(self, **kw)
@@ -69,6 +69,7 @@ class GptOssArgs(DecoderParamCount):
             aux_loss="load_balancing",
             aux_loss_coeff=self.moe_aux_loss_coeff,
             aux_loss_scope=self.moe_aux_loss_scope,
+            **self.moe_training(),
         )
 
     def problems(self) -> list[str]:

@@ -5,10 +5,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from titan.config.job_config import opt
+from titan.config.moe_options import MoEOptions
 
 
 @dataclass
-class Options:
+class Options(MoEOptions):
     moe_aux_loss_coeff: float = opt(
         0.001,
         "weight of the load-balancing loss (logged as moe_aux_loss; 0: off; unset: the "

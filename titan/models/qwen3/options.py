@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from titan.config.job_config import opt
+from titan.config.moe_options import MoEOptions
 
 
 @dataclass
-class Options:
+class Options(MoEOptions):
     rope_scaling_factor: float | None = opt(
         None, "YaRN: stretch RoPE by this factor (e.g. 4.0 for 131072 positions); None: plain"
     )

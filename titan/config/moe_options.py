@@ -1,0 +1,33 @@
+"""The settings every MoE family's config section has ([qwen3], [deepseek_v3], [gpt_oss]):
+token dropping and the router z-loss. A family's `Options` inherits them; its args carry the
+same names (titan.models.common.moe_args.MoETraining). Torch-free, as the sections are."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from titan.config.job_config import opt
+
+
+@dataclass
+class MoEOptions:
+    moe_capacity_factor: float | None = opt(
+        None,
+        "MoE token dropping: each expert takes at most ceil(factor x top_k x S / experts) "
+        "token choices of each sequence of S tokens (this rank's part of it under context or "
+        "sequence parallelism); the rest pass through the residual only. None: dropless",
+    )
+    moe_drop_policy: Literal["probs", "position"] = opt(
+        "probs",
+        "which choices an over-full expert keeps: its highest routing weights ('probs') or "
+        "the sequence's earliest tokens ('position')",
+    )
+    moe_pad_to_capacity: bool = opt(
+        False,
+        "every expert computes exactly its capacity of rows, zero rows filling the rest "
+        "(static shapes whatever the routing; needs moe_capacity_factor)",
+    )
+    moe_router_z_loss_coeff: float = opt(
+        0.0,
+        "ST-MoE's router z-loss weight: the mean over tokens of logsumexp(router logits)^2 "
+        "(logged as moe_z_loss; 0: off; ST-MoE used 0.001)",
+    )
