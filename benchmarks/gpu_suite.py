@@ -22,8 +22,8 @@ reported as such and the suite goes on; the exit code is 1 if any did.
 
 On the lent GPU machine (Python 3.12, torch 2.11, no network): here, once,
 `bash scripts/gpu_wheels.sh` (titan's data stack, torchao, torchtitan 0.2.2: 0.3.0 needs a
-newer torch than 2.11), then one device-tool call (carry [".whl"]). On an H200 each row takes
-30-60 s (the compiled ones included), about 10 minutes for all 16; rows run in order of
+newer torch than 2.11), then device-tool calls (carry [".whl"]). On an H100/H200 each row takes
+30-75 s (the compiled ones included), about 14 minutes for all 19; rows run in order of
 importance, and `--budget` stops the suite in time, reporting the rest as skipped (the JSON is
 written after every row):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -90,9 +90,10 @@ def plan(
         kind_rows = [k for k in ("train", "peer") if k in kinds]
         return [Row(k, label, **common) for k in kind_rows]
 
-    # the order is what a short lease should get first: the MoE pairs (the open question),
-    # the 8B pair, the CUDA tests, the 1B pair and the saves; full AC and float8 last (see
-    # --budget)
+    # the order is what a short lease should get first: the eager MoE pairs (the open
+    # question), the 8B pair, the compiled MoE pairs, the CUDA tests, the 1B pair and the
+    # saves; full AC and float8 last (see --budget). A device call of 10 minutes holds the
+    # first 8-9 rows
     moe_pairs = {}
     # compiled on the GPU only (on the CPU, compilation would dominate the dry run)
     for c in (False,) if tiny else (False, True):
