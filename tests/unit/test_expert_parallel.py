@@ -1,6 +1,7 @@
 """Expert parallelism's dispatch: routed experts sharded over ep ranks, tokens sent to their
 experts' ranks and back, equal to one process holding every expert, forward and backward,
-also when routing sends most tokens to one rank's experts."""
+also when routing sends most tokens to one rank's experts; the layer's one host read is the
+all-to-all's split sizes."""
 
 import sys
 
@@ -57,10 +58,14 @@ def _ep_rank(rank, world_size, skew):
     moe = _moe(skew=skew)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     parallelize_module(moe.experts, mesh, ExpertParallel())
+    from tests.dispatch_count import DispatchCount
+
     x = _batch().chunk(world_size)[rank].clone().requires_grad_()
-    with torch.profiler.profile() as prof:
+    with torch.profiler.profile() as prof, DispatchCount() as count:
         out = moe(x)
         out.square().sum().backward()
+    # the split sizes, read once; nothing else waits for the device (backward reuses them)
+    assert count.tolist == 1 and count.host_reads == [], (count.tolist, count.host_reads)
     grads = {
         n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
         for n, p in moe.named_parameters()

@@ -22,6 +22,7 @@ OPTIONAL_MEMBERS = (
     "block_count",
     "masked_labels_problem",
     "training_blocks",
+    "upcycled",
 )
 
 
@@ -60,6 +61,12 @@ class ModelArgsBase:
         """The blocks the model holds: the main stack's n_layers and any after it (DeepSeek-V3's
         multi-token-prediction depths), numbered on as layers.<n_layers>, ..."""
         return self.n_layers
+
+    def upcycled(self, n_experts: int, top_k: int, granularity: int = 1) -> ModelArgsBase | None:
+        """This dense model in its family's MoE form (titan.tools.upcycle): routed experts
+        1/granularity of the FFN's width, softmax routing whose k weights sum to 1, in place of
+        every block's FFN; None: the family has no MoE form."""
+        return None
 
     def layer_costs(self) -> list[int] | None:
         """Each block's parameters one token uses, which a pipeline split balances when blocks

@@ -142,8 +142,9 @@ class _Route:
         else:
             received = torch.empty_like(sent)
             dist.all_to_all_single(received, sent, group=self.group)
-            self.send_splits = sent.sum(dim=1).tolist()
-            self.recv_splits = received.sum(dim=1).tolist()
+            # the one host read of an MoE layer under ep: the all-to-all's split sizes
+            splits = torch.stack([sent.sum(dim=1), received.sum(dim=1)]).tolist()
+            self.send_splits, self.recv_splits = splits
         self.local_counts = received.sum(dim=0)
         # received rows are ordered by (source rank, local expert): the grouped GEMM needs them
         # by (local expert, source rank)

@@ -6,12 +6,12 @@ each token to 8 of 128 experts in every layer."""
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from titan.models.common.moe_args import BALANCING_KNOBS, MoEArgs
+from titan.models.common.moe_args import BALANCING_KNOBS, TRAINING_KNOBS, MoEArgs, MoETraining
 from titan.models.common.param_count import DecoderParamCount
 
 
 @dataclass(frozen=True)
-class Qwen3Args(DecoderParamCount):
+class Qwen3Args(DecoderParamCount, MoETraining):
     dim: int = 4096
     n_layers: int = 36
     n_heads: int = 32
@@ -41,7 +41,7 @@ class Qwen3Args(DecoderParamCount):
     moe_bias_update_rate: float = 0.0
     moe_aux_loss_scope: str = "sequence"  # the tokens of one loss term (MoEArgs.aux_loss_scope)
     # what a run may change without changing the model (titan.components.checkpoint.identity)
-    training_knobs: ClassVar[tuple[str, ...]] = BALANCING_KNOBS
+    training_knobs: ClassVar[tuple[str, ...]] = (*BALANCING_KNOBS, *TRAINING_KNOBS)
 
     def with_updates(self, **kw) -> "Qwen3Args":
         return replace(self, **kw)
@@ -66,6 +66,15 @@ class Qwen3Args(DecoderParamCount):
             aux_loss="load_balancing",
             aux_loss_coeff=self.moe_aux_loss_coeff,
             aux_loss_scope=self.moe_aux_loss_scope,
+            **self.moe_training(),
+        )
+
+    def upcycled(self, n_experts: int, top_k: int, granularity: int = 1) -> "Qwen3Args":
+        """Qwen3-MoE with experts in every layer (Qwen's softmax router, the k weights
+        renormalized) and Qwen's balancing coefficient."""
+        moe = MoEArgs(n_experts, top_k, hidden_dim=self.ffn_hidden_dim // granularity)
+        return replace(
+            self, moe=moe, mlp_only_layers=(), decoder_sparse_step=1, moe_aux_loss_coeff=0.001
         )
 
     def problems(self) -> list[str]:
