@@ -1,7 +1,7 @@
 """Compiled MoE blocks on CPU: torch.compile traces every block of the MoE debug models whole
 (no graph break in titan's code: the experts' grouped GEMM, the balancing loss, the routing
-counts), with per-op activation checkpointing, LoRA experts and bf16 autocast too, and the
-compiled step gives eager's loss and gradients."""
+counts), with per-op activation checkpointing, LoRA experts, bf16 autocast, token dropping and
+the router z-loss too, and the compiled step gives eager's loss and gradients."""
 
 import pytest
 import torch
@@ -22,12 +22,15 @@ SETUPS = {
     "per-op AC": {"ac": "op"},
     "LoRA experts": {"lora": [r"feed_forward\.experts\.w\d$", r"attention\.wo$"]},
     "bf16 autocast": {"autocast": True},
+    # token dropping and the router z-loss
+    "capacity, z-loss": {"args": {"moe_capacity_factor": 1.0, "moe_router_z_loss_coeff": 1e-3}},
 }
 
 
 def _model(family: str, flavor: str, setup: dict):
     spec = get_train_spec(family)
-    model = spec.build_meta(spec.flavors[flavor].with_updates(max_seq_len=32))
+    args = spec.flavors[flavor].with_updates(max_seq_len=32, **setup.get("args", {}))
+    model = spec.build_meta(args)
     if "lora" in setup:
         apply_lora(model, Lora(rank=4, target_modules=setup["lora"]))
     model.to_empty(device="cpu")
