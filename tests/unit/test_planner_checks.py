@@ -176,3 +176,11 @@ def test_suggested_settings_go_through_the_config_parser():
     # and its field checks, naming the source
     with pytest.raises(ConfigError, match=r"'sometimes' \(from --suggest\)"):
         apply_settings(base, {"activation_checkpoint.mode": "sometimes"})
+
+
+def test_byte_figures_never_read_zero_for_a_nonzero_size():
+    from titan.planner.memory import human_bytes
+
+    assert human_bytes(1024) == "1.0 KiB"  # once "0.0 MiB"
+    assert human_bytes(5 * 2**20) == "5.0 MiB"
+    assert human_bytes(3 * 2**30) == "3.000 GiB"

@@ -243,7 +243,10 @@ _FIXES = {
 
 
 def human_bytes(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.3f} GiB"
+    # below 0.1 MiB the MiB figure would read 0.0 (a tiny model's activations)
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 // 10 else f"{n / 2**10:.1f} KiB"
 
 
 def device_memory_bytes(job: JobConfig) -> int | None:
