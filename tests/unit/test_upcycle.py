@@ -3,6 +3,7 @@ dense model's (whole copies, and copies split along their width), noise moves it
 refused in one line, and the HF folder it writes trains: step 1's loss is the dense model's
 on the same batch, on one rank, FSDP 2 and EP 2 alike."""
 
+import logging
 import re
 import sys
 
@@ -45,7 +46,14 @@ def dense(tmp_path_factory):
 
 
 def run_tool(*argv: str) -> None:
-    upcycle.main([str(a) for a in argv])
+    # as `python -m` runs it: no handler that an earlier test in this worker bound to a
+    # captured (now closed) stream
+    root = logging.getLogger()
+    saved, root.handlers = root.handlers, []
+    try:
+        upcycle.main([str(a) for a in argv])
+    finally:
+        root.handlers = saved
 
 
 def loaded_as_training_loads(out):
