@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -46,9 +47,8 @@ def measure(experts, x, counts, grad, autocast, grouped, iters) -> tuple[float, 
         if autocast
         else (lambda: torch.autocast(device.type, enabled=False))
     )
-    saved = moe_module._grouped_mm_fits
-    moe_module._grouped_mm_fits = lambda x, w: grouped  # the path measured, whatever titan picks
-    try:
+    # the path measured, whatever titan would pick
+    with mock.patch.object(moe_module, "_grouped_mm_fits", lambda x, w: grouped):
 
         def once():
             with ctx():
@@ -75,8 +75,6 @@ def measure(experts, x, counts, grad, autocast, grouped, iters) -> tuple[float, 
                     torch.cuda.set_sync_debug_mode("default")
             waits = sum("synchroniz" in str(w.message) for w in caught)
         return statistics.median(times), waits
-    finally:
-        moe_module._grouped_mm_fits = saved
 
 
 def main(argv=None) -> int:

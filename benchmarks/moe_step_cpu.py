@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +40,8 @@ def build(family: str, flavor: str, seq: int):
 
 
 def step_times(model, opt, tokens, grouped: bool, steps: int) -> float:
-    saved = moe_module._grouped_mm_fits
-    if not grouped:
-        moe_module._grouped_mm_fits = lambda x, w: False
-    try:
+    path = moe_module._grouped_mm_fits if grouped else (lambda x, w: False)
+    with mock.patch.object(moe_module, "_grouped_mm_fits", path):
         times = []
         for i in range(steps + 1):
             t0 = time.perf_counter()
@@ -55,8 +54,6 @@ def step_times(model, opt, tokens, grouped: bool, steps: int) -> float:
             if i:  # the first step of a round warms up
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
-    finally:
-        moe_module._grouped_mm_fits = saved
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,8 @@ def _reads_host(func, args, kwargs) -> bool:
 
 
 class DispatchCount(TorchDispatchMode):
-    """Within: `ops` counts every aten op by packet name; `host_reads` lists the ones that read
+    """Within: `ops` counts every op by its qualified name (`aten._grouped_mm`,
+    `titan.cp_all_to_all`: all overloads together); `host_reads` lists the ones that read
     values on the host, and `tolist` counts Tensor.tolist calls (which copy without an op)."""
 
     def __init__(self):
@@ -45,7 +46,7 @@ class DispatchCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.ops[func.overloadpacket.__name__] += 1
+        self.ops[str(func.overloadpacket)] += 1
         if _reads_host(func, args, kwargs):
             self.host_reads.append(str(func))
         return func(*args, **kwargs)

@@ -8,8 +8,8 @@ import json
 import sys
 
 import pytest
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.dispatch_count import DispatchCount
 from tests.forked import run_trainer, tiny_run
 from tests.unit.test_cp_documents import FAMILIES, corpus  # noqa: F401  (a fixture)
 from tests.unit.test_cp_documents import argv as documents_argv
@@ -28,18 +28,6 @@ KEPT = (
 )
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = dict.fromkeys(KEPT, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name().replace("::", ".")
-        if name in self.counts:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _counted(tmp_path, monkeypatch, argv, ac):
     """Rank 0's count of each KEPT op over the run's steps, and its losses."""
     out = tmp_path / ac
@@ -47,11 +35,11 @@ def _counted(tmp_path, monkeypatch, argv, ac):
     train_step = Trainer.train_step
 
     def counted(self, microbatches):  # the forked ranks inherit it
-        with _Count() as mode:
+        with DispatchCount() as mode:
             result = train_step(self, microbatches)
         if self.rank == 0:
             with open(out / "counts.jsonl", "a") as f:
-                f.write(json.dumps(mode.counts) + "\n")
+                f.write(json.dumps({k: mode.ops[k] for k in KEPT}) + "\n")
         return result
 
     monkeypatch.setattr(Trainer, "train_step", counted)

@@ -309,7 +309,7 @@ def test_injected_router_experts_and_shared_compute_as_written():
     assert torch.allclose(got, want, atol=1e-6)
 
 
-def test_under_autocast_the_experts_take_one_grouped_gemm_per_weight():
+def test_under_autocast_the_experts_take_one_grouped_gemm_per_weight(monkeypatch):
     """bf16 autocast with fp32 parameters (a one-GPU run): 3 grouped GEMMs in bf16 forward, 6
     backward (each weight's and its input's gradient), no per-expert product; the same
     products as the per-expert loop under the same autocast, and fp32 gradients."""
@@ -334,18 +334,14 @@ def test_under_autocast_the_experts_take_one_grouped_gemm_per_weight():
         return out, dict(forward), dict(backward), grads
 
     out, forward, backward, grads = run(DispatchCount())
-    matmuls = {"mm", "addmm", "bmm", "matmul", "linear"}
-    assert forward.get("_grouped_mm") == 3 and not matmuls & forward.keys(), forward
-    assert backward.get("_grouped_mm") == 6 and not matmuls & backward.keys(), backward
+    matmuls = {f"aten.{op}" for op in ("mm", "addmm", "bmm", "matmul", "linear")}
+    assert forward.get("aten._grouped_mm") == 3 and not matmuls & forward.keys(), forward
+    assert backward.get("aten._grouped_mm") == 6 and not matmuls & backward.keys(), backward
     assert out.dtype == torch.bfloat16
     assert all(g.dtype == torch.float32 for g in grads[1:])
-    saved = moe_module._grouped_mm_fits
-    moe_module._grouped_mm_fits = lambda x, w: False
-    try:
-        loop_out, loop_forward, _, loop_grads = run(DispatchCount())
-    finally:
-        moe_module._grouped_mm_fits = saved
-    assert loop_forward.get("_grouped_mm", 0) == 0  # the reference really is the loop
+    monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda x, w: False)
+    loop_out, loop_forward, _, loop_grads = run(DispatchCount())
+    assert loop_forward.get("aten._grouped_mm", 0) == 0  # the reference really is the loop
     assert torch.equal(out, loop_out)
     for g, want in zip(grads, loop_grads, strict=True):
         torch.testing.assert_close(g, want, rtol=0, atol=0)

@@ -129,6 +129,7 @@ class _Route:
 
     def __init__(self, counts: torch.Tensor, mesh: DeviceMesh, rows: int, worst_case: bool):
         self.group = mesh.get_group()
+        self.rows = rows
         ep = mesh.size()
         n_local = counts.numel() // ep
         sent = counts.view(ep, n_local)  # rows for (destination rank, its local expert)
@@ -155,9 +156,7 @@ class _Route:
         self.order = torch.argsort(expert * ep + source, stable=True)
 
     def send(self, x: torch.Tensor) -> torch.Tensor:
-        # rows past the experts' (choices dropped for capacity) stay here
-        self.rows = x.shape[0]
-        x = x[: sum(self.send_splits)]
+        x = x[: sum(self.send_splits)]  # rows past the experts' (dropped choices) stay here
         rows = funcol.all_to_all_single_autograd(x, self.recv_splits, self.send_splits, self.group)
         return rows[self.order]
 

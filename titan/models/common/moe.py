@@ -289,11 +289,11 @@ class MoE(nn.Module):
         over the choices kept in each routing group of `group_tokens` tokens (default: all)."""
         a = self.args
         n_experts, k = a.n_experts, indices.shape[1]
-        capacity = a.capacity(group_tokens or x.shape[0])
+        group = group_tokens or x.shape[0]
+        capacity = a.capacity(group)
         kept = None
         flat_experts = indices.reshape(-1)
         if capacity is not None:
-            group = group_tokens or x.shape[0]
             ranks = choice_ranks(weights, indices, group, n_experts, a.drop_policy)
             kept = ranks < capacity
             if collecting():
@@ -340,8 +340,7 @@ def z_loss_share(logits: torch.Tensor, batch: int, split: TokenSplit) -> tuple[t
     per sequence, the mean over its tokens of logsumexp(logits)^2; this rank's share is the
     sum over its tokens divided by the sequence length, and the step's loss the mean over its
     sequences, so that every layout minimizes the same mean over all tokens."""
-    n_tokens = logits.shape[0]
-    seq_len, sequences = split.seq_len or n_tokens // batch, split.sequences or batch
+    seq_len, sequences = _sequences(split, logits.shape[0], batch)
     z = torch.logsumexp(logits.float(), dim=-1).square().sum()
     return z / seq_len, sequences
 
@@ -394,7 +393,7 @@ def balance_loss_share(
     make this rank's w x sum_e c_e Q_e(its tokens) its exact share, value and gradient."""
     n_tokens, n_experts = scores.shape
     k = indices.shape[1]
-    seq_len, sequences = split.seq_len or n_tokens // batch, split.sequences or batch
+    seq_len, sequences = _sequences(split, n_tokens, batch)
     q = scores if kind == "load_balancing" else scores / scores.sum(dim=-1, keepdim=True)
     chosen = torch.zeros_like(scores).scatter_(1, indices, 1.0)
     counts = chosen.view(batch, -1, n_experts).sum(dim=1)
@@ -408,6 +407,12 @@ def balance_loss_share(
         n, groups = seq_len, sequences
     w = n_experts / (n * n) / (k if kind == "deepseek" else 1)
     return w * (counts.detach() * q_sums).sum(), groups
+
+
+def _sequences(split: TokenSplit, n_tokens: int, batch: int) -> tuple[int, int]:
+    """(tokens of a whole sequence, sequences in the step) of the running step's split; one
+    process's: this rank's `batch` sequences of its `n_tokens`."""
+    return split.seq_len or n_tokens // batch, split.sequences or batch
 
 
 def load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
