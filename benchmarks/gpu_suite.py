@@ -3,7 +3,9 @@ checks that need a GPU. Rows (each a fresh trainer process, titan and torchtitan
 
 - train/peer (MoE, first): DeepSeek-V3 at Moonlight-16B-A3B's shape (64 routed experts, 6 a
   token, 2 shared) and Qwen3-30B-A3B's (128 experts, 8 a token), each cut to 4 layers, bf16,
-  selective AC, expert parallelism 1, each followed by torchtitan on the same shape;
+  selective AC, expert parallelism 1, batch 4 (--moe-batch), eager then compiled, each
+  followed by torchtitan on the same shape; --profile traces a step of each and sums its GPU
+  kernels by kind;
 - train/peer: Llama 3 8B cut to --cut-layers layers and Llama 3 1B, seq_len 8192, bf16,
   torch.compile; selective (per-op) vs full AC; float8 (rowwise) vs bf16. Each titan row is
   followed by torchtitan on the same shape, batch, seq_len, AC, compile and dtype: tokens/s
@@ -36,7 +38,9 @@ CI runs the dry run, which takes every path of the suite on the CPU with debug-s
 """
 
 import argparse
+import dataclasses
 import datetime
+import gzip
 import json
 import os
 import re
@@ -55,6 +59,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import gpu_suite_report as report  # noqa: E402
 import gpu_suite_titan as titan_side  # noqa: E402
 import gpu_suite_torchtitan as peer_side  # noqa: E402
+import trace_compare  # noqa: E402
 from gpu_suite_rows import model_args, plan  # noqa: E402
 
 from titan.runtime.paths import REPO_ROOT  # noqa: E402
@@ -156,6 +161,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         "rows are reported as skipped (rows run in order of importance; default no limit)",
     )
     ap.add_argument(
+        "--moe-batch",
+        type=int,
+        default=4,
+        help="local batch of the MoE rows (default 4). One GPU updates all of a 2B-parameter "
+        "MoE's weights each step, which at dp_shard 8 would be split 8 ways: at batch 1 "
+        "AdamW, the gradient norm and the weight casts (work of the parameter count) are a "
+        "third of the step, at batch 4 a tenth, as a rank's share is at scale",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace one step after the timed ones in every train/peer row (both sides' "
+        "profiling.enable_profiling): each trace is kept gzipped beside --out, in traces/, and "
+        "its GPU kernels are summed by kind (benchmarks/trace_compare.py --kernels)",
+    )
+    ap.add_argument(
         "--keep",
         action="store_true",
         help="keep the rows' dump folders (logs, metrics, checkpoints)",
@@ -252,11 +273,16 @@ def run_row(row, ctx: dict, timeout: float) -> dict:
     dump = ctx["work"] / f"{len(ctx['done']):02d}_{row.kind}"
     env, args, peaks = ctx["env"], ctx["args"], ctx["peaks"]
     t0 = time.perf_counter()
+    # profiled: two steps more, the first the profiler's warm-up, the second traced; the
+    # timed steps stay those of the row
+    profiled = args.profile and row.kind in ("train", "peer")
+    ran = dataclasses.replace(row, steps=row.steps + 2) if profiled else row
     if row.kind in ("train", "checkpoint"):
         margs = model_args(row.shape, ctx["vocab"], row.seq_len, row.model)
         peak = peaks["datasheet"] or peaks["matmul"]
+        extra = titan_side.profile_overrides(ran.steps) if profiled else []
         code, tail = run(
-            titan_side.command(row, dump, peak, args.device),
+            titan_side.command(ran, dump, peak, args.device) + extra,
             env,
             dump / "console.log",
             timeout,
@@ -266,7 +292,11 @@ def run_row(row, ctx: dict, timeout: float) -> dict:
         elif row.kind == "train":
             res.update(
                 report.training_figures(
-                    read_metrics(dump), row.warmup, margs.flops_per_token(row.seq_len), peaks
+                    read_metrics(dump),
+                    row.warmup,
+                    margs.flops_per_token(row.seq_len),
+                    peaks,
+                    last=row.steps,
                 )
             )
         else:
@@ -280,9 +310,11 @@ def run_row(row, ctx: dict, timeout: float) -> dict:
         else:
             margs = model_args(row.shape, ctx["vocab"], row.seq_len, row.model)
             spec = peer_side.peer_spec(
-                row, margs, args.device, *ctx["peer_inputs"], dump, args.peer_attention
+                ran, margs, args.device, *ctx["peer_inputs"], dump, args.peer_attention
             )
-            cmd, extra_env = peer_side.command(spec, shlex.split(args.peer_args))
+            extra = shlex.split(args.peer_args)
+            extra += peer_side.profile_overrides(ran.steps) if profiled else []
+            cmd, extra_env = peer_side.command(spec, extra)
             code, tail = run(cmd, {**env, **extra_env}, dump / "console.log", timeout)
             if code != 0:
                 res["status"], res["log_tail"] = failure(code, tail, timeout), tail
@@ -293,6 +325,7 @@ def run_row(row, ctx: dict, timeout: float) -> dict:
                         row.warmup,
                         margs.flops_per_token(row.seq_len),
                         peaks,
+                        last=row.steps,
                     )
                 )
             res["torchtitan"] = ctx["peer_version"]
@@ -311,8 +344,34 @@ def run_row(row, ctx: dict, timeout: float) -> dict:
         res["summary"] = ", ".join(f"{n} {k}" for n, k in counts) or "no summary"
         if code != 0:
             res["status"], res["log_tail"] = failure(code, tail, timeout), tail
+    if profiled and res["status"] == "ok":
+        res.update(
+            keep_trace(dump, args.out.parent / "traces", f"{len(ctx['done']):02d}_{row.kind}")
+        )
     res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+def keep_trace(dump: Path, folder: Path, name: str) -> dict:
+    """The row's traced step, gzipped into `folder`, and its GPU kernels by kind (ms)."""
+    traces = sorted(dump.rglob("rank0_trace.json"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        return {"trace": None}
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder / f"{name}.json.gz"
+    with open(traces[-1], "rb") as src, gzip.open(kept, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    times, busy, step = trace_compare.kernel_times(trace_compare.load(str(kept)))
+    kinds: dict[str, float] = {}
+    for kernel, (us, _) in times.items():
+        kind = trace_compare.kernel_kind(kernel)
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+    return {
+        "trace": str(kept),
+        "traced_step_ms": step / 1e3,
+        "gpu_busy_ms": busy / 1e3,
+        "kernel_ms_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+    }
 
 
 def main(argv=None) -> int:
@@ -325,6 +384,7 @@ def main(argv=None) -> int:
         args.steps,
         args.kinds,
         shlex.split(args.tests) if args.tests is not None else None,
+        moe_batch=args.moe_batch,
     )
     if args.only:
         rows = [r for r in rows if any(part in r.name for part in args.only.split(","))]
@@ -401,6 +461,13 @@ def main(argv=None) -> int:
             f"  {row.kind:<10} {row.name:<40} {res['status'][:70]:<20} {res['wall_s']:6.1f} s",
             flush=True,
         )
+        if res.get("kernel_ms_by_kind"):
+            kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in res["kernel_ms_by_kind"].items())
+            print(
+                f"    traced step {res['traced_step_ms']:.1f} ms, GPU busy "
+                f"{res['gpu_busy_ms']:.1f} ms; kernels (ms): {kinds}",
+                flush=True,
+            )
         # written after every row: a lease that ends early still leaves the figures so far
         write_out(args.out, info, args, ctx, started)
     results = ctx["done"]

@@ -7,9 +7,14 @@ import statistics
 from gpu_suite_rows import TARGET_ASYNC_PCT, TARGET_MEM_RATIO, TARGET_MFU_PCT, TARGET_TPS_RATIO
 
 
-def training_figures(records: list[dict], warmup: int, flops_per_token: float, peaks: dict) -> dict:
-    """tokens/s over the steps after `warmup` (total tokens / total time: each record is one
-    step), MFU against each peak, peak memory over the whole run, first and last loss."""
+def training_figures(
+    records: list[dict], warmup: int, flops_per_token: float, peaks: dict, last: int | None = None
+) -> dict:
+    """tokens/s over the steps after `warmup` up to `last` (total tokens / total time: each
+    record is one step), MFU against each peak, peak memory over the whole run, first and last
+    loss (of step `last`)."""
+    if last is not None:
+        records = [r for r in records if r["step"] <= last]
     steady = [r["tps"] for r in records if r["step"] > warmup and r.get("tps", 0) > 0]
     if not steady:
         raise ValueError(f"no step after the {warmup} warm-up steps logged tokens/s")

@@ -68,9 +68,11 @@ def plan(
     steps: int | None,
     kinds: set[str],
     tests: list[str] | None,
+    moe_batch: int = 4,
 ) -> list[Row]:
     """The rows in run order: each titan training row directly followed by its torchtitan
-    peer, so drift of the machine hits both alike."""
+    peer, so drift of the machine hits both alike. The MoE rows run `moe_batch` sequences a
+    step (their names say how many)."""
     if tiny:
         # debug-model-sized stand-ins; fp32, as bf16 matmuls on CPUs without bf16 units run
         # 20x slower; compile on one row only (its compilation dominates a tiny run)
@@ -101,11 +103,11 @@ def plan(
             family = {"deepseek_v3": "DeepSeek-V3", "qwen3": "Qwen3-MoE"}[model]
             moe_pairs.setdefault(c, []).extend(
                 pair(
-                    f"{family} {_label(shape, dtype, False, 'selective', c)}",
+                    f"{family} {_label(shape, dtype, False, 'selective', c)} batch {moe_batch}",
                     shape=shape,
                     model=model,
                     seq_len=seq,
-                    batch=big_batch,
+                    batch=moe_batch,
                     steps=n,
                     warmup=warm,
                     dtype=dtype,

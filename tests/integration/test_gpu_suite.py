@@ -133,6 +133,27 @@ def test_budget_skips_what_it_cannot_start(tmp_path):
     assert {r["status"] for r in rows} == {"skipped: over the suite's --budget"}
 
 
+def test_profile_traces_a_step_past_the_timed_ones(tmp_path):
+    """--profile: the row runs two steps more (the profiler's warm-up, then the traced one),
+    keeps its trace gzipped beside the JSON and times the row's own steps only; --moe-batch
+    sets the MoE rows' batch and their names say it."""
+    import gzip
+
+    out = tmp_path / "suite.json"
+    args = ["--rows", "train", "--only", "DeepSeek", "--moe-batch", "3", "--profile"]
+    stdout, data = tiny_suite(out, *args, timeout=300)
+    (row,) = data["rows"]
+    assert row["status"] == "ok" and row["batch"] == 3 and row["name"].endswith(" batch 3")
+    assert row["steps_timed"] == row["steps"] - row["warmup"]
+    with gzip.open(row["trace"], "rt") as f:
+        names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+    # the profiler numbers steps from 0: the row's last (steps + 2) is #steps + 1
+    assert f"ProfilerStep#{row['steps'] + 1}" in names, sorted(n for n in names if "Step" in n)
+    assert row["trace"].startswith(str(tmp_path / "traces"))
+    # a CPU trace holds no GPU kernels: the sums are empty, the host's time is still there
+    assert row["kernel_ms_by_kind"] == {} and row["traced_step_ms"] > 0
+
+
 def test_the_experts_benchmark_times_every_path(capsys):
     """benchmarks/moe_experts.py's dry run: the four ways the experts compute, each timed."""
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))

@@ -155,6 +155,31 @@ def test_logits_and_both_hf_directions_match_transformers(variant, tmp_path):
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
+def test_values_go_to_sdpa_unpadded_where_it_takes_them(monkeypatch):
+    """Where SDPA takes values narrower than queries (CUDA) they go unpadded: the logits and
+    the gradients equal those of the padded values (the CPU's path) to float32 rounding."""
+    from unittest import mock
+
+    from titan.models.deepseek_v3 import mla
+
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for unpadded in (False, True):
+        monkeypatch.setattr(mla, "narrow_values_fit", lambda q, u=unpadded: u)
+        model = built(DEBUG).train()
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        with mock.patch.object(mla.F, "scaled_dot_product_attention", wraps=sdpa) as spy:
+            logits = model(tokens)
+        widths = {c.args[2].shape[-1] for c in spy.call_args_list}
+        assert widths == {DEBUG.v_head_dim if unpadded else DEBUG.head_dim}, widths
+        logits.float().square().mean().backward()
+        results[unpadded] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (padded_logits, padded_grads), (logits, grads) = results[False], results[True]
+    torch.testing.assert_close(logits, padded_logits, rtol=0, atol=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, padded_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_generation_with_the_cache_equals_the_full_forward():
     """Keys (nope + rope wide) and values (v_head_dim wide) cached per layer: token by token
     gives the logits of one pass over the whole sequence, YaRN included."""

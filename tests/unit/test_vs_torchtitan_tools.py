@@ -173,3 +173,40 @@ def test_scaling_reads_the_checkpointers_log_lines(bench_flavors):
         "read by this rank (its shards only) in 0.35s"
     )
     assert sc.HF_LOADED.search(hf).groups() == ("2005.0", "0.35")
+
+
+def test_kernel_breakdown_sums_kernels_by_kind_and_counts_busy_time_once(tmp_path):
+    """trace_compare --kernels: a GPU trace's kernels by name and kind; overlapping kernels
+    (two streams) count once in the busy time, which the step's wall time bounds."""
+    tc = _script("trace_compare")
+
+    def ev(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+    grouped = "void cutlass::device_kernel<at::cuda::detail::GroupProblemShape<int>>"
+    adam = "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>"
+    events = [
+        ev("ProfilerStep#22", 0, 1000, cat="user_annotation"),
+        ev("aten::_grouped_mm", 0, 50, cat="cpu_op"),  # host ops are not kernels
+        ev(grouped, 100, 300),
+        ev(grouped, 450, 100),
+        ev("sm90_xmma_gemm_bf16bf16_bf16f32", 350, 200),  # overlaps both grouped calls
+        ev("triton_poi_fused__to_copy_index_3", 600, 40),
+        ev(adam, 700, 100),
+        ev("Memcpy DtoH (Device -> Pinned)", 900, 10, cat="gpu_memcpy"),
+    ]
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    times, busy, step = tc.kernel_times(tc.load(str(path)))
+    assert step == 1000 and times[grouped] == (400, 2)
+    assert busy == 450 + 40 + 100 + 10  # 100..550 once, then the rest apart
+    kinds = {n: tc.kernel_kind(n) for n in times}
+    assert kinds[grouped] == "grouped GEMM" and kinds[adam] == "optimizer"
+    assert kinds["sm90_xmma_gemm_bf16bf16_bf16f32"] == "GEMM"
+    assert kinds["triton_poi_fused__to_copy_index_3"] == "compiled fusions (triton)"
+    assert kinds["Memcpy DtoH (Device -> Pinned)"] == "memcpy/memset"
+    report = tc.kernels_report([str(path)], ["titan"], top=3)
+    assert "GPU busy 0.6 ms (60%)" in report and "| grouped GEMM | 0.40 |" in report
+    cpu_only = tmp_path / "cpu.json"
+    cpu_only.write_text(json.dumps({"traceEvents": events[:2]}))
+    assert tc.kernels_report([str(cpu_only)], ["A"], 3).startswith("no GPU kernels")
