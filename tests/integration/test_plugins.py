@@ -37,7 +37,7 @@ PLUGIN = [
     "0.8",
     "--csv_metrics.enable",
     "--loss_ema.enable",
-    "--z_loss.weight",
+    "--logit_l2.weight",
     "1e-4",
     # SGD learns slower than the harness's AdamW: 10 steps show it
     "--training.steps",
@@ -56,7 +56,7 @@ def test_titan_does_not_know_the_plugin():
         "loss_ema",
         "LossEma",
         "FreezeOptions",
-        "ZLossOptions",
+        "LogitL2Options",
     )
     for path in (REPO / "titan").rglob("*.py"):
         text = path.read_text()
@@ -78,7 +78,7 @@ def test_the_plugins_sections_are_in_help_and_checked():
         "[gelu_llama]",
         "--loss_ema.beta",
         "--freeze.modules",
-        "--z_loss.weight",
+        "--logit_l2.weight",
     ):
         assert line in proc.stdout, line
     proc = subprocess.run(
@@ -141,9 +141,9 @@ def test_the_plugin_trains_alike_on_every_layout_and_resumes_bitwise(tmp_path):
 
     a = losses(tmp_path / "one")
     assert sorted(a) == list(range(1, 11)) and a[10] < a[1] - 0.1  # SGD trains the family
-    z_one = _series(tmp_path / "one", "z_loss")
+    z_one = _series(tmp_path / "one", "logit_l2")
     for name in ("fsdp2", "tp2", "pp2"):
-        b, z = losses(tmp_path / name), _series(tmp_path / name, "z_loss")
+        b, z = losses(tmp_path / name), _series(tmp_path / name, "logit_l2")
         assert b.keys() == a.keys(), name
         assert max(abs(a[s] - b[s]) / a[s] for s in a) < 1e-5, name
         assert max(abs(z_one[s] - z[s]) / z_one[s] for s in z_one) < 1e-5, name
@@ -183,6 +183,6 @@ def test_the_plugin_trains_alike_on_every_layout_and_resumes_bitwise(tmp_path):
     straight = read_metrics(tmp_path / "fsdp2")
     after = read_metrics(resumed)
     assert [r["step"] for r in after] == list(range(6, 11))
-    for key in ("loss", "z_loss", "grad_norm"):
+    for key in ("loss", "logit_l2", "grad_norm"):
         assert [r[key] for r in after] == [r[key] for r in straight[5:]], key
     assert _ema_lines(resumed) == _ema_lines(tmp_path / "fsdp2")[5:]

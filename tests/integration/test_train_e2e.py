@@ -171,6 +171,35 @@ def test_nonfinite_loss_stop_and_skip(train_run):
     assert all(r["loss"] == r["loss"] for i, r in enumerate(records) if i != 2)  # finite again
 
 
+def test_a_spike_stops_a_launched_run_before_its_update(train_run):
+    """stability.on_spike = stop: the run ends at the flagged step with one error line naming
+    it (exit 1, not restarted: a restart would meet the same step), the spike recorded."""
+    proc, records, dump = train_run(
+        1,
+        *FAST,
+        "--training.steps",
+        "10",
+        "--stability.spike_window",
+        "4",
+        "--stability.on_spike",
+        "stop",
+        # at the debug config's 3e-3 the gradient norm more than doubles by itself by step 6
+        "--optimizer.lr",
+        "8e-4",
+        "--debug.bad_batch_at_step",
+        "8",
+        check=False,
+    )
+    assert proc.returncode == 1
+    out = proc.stdout + proc.stderr
+    errors = [ln for ln in out.splitlines() if "ERROR" in ln or "Traceback" in ln]
+    assert len(errors) == 1 and "step 8: grad_norm spike" in errors[0], errors
+    assert "stability.on_spike = stop" in errors[0] and "restart" not in out.lower(), out[-2000:]
+    assert [r["step"] for r in records] == list(range(1, 8))
+    (spike,) = [json.loads(x) for x in (dump / "spikes.jsonl").read_text().splitlines()]
+    assert spike["step"] == 8 and spike["action"] == "stop" and spike["grad_norm_sigma"] > 50
+
+
 def test_validation_and_plain_python_entry(tmp_path):
     """`python -m titan.trainer` works without torchrun and writes validation.jsonl."""
     dump = tmp_path / "plain"

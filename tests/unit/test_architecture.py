@@ -368,7 +368,10 @@ def test_the_loop_calls_no_hook_by_name():
     from titan.config import extensions
 
     extensions.sections()  # loads titan's own registrations
-    want = ["gc", "rank_times", "metrics_writers", "validation", "profiler", "memory_snapshot"]
+    want = [
+        *("gc", "rank_times", "metrics_writers", "validation", "profiler", "memory_snapshot"),
+        "stability",
+    ]
     assert list(callbacks._CALLBACKS.entries)[: len(want)] == want
 
 

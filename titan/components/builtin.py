@@ -23,6 +23,7 @@ for module in (
     "titan.components.training.callbacks",
     "titan.components.training.validation_spec",
     "titan.components.observability.profiling_spec",
+    "titan.components.training.stability_spec",
     "titan.components.fault_tolerance.spec",
     "titan.components.data.chat_spec",
     "titan.components.lora.spec",
@@ -30,6 +31,7 @@ for module in (
     "titan.components.quantization.float8_spec",
     "titan.components.training.chunked_loss_spec",
     "titan.components.training.terms",
+    "titan.components.training.z_loss_spec",
     "titan.components.fault_tolerance.injection_spec",
 ):
     importlib.import_module(module)

@@ -103,6 +103,11 @@ class Training:
     )
     seq_len: int = opt(2048, "Tokens per training sequence")
     max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping")
+    z_loss_weight: float = opt(
+        0.0,
+        "PaLM's z-loss: this weight x log(Z)^2 per counted token, Z the softmax normalizer of "
+        "the output logits (logged as z_loss; PaLM used 1e-4); 0: off",
+    )
     loss_chunk_tokens: int = opt(
         0,
         "Compute the cross-entropy this many tokens at a time, so the whole logits never "

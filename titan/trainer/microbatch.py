@@ -42,9 +42,7 @@ class ForwardBackward:
         # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks.
         # Every step counts its own (Objective.count); unmasked, the global batch's tokens
         tokens = plan.global_batch_size // plan.data_parallel_size * t.seq_len // dims.cp
-        self.objective = Objective(
-            build_terms(job), tokens, dims.cp, logits=not self._output_takes_labels(), device=device
-        )
+        self.objective = Objective(build_terms(job), tokens, dims.cp, device=device)
         self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
         # FSDP casts parameters itself; a single replica needs autocast for bf16 compute
         bf16_autocast = t.mixed_precision_param == "bfloat16" and not dims.fsdp_enabled

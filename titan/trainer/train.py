@@ -42,7 +42,7 @@ from titan.components.observability.metrics import MetricsLogger
 from titan.components.optim.grad_clip import clip_grad_norm_
 from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.optim.optimizer import build_optimizer
-from titan.components.training.callbacks import StepEnd, build_callbacks
+from titan.components.training.callbacks import StepEnd, StopTraining, build_callbacks
 from titan.components.training.objective import LOSS
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
@@ -104,7 +104,12 @@ class Trainer:
             seq_len=t.seq_len,
             data_parallel_size=plan.data_parallel_size,
         )
-        self.faults = FaultInjector.build(job.debug, rank=self.rank, current_step=lambda: self.step)
+        self.faults = FaultInjector.build(
+            job.debug,
+            rank=self.rank,
+            current_step=lambda: self.step,
+            vocab_size=plan.model_args.vocab_size,
+        )
         if self.faults is not None:
             self.faults.install(self.model_parts)
         self._log_model()
@@ -310,6 +315,11 @@ class Trainer:
             )
             self.optimizer.zero_grad(set_to_none=True)
             return self._skip(loss_v, norm_v)
+        reason = self._judge(loss_v, norm_v)
+        if reason is not None:
+            logger.warning("step %d: optimizer step skipped: %s", self.step, reason)
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._skip(loss_v, norm_v)
         # an async checkpoint's copy of the parameters overlaps forward/backward, not this
         self.checkpointer.wait_for_staging()
         self.optimizer.step()
@@ -317,6 +327,14 @@ class Trainer:
             self.hook_metrics.update(hook(True) or {})
         self.lr_scheduler.step()
         return loss_v, norm_v, False
+
+    def _judge(self, loss_v: float, norm_v: float) -> str | None:
+        """The first reason a callback gives to skip this step's update (each is asked)."""
+        reasons = [
+            cb.judge_step(self.run_view, self.step, loss_v, norm_v)
+            for cb in self.callbacks.values()
+        ]
+        return next((r for r in reasons if r is not None), None)
 
     def _skip(self, loss_v: float, norm_v: float) -> tuple[float, float, bool]:
         """A step whose optimizer update is skipped: the hooks drop what its forward gathered
@@ -346,6 +364,8 @@ class Trainer:
             0.8 * job.comm.train_timeout_seconds, self.rank, job.job.dump_folder
         )
         data_iter = iter(self.dataloader)
+        if self.faults is not None:
+            data_iter = self.faults.batches(data_iter)
         logger.info(
             "training %s, global batch %d sequences x %d tokens",
             plural(t.steps, "step"),
@@ -534,6 +554,7 @@ FINAL_ERRORS = {
     DataError: ("data error", 2),
     CheckpointError: ("checkpoint error", 2),
     NonFiniteLossError: ("training stopped", 1),
+    StopTraining: ("training stopped", 1),
 }
 
 

@@ -4,7 +4,7 @@ whose samples carry a batch field the family reads; nothing in titan/ knows thei
 
     PYTHONPATH=tests/plugins ./run_train.sh --job.custom_import titan_plugin_example \
         --model.name gelu_llama --optimizer.name SGD --csv_metrics.enable --loss_ema.enable \
-        --model.converters freeze --z_loss.weight 1e-4 --training.dataset plugin_corpus
+        --model.converters freeze --logit_l2.weight 1e-4 --training.dataset plugin_corpus
 
 Importing the package registers all seven (titan imports it, in the launcher and in every
 worker, before it reads the config).
@@ -14,8 +14,8 @@ from titan_plugin_example import (  # noqa: F401
     data,
     family,
     freeze,
+    logit_l2,
     loss_ema,
     optimizer,
     writer,
-    z_loss,
 )

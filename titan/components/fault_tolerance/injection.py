@@ -1,8 +1,8 @@
 """Faults on purpose, for the tests of fault handling, driven by the `debug` section.
 
 Nothing here runs unless a `debug.*_step` is set: the injector then hooks into the model
-(forward hooks) and the checkpointer (its files-written hook), so the training loop itself
-carries no test code.
+(forward hooks), the data (it wraps the batches' iterator) and the checkpointer (its
+files-written hook), so the training loop itself carries no test code.
 """
 
 import logging
@@ -11,21 +11,34 @@ import signal
 import time
 from collections.abc import Callable
 
+import torch
 from torch import nn
+
+from titan.components.data.batch import INPUT_IDS, LABELS
 
 logger = logging.getLogger(__name__)
 
 
 class FaultInjector:
-    def __init__(self, cfg, *, rank: int, current_step: Callable[[], int]):
+    def __init__(self, cfg, *, rank: int, current_step: Callable[[], int], vocab_size: int = 0):
         self.cfg, self.rank, self.current_step = cfg, rank, current_step
+        self.vocab_size = vocab_size
         self._slept = False
 
     @classmethod
-    def build(cls, cfg, *, rank: int, current_step: Callable[[], int]) -> "FaultInjector | None":
+    def build(
+        cls, cfg, *, rank: int, current_step: Callable[[], int], vocab_size: int = 0
+    ) -> "FaultInjector | None":
         """An injector for `cfg` (the debug section), or None when it asks for no fault."""
-        wanted = (cfg.nan_at_step, cfg.sleep_at_step, cfg.kill_in_checkpoint_step)
-        return cls(cfg, rank=rank, current_step=current_step) if max(wanted) >= 0 else None
+        wanted = (
+            cfg.nan_at_step,
+            cfg.bad_batch_at_step,
+            cfg.sleep_at_step,
+            cfg.kill_in_checkpoint_step,
+        )
+        if max(wanted) < 0:
+            return None
+        return cls(cfg, rank=rank, current_step=current_step, vocab_size=vocab_size)
 
     def install(self, model_parts: list[nn.Module]) -> None:
         for part in model_parts:
@@ -39,6 +52,18 @@ class FaultInjector:
         if self.current_step() == self.cfg.nan_at_step:
             return output * float("nan")
         return None
+
+    def batches(self, data):
+        """The data iterator `data`, with debug.bad_batch_at_step's batch corrupted as a run
+        of one repeated token is (the vocabulary's last id, which real text rarely holds): its
+        inputs and counted labels all that id, on every layout alike."""
+        for batch in data:
+            if self.current_step() == self.cfg.bad_batch_at_step:
+                batch = dict(batch)
+                for key in (INPUT_IDS, LABELS):
+                    ids = batch[key]
+                    batch[key] = torch.where(ids >= 0, self.vocab_size - 1, ids)
+            yield batch
 
     def _sleep(self, module, args):
         step = self.current_step()

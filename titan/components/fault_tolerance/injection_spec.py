@@ -1,6 +1,6 @@
-"""The [debug] section: fault injection for titan's own tests (NaN losses, slow, hung or killed
-ranks), listed by --help apart from the options of real runs; torch-free (the injector is
-injection.py)."""
+"""The [debug] section: fault injection for titan's own tests (NaN losses, corrupted batches,
+slow, hung or killed ranks), listed by --help apart from the options of real runs; torch-free
+(the injector is injection.py)."""
 
 from dataclasses import dataclass
 from typing import Literal
@@ -13,6 +13,11 @@ from titan.config.job_config import opt
 class Debug:
     nan_at_step: int = opt(
         -1, "Test hook: make the model's output, so the loss, NaN at this step (-1 = never)"
+    )
+    bad_batch_at_step: int = opt(
+        -1,
+        "Test hook: make this step's batch one token repeated (the vocabulary's last), so "
+        "its loss and gradients spike as a corrupted batch's would (-1 = never)",
     )
     sleep_at_step: int = opt(-1, "Test hook: debug.sleep_rank sleeps inside this step (-1 = never)")
     sleep_rank: int = opt(0, "Test hook: the rank that sleeps at debug.sleep_at_step")

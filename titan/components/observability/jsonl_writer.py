@@ -55,7 +55,7 @@ def _records_until(path: str, keep_until: int) -> list[str]:
     return kept
 
 
-def _start_history(path: str, resume_step: int | None) -> None:
+def start_history(path: str, resume_step: int | None) -> None:
     if not os.path.exists(path):
         return
     if resume_step is None:
@@ -79,7 +79,7 @@ class JsonlWriter:
             for prefix, name in (("train/", "metrics.jsonl"), ("validation/", "validation.jsonl"))
         }
         for path in self.paths.values():
-            _start_history(path, context.resume_step)
+            start_history(path, context.resume_step)
         self.train = open(self.paths["train/"], "a")
 
     def scalars(self, step: int, values: dict) -> None:

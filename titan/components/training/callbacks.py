@@ -23,6 +23,11 @@ from typing import Any
 from titan.config import extensions
 
 
+class StopTraining(RuntimeError):
+    """A callback's verdict that the run must end at this step, its update not taken: the
+    run stops with this message (exit 1; a restart would meet the same step again)."""
+
+
 @dataclass(frozen=True)
 class StepEnd:
     """A training step's figures, the same on every rank."""
@@ -31,7 +36,8 @@ class StepEnd:
     loss: float  # the global batch's loss
     grad_norm: float  # over every parameter of every rank
     lr: float
-    skipped: bool  # the optimizer did not step (non-finite figures, torchft's quorum)
+    skipped: bool  # the optimizer did not step (non-finite figures, torchft's quorum, a
+    #                callback's judge_step)
     tokens_seen: int  # training tokens of all ranks so far
     logged: dict | None  # the metrics record, when this step was logged
 
@@ -50,6 +56,13 @@ class Callback:
         """At a step that is logged, before its record is made: figures to add to it (a
         number, or a list of numbers for a histogram), the same on every rank, which every
         rank calls (collectives allowed)."""
+        return None
+
+    def judge_step(self, run, step: int, loss: float, grad_norm: float) -> str | None:
+        """Before the step's optimizer update, with its global (finite) loss and gradient
+        norm, the same on every rank: a reason to skip the update (a short phrase), or None
+        to take it. Raise StopTraining to end the run here, the update not taken. Every
+        callback is asked, in order; the first reason given is logged."""
         return None
 
     def on_step_end(self, run, end: StepEnd) -> None:

@@ -1,5 +1,5 @@
-"""Cross-entropy over chunks of tokens, so that the logits of a long sequence never exist whole
-(`training.loss_chunk_tokens`).
+"""Cross-entropy (and the objective's terms on the logits, a z-loss) over chunks of tokens, so
+that the logits of a long sequence never exist whole (`training.loss_chunk_tokens`).
 
 The output layer becomes a `ChunkedLossOutput`: the same weight (and tie, and state-dict name),
 but given the labels it returns the summed cross-entropy instead of the logits. Each chunk's
@@ -19,17 +19,25 @@ from titan.components.converters import Converter
 from titan.components.training.loss import cross_entropy_sum
 
 
-def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _chunk_loss(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, terms: tuple
+) -> torch.Tensor:
     # (1, tokens, ...): cross_entropy_sum's (batch, seq) form, its float32 upcast included
-    return cross_entropy_sum(F.linear(h, weight)[None], labels[None])
+    logits, labels = F.linear(h, weight)[None], labels[None]
+    ce = cross_entropy_sum(logits, labels)
+    if not terms:
+        return ce
+    return torch.stack([ce, *(term.token_sum(logits, labels).float() for term in terms)])
 
 
 class ChunkedLossOutput(nn.Linear):
     """An output projection that, given `labels`, returns the cross-entropy sum of its
-    logits, computed `chunk_tokens` tokens at a time."""
+    logits, computed `chunk_tokens` tokens at a time; with objective terms on the logits (a
+    z-loss), the sums [cross-entropy, each term] in the objective's order."""
 
     takes_labels = True
     chunk_tokens: int = 0
+    terms: tuple = ()
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
@@ -38,27 +46,34 @@ class ChunkedLossOutput(nn.Linear):
         total = None
         for start in range(0, h.shape[0], self.chunk_tokens):
             part = slice(start, start + self.chunk_tokens)
-            loss = checkpoint(_chunk_loss, h[part], self.weight, labels[part], use_reentrant=False)
+            loss = checkpoint(
+                _chunk_loss, h[part], self.weight, labels[part], self.terms, use_reentrant=False
+            )
             total = loss if total is None else total + loss
         return total
 
 
-def apply_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
+def apply_chunked_loss(model: nn.Module, chunk_tokens: int, terms: tuple = ()) -> None:
     """Make `model.output` (an nn.Linear, on any device) a ChunkedLossOutput of `chunk_tokens`
-    tokens per chunk, in place: same parameters, so ties and checkpoints are untouched."""
+    tokens per chunk computing `terms` too, in place: same parameters, so ties and checkpoints
+    are untouched."""
     output = model.output
     if type(output) is not nn.Linear:
         raise TypeError(f"training.loss_chunk_tokens needs a plain nn.Linear output, got {output}")
     output.__class__ = ChunkedLossOutput
-    output.chunk_tokens = chunk_tokens
+    output.chunk_tokens, output.terms = chunk_tokens, tuple(terms)
 
 
 class ChunkedLossConverter(Converter):
     """The converter entry: the output layer computes the loss, `loss_chunk_tokens` at a time."""
 
     def __init__(self, job):
+        from titan.components.training.terms import build_terms
+
         self.chunk_tokens = job.training.loss_chunk_tokens
+        # the objective's terms (titan.trainer's Objective builds the same, in this order)
+        self.terms = tuple(build_terms(job).values())
 
     def convert(self, model: nn.Module) -> None:
         # on the whole model, before a pipeline split: the last stage keeps the output
-        apply_chunked_loss(model, self.chunk_tokens)
+        apply_chunked_loss(model, self.chunk_tokens, self.terms)

@@ -16,10 +16,29 @@ IGNORE_INDEX = -100
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The summed token cross-entropy of (batch, seq, vocab) logits; a 0-d tensor is that sum
-    already (a chunked loss's output layer computes it: titan.components.training.chunked_loss)."""
-    if logits.dim() == 0:
-        return logits
+    already, and a 1-d one starts with it (a chunked loss's output layer computes it, and the
+    objective's terms after it: titan.components.training.chunked_loss)."""
+    if logits.dim() <= 1:
+        return logits if logits.dim() == 0 else logits[0]
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed log(Z)^2 of the tokens the loss counts, Z the softmax normalizer of each
+    token's (batch, seq, vocab) logits, in float32. Vocabulary-parallel logits (a DTensor
+    sharded over the vocabulary, as loss parallelism leaves them) are reduced shard by shard:
+    each rank's maximum and sum of exponentials, all-reduced, never the whole logits."""
+    logits = logits.float()
+    counted = labels != IGNORE_INDEX
+    if isinstance(logits, DTensor):
+        from torch.distributed.tensor import Replicate
+
+        counted = DTensor.from_local(
+            counted, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim
+        )
+    peak = logits.detach().amax(dim=-1, keepdim=True)
+    log_z = peak.squeeze(-1) + (logits - peak).exp().sum(dim=-1).log()
+    return (log_z.square() * counted).sum()
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,10 @@
   a sum over the counted tokens divided by the step's count of them over the global batch
   (`count`), so gradient accumulation, pipeline microbatches and sequence shards add up to the
   mean over the global batch, whatever the layout.
-- Terms on the output logits that a run registers (titan.components.training.terms: a
-  plugin's z-loss), weighted in what backward differentiates, logged unweighted under their
-  names.
+- Terms on the output logits that a run registers (titan.components.training.terms: PaLM's
+  z-loss, `training.z_loss_weight`, or a plugin's), weighted in what backward
+  differentiates, logged unweighted under their names. Under the chunked loss the output
+  layer computes them chunk by chunk beside the cross-entropy and returns every sum.
 - The model's own terms (an MoE's balancing loss, multi-token prediction), which it computes
   inside forward and attaches to activations (titan.models.common.aux_loss), weighted by the
   family's settings. The objective opens the collector around a step, hands it the layout's
@@ -37,21 +38,11 @@ class Objective:
         terms: dict[str, Term],
         tokens_per_rank_step: float,
         cp: int,
-        logits: bool = True,
         device: torch.device = CPU,
     ):
         """`tokens_per_rank_step`: the step's counted tokens each rank divides by until
         `count` says the step's own; `cp`: the context-parallel degree (each cp rank holds
-        1/cp of every sequence); `logits`: whether the model's output is the logits (a
-        chunked loss's output layer returns the loss sum instead); `device`: where the step's
-        values and counts live."""
-        if terms and not logits:
-            from titan.config import ConfigError
-
-            raise ConfigError(
-                f"objective terms {list(terms)} need the output logits, which "
-                "training.loss_chunk_tokens never makes whole: set it to 0, or drop the terms"
-            )
+        1/cp of every sequence); `device`: where the step's values and counts live."""
         self.terms, self.tokens, self.cp, self.device = terms, tokens_per_rank_step, cp, device
         self._values: torch.Tensor | None = None  # this step's, detached: loss, then terms
         self._aux: AuxLossCollector | None = None
@@ -90,8 +81,9 @@ class Objective:
         function): the cross-entropy plus the weighted terms, over the step's counted tokens."""
         ce = cross_entropy_sum(logits, labels)
         total, values = ce, [ce]
-        for term in self.terms.values():
-            v = _like(term.token_sum(logits, labels), ce)
+        for i, term in enumerate(self.terms.values(), 1):
+            # a chunked loss's output returns [cross-entropy, each term] summed already
+            v = logits[i] if logits.dim() == 1 else _like(term.token_sum(logits, labels), ce)
             total = total + term.weight * v
             values.append(v)
         if self._values is not None:  # within a step: kept for the log

@@ -1,0 +1,124 @@
+"""Loss and gradient-norm spikes ([stability]): each step's global figures scored against the
+mean and standard deviation of the last `spike_window` steps (spikes included, as OLMo-core
+keeps them, so a lasting change of level stops counting as one within a window); a figure
+more than `spike_sigma` deviations above the mean flags the step, which is logged (with its
+scores), written to `<dump_folder>/spikes.jsonl`, counted (`spikes` in the metrics) and, per
+`on_spike`, left to update, skipped (the trainer's judge_step seam: no optimizer step), or
+stopped at. The figures are the reduced ones every rank holds, so every rank (and every layout
+of the same run) decides alike; the window is in checkpoints, so a resumed run decides as the
+run it continues would have."""
+
+import json
+import logging
+import math
+import os
+from collections import deque
+
+import torch
+
+from titan.components.observability.jsonl_writer import start_history
+from titan.components.training.callbacks import Callback, StopTraining
+
+logger = logging.getLogger("titan")
+
+
+def spike_score(value: float, window) -> float:
+    """How many standard deviations (sample form, n - 1) of the window's values `value` lies
+    above their mean; inf for a value above a window without spread."""
+    n = len(window)
+    mean = math.fsum(window) / n
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in window) / (n - 1))
+    if std > 0:
+        return (value - mean) / std
+    return math.inf if value > mean else 0.0
+
+
+class SpikeMonitor(Callback):
+    def __init__(self, cfg, dump_folder: str, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.path = os.path.join(dump_folder, "spikes.jsonl")
+        self.windows = {m: deque(maxlen=cfg.spike_window) for m in cfg.spike_metrics}
+        self.spikes = 0  # flagged steps so far
+
+    def on_train_start(self, run) -> None:
+        if self.rank == 0:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            start_history(self.path, run.step if run.step > 0 else None)
+
+    def judge_step(self, run, step: int, loss: float, grad_norm: float) -> str | None:
+        values = {"loss": loss, "grad_norm": grad_norm}
+        full = all(len(w) == w.maxlen for w in self.windows.values())
+        scores = {m: spike_score(values[m], w) for m, w in self.windows.items()} if full else {}
+        flagged = [m for m, score in scores.items() if score > self.cfg.spike_sigma]
+        what = self._describe(values, scores, flagged) if flagged else ""
+        for m, w in self.windows.items():
+            w.append(values[m])
+        if not flagged:
+            return None
+        self.spikes += 1
+        self._record(step, values, scores, flagged)
+        if self.cfg.on_spike == "stop":
+            raise StopTraining(
+                f"step {step}: {what}; stopped before its update (stability.on_spike = stop). "
+                f"The spike is in {self.path}; resume from the last checkpoint (with "
+                "stability.on_spike = skip to step over it, or a lower optimizer.lr)"
+            )
+        if self.cfg.on_spike == "log":
+            logger.warning(
+                "step %d: %s; the update is taken (stability.on_spike = log)", step, what
+            )
+            return None
+        return f"{what} (stability.on_spike = skip)"
+
+    def _describe(self, values: dict, scores: dict, flagged: list[str]) -> str:
+        n = self.cfg.spike_window
+        parts = []
+        for m in self.windows:
+            w = self.windows[m]
+            mean = math.fsum(w) / len(w)
+            parts.append(
+                f"{m} {values[m]:.4g} ({scores[m]:+.1f} sigma; the last {n} steps' mean {mean:.4g})"
+            )
+        return f"{' and '.join(flagged)} spike: " + "; ".join(parts)
+
+    def _record(self, step, values, scores, flagged) -> None:
+        if self.rank != 0:
+            return
+        record = {
+            "step": step,
+            "flagged": flagged,
+            **{m: values[m] for m in self.windows},
+            # a window without spread scores inf: null in strict JSON
+            **{f"{m}_sigma": scores[m] if math.isfinite(scores[m]) else None for m in self.windows},
+            "action": self.cfg.on_spike,
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
+
+    def figures(self, run, step: int) -> dict | None:
+        return {"spikes": self.spikes} if self.spikes else None
+
+    # the window's length is in its keys: a run resumed with another spike_window finds none
+    # of them and starts the window afresh (the trainer logs that) instead of failing the load
+    def _key(self, metric: str) -> str:
+        return f"{metric}_last{self.cfg.spike_window}"
+
+    def state_dict(self) -> dict:
+        state = {"spikes": torch.tensor(self.spikes, dtype=torch.int64)}
+        for m, w in self.windows.items():
+            slots = torch.full((self.cfg.spike_window,), math.nan, dtype=torch.float64)
+            slots[: len(w)] = torch.tensor(list(w), dtype=torch.float64)
+            state[self._key(m)] = slots
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.spikes = int(state["spikes"])
+        for m, w in self.windows.items():
+            w.clear()
+            w.extend(float(x) for x in state[self._key(m)].tolist() if not math.isnan(x))
+
+
+def build_callback(run, options) -> SpikeMonitor | None:
+    if options.spike_window == 0:
+        return None
+    return SpikeMonitor(options, run.dump_folder, run.rank)
