@@ -1,0 +1,68 @@
+"""What the stability settings cost a step: the debug model trained with spike detection
+(stability.spike_window, on_spike = skip) and PaLM's z-loss (training.z_loss_weight) on
+against the same run with them off, runs interleaved (off, on, off, ...) so machine load
+falls on both alike. Goal: under 2% of the step time (no spike reruns).
+
+    python benchmarks/stability_overhead.py [--rounds 5 --steps 30 --seq-len 256]
+
+Each run is `python -m titan.trainer` on one process; its step time is the median over the
+steps after the first 5 of tokens / tokens-per-second from metrics.jsonl. Prints the median
+over rounds per setting and the ratio.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ON = [
+    *("--stability.spike_window", "20", "--stability.on_spike", "skip"),
+    *("--training.z_loss_weight", "1e-4"),
+]
+
+
+def step_seconds(flags: list[str], args, folder: Path) -> float:
+    dump = folder / "dump"
+    cmd = [
+        *(sys.executable, "-m", "titan.trainer", "--job.config_file"),
+        str(REPO / "train_configs" / "debug_model.toml"),
+        *("--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len)),
+        *("--training.local_batch_size", str(args.batch), "--metrics.log_freq", "1"),
+        *("--metrics.no_enable_tensorboard", "--training.mixed_precision_param", "float32"),
+        *("--job.dump_folder", str(dump), *flags),
+    ]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=900)
+    records = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    tokens = args.batch * args.seq_len
+    return statistics.median(tokens / r["tps"] for r in records if r["step"] > 5)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args(argv)
+    times = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for name, flags in (("off", []), ("on", ON)):
+                folder = Path(tmp) / f"{name}{r}"
+                times[name].append(step_seconds(flags, args, folder))
+                print(f"round {r + 1} {name}: {times[name][-1] * 1e3:.1f} ms/step", flush=True)
+    off, on = (statistics.median(times[k]) for k in ("off", "on"))
+    print(
+        f"\n| setting | ms/step (median of {args.rounds} rounds) |\n|---|---|\n"
+        f"| off | {off * 1e3:.1f} |\n| spike detection (window 20, skip) + z-loss 1e-4 | "
+        f"{on * 1e3:.1f} |\n\non / off = {on / off:.3f} (goal < 1.02)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
