@@ -60,7 +60,7 @@ import gpu_suite_report as report  # noqa: E402
 import gpu_suite_titan as titan_side  # noqa: E402
 import gpu_suite_torchtitan as peer_side  # noqa: E402
 import trace_compare  # noqa: E402
-from gpu_suite_rows import model_args, plan  # noqa: E402
+from gpu_suite_rows import model_args, plan, profile_flags  # noqa: E402
 
 from titan.runtime.paths import REPO_ROOT  # noqa: E402
 from titan.tools.loss_compare import read_metrics  # noqa: E402
@@ -280,7 +280,7 @@ def run_row(row, ctx: dict, timeout: float) -> dict:
     if row.kind in ("train", "checkpoint"):
         margs = model_args(row.shape, ctx["vocab"], row.seq_len, row.model)
         peak = peaks["datasheet"] or peaks["matmul"]
-        extra = titan_side.profile_overrides(ran.steps) if profiled else []
+        extra = profile_flags(ran.steps) if profiled else []
         code, tail = run(
             titan_side.command(ran, dump, peak, args.device) + extra,
             env,
@@ -313,7 +313,7 @@ def run_row(row, ctx: dict, timeout: float) -> dict:
                 ran, margs, args.device, *ctx["peer_inputs"], dump, args.peer_attention
             )
             extra = shlex.split(args.peer_args)
-            extra += peer_side.profile_overrides(ran.steps) if profiled else []
+            extra += profile_flags(ran.steps) if profiled else []
             cmd, extra_env = peer_side.command(spec, extra)
             code, tail = run(cmd, {**env, **extra_env}, dump / "console.log", timeout)
             if code != 0:

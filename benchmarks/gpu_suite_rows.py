@@ -37,6 +37,20 @@ class Row:
         return asdict(self)
 
 
+def profile_flags(steps: int) -> list[str]:
+    """Trace step `steps` (a run's last) after one profiler warm-up step: titan's profiling
+    options, which torchtitan's CLI names alike."""
+    return [
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        str(steps),
+        "--profiling.profiler_warmup",
+        "1",
+        "--profiling.profiler_active",
+        "1",
+    ]
+
+
 def split_shape(shape: str) -> tuple[str, int | None]:
     """'8B_cut8' -> ('8B', 8); '1B' -> ('1B', None)."""
     m = re.fullmatch(r"(.+)_cut(\d+)", shape)

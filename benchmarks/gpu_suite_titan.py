@@ -70,19 +70,6 @@ def overrides(row, peak_flops: float, device: str) -> list[str]:
     return out
 
 
-def profile_overrides(steps: int) -> list[str]:
-    """Trace step `steps` (the last), after one profiler warm-up step."""
-    return [
-        "--profiling.enable_profiling",
-        "--profiling.profile_freq",
-        str(steps),
-        "--profiling.profiler_warmup",
-        "1",
-        "--profiling.profiler_active",
-        "1",
-    ]
-
-
 def command(row, dump: Path, peak_flops: float, device: str) -> list[str]:
     # the trainer's own launcher (run_train.sh) runs torchrun the same way, with `python`;
     # sys.executable is the interpreter that holds torch wherever `python` is missing

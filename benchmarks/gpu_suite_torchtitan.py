@@ -210,19 +210,6 @@ def _qwen3_shape(args, seq_len: int) -> dict:
     }
 
 
-def profile_overrides(steps: int) -> list[str]:
-    """torchtitan's profiling options tracing step `steps` (the last), after one warm-up."""
-    return [
-        "--profiling.enable_profiling",
-        "--profiling.profile_freq",
-        str(steps),
-        "--profiling.profiler_warmup",
-        "1",
-        "--profiling.profiler_active",
-        "1",
-    ]
-
-
 def command(spec: dict, extra: list[str]) -> tuple[list[str], dict]:
     """The torchrun command line and the environment variable holding the row."""
     cmd = [
