@@ -15,7 +15,6 @@ import torch
 from tests.forked import run_trainer, tiny_run
 from titan.components.training.callbacks import StopTraining
 from titan.components.training.stability import SpikeMonitor, spike_score
-from titan.components.training.stability_spec import Stability
 from titan.config import ConfigError, parse_args
 from titan.config.extensions import ignored_warning
 
@@ -45,7 +44,11 @@ def test_spike_score_is_deviations_above_the_windows_mean():
 
 
 def monitor(tmp_path, **kw) -> SpikeMonitor:
-    cfg = Stability(**{"spike_window": 3, "spike_sigma": 3.0, **kw})
+    # the section as the config makes it: importing its module here would register the
+    # callback ahead of titan's own order (test_architecture checks that order)
+    cfg = parse_args(["--stability.spike_window", "3", "--stability.spike_sigma", "3"]).stability
+    for key, value in kw.items():
+        setattr(cfg, key, value)
     m = SpikeMonitor(cfg, str(tmp_path), rank=0)
     m.on_train_start(SimpleNamespace(step=0))
     return m
