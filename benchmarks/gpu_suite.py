@@ -362,15 +362,12 @@ def keep_trace(dump: Path, folder: Path, name: str) -> dict:
     with open(traces[-1], "rb") as src, gzip.open(kept, "wb") as dst:
         shutil.copyfileobj(src, dst)
     times, busy, step = trace_compare.kernel_times(trace_compare.load(str(kept)))
-    kinds: dict[str, float] = {}
-    for kernel, (us, _) in times.items():
-        kind = trace_compare.kernel_kind(kernel)
-        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+    kinds = trace_compare.kernel_time_by_kind(times)
     return {
         "trace": str(kept),
         "traced_step_ms": step / 1e3,
         "gpu_busy_ms": busy / 1e3,
-        "kernel_ms_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "kernel_ms_by_kind": {kind: us / 1e3 for kind, us in kinds.items()},
     }
 
 

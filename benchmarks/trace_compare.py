@@ -89,6 +89,14 @@ def kernel_times(events: list[dict]) -> tuple[dict[str, tuple[float, int]], floa
     return {n: (t, c) for n, (t, c) in totals.items()}, busy, step
 
 
+def kernel_time_by_kind(times: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """kernel_times' microseconds summed by kernel kind, the largest first."""
+    kinds: dict[str, float] = defaultdict(float)
+    for name, (us, _) in times.items():
+        kinds[kernel_kind(name)] += us
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
 def _short(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -106,10 +114,7 @@ def kernels_report(paths: list[str], names: list[str], top: int) -> str:
             f"({100 * busy / step if step else 0:.0f}%), kernels {total / 1e3:.1f} ms in "
             f"{sum(c for _, c in times.values())} launches"
         )
-    kinds = [defaultdict(float) for _ in measured]
-    for by_kind, (times, _, _) in zip(kinds, measured):
-        for name, (t, _) in times.items():
-            by_kind[kernel_kind(name)] += t
+    kinds = [defaultdict(float, kernel_time_by_kind(times)) for times, _, _ in measured]
     cols = " | ".join(f"{n} ms" for n in names)
     lines += ["", f"| kind | {cols} |", "|---" + "|---:" * len(names) + "|"]
     for k in sorted(set().union(*kinds), key=lambda k: -sum(d[k] for d in kinds)):

@@ -68,7 +68,7 @@ from titan.trainer.run_view import RunView
 logger = logging.getLogger("titan")
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(StopTraining):
     pass
 
 
@@ -553,8 +553,7 @@ FINAL_ERRORS = {
     ConfigError: ("config error", 2),
     DataError: ("data error", 2),
     CheckpointError: ("checkpoint error", 2),
-    NonFiniteLossError: ("training stopped", 1),
-    StopTraining: ("training stopped", 1),
+    StopTraining: ("training stopped", 1),  # a NonFiniteLossError too
 }
 
 

@@ -56,7 +56,11 @@ class FaultInjector:
     def batches(self, data):
         """The data iterator `data`, with debug.bad_batch_at_step's batch corrupted as a run
         of one repeated token is (the vocabulary's last id, which real text rarely holds): its
-        inputs and counted labels all that id, on every layout alike."""
+        inputs and counted labels all that id, on every layout alike; `data` itself when no
+        batch is to be corrupted."""
+        return data if self.cfg.bad_batch_at_step < 0 else self._corrupting(data)
+
+    def _corrupting(self, data):
         for batch in data:
             if self.current_step() == self.cfg.bad_batch_at_step:
                 batch = dict(batch)
