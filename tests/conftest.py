@@ -19,6 +19,7 @@ and the session fails if a test used one it did not declare.
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -55,6 +56,23 @@ def tokenizer():
     from titan.components.data.tokenizer import Tokenizer
 
     return Tokenizer(str(TOKENIZER_PATH))
+
+
+# ------------------------------------------------------------------ disk
+@pytest.fixture(scope="module", autouse=True)
+def module_folders_removed(request, tmp_path_factory):
+    """The folders a file's module fixtures made are removed when the file is done, unless one
+    of its tests failed (kept to read). Passed tests' own tmp_path go at their teardown
+    (pyproject's tmp_path_retention_policy): kept to the session's end, the checkpoints the
+    suite writes add up to tens of GB, more than a CI machine may have free."""
+    base = tmp_path_factory.getbasetemp()
+    before, failed = set(base.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed:
+        return
+    for path in set(base.iterdir()) - before:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ optional packages

@@ -30,6 +30,7 @@ for module in (
     "titan.components.optim.builtin",
     "titan.components.quantization.float8_spec",
     "titan.components.training.chunked_loss_spec",
+    "titan.components.optim.qk_clip_spec",
     "titan.components.training.terms",
     "titan.components.training.z_loss_spec",
     "titan.components.fault_tolerance.injection_spec",

@@ -35,6 +35,12 @@ class Optimizer:
     state_dtype: Literal["float32", "bfloat16"] = opt(
         "float32", "Dtype of Adam's moment estimates between steps (the update runs in float32)"
     )
+    qk_clip_threshold: float = opt(
+        0.0,
+        "QK-clip (Kimi K2's MuonClip): after each optimizer step, each attention head whose "
+        "largest pre-softmax logit in the step exceeded this has its query/key projections "
+        "rescaled to bring it to this (Kimi K2: 100). 0: off",
+    )
     param_groups: list[ParamGroup] = opt(
         [],
         "Parameters trained with their own lr or weight decay, by name: "

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan.models.common.aux_loss import first_forward_of_step
 from titan.models.common.decode import DecodeCache
 from titan.models.common.init import normal, ones, zeros
+from titan.models.common.logit_max import allowed_pairs, note_logit_max
 from titan.models.common.masked_attention import masked_attention
 from titan.models.common.rope import apply_rope
 from titan.parallelisms import sequence_shard
@@ -68,7 +70,7 @@ class Attention(nn.Module):
         sinks: bool = False,
     ):
         super().__init__()
-        self.head_dim = head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.interleaved_rope = interleaved_rope
         self.sliding_window = sliding_window
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
@@ -82,6 +84,29 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # (heads,): a tensor-parallel plan splits it with the heads
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
+        # (heads,) once track_logit_max() is called: see titan.models.common.logit_max
+        self.register_buffer("logit_max", None, persistent=False)
+
+    @property
+    def normalizes_qk(self) -> bool:
+        return self.q_norm is not None
+
+    def track_logit_max(self) -> None:
+        self.logit_max = torch.full((self.n_heads,), float("-inf"), device=self.wq.weight.device)
+
+    def qk_clip_scales(self, gamma: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Row factors (parameter name -> one per output row) that multiply head h's
+        logits by gamma[h]: sqrt(gamma) on its query and key rows where each query head has
+        its own key head; with grouped keys (shared by several query heads) gamma on its
+        query rows only."""
+        if self.n_kv_heads == self.n_heads:
+            q = k = gamma.sqrt().repeat_interleave(self.head_dim)
+            scales = {"wq": q, "wk": k}
+        else:
+            scales = {"wq": gamma.repeat_interleave(self.head_dim)}
+        biased = self.wq.bias is not None
+        names = ("weight", "bias") if biased else ("weight",)
+        return {f"{w}.{n}": rows for w, rows in scales.items() for n in names}
 
     def param_inits(self, out_init) -> dict:
         """Parameter name -> how to fill it; `out_init` for wo, which writes the residual."""
@@ -120,6 +145,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rows, self.interleaved_rope)
         k = apply_rope(k, rows, self.interleaved_rope)
+        if self.logit_max is not None and first_forward_of_step():
+            window, keys = self.sliding_window, k.shape[1]
+            note_logit_max(
+                self.logit_max,
+                q,
+                k,
+                self.head_dim**-0.5,
+                lambda lo, hi: allowed_pairs(mask, lo, hi, keys, q.device, window),
+                causal=mask is None and window is None,
+            )
         first = 0  # the position of the first key (a windowed cache keeps the latest only)
         if cache is not None:
             k, v, first = cache.update(layer, k, v, self.sliding_window)

@@ -121,6 +121,13 @@ def collecting() -> bool:
     return _active is not None and torch.is_grad_enabled()
 
 
+def first_forward_of_step() -> bool:
+    """A training step's forward, met once: not validation, generation, a pipeline stage's
+    shape inference (all outside a collector) nor activation checkpointing's eager
+    recompute. Where a model gathers a step's statistics (its heads' largest logits)."""
+    return collecting() and not _recomputing()
+
+
 @contextlib.contextmanager
 def paused():
     """No aux loss is attached within (a pipeline stage's shape inference, which runs the

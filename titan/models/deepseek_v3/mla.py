@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan.models.common.attention import flex_attention
+from titan.models.common.aux_loss import first_forward_of_step
 from titan.models.common.decode import DecodeCache
 from titan.models.common.init import normal, ones
+from titan.models.common.logit_max import allowed_pairs, note_logit_max
 from titan.models.common.rope import apply_rope
 from titan.parallelisms import sequence_shard
 
@@ -45,6 +47,7 @@ class MLA(nn.Module):
         interleaved_rope: bool = True,
     ):
         super().__init__()
+        self.n_heads = n_heads
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.kv_lora_rank = kv_lora_rank
         self.softmax_scale = softmax_scale
@@ -61,6 +64,22 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.rope_key = SharedRopeKey(interleaved_rope)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+        # (heads,) once track_logit_max() is called: see titan.models.common.logit_max
+        self.register_buffer("logit_max", None, persistent=False)
+
+    def track_logit_max(self) -> None:
+        self.logit_max = torch.full((self.n_heads,), float("-inf"), device=self.wo.weight.device)
+
+    def qk_clip_scales(self, gamma: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Row factors (parameter name -> one per output row) that multiply head h's
+        logits by gamma[h], as Kimi K2 clips MLA: sqrt(gamma) on the head's query and key
+        parts without position, gamma on its rotated query part; the rotated key part, which
+        all heads share, and the values untouched."""
+        root, ones_v = gamma.sqrt()[:, None], gamma.new_ones(gamma.numel(), self.v_dim)
+        q = torch.cat([root.expand(-1, self.nope), gamma[:, None].expand(-1, self.rope_dim)], 1)
+        kv = torch.cat([root.expand(-1, self.nope), ones_v], 1)
+        q_name = "wq_b" if hasattr(self, "wq_b") else "wq"
+        return {f"{q_name}.weight": q.reshape(-1), "wkv_b.weight": kv.reshape(-1)}
 
     def param_inits(self, out_init) -> dict:
         inits = {
@@ -98,6 +117,15 @@ class MLA(nn.Module):
         )
         k_rope = self.rope_key(k_rope, rows)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        if self.logit_max is not None and first_forward_of_step():
+            note_logit_max(
+                self.logit_max,
+                q,
+                k,
+                self.softmax_scale,
+                lambda lo, hi: allowed_pairs(mask, lo, hi, seq, q.device),
+                causal=mask is None,
+            )
         if cache is not None:
             mask = cache.mask(seq)
             k, v, _ = cache.update(layer, k, v)
