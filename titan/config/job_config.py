@@ -91,6 +91,12 @@ class Training:
         "batch (resumes on any dp degree; each rank tokenizes all the text)",
     )
     dataset_shuffle: bool = opt(True, "Shuffle packed sequences each epoch (local datasets)")
+    skip_documents: str = opt(
+        "",
+        "A file of documents to leave out (lines of JSON as spikes.jsonl names them: "
+        '{"dataset": ..., "document": ...}): their labels are not trained; every other token '
+        "stays in its place",
+    )
     dataloader_num_workers: int = opt(
         0,
         "Processes fetching batches ahead (local and pretokenized data; streamed data is "

@@ -90,6 +90,20 @@ class RunView:
         """Save a checkpoint of this step (where checkpointing is on)."""
         self.save_requested = True
 
+    def replay_step(self, edit=None):
+        """Run the current step's forward and backward again, from its batch and random
+        state, before its update (from judge_step): a titan.trainer.replay.Replay, the same
+        on every rank (collective: every rank calls it). `edit(microbatches)` may change a
+        copy of the batch first (mask labels, say); its loss is still over the step's
+        counted tokens. The update, if taken, uses the last replay's gradients."""
+        return self._trainer.replay_step(edit)
+
+    def step_documents(self):
+        """The documents of the current step's global batch, by label span
+        (titan.components.data.document_index.DocSpan; every rank's samples), or None where
+        the data cannot name them."""
+        return self._trainer.dataloader.step_documents()
+
     def exclude_time(self, seconds: float) -> None:
         """Keep time spent outside the step (an evaluation) out of tokens/s."""
         self._trainer.metrics.exclude(seconds)

@@ -63,6 +63,7 @@ from titan.runtime.logging_setup import init_logging, quiet_checkpoint_process
 from titan.trainer import interrupts
 from titan.trainer.build import meta_parts, run_identity, training_save_bytes
 from titan.trainer.microbatch import ForwardBackward
+from titan.trainer.replay import Replay, StepInputs, gather_rank_norms, local_grad_sq, unclipped
 from titan.trainer.run_view import RunView
 
 logger = logging.getLogger("titan")
@@ -109,6 +110,8 @@ class Trainer:
             rank=self.rank,
             current_step=lambda: self.step,
             vocab_size=plan.model_args.vocab_size,
+            first_sample=self.shard.dp_rank * (plan.global_batch_size // plan.data_parallel_size),
+            bos_id=plan.tokenizer.bos_id,
         )
         if self.faults is not None:
             self.faults.install(self.model_parts)
@@ -272,7 +275,6 @@ class Trainer:
 
     def train_step(self, microbatches) -> tuple[float, float, bool]:
         """One optimizer step over the microbatches; returns (loss, grad norm, skipped)."""
-        self.optimizer.zero_grad(set_to_none=True)
         if self.ft is not None:
             self.checkpointer.wait_for_staging()  # a heal may overwrite the parameters
             self.ft.start_step()  # the quorum forms while forward/backward run
@@ -280,21 +282,9 @@ class Trainer:
         # the loss is the mean over the labels the data counts, however many that is
         if objective.count([b[LABELS] for b in microbatches], self._group("dp")) == 0:
             raise objective.nothing_counted(self.step)
-        weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
-        with objective.step(weight, self.token_split):
-            for batch in microbatches:
-                self.fwd_bwd.step(to_device(batch, self.device))
-        params = [p for part in self.model_parts for p in part.parameters()]
-        shard_grads_like_params(params)
-        copies = []
-        if self.tied_copies is not None:  # pipeline stages' copies of one tied weight
-            self.tied_copies.sum_grads()
-            params, copies = self.tied_copies.split(params)
-        grad_norm = clip_grad_norm_(
-            params, self.job.training.max_norm, extra_group=self.pp_group(), uncounted=copies
-        )
-        self.step_terms = objective.reduce(self.pp_group(), self.dp_cp_group())
-        loss_v, norm_v = self.step_terms.pop(LOSS), grad_norm.item()
+        self.step_inputs = StepInputs.keep(microbatches, self.device)  # for a replay
+        loss_v, norm_v = self.gradients(microbatches)
+        self.step_norm = norm_v
         # collective within the group: every rank asks, whatever it will do with the answer
         if self.ft is not None and not self.ft.should_commit():
             logger.warning(
@@ -327,6 +317,50 @@ class Trainer:
             self.hook_metrics.update(hook(True) or {})
         self.lr_scheduler.step()
         return loss_v, norm_v, False
+
+    def gradients(self, microbatches, replay: bool = False) -> tuple[float, float]:
+        """Forward and backward of the step's microbatches, the gradients clipped: (global
+        loss, global gradient norm); the objective's terms in step_terms."""
+        self.optimizer.zero_grad(set_to_none=True)
+        objective = self.fwd_bwd.objective
+        weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
+        with objective.step(weight, self.token_split):
+            for batch in microbatches:
+                self.fwd_bwd.step(to_device(batch, self.device))
+        shard_grads_like_params([p for part in self.model_parts for p in part.parameters()])
+        if self.tied_copies is not None:  # pipeline stages' copies of one tied weight
+            self.tied_copies.sum_grads()
+        params, copies = self.grad_params()
+        if self.faults is not None and not replay:
+            self.faults.after_backward(params)
+        grad_norm = clip_grad_norm_(
+            params, self.job.training.max_norm, extra_group=self.pp_group(), uncounted=copies
+        )
+        self.step_terms = objective.reduce(self.pp_group(), self.dp_cp_group())
+        return self.step_terms.pop(LOSS), grad_norm.item()
+
+    def grad_params(self) -> tuple[list, list]:
+        """(the parameters the gradient norm counts, pipeline copies of a tied weight)."""
+        params = [p for part in self.model_parts for p in part.parameters()]
+        if self.tied_copies is None:
+            return params, []
+        return self.tied_copies.split(params)
+
+    def replay_step(self, edit=None) -> Replay:
+        """This step again from its batch and random state (see titan.trainer.replay), its
+        microbatches first given to `edit` when given; the gradients left are the replay's."""
+        max_norm = self.job.training.max_norm
+        counted = [p for p in self.grad_params()[0] if p.grad is not None]
+        first = unclipped(local_grad_sq(counted), self.step_norm, max_norm)
+        inputs = self.step_inputs
+        inputs.restore_rng(self.device)
+        replay = StepInputs.keep(inputs.microbatches, self.device).microbatches
+        if edit is not None:
+            replay = edit(replay)
+        loss2, norm2 = self.gradients(replay, replay=True)
+        counted = [p for p in self.grad_params()[0] if p.grad is not None]
+        second = unclipped(local_grad_sq(counted), norm2, max_norm)
+        return Replay(loss2, norm2, gather_rank_norms(first, second, self.device))
 
     def _judge(self, loss_v: float, norm_v: float) -> str | None:
         """The first reason a callback gives to skip this step's update (each is asked)."""

@@ -131,6 +131,15 @@ class GlobalOrder(Sampler):
             self._perms[s] = (epoch, WindowPermutation(n, self.seed * 1_000_003 + epoch * 7919 + s))
         return self._perms[s][1][pos]
 
+    def batch_windows(self, b: int) -> list[tuple[int, int]]:
+        """(source, window) of every position of global batch b (all ranks' samples)."""
+        seen = self.counts_at(b).copy()
+        out = []
+        for s in self._sources_of_batch(b):
+            out.append((int(s), self._window(int(s), int(seen[s]))))
+            seen[s] += 1
+        return out
+
     # ---------------------------------------------------------------- this rank's samples
 
     def end(self) -> int | None:

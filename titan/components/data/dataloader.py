@@ -11,6 +11,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -26,6 +27,7 @@ from titan.components.data.dataset import (
     parse_mix,
     sample_fields,
 )
+from titan.components.data.document_index import DocSpan, read_skip_file
 from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens, with_fields
 from titan.components.data.streaming import StreamingPackedDataset
 from titan.components.data.tokenizer import Tokenizer
@@ -101,6 +103,21 @@ class IndexedLoader:
             "sources": list(self.order.names),
             "source_windows": [int(n) for n in self.order.sizes],
         }
+
+    def step_documents(self) -> list[DocSpan] | None:
+        """The documents of the global batch last taken (every rank's samples), a span of
+        labels each; None where they cannot be named (a source not of packed text)."""
+        batches, offset = divmod(self.taken, self.order.per_rank)
+        sources = self.windows.sources
+        if offset or not batches or not all(getattr(s, "bos", None) is not None for s in sources):
+            return None
+        spans = []
+        for pos, (s, w) in enumerate(self.order.batch_windows(batches - 1)):
+            docs = sources[s].label_documents(w)
+            bounds = [0, *(np.flatnonzero(np.diff(docs)) + 1).tolist(), len(docs)]
+            for first, end in zip(bounds[:-1], bounds[1:]):
+                spans.append(DocSpan(pos, self.order.names[s], int(docs[first]), first, end))
+        return spans
 
     def source_tokens(self, seq_len: int) -> dict[str, int] | None:
         """Tokens drawn from each source by the global batches taken so far (all ranks);
@@ -239,6 +256,9 @@ class StreamLoader:
     def rewind(self) -> None:
         self.dataset.rewind()
 
+    def step_documents(self) -> None:
+        return None  # a stream knows no document indices
+
     def source_tokens(self, seq_len: int) -> None:
         return None  # one source
 
@@ -275,6 +295,7 @@ def build_text_dataloader(
     workers: Workers = Workers(),
     mix: list[tuple[str, float]] | None = None,
     section: str = "training",
+    skip_documents: str = "",
 ):
     """A restored loader yields exactly the batch an uninterrupted one would have yielded.
     `mix`: (source, weight) pairs read instead of dataset/dataset_path. `section`: the config
@@ -292,6 +313,12 @@ def build_text_dataloader(
         for name, _ in sources
     ]
     if not mix and (files[0] is None or streaming):
+        if skip_documents:
+            raise DataError(
+                f"training.skip_documents = {skip_documents!r} needs an indexed source (a local "
+                "file, folder or token shards, not streamed); unset training.dataset_streaming "
+                "or pretokenize the dataset (scripts/pretokenize.py)"
+            )
         if files[0] is not None and len(files[0]) == 1 and files[0][0].is_dir():
             raise DataError(
                 f"{files[0][0]} holds token shards, which are read indexed: unset dataset_streaming"
@@ -317,9 +344,17 @@ def build_text_dataloader(
                 "dataset first (scripts/pretokenize.py)"
             )
     windows = [
-        PackedWindows(open_tokens(f, tokenizer, text_field), seq_len, name=name)
+        PackedWindows(open_tokens(f, tokenizer, text_field), seq_len, name, tokenizer.bos_id)
         for (name, _), f in zip(sources, files)
     ]
+    if skip_documents:
+        skipped = read_skip_file(skip_documents, {w.name: (w.tokens, w.bos) for w in windows})
+        for w in windows:
+            w.skip(skipped.get(w.name, []))
+        logger.info(
+            "leaving out %s (training.skip_documents)",
+            ", ".join(f"{len(d)} document(s) of {n}" for n, d in skipped.items()) or "nothing",
+        )
     order = GlobalOrder(
         [len(w) for w in windows],
         [w for _, w in sources],
@@ -397,6 +432,11 @@ def build_dataloader(
         workers=Workers(cfg.dataloader_num_workers, cfg.dataloader_prefetch_factor),
     )
     if cfg.dataset_format == "chat":
+        if cfg.skip_documents:
+            raise DataError(
+                "training.skip_documents leaves out documents of packed text; chat data "
+                "(training.dataset_format = chat) is not read that way: unset it"
+            )
         return build_chat_dataloader(**common, chat=sections["chat"])
     return build_text_dataloader(
         **common,
@@ -404,4 +444,5 @@ def build_dataloader(
         streaming=cfg.dataset_streaming,
         stream_order=cfg.dataset_stream_order,
         mix=parse_mix(cfg.dataset_mix) if cfg.dataset_mix else None,
+        skip_documents=cfg.skip_documents,
     )

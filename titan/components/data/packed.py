@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from titan.components.data.batch import Batch, sample
 from titan.components.data.dataset import DataError, iter_texts, with_progress
+from titan.components.data.document_index import document_range, label_documents
 from titan.components.data.token_shards import (
     ArrayTokens,
     ShardError,
@@ -26,18 +27,27 @@ from titan.components.data.token_shards import (
     tokenizer_fingerprint,
 )
 from titan.components.data.tokenizer import Tokenizer
+from titan.components.training.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
 
 class PackedWindows(Dataset):
-    """Window i of a token stream: (tokens[i*(L+1) : i*(L+1)+L], the same shifted by one)."""
+    """Window i of a token stream: (tokens[i*(L+1) : i*(L+1)+L], the same shifted by one).
+    With `bos` (the id that opens each document) its documents can be named
+    (`label_documents`) and some left out (`skip`: their labels IGNORE_INDEX wherever a window
+    holds them; every other token stays where it was)."""
 
     def __init__(
-        self, tokens: TokenShards | ArrayTokens | np.ndarray, seq_len: int, name: str = "dataset"
+        self,
+        tokens: TokenShards | ArrayTokens | np.ndarray,
+        seq_len: int,
+        name: str = "dataset",
+        bos: int | None = None,
     ):
         self.tokens = ArrayTokens(tokens) if isinstance(tokens, np.ndarray) else tokens
-        self.seq_len, self.name = seq_len, name
+        self.seq_len, self.name, self.bos = seq_len, name, bos
+        self.skipped: list[tuple[int, int]] = []  # stream ranges of left-out documents
         self.num_windows = len(self.tokens) // (seq_len + 1)
         if self.num_windows == 0:
             raise DataError(
@@ -49,8 +59,26 @@ class PackedWindows(Dataset):
         return self.num_windows
 
     def __getitem__(self, i: int) -> Batch:
-        window = torch.from_numpy(self.tokens.read(i * (self.seq_len + 1), self.seq_len + 1))
-        return sample(window[:-1], window[1:])
+        start = i * (self.seq_len + 1)
+        window = torch.from_numpy(self.tokens.read(start, self.seq_len + 1))
+        labels = window[1:]
+        # label j predicts token start + j + 1
+        spans = [
+            (max(lo - start - 1, 0), min(hi - start - 1, self.seq_len)) for lo, hi in self.skipped
+        ]
+        spans = [(first, end) for first, end in spans if first < end]
+        if spans:
+            labels = labels.clone()  # a view of the inputs' tokens
+            for first, end in spans:
+                labels[first:end] = IGNORE_INDEX
+        return sample(window[:-1], labels)
+
+    def skip(self, documents: list[int]) -> None:
+        self.skipped = [document_range(self.tokens, d, self.bos) for d in documents]
+
+    def label_documents(self, i: int) -> np.ndarray:
+        """The document (its index in this source) of each label of window i."""
+        return label_documents(self.tokens, i * (self.seq_len + 1), self.seq_len, self.bos)
 
 
 class MixedWindows(Dataset):

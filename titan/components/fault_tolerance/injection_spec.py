@@ -19,6 +19,21 @@ class Debug:
         "Test hook: make this step's batch one token repeated (the vocabulary's last), so "
         "its loss and gradients spike as a corrupted batch's would (-1 = never)",
     )
+    bad_document_at_step: int = opt(
+        -1,
+        "Test hook: at this step, the document that sample debug.bad_document_sample of the "
+        "global batch opens with has its tokens in that window made the vocabulary's last "
+        "id, as a corrupted document's would be (-1 = never)",
+    )
+    bad_document_sample: int = opt(0, "Test hook: the sample of debug.bad_document_at_step")
+    perturb_grads_at_step: int = opt(
+        -1,
+        "Test hook: debug.perturb_rank multiplies the gradients it holds by 100 once, in this "
+        "step's first pass, as a faulty device would (-1 = never)",
+    )
+    perturb_rank: int = opt(
+        0, "Test hook: the rank whose gradients debug.perturb_grads_at_step perturbs"
+    )
     sleep_at_step: int = opt(-1, "Test hook: debug.sleep_rank sleeps inside this step (-1 = never)")
     sleep_rank: int = opt(0, "Test hook: the rank that sleeps at debug.sleep_at_step")
     sleep_seconds: float = opt(3600.0, "Test hook: how long that rank sleeps")

@@ -12,11 +12,13 @@ import json
 import logging
 import math
 import os
+import time
 from collections import deque
 
 import torch
 
 from titan.components.observability.jsonl_writer import start_history
+from titan.components.training.blame import bisect, keep_labels
 from titan.components.training.callbacks import Callback, StopTraining
 
 logger = logging.getLogger("titan")
@@ -51,17 +53,31 @@ class SpikeMonitor(Callback):
         scores = {m: spike_score(values[m], w) for m, w in self.windows.items()} if full else {}
         flagged = [m for m, score in scores.items() if score > self.cfg.spike_sigma]
         what = self._describe(values, scores, flagged) if flagged else ""
+        before = {m: list(w) for m, w in self.windows.items()}
         for m, w in self.windows.items():
             w.append(values[m])
         if not flagged:
             return None
         self.spikes += 1
-        self._record(step, values, scores, flagged)
+        rerun = None
+        if self.cfg.rerun_on_spike:
+            started = time.perf_counter()
+            rerun = self._rerun(run, values, before, flagged)
+            run.exclude_time(time.perf_counter() - started)  # the step's tokens/s as without
+        if rerun is not None:
+            what += f"; {rerun['says']}"
+        self._record(step, values, scores, flagged, rerun)
         if self.cfg.on_spike == "stop":
+            ranks = (rerun or {}).get("ranks")
+            then = (
+                f"restart the job from the last checkpoint without the node(s) of rank(s) {ranks}"
+                if ranks
+                else "resume from the last checkpoint (with stability.on_spike = skip to step "
+                "over it, or a lower optimizer.lr)"
+            )
             raise StopTraining(
                 f"step {step}: {what}; stopped before its update (stability.on_spike = stop). "
-                f"The spike is in {self.path}; resume from the last checkpoint (with "
-                "stability.on_spike = skip to step over it, or a lower optimizer.lr)"
+                f"The spike is in {self.path}; {then}"
             )
         if self.cfg.on_spike == "log":
             logger.warning(
@@ -69,6 +85,76 @@ class SpikeMonitor(Callback):
             )
             return None
         return f"{what} (stability.on_spike = skip)"
+
+    def _rerun(self, run, values: dict, window: dict, flagged: list[str]) -> dict:
+        """Replay the step: the same figures (bitwise) blame the data, and replays of parts
+        of it the document; different ones the ranks whose local gradient norms changed."""
+        replay = run.replay_step()
+        again = {"loss": replay.loss, "grad_norm": replay.grad_norm}
+        tol = self.cfg.rerun_rtol
+        if all(abs(again[k] - values[k]) <= tol * abs(values[k]) for k in again):
+            found = self._blame(run, window, flagged)
+            same = "bitwise" if tol == 0 else f"within {tol:g}"
+            says = f"its replay gives the same loss and grad norm {same}: the data; " + found.pop(
+                "says"
+            )
+            return {
+                "verdict": "data",
+                "says": says,
+                **{f"rerun_{k}": v for k, v in again.items()},
+                **found,
+            }
+        ranks = replay.differing_ranks()
+        norms = "; ".join(
+            f"rank {r}: {replay.rank_norms[r][0]:.4g}, replayed {replay.rank_norms[r][1]:.4g}"
+            for r in ranks
+        )
+        says = (
+            f"its replay gives loss {replay.loss:.6g}, grad norm {replay.grad_norm:.4g}: a "
+            "device, not the data"
+            + (f", on rank(s) {ranks} (local grad norm {norms})" if ranks else "")
+        )
+        return {
+            "verdict": "compute",
+            "says": says,
+            "ranks": ranks,
+            **{f"rerun_{k}": v for k, v in again.items()},
+            "rank_grad_norms": [list(x) for x in replay.rank_norms],
+        }
+
+    def _blame(self, run, window: dict, flagged: list[str]) -> dict:
+        spans = run.step_documents()
+        if spans is None:
+            return {"says": "its documents cannot be named (a streamed or chat source)"}
+        plan, t = run.plan, run.job.training
+        per_rank = plan.global_batch_size // plan.data_parallel_size
+        first = run.data_shard.dp_rank * per_rank
+
+        def replay(kept):
+            r = run.replay_step(keep_labels(kept, first, t.local_batch_size))
+            return r.loss, r.grad_norm
+
+        def score(loss_per_token: float, grad_norm: float) -> float:
+            now = {"loss": loss_per_token, "grad_norm": grad_norm}
+            return max(spike_score(now[m], window[m]) for m in flagged)
+
+        found = bisect(spans, replay, score, self.cfg.spike_sigma)
+        if self.cfg.on_spike == "log":  # the update is taken: from the whole step's gradients
+            run.replay_step()
+        named = found.documents if found.alone else spans
+        docs = [{**s.entry(), "sample": s.sample, "labels": [s.first, s.end]} for s in named]
+        if found.alone:
+            s = found.documents[0]
+            says = (
+                f"document {s.document} of {s.dataset} (sample {s.sample} of the global batch, "
+                f"labels {s.first}-{s.end - 1}) makes it alone ({found.replays} replays)"
+            )
+        else:
+            says = (
+                f"no one document makes it alone ({found.replays} replays): the step's "
+                f"{len({(s.dataset, s.document) for s in spans})} documents are listed"
+            )
+        return {"says": says, "documents": docs, "alone": found.alone, "replays": found.replays}
 
     def _describe(self, values: dict, scores: dict, flagged: list[str]) -> str:
         n = self.cfg.spike_window
@@ -81,9 +167,10 @@ class SpikeMonitor(Callback):
             )
         return f"{' and '.join(flagged)} spike: " + "; ".join(parts)
 
-    def _record(self, step, values, scores, flagged) -> None:
+    def _record(self, step, values, scores, flagged, rerun: dict | None) -> None:
         if self.rank != 0:
             return
+        rerun = {k: v for k, v in (rerun or {}).items() if k != "says"}
         record = {
             "step": step,
             "flagged": flagged,
@@ -91,6 +178,7 @@ class SpikeMonitor(Callback):
             # a window without spread scores inf: null in strict JSON
             **{f"{m}_sigma": scores[m] if math.isfinite(scores[m]) else None for m in self.windows},
             "action": self.cfg.on_spike,
+            **rerun,
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")

@@ -22,6 +22,17 @@ class Stability:
         6.0, "A step is a spike when a figure exceeds the window's mean by this many std"
     )
     spike_metrics: list[str] = opt(list(METRICS), "The figures scored: loss, grad_norm")
+    rerun_on_spike: bool = opt(
+        False,
+        "Replay a flagged step once (same batch, same random state) before acting: the same "
+        "loss and grad norm blame the data, different ones the devices (the ranks whose own "
+        "gradients changed are named)",
+    )
+    rerun_rtol: float = opt(
+        0.0,
+        "Replayed figures within this relative difference count as the same: 0 = bitwise "
+        "(CPU, and GPU with training.deterministic); a GPU's non-deterministic kernels need more",
+    )
     on_spike: Literal["log", "skip", "stop"] = opt(
         "log",
         "At a spike: log it (the update is taken); skip its optimizer step (parameters and "
@@ -42,6 +53,7 @@ def check(job) -> None:
                 "needs at least 2 steps for a standard deviation (0: off)",
             ),
             (s.spike_sigma > 0, "stability.spike_sigma", "must be > 0"),
+            (s.rerun_rtol >= 0, "stability.rerun_rtol", "must be >= 0 (0: bitwise)"),
             (
                 bool(s.spike_metrics) and set(s.spike_metrics) <= set(METRICS),
                 "stability.spike_metrics",
