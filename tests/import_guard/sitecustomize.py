@@ -26,6 +26,7 @@ OPTIONAL = {
     "torchft": "torchft",
     "wandb": "wandb",
     "matplotlib": "plot",
+    "lm_eval": "eval",
     "transformers": "test",
     "peft": "test",
     "ruff": "test",

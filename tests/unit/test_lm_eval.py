@@ -1,0 +1,221 @@
+"""lm-evaluation-harness through titan (titan.components.evaluation, titan.tools.eval): per
+request the same log-likelihoods, rolling log-likelihoods and greedy strings as lm-eval's own
+`hf` backend on a model transformers saved, and the same scores on every bundled offline task;
+`python -m titan.tools.eval` gives a trained run's DCP checkpoint and its HF export the same
+scores, on 1 process and with the requests split over 2."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.forked import free_port, run_trainer, run_workers, tiny_run
+from titan.components.data.tokenizer import Tokenizer
+from titan.runtime.paths import REPO_ROOT
+
+pytestmark = [
+    pytest.mark.needs("lm_eval"),
+    pytest.mark.skipif(sys.platform != "linux", reason="needs fork"),
+]
+
+TASKS = ["kjv_verse_cloze", "kjv_verse_book", "kjv_bits_per_byte", "kjv_verse_completion"]
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A small Llama of titan's tokenizer, saved by transformers (through titan's export)."""
+    import transformers
+
+    from titan.components.checkpoint import hf_io
+    from titan.models.llama3.args import Llama3Args
+    from titan.models.llama3.model import Transformer
+    from titan.models.spec import get_train_spec
+
+    tmp = tmp_path_factory.mktemp("hf")
+    tok = Tokenizer(str(REPO_ROOT / "assets" / "tokenizer" / "tokenizer.json"))
+    args = Llama3Args(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=tok.vocab_size,
+        multiple_of=32,
+        rope_theta=10000.0,
+        max_seq_len=MAX_LEN,
+    )
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    hf_io.save_hf(model.state_dict(), get_train_spec("llama3"), args, tmp / "titan")
+    tok.save_hf(tmp / "titan")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp / "titan", dtype=torch.float32)
+    hf.save_pretrained(tmp / "hf")
+    transformers.AutoTokenizer.from_pretrained(tmp / "titan").save_pretrained(tmp / "hf")
+    return tmp / "hf"
+
+
+@pytest.fixture(scope="module")
+def both(hf_folder):
+    """(titan's LM, lm-eval's hf LM) over the same folder."""
+    from lm_eval.models.huggingface import HFLM
+
+    from titan.components.evaluation.lm_eval_model import TitanLM
+    from titan.config import parse_args
+    from titan.models.spec import get_train_spec
+    from titan.tools.generate import generate, load_model
+
+    job = parse_args(["--model.name", "llama3"])
+    model, _ = load_model(hf_folder, job, get_train_spec("llama3"), MAX_LEN, torch.device("cpu"))
+    tok = Tokenizer(str(hf_folder / "tokenizer.json"))
+    titan = TitanLM(
+        model,
+        tok,
+        max_length=MAX_LEN,
+        device=torch.device("cpu"),
+        batch_size=4,
+        generate=lambda p, n: generate(model, p, max_new_tokens=n, eos_id=tok.eos_id),
+    )
+    hf = HFLM(
+        pretrained=str(hf_folder),
+        dtype="float32",
+        add_bos_token=True,
+        batch_size=4,
+        max_length=MAX_LEN,
+        device="cpu",
+    )
+    return titan, hf
+
+
+def instances(kind: str, args: list[tuple]):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+@pytest.mark.needs("transformers")
+def test_each_request_scores_as_lm_evals_hf_backend(both):
+    titan, hf = both
+    pairs = [
+        ("In the beginning God created", " the heaven and the earth."),
+        ("And God said,", " Let there be light"),
+        ("", "Jesus wept."),  # an empty context: BOS
+        ("The LORD is my shepherd; " * 12, "I shall not want."),  # cut to the last 128
+    ]
+    got, want = (lm.loglikelihood(instances("loglikelihood", pairs)) for lm in both)
+    for (a, greedy_a), (b, greedy_b) in zip(got, want, strict=True):
+        assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+    text = [("And the earth was without form, and void. " * 20,)]  # several windows
+    (a,), (b,) = (lm.loglikelihood_rolling(instances("loglikelihood_rolling", text)) for lm in both)
+    assert a == pytest.approx(b, abs=1e-4 * len(text[0][0]))
+    ask = [("In the beginning", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False})]
+    assert titan.generate_until(instances("generate_until", ask)) == hf.generate_until(
+        instances("generate_until", ask)
+    )
+
+
+@pytest.mark.needs("transformers")
+@pytest.mark.slow("every bundled task, 20 documents each, on both backends")
+def test_every_bundled_task_scores_as_lm_evals_hf_backend(both):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from titan.tools.eval import BUNDLED_TASKS
+
+    manager = TaskManager(include_path=str(BUNDLED_TASKS))
+    scores = [
+        simple_evaluate(model=lm, tasks=TASKS, limit=20, task_manager=manager)["results"]
+        for lm in both
+    ]
+    for task in TASKS:
+        got, want = scores[0][task], scores[1][task]
+        numbers = {k: v for k, v in want.items() if isinstance(v, float) and "stderr" not in k}
+        assert numbers, task
+        for key, value in numbers.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (task, key)
+
+
+# ------------------------------------------------------------------ the command
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A short run's last DCP checkpoint and its HF export (float32, the run's tokenizer)."""
+    from tests.unit.test_qwen3 import _script
+
+    tmp = tmp_path_factory.mktemp("trained")
+    ck = ["--checkpoint.enable", "--checkpoint.interval", "20", "--training.seq_len", "64"]
+    run_trainer(tmp, 1, [*tiny_run(20), *ck], deadline_s=120)
+    step = tmp / "dump" / "checkpoint" / "step-20"
+    tokenizer = REPO_ROOT / "assets" / "tokenizer"
+    convert = [str(step), str(tmp / "hf"), "--dtype", "float32", "--max-seq-len", "64"]
+    _script("convert_to_hf").main([*convert, "--tokenizer", str(tokenizer)])
+    return step, tmp / "hf"
+
+
+def eval_args(checkpoint, out, tasks=("kjv_verse_cloze", "kjv_bits_per_byte")) -> list[str]:
+    return [
+        *("--checkpoint", str(checkpoint), "--tasks", ",".join(tasks), "--limit", "16"),
+        *("--output_path", str(out), "--log_samples"),
+        # the length trained at: the HF export's positions (the checkpoint's flavor has 2048)
+        *("--max_length", "64"),
+    ]
+
+
+def results_of(out: Path) -> dict:
+    (path,) = out.glob("*/results_*.json")
+    return json.loads(path.read_text())["results"]
+
+
+@pytest.mark.slow("a 20-step training and two evaluations of 2 tasks")
+def test_a_checkpoint_and_its_hf_export_score_alike(trained, tmp_path, capsys):
+    from titan.tools.eval import main
+
+    dcp, hf = trained
+    main(eval_args(dcp, tmp_path / "dcp"))
+    table = capsys.readouterr().out
+    assert "kjv_verse_cloze" in table and "bits_per_byte" in table
+    main(eval_args(hf, tmp_path / "hf"))
+    got, want = results_of(tmp_path / "dcp"), results_of(tmp_path / "hf")
+    for task in ("kjv_verse_cloze", "kjv_bits_per_byte"):
+        for key in ("acc,none", "bits_per_byte,none"):
+            if key in want[task]:
+                assert got[task][key] == pytest.approx(want[task][key], rel=1e-5), (task, key)
+    assert list((tmp_path / "dcp").glob("*/samples_kjv_verse_cloze_*.jsonl"))
+    # a uniform guess spends log2(2048) = 11 bits a token, and a token holds a byte or more
+    assert 0 < got["kjv_bits_per_byte"]["bits_per_byte,none"] < 11
+
+
+def _eval_rank(rank, world_size, port, argv):
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    from titan.tools.eval import main
+
+    main(argv)
+    return True  # a result: the rank finished
+
+
+@pytest.mark.slow("2 ranks loading the model and scoring their share")
+def test_two_ranks_split_the_requests_and_score_as_one(trained, tmp_path):
+    from titan.tools.eval import main
+
+    dcp, _ = trained
+    main(eval_args(dcp, tmp_path / "one"))
+    run_workers(
+        _eval_rank, 2, tmp_path, free_port(), eval_args(dcp, tmp_path / "two"), init_pg=False
+    )
+    got, want = results_of(tmp_path / "two"), results_of(tmp_path / "one")
+    assert got.keys() == want.keys()
+    for task, metrics in want.items():
+        for key, value in metrics.items():
+            if isinstance(value, float):
+                assert got[task][key] == pytest.approx(value, rel=1e-6), (task, key)

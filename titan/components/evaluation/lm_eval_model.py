@@ -1,0 +1,164 @@
+"""titan's model as an lm-evaluation-harness LM: `loglikelihood` (through lm-eval's TemplateLM,
+which splits context and continuation as its `hf` backend does), `loglikelihood_rolling` (lm-eval's
+rolling windows of the model's length) and greedy `generate_until` with the decode cache.
+
+`forward(tokens) -> logits` is any callable over a (batch, seq) batch: a loaded model, or the
+training model's parts. Requests are scored in batches of `batch_size`, longest first (right
+padding: a causal model's positions before the padding do not see it). With a data-parallel
+`group`, lm-eval gives each rank its share of the requests and gathers them through this class.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+
+
+class TitanLM(TemplateLM):
+    def __init__(
+        self,
+        forward,
+        tokenizer,
+        *,
+        max_length: int,
+        device: torch.device,
+        batch_size: int = 8,
+        add_bos_token: bool = True,
+        max_gen_toks: int = 256,
+        generate=None,
+        group: dist.ProcessGroup | None = None,
+    ):
+        """`tokenizer`: titan's; `add_bos_token`: contexts open with BOS, as every document
+        titan trains on does (lm-eval's hf backend: its model_args' add_bos_token);
+        `generate(prompts, max_new_tokens) -> new tokens` for generate_until (greedy)."""
+        super().__init__()
+        self.forward, self.tok, self._device = forward, tokenizer, device
+        self._max_length, self._batch_size = max_length, batch_size
+        self.add_bos_token, self.max_gen_toks = add_bos_token, max_gen_toks
+        self._generate, self.group = generate, group
+        if group is not None:
+            self._rank, self._world_size = dist.get_rank(group), dist.get_world_size(group)
+
+    # ---------------------------------------------------------------- tokens
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tok.bos_id  # what an empty context is
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs):
+        bos = self.add_bos_token if add_special_tokens is None else add_special_tokens
+        return list(self.tok.encode(string, bos=bos, eos=False))
+
+    def tok_decode(self, tokens) -> str:
+        return self.tok.decode(list(tokens), skip_special=True)
+
+    # ---------------------------------------------------------------- scoring
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """(sum of the continuation's log-probabilities, whether it is the greedy one) of each
+        (key, context tokens, continuation tokens), its inputs the last max_length tokens."""
+        out: list = [None] * len(requests)
+        order = sorted(range(len(requests)), key=lambda i: -sum(map(len, requests[i][1:])))
+        for lo in range(0, len(order), self._batch_size):
+            batch = order[lo : lo + self._batch_size]
+            inputs, conts = [], []
+            for i in batch:
+                _, context, continuation = requests[i]
+                if len(continuation) > self._max_length:
+                    raise ValueError(
+                        f"a continuation of {len(continuation)} tokens is longer than the "
+                        f"model's {self._max_length}"
+                    )
+                inputs.append((context + continuation)[-(self._max_length + 1) :][:-1])
+                conts.append(continuation)
+            width = max(map(len, inputs))
+            tokens = torch.tensor([x + [0] * (width - len(x)) for x in inputs], device=self._device)
+            logprobs = F.log_softmax(self.forward(tokens).float(), dim=-1)
+            for row, (i, x, cont) in enumerate(zip(batch, inputs, conts)):
+                picked = logprobs[row, len(x) - len(cont) : len(x)]
+                target = torch.tensor(cont, device=picked.device)
+                ll = picked.gather(-1, target[:, None]).sum().item()
+                greedy = bool((picked.argmax(-1) == target).all())
+                out[i] = (ll, greedy)
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], out[i])
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        """Each text's log-likelihood over windows of the model's length, each token
+        predicted once (lm-eval's rolling windows)."""
+        scores = []
+        for req in requests:
+            (text,) = req.args
+            windows = lm_utils.get_rolling_token_windows(
+                # encoded as the hf backend does (with add_bos_token, BOS is scored too)
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self._max_length,
+                context_len=1,
+            )
+            pieces = [(None, *lm_utils.make_disjoint_window(w)) for w in windows]
+            total = sum(ll for ll, _ in self._loglikelihood_tokens(pieces))
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            scores.append(total)
+        return scores
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        """Greedy continuations, cut at the first stop string (lm-eval's `until`, EOS
+        included); contexts left-truncated to leave room for max_gen_toks."""
+        if self._generate is None:
+            raise ValueError("this model was given no generate function: generation tasks need one")
+        eos = self.tok.decode([self.eot_token_id])
+        out = []
+        for req in requests:
+            context, gen_kwargs = req.args
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            if kwargs.get("do_sample"):
+                raise ValueError("titan's lm-eval model generates greedily (do_sample: false)")
+            until = handle_stop_sequences(kwargs.get("until"), eos=eos)
+            new = kwargs["max_gen_toks"]
+            prompt = self.tok_encode(context)[-(self._max_length - new) :]
+            tokens = self._generate([prompt], new)[0]
+            text = postprocess_generated_text(
+                self.tok_decode(tokens), stop=until, think_end_token=None
+            )
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            out.append(text)
+        return out
+
+    # ---------------------------------------------------------------- ranks
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return tensor
+        # one row a rank, as accelerate's gather (a scalar is a row of one)
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        if self.group is None:
+            return [obj]
+        parts = [None] * self._world_size
+        dist.all_gather_object(parts, obj, group=self.group)
+        return parts if self._rank == dst else None
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)

@@ -1,0 +1,175 @@
+"""Evaluate a checkpoint on lm-evaluation-harness tasks.
+
+    python -m titan.tools.eval --checkpoint outputs/checkpoint/step-100 \\
+        --tasks kjv_verse_cloze,kjv_bits_per_byte [--num_fewshot N --limit N --batch_size N \\
+        --output_path DIR --log_samples --include_path DIR]
+
+`--checkpoint`: a DCP step folder (or a checkpoint root: its newest intact step) or an HF
+folder. The flags are lm-eval's own (`lm_eval --tasks ...`), its table is printed and its
+results (and, with --log_samples, samples) files written under --output_path. titan's offline
+tasks (assets/eval_tasks: kjv_verse_cloze, kjv_verse_book, kjv_bits_per_byte,
+kjv_verse_completion) are always found; any other task of lm-eval's, or of --include_path.
+Under `torchrun --nproc_per_node N` each rank loads the model and scores its share of the
+requests. Other arguments are titan config overrides (e.g. --model.tokenizer_path).
+Needs lm-eval: pip install -e ".[eval]".
+"""
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from titan.runtime.paths import REPO_ROOT
+
+logger = logging.getLogger("titan")
+
+BUNDLED_TASKS = REPO_ROOT / "assets" / "eval_tasks"
+MISSING = "titan.tools.eval needs lm-eval: pip install -e '.[eval]'"
+
+
+def _fail(why) -> None:
+    print(f"titan.tools.eval: {why}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--checkpoint", required=True, help="DCP step folder / checkpoint root, or an HF folder"
+    )
+    ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    ap.add_argument("--include_path", default=None, help="a folder of more task YAMLs")
+    ap.add_argument("--num_fewshot", type=int, default=None, help="examples in each prompt")
+    ap.add_argument(
+        "--limit", type=float, default=None, help="at most this many documents a task (< 1: share)"
+    )
+    ap.add_argument("--batch_size", type=int, default=8, help="requests scored at once")
+    ap.add_argument("--max_length", type=int, default=None, help="default: the model's positions")
+    ap.add_argument("--output_path", default=None, help="where lm-eval's results files go")
+    ap.add_argument("--log_samples", action="store_true", help="also write each task's samples")
+    ap.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (few-shot sampling)")
+    return ap.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts, overrides = parse(argv)
+    if opts.log_samples and not opts.output_path:
+        _fail("--log_samples writes files: give --output_path too")
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        _fail(MISSING)
+    from titan.components.checkpoint.folders import CheckpointError
+    from titan.components.checkpoint.identity import family_in
+    from titan.components.data.tokenizer import Tokenizer, TokenizerError
+    from titan.config import ConfigError, parse_args
+    from titan.models.spec import get_train_spec
+    from titan.runtime.distributed import init_distributed, pick_device
+    from titan.runtime.logging_setup import init_logging
+    from titan.tools import generate as gen
+
+    init_logging()
+    try:
+        job = parse_args(overrides)
+        path = Path(opts.checkpoint)
+        if not path.is_dir():
+            raise CheckpointError(f"--checkpoint {path}: no such folder")
+        path = gen.checkpoint_folder(path)
+        if "model.name" not in job.sources:
+            job.model.name = family_in(path) or job.model.name
+        spec = get_train_spec(job.model.name)
+        hf_tok = gen._is_hf(path) and (path / "tokenizer.json").is_file()
+        tokenizer = Tokenizer(str(path if hf_tok else gen.trained_tokenizer(path, job)))
+        limit = gen.positions(gen.model_args(path, job, spec))
+        max_length = opts.max_length or limit
+        if not 0 < max_length <= limit:
+            raise gen.GenerateError(f"--max_length {max_length}: the model has {limit} positions")
+    except (ConfigError, CheckpointError, TokenizerError, gen.GenerateError) as e:
+        _fail(e)
+    except KeyError as e:
+        _fail(e.args[0])
+    device = pick_device(job.training.device)
+    group = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        init_distributed(device, job.comm.init_timeout_seconds)
+        group = dist.group.WORLD
+    try:
+        model, _ = gen.load_model(path, job, spec, max_length, device)
+    except CheckpointError as e:
+        _fail(e)
+    results = evaluate(model, tokenizer, opts, max_length, device, group)
+    if results is not None:
+        report(results, opts, f"titan__{path.name}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def evaluate(model, tokenizer, opts, max_length: int, device, group):
+    """lm-eval's results (rank 0; None elsewhere) of `model` on opts.tasks."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from titan.components.evaluation.lm_eval_model import TitanLM
+    from titan.tools.generate import generate
+
+    lm = TitanLM(
+        model,
+        tokenizer,
+        max_length=max_length,
+        device=device,
+        batch_size=opts.batch_size,
+        generate=lambda prompts, n: generate(
+            model, prompts, max_new_tokens=n, eos_id=tokenizer.eos_id
+        ),
+        group=group,
+    )
+    paths = [str(BUNDLED_TASKS)] + ([opts.include_path] if opts.include_path else [])
+    tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
+    manager = TaskManager(include_path=paths)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        _fail(
+            f"--tasks: no task named {', '.join(unknown)} (lm-eval's, titan's or --include_path's)"
+        )
+    with torch.no_grad():
+        return simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=opts.num_fewshot,
+            limit=opts.limit,
+            log_samples=opts.log_samples,
+            task_manager=manager,
+            random_seed=opts.seed,
+            numpy_random_seed=opts.seed,
+            torch_random_seed=opts.seed,
+            fewshot_random_seed=opts.seed,
+        )
+
+
+def report(results: dict, opts, name: str) -> None:
+    """lm-eval's table, and its files under opts.output_path/<name>/."""
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import make_table, sanitize_model_name
+
+    samples = results.pop("samples", None)
+    if opts.output_path:
+        tracker = EvaluationTracker(output_path=opts.output_path)
+        config = tracker.general_config_tracker
+        config.model_name, config.model_name_sanitized = name, sanitize_model_name(name)
+        tracker.save_results_aggregated(results=results, samples=samples)
+        if opts.log_samples:
+            for task in results["configs"]:
+                tracker.save_results_samples(task_name=task, samples=samples[task])
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+
+
+if __name__ == "__main__":
+    main()
