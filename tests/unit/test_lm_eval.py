@@ -67,7 +67,7 @@ def both(hf_folder):
     from titan.components.evaluation.lm_eval_model import TitanLM
     from titan.config import parse_args
     from titan.models.spec import get_train_spec
-    from titan.tools.generate import generate, load_model
+    from titan.tools.generate import load_model
 
     job = parse_args(["--model.name", "llama3"])
     model, _ = load_model(hf_folder, job, get_train_spec("llama3"), MAX_LEN, torch.device("cpu"))
@@ -78,7 +78,6 @@ def both(hf_folder):
         max_length=MAX_LEN,
         device=torch.device("cpu"),
         batch_size=4,
-        generate=lambda p, n: generate(model, p, max_new_tokens=n, eos_id=tok.eos_id),
     )
     hf = HFLM(
         pretrained=str(hf_folder),
@@ -219,3 +218,95 @@ def test_two_ranks_split_the_requests_and_score_as_one(trained, tmp_path):
         for key, value in metrics.items():
             if isinstance(value, float):
                 assert got[task][key] == pytest.approx(value, rel=1e-6), (task, key)
+
+
+# ------------------------------------------------------------------ in the loop
+
+EVAL = [
+    *("--eval.tasks", "kjv_verse_cloze,kjv_bits_per_byte,kjv_verse_completion"),
+    *("--eval.freq", "4", "--eval.limit", "8"),
+]
+# long enough for the tasks' requests (the training model's RoPE table is this long)
+LOOP = [*tiny_run(8), "--training.seq_len", "128"]
+CK = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0"]
+
+
+def evals_of(dump: Path) -> list[dict]:
+    lines = (dump / "eval.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in lines]
+
+
+@pytest.fixture(scope="module")
+def in_loop(tmp_path_factory):
+    """8 steps evaluated at 4 and 8 with a checkpoint at each, and the same without evals."""
+    tmp = tmp_path_factory.mktemp("loop")
+    plain = run_trainer(tmp / "plain", 1, LOOP, deadline_s=120)
+    evaluated = run_trainer(tmp / "eval", 1, [*LOOP, *EVAL, *CK], deadline_s=300)
+    return plain, evaluated, tmp / "eval" / "dump"
+
+
+def test_evals_in_the_loop_leave_training_as_it_was(in_loop):
+    plain, evaluated, dump = in_loop
+    assert [(r["loss"], r["grad_norm"]) for r in plain] == [
+        (r["loss"], r["grad_norm"]) for r in evaluated
+    ]
+    scores = evals_of(dump)
+    assert [s["step"] for s in scores] == [4, 8]
+    assert {"kjv_verse_cloze/acc", "kjv_bits_per_byte/bits_per_byte"} <= set(scores[0])
+    assert "kjv_verse_completion/exact_match" in scores[0]
+
+
+@pytest.mark.slow("an evaluation of the step-8 checkpoint as the loop made it")
+def test_the_loop_scores_as_the_command_on_its_checkpoint(in_loop, tmp_path):
+    from titan.tools.eval import main
+
+    _, _, dump = in_loop
+    tasks = "kjv_verse_cloze,kjv_bits_per_byte,kjv_verse_completion"
+    argv = ["--checkpoint", str(dump / "checkpoint" / "step-8"), "--tasks", tasks]
+    main([*argv, "--limit", "8", "--max_length", "128", "--output_path", str(tmp_path)])
+    got, want = results_of(tmp_path), evals_of(dump)[-1]
+    for key, value in want.items():
+        if key != "step":
+            task, metric = key.split("/")
+            assert got[task][f"{metric},none"] == pytest.approx(value, rel=1e-5), key
+
+
+@pytest.mark.slow("two 2-rank trainings that evaluate twice")
+def test_every_layout_scores_as_one_rank(in_loop, tmp_path):
+    _, _, dump = in_loop
+    layouts = {
+        "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],  # the requests split
+        "tp2": ["--parallelism.tensor_parallel_degree", "2"],
+    }
+    for name, flags in layouts.items():
+        run_trainer(tmp_path / name, 2, [*LOOP, *EVAL, *flags], deadline_s=300)
+        for a, b in zip(evals_of(dump), evals_of(tmp_path / name / "dump"), strict=True):
+            assert a.keys() == b.keys()
+            for key, value in a.items():
+                assert b[key] == pytest.approx(value, rel=1e-5), (name, key)
+
+
+def test_a_resumed_run_evaluates_each_due_step_once(in_loop, tmp_path):
+    import shutil
+
+    _, _, dump = in_loop
+    shutil.copytree(dump, tmp_path / "dump")
+    shutil.rmtree(tmp_path / "dump" / "checkpoint" / "step-8")
+    run_trainer(tmp_path, 1, [*LOOP, *EVAL, *CK], deadline_s=300)
+    assert evals_of(tmp_path / "dump") == evals_of(dump)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--parallelism.pipeline_parallel_degree", "2"], "not yet under pipeline or context"),
+        (["--parallelism.context_parallel_degree", "2"], "not yet under pipeline or context"),
+        (["--eval.freq", "0"], "must be >= 1"),
+        (["--eval.limit", "0"], "must be > 0"),
+    ],
+)
+def test_bad_eval_settings_are_config_errors(flags, message):
+    from titan.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--eval.tasks", "kjv_verse_cloze", *flags])

@@ -168,6 +168,20 @@ def test_plot_draws_each_run_on_every_panel(tmp_path):
 
 
 @pytest.mark.needs("matplotlib")
+def test_plot_draws_a_panel_for_each_downstream_score(tmp_path):
+    from titan.tools import plot
+
+    fake_run(tmp_path / "a", [5.0, 4.0, 3.0, 2.5])
+    scores = [{"step": 2, "cloze/acc": 0.25, "seconds": 3.0}, {"step": 4, "cloze/acc": 0.5}]
+    (tmp_path / "a" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in scores))
+    fig = plot.plot_runs(plot.find_runs([str(tmp_path / "a")]), tmp_path / "runs.png")
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert len(panels) == 7 and "eval: seconds" not in panels
+    (line,) = panels["eval: cloze/acc"].get_lines()
+    assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [0.25, 0.5]
+
+
+@pytest.mark.needs("matplotlib")
 def test_plot_cli_names_a_folder_without_metrics(tmp_path, capsys):
     from titan.tools import plot
 

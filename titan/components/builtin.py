@@ -24,6 +24,7 @@ for module in (
     "titan.components.training.validation_spec",
     "titan.components.observability.profiling_spec",
     "titan.components.training.stability_spec",
+    "titan.components.evaluation.eval_spec",
     "titan.components.fault_tolerance.spec",
     "titan.components.data.chat_spec",
     "titan.components.lora.spec",

@@ -116,7 +116,6 @@ def evaluate(model, tokenizer, opts, max_length: int, device, group):
     from lm_eval.tasks import TaskManager
 
     from titan.components.evaluation.lm_eval_model import TitanLM
-    from titan.tools.generate import generate
 
     lm = TitanLM(
         model,
@@ -124,9 +123,6 @@ def evaluate(model, tokenizer, opts, max_length: int, device, group):
         max_length=max_length,
         device=device,
         batch_size=opts.batch_size,
-        generate=lambda prompts, n: generate(
-            model, prompts, max_new_tokens=n, eos_id=tokenizer.eos_id
-        ),
         group=group,
     )
     paths = [str(BUNDLED_TASKS)] + ([opts.include_path] if opts.include_path else [])

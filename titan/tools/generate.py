@@ -74,13 +74,15 @@ def generate(
     eos_id: int | None,
     sampling: Sampling = Sampling(),
     on_step=None,
+    device: torch.device | None = None,
 ) -> list[list[int]]:
-    """The new tokens of each prompt (up to and including EOS). `model(tokens, cache)` is a
-    family's model with a decode cache; prompts are left-padded into one batch.
-    `on_step(new_ids)` sees each step's (batch,) tokens, e.g. to stream them."""
+    """The new tokens of each prompt (up to and including EOS). `model(tokens, cache=cache)`
+    is a family's model with a decode cache (or a callable as one; then give `device`);
+    prompts are left-padded into one batch. `on_step(new_ids)` sees each step's (batch,)
+    tokens, e.g. to stream them."""
     from titan.models.common.decode import DecodeCache
 
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     longest = max(len(p) for p in prompts)
     pad = torch.tensor([longest - len(p) for p in prompts], device=device)
     tokens = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)

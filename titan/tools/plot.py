@@ -1,7 +1,8 @@
 """Plot runs: `python -m titan.tools.plot DUMP [DUMP ...] -o out.png`.
 
 Loss (and validation loss, dashed, where validation.jsonl has it), grad norm, learning rate,
-tokens/s, MFU and peak memory against step, one line per run in the same colour on every
+tokens/s, MFU and peak memory against step, and a panel for each downstream score in
+eval.jsonl ([eval]: eval/<task>/<metric>), one line per run in the same colour on every
 panel. A DUMP is a dump folder (it holds metrics.jsonl) or a folder of them, such as the
 loss-compare tool's --out (baseline/, candidate0/, ...). Needs matplotlib
 (pip install 'titan[plot]').
@@ -57,13 +58,20 @@ def plot_runs(runs: dict[str, Path], out: str | Path):
     matplotlib.use("Agg")  # a file, no display
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    evals = {label: read_metrics(folder, "eval.jsonl") for label, folder in runs.items()}
+    scores = sorted({k for rs in evals.values() for r in rs for k in r} - {"step", "seconds"})
+    panels = [*PANELS, *((key, f"eval: {key}") for key in scores)]
+    rows = -(-len(panels) // 3)
+    size = (15, 4 * rows)
+    fig, axes = plt.subplots(rows, 3, figsize=size, constrained_layout=True, squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, folder) in enumerate(runs.items()):
-        records = read_metrics(folder)
+        records = read_metrics(folder) + evals[label]
         val = read_metrics(folder, "validation.jsonl")
         color = colors[i % len(colors)]
-        for ax, (key, _) in zip(axes.flat, PANELS):
+        for ax, (key, _) in zip(axes.flat, panels):
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), color=color, label=label)
@@ -76,7 +84,7 @@ def plot_runs(runs: dict[str, Path], out: str | Path):
                 marker=".",
                 label=f"{label} (validation)",
             )
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    for ax, (key, title) in zip(axes.flat, panels):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -167,6 +167,13 @@ class ForwardBackward:
         else:
             self.forward_backward(batch)
 
+    def logits(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        """The model's logits of a (batch, seq) batch of tokens, with a decode cache for
+        generation (one model part: without pipelining or context parallelism); a DTensor
+        under loss parallelism."""
+        with self.amp():
+            return self.parts[0](tokens, cache=cache)
+
     def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, float]:
         """This rank's summed token cross-entropy over a validation batch and its share of the
         counted tokens (counted before context parallelism shards the batch; 0 off the last

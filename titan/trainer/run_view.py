@@ -74,6 +74,18 @@ class RunView:
         return self._trainer.fwd_bwd.eval_loss_sum
 
     @property
+    def logits(self):
+        """tokens (batch, seq), optionally cache= a decode cache -> the model's logits, under
+        the run's layout and precision (one model part: no pipelining, no context
+        parallelism); every rank of a tensor-parallel or FSDP group calls it alike."""
+        return self._trainer.fwd_bwd.logits
+
+    @property
+    def dp_group(self):
+        """The process group of the data-parallel ranks (None where there is one)."""
+        return self._trainer._group("dp")
+
+    @property
     def loss_groups(self) -> list:
         """The process groups a rank's loss sum and token count add up over (pipeline
         stages, dp x cp ranks; None where a dimension is 1)."""

@@ -6,6 +6,11 @@ rolling windows of the model's length) and greedy `generate_until` with the deco
 training model's parts. Requests are scored in batches of `batch_size`, longest first (right
 padding: a causal model's positions before the padding do not see it). With a data-parallel
 `group`, lm-eval gives each rank its share of the requests and gathers them through this class.
+
+`lockstep`: the model's forward is itself collective over the group (FSDP's all-gathers), so
+every rank must run as many forwards as the others, though their shares need different counts
+(rolling windows, generations that stop early): each forward is preceded by a vote over the
+group, and a rank with nothing left runs a one-token forward for every peer's until none has.
 """
 
 import torch
@@ -19,6 +24,8 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 
+from titan.tools.generate import generate
+
 
 class TitanLM(TemplateLM):
     def __init__(
@@ -31,19 +38,25 @@ class TitanLM(TemplateLM):
         batch_size: int = 8,
         add_bos_token: bool = True,
         max_gen_toks: int = 256,
-        generate=None,
         group: dist.ProcessGroup | None = None,
+        lockstep: bool = False,
+        seq_multiple: int = 1,
     ):
-        """`tokenizer`: titan's; `add_bos_token`: contexts open with BOS, as every document
-        titan trains on does (lm-eval's hf backend: its model_args' add_bos_token);
-        `generate(prompts, max_new_tokens) -> new tokens` for generate_until (greedy)."""
+        """`forward(tokens, cache=None)`: the logits, with titan's decode cache for
+        generation; `tokenizer`: titan's; `add_bos_token`: contexts open with BOS, as every
+        document titan trains on does (lm-eval's hf backend: its model_args' add_bos_token)."""
         super().__init__()
         self.forward, self.tok, self._device = forward, tokenizer, device
         self._max_length, self._batch_size = max_length, batch_size
         self.add_bos_token, self.max_gen_toks = add_bos_token, max_gen_toks
-        self._generate, self.group = generate, group
+        self.group = group
         if group is not None:
             self._rank, self._world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.lockstep = lockstep and group is not None and self._world_size > 1
+        # sequence parallelism splits every batch's positions over its ranks: batches are
+        # padded to a multiple of them, and generation runs whole sequences (no decode cache,
+        # whose one-token steps cannot be split)
+        self.seq_multiple = seq_multiple
 
     # ---------------------------------------------------------------- tokens
 
@@ -69,7 +82,9 @@ class TitanLM(TemplateLM):
     # ---------------------------------------------------------------- scoring
 
     @torch.no_grad()
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, nested: bool = False, **kwargs
+    ):
         """(sum of the continuation's log-probabilities, whether it is the greedy one) of each
         (key, context tokens, continuation tokens), its inputs the last max_length tokens."""
         out: list = [None] * len(requests)
@@ -82,13 +97,13 @@ class TitanLM(TemplateLM):
                 if len(continuation) > self._max_length:
                     raise ValueError(
                         f"a continuation of {len(continuation)} tokens is longer than the "
-                        f"model's {self._max_length}"
+                        f"{self._max_length} a request may hold (max_length: the model's "
+                        "positions, or the training seq_len in the loop)"
                     )
                 inputs.append((context + continuation)[-(self._max_length + 1) :][:-1])
                 conts.append(continuation)
-            width = max(map(len, inputs))
-            tokens = torch.tensor([x + [0] * (width - len(x)) for x in inputs], device=self._device)
-            logprobs = F.log_softmax(self.forward(tokens).float(), dim=-1)
+            tokens = self._padded(inputs)
+            logprobs = F.log_softmax(self.logits(tokens).float(), dim=-1)
             for row, (i, x, cont) in enumerate(zip(batch, inputs, conts)):
                 picked = logprobs[row, len(x) - len(cont) : len(x)]
                 target = torch.tensor(cont, device=picked.device)
@@ -97,6 +112,8 @@ class TitanLM(TemplateLM):
                 out[i] = (ll, greedy)
                 if requests[i][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], out[i])
+        if not nested:
+            self.finish()
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
@@ -113,16 +130,15 @@ class TitanLM(TemplateLM):
                 context_len=1,
             )
             pieces = [(None, *lm_utils.make_disjoint_window(w)) for w in windows]
-            total = sum(ll for ll, _ in self._loglikelihood_tokens(pieces))
+            total = sum(ll for ll, _ in self._loglikelihood_tokens(pieces, nested=True))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             scores.append(total)
+        self.finish()
         return scores
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         """Greedy continuations, cut at the first stop string (lm-eval's `until`, EOS
         included); contexts left-truncated to leave room for max_gen_toks."""
-        if self._generate is None:
-            raise ValueError("this model was given no generate function: generation tasks need one")
         eos = self.tok.decode([self.eot_token_id])
         out = []
         for req in requests:
@@ -133,15 +149,59 @@ class TitanLM(TemplateLM):
             until = handle_stop_sequences(kwargs.get("until"), eos=eos)
             new = kwargs["max_gen_toks"]
             prompt = self.tok_encode(context)[-(self._max_length - new) :]
-            tokens = self._generate([prompt], new)[0]
+            tokens = self._greedy(prompt, new)
             text = postprocess_generated_text(
                 self.tok_decode(tokens), stop=until, think_end_token=None
             )
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
+        self.finish()
+        return out
+
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        """Right-padded into one batch (a causal model's earlier positions do not see it)."""
+        m = self.seq_multiple
+        width = -(-max(map(len, rows)) // m) * m
+        return torch.tensor([x + [0] * (width - len(x)) for x in rows], device=self._device)
+
+    def _greedy(self, prompt: list[int], new: int) -> list[int]:
+        eos = self.eot_token_id
+        if self.seq_multiple == 1:
+            out = generate(
+                self.logits, [prompt], max_new_tokens=new, eos_id=eos, device=self._device
+            )
+            return out[0]
+        seq, out = list(prompt), []
+        for _ in range(new):
+            out.append(int(self.logits(self._padded([seq]))[0, len(seq) - 1].argmax()))
+            seq.append(out[-1])
+            if out[-1] == eos:
+                break
         return out
 
     # ---------------------------------------------------------------- ranks
+
+    def logits(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The model's logits of a batch (plain, whatever the layout), after this rank's vote
+        when in lockstep."""
+        if self.lockstep:
+            self._vote(working=True)
+        out = self.forward(tokens, **kwargs)
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+    def finish(self) -> None:
+        """In lockstep: one-token forwards beside the peers' until none has work left."""
+        if not self.lockstep:
+            return
+        idle = torch.zeros(1, 1, dtype=torch.long, device=self._device)
+        while self._vote(working=False):
+            self.forward(idle)
+
+    def _vote(self, working: bool) -> bool:
+        """Whether any rank of the group still works (every rank calls it alike)."""
+        flag = torch.tensor([int(working)], device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.group is None:

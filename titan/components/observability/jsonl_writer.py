@@ -76,7 +76,11 @@ class JsonlWriter:
     def __init__(self, cfg, options, context):
         self.paths = {
             prefix: os.path.join(context.dump_folder, name)
-            for prefix, name in (("train/", "metrics.jsonl"), ("validation/", "validation.jsonl"))
+            for prefix, name in (
+                ("train/", "metrics.jsonl"),
+                ("validation/", "validation.jsonl"),
+                ("eval/", "eval.jsonl"),
+            )
         }
         for path in self.paths.values():
             start_history(path, context.resume_step)
@@ -95,6 +99,10 @@ class JsonlWriter:
         if val:
             with open(self.paths["validation/"], "a") as f:
                 f.write(_line({"step": step, **val}))
+        scores = {k.removeprefix("eval/"): v for k, v in values.items() if k.startswith("eval/")}
+        if scores:
+            with open(self.paths["eval/"], "a") as f:
+                f.write(_line({"step": step, **scores}))
 
     def distribution(self, step: int, name: str, values: list[float]) -> None:
         pass  # histograms are TensorBoard's and W&B's; the JSONL keeps scalars

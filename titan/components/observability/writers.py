@@ -102,6 +102,10 @@ class MetricsWriters(Callback):
         for writer in self.writers:
             writer.scalars(step, {"validation/loss": loss, "validation/batches": batches})
 
+    def on_evaluation_end(self, run, step: int, scores: dict[str, float]) -> None:
+        for writer in self.writers:
+            writer.scalars(step, {f"eval/{k}": v for k, v in scores.items()})
+
     def close(self) -> None:
         for writer in self.writers:
             writer.close()

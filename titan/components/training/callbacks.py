@@ -71,6 +71,10 @@ class Callback:
     def on_validation_end(self, run, step: int, loss: float, batches: int) -> None:
         """After a validation pass (`batches`: the forwards of each rank)."""
 
+    def on_evaluation_end(self, run, step: int, scores: dict[str, float]) -> None:
+        """After a downstream evaluation: its scores by "task/metric" (e.g.
+        "hellaswag/acc"), the same on every rank."""
+
     def on_checkpoint_saved(self, run, step: int, path: str) -> None:
         """A checkpoint of `step` is written, or being written (an async save)."""
 

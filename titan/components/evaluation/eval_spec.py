@@ -1,0 +1,72 @@
+"""The [eval] section: lm-evaluation-harness tasks run on the training model every `freq` steps
+and after the last; torch-free (the callback is titan.components.evaluation.in_loop)."""
+
+import importlib.util
+from dataclasses import dataclass
+
+from titan.components.training.callbacks import CallbackSpec, register_callback
+from titan.config import extensions
+from titan.config.job_config import opt
+
+
+@dataclass
+class Eval:
+    tasks: list[str] = opt(
+        [],
+        "lm-eval task names run during training (titan's offline kjv_* tasks, lm-eval's, or "
+        "eval.include_path's); empty: off",
+    )
+    include_path: str = opt("", "A folder of more lm-eval task YAMLs")
+    freq: int = opt(500, "Evaluate every N steps (and after the last step)")
+    num_fewshot: int | None = opt(None, "Examples in each prompt (None: each task's own)")
+    limit: float | None = opt(
+        None, "At most this many documents a task (< 1: that share); None: all"
+    )
+    batch_size: int = opt(8, "Requests scored at once on each data-parallel rank")
+    max_length: int = opt(0, "Tokens a request sees at most; 0: training.seq_len")
+
+
+def check(job) -> None:
+    from titan.config.manager import require_all
+
+    e, p = job.eval, job.parallelism
+    if not e.tasks:
+        return
+    require_all(
+        job,
+        (
+            (e.freq >= 1, "eval.freq", "must be >= 1"),
+            (e.batch_size >= 1, "eval.batch_size", "must be >= 1"),
+            (e.max_length >= 0, "eval.max_length", "must be >= 0 (0: training.seq_len)"),
+            (e.limit is None or e.limit > 0, "eval.limit", "must be > 0 (or None: all)"),
+            (
+                importlib.util.find_spec("lm_eval") is not None,
+                "eval.tasks",
+                "needs lm-eval: pip install -e '.[eval]'",
+            ),
+            (
+                p.pipeline_parallel_degree == 1 and p.context_parallel_degree == 1,
+                "eval.tasks",
+                "runs on one model part over whole sequences: not yet under pipeline or "
+                "context parallelism (set them to 1, or evaluate the checkpoints with "
+                "python -m titan.tools.eval)",
+            ),
+        ),
+    )
+
+
+def _ignored(job) -> dict:
+    off = not job.eval.tasks
+    return extensions.ignored_when(job, "eval", off, "eval.tasks is empty", switch="tasks")
+
+
+register_callback(
+    CallbackSpec(
+        "eval",
+        build="titan.components.evaluation.in_loop:build_callback",
+        check=check,
+        section="eval",
+        options=Eval,
+    )
+)
+extensions.register_ignored(_ignored)

@@ -1,0 +1,115 @@
+"""lm-evaluation-harness tasks on the training model ([eval]), every `eval.freq` steps and after
+the last, through the same TitanLM as python -m titan.tools.eval, on the model's parts as
+they are (no gathering): data-parallel ranks split the requests (in lockstep, as FSDP's
+forwards are collective), tensor-parallel ranks run theirs together.
+
+Training is left exactly as it was: the model goes back to train mode, and lm-eval's seeding
+(Python's, NumPy's and torch's generators) is undone, so a run with evaluations trains to the
+same losses as one without. The time is kept out of tokens/s. The scores, by "task/metric",
+go to every writer as eval/<task>/<metric> (eval.jsonl beside validation.jsonl) and the
+console.
+"""
+
+import logging
+import random
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from titan.components.training.callbacks import Callback, StepEnd
+
+logger = logging.getLogger("titan")
+
+
+@contextmanager
+def rng_kept(device: torch.device):
+    state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+
+def scores_of(results: dict) -> dict[str, float]:
+    """lm-eval's per-task numbers as "task/metric" (a filter other than none appended)."""
+    out = {}
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+                continue
+            metric, filt = key.split(",", 1)
+            out[f"{task}/{metric}" + ("" if filt == "none" else f"_{filt}")] = float(value)
+    return out
+
+
+class EvalCallback(Callback):
+    def __init__(self, cfg, run):
+        from lm_eval.tasks import TaskManager
+
+        from titan.components.evaluation.lm_eval_model import TitanLM
+        from titan.tools.eval import BUNDLED_TASKS
+
+        self.cfg, self.last_step = cfg, run.job.training.steps
+        p = run.job.parallelism
+        paths = [str(BUNDLED_TASKS)] + ([cfg.include_path] if cfg.include_path else [])
+        self.manager = TaskManager(include_path=paths)
+        unknown = [t for t in cfg.tasks if t not in self.manager.all_tasks]
+        if unknown:
+            from titan.config import ConfigError
+
+            raise ConfigError(f"eval.tasks: no lm-eval task named {', '.join(unknown)}")
+        self.lm = TitanLM(
+            run.logits,
+            run.plan.tokenizer,
+            max_length=cfg.max_length or run.job.training.seq_len,
+            device=run.device,
+            batch_size=cfg.batch_size,
+            group=run.dp_group,
+            lockstep=True,
+            seq_multiple=p.tensor_parallel_degree if p.enable_sequence_parallel else 1,
+        )
+
+    def on_step_end(self, run, end: StepEnd) -> None:
+        if end.step % self.cfg.freq and end.step != self.last_step:
+            return
+        from lm_eval import simple_evaluate
+
+        started = time.perf_counter()
+        for part in run.model_parts:
+            part.eval()
+        try:
+            with rng_kept(run.device), torch.no_grad():
+                results = simple_evaluate(
+                    model=self.lm,
+                    tasks=list(self.cfg.tasks),
+                    num_fewshot=self.cfg.num_fewshot,
+                    limit=self.cfg.limit,
+                    task_manager=self.manager,
+                    log_samples=False,
+                    verbosity="WARNING",
+                )
+        finally:
+            for part in run.model_parts:
+                part.train()
+        scores = [scores_of(results) if results is not None else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(scores, src=0)  # lm-eval returns them on rank 0
+        seconds = time.perf_counter() - started
+        run.exclude_time(seconds)
+        line = "  ".join(f"{k}: {v:.4f}" for k, v in scores[0].items())
+        logger.info("eval  step: %6d  %s  (%.1fs)", end.step, line, seconds)
+        run.notify("on_evaluation_end", end.step, {**scores[0], "seconds": seconds})
+
+
+def build_callback(run, options) -> EvalCallback | None:
+    if not options.tasks:
+        return None
+    return EvalCallback(options, run)
