@@ -123,7 +123,7 @@ def test_every_bundled_task_scores_as_lm_evals_hf_backend(both):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from titan.tools.eval import BUNDLED_TASKS
+    from titan.components.evaluation.tasks import BUNDLED_TASKS
 
     manager = TaskManager(include_path=str(BUNDLED_TASKS))
     scores = [
@@ -310,3 +310,13 @@ def test_bad_eval_settings_are_config_errors(flags, message):
 
     with pytest.raises(ConfigError, match=message):
         parse_args(["--eval.tasks", "kjv_verse_cloze", *flags])
+
+
+def test_an_unknown_task_is_one_line(hf_folder, capsys):
+    from titan.tools.eval import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--checkpoint", str(hf_folder), "--tasks", "kjv_verse_cloze,nope"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("titan.tools.eval: --tasks: no lm-eval task named nope")

@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan.runtime.paths import REPO_ROOT
+from titan.components.evaluation.tasks import task_manager
 
 logger = logging.getLogger("titan")
 
-BUNDLED_TASKS = REPO_ROOT / "assets" / "eval_tasks"
 MISSING = "titan.tools.eval needs lm-eval: pip install -e '.[eval]'"
 
 
@@ -113,7 +112,6 @@ def main(argv: list[str] | None = None) -> None:
 def evaluate(model, tokenizer, opts, max_length: int, device, group):
     """lm-eval's results (rank 0; None elsewhere) of `model` on opts.tasks."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     from titan.components.evaluation.lm_eval_model import TitanLM
 
@@ -125,14 +123,11 @@ def evaluate(model, tokenizer, opts, max_length: int, device, group):
         batch_size=opts.batch_size,
         group=group,
     )
-    paths = [str(BUNDLED_TASKS)] + ([opts.include_path] if opts.include_path else [])
     tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
-    manager = TaskManager(include_path=paths)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        _fail(
-            f"--tasks: no task named {', '.join(unknown)} (lm-eval's, titan's or --include_path's)"
-        )
+    try:
+        manager = task_manager(tasks, opts.include_path)
+    except ValueError as e:
+        _fail(f"--tasks: {e}")
     with torch.no_grad():
         return simple_evaluate(
             model=lm,

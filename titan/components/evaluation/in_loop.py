@@ -52,20 +52,16 @@ def scores_of(results: dict) -> dict[str, float]:
 
 class EvalCallback(Callback):
     def __init__(self, cfg, run):
-        from lm_eval.tasks import TaskManager
-
         from titan.components.evaluation.lm_eval_model import TitanLM
-        from titan.tools.eval import BUNDLED_TASKS
+        from titan.components.evaluation.tasks import task_manager
+        from titan.config import ConfigError
 
         self.cfg, self.last_step = cfg, run.job.training.steps
         p = run.job.parallelism
-        paths = [str(BUNDLED_TASKS)] + ([cfg.include_path] if cfg.include_path else [])
-        self.manager = TaskManager(include_path=paths)
-        unknown = [t for t in cfg.tasks if t not in self.manager.all_tasks]
-        if unknown:
-            from titan.config import ConfigError
-
-            raise ConfigError(f"eval.tasks: no lm-eval task named {', '.join(unknown)}")
+        try:
+            self.manager = task_manager(list(cfg.tasks), cfg.include_path)
+        except ValueError as e:
+            raise ConfigError(f"eval.tasks: {e}") from None
         self.lm = TitanLM(
             run.logits,
             run.plan.tokenizer,

@@ -24,7 +24,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 
-from titan.tools.generate import generate
+from titan.models.common.generation import generate
 
 
 class TitanLM(TemplateLM):
