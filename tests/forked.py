@@ -134,13 +134,8 @@ def tiny_run(steps: int, warmup: int = 2) -> list[str]:
     ]
 
 
-def build_trainer(rank, world_size, port, argv):
-    """A Trainer on this forked rank, its process group made from the environment torchrun
-    would set."""
-    from titan.config import parse_args
-    from titan.plan.run_plan import plan_run
-    from titan.trainer.train import Trainer
-
+def torchrun_env(rank: int, world_size: int, port: int) -> None:
+    """The environment torchrun gives a rank of one node, for code that reads it."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -149,6 +144,16 @@ def build_trainer(rank, world_size, port, argv):
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+
+
+def build_trainer(rank, world_size, port, argv):
+    """A Trainer on this forked rank, its process group made from the environment torchrun
+    would set."""
+    from titan.config import parse_args
+    from titan.plan.run_plan import plan_run
+    from titan.trainer.train import Trainer
+
+    torchrun_env(rank, world_size, port)
     job = parse_args(argv)
     return Trainer(job, plan_run(job, world_size))
 

@@ -79,19 +79,13 @@ def test_sampling_options():
 
 
 def _tp_generate(rank, world_size, port, hf_dir, prompts, sampling):
-    import os
 
+    from tests.forked import torchrun_env
     from titan.config import parse_args
     from titan.parallelisms.parallel_dims import ParallelDims
     from titan.tools.generate import _tp_job
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    torchrun_env(rank, world_size, port)
     import torch.distributed as dist
 
     dist.init_process_group("gloo")

@@ -320,16 +320,11 @@ def test_transformers_reads_the_final_hf_save(final_saves):
 
 def _convert(rank, world_size, port, hf_dir, out):
     import importlib.util
-    import os
     from pathlib import Path
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from tests.forked import torchrun_env
+
+    torchrun_env(rank, world_size, port)
     read = []
     load_into = hf_io.load_hf_into
 

@@ -5,7 +5,6 @@ request the same log-likelihoods, rolling log-likelihoods and greedy strings as 
 scores, on 1 process and with the requests split over 2."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -190,34 +189,34 @@ def test_a_checkpoint_and_its_hf_export_score_alike(trained, tmp_path, capsys):
 
 
 def _eval_rank(rank, world_size, port, argv):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from tests.forked import torchrun_env
+
+    torchrun_env(rank, world_size, port)
     from titan.tools.eval import main
 
     main(argv)
     return True  # a result: the rank finished
 
 
-@pytest.mark.slow("2 ranks loading the model and scoring their share")
-def test_two_ranks_split_the_requests_and_score_as_one(trained, tmp_path):
+@pytest.mark.slow("2 ranks splitting the requests, then 2 splitting the model")
+def test_two_ranks_score_as_one(trained, tmp_path):
     from titan.tools.eval import main
 
     dcp, _ = trained
     main(eval_args(dcp, tmp_path / "one"))
-    run_workers(
-        _eval_rank, 2, tmp_path, free_port(), eval_args(dcp, tmp_path / "two"), init_pg=False
-    )
-    got, want = results_of(tmp_path / "two"), results_of(tmp_path / "one")
-    assert got.keys() == want.keys()
-    for task, metrics in want.items():
-        for key, value in metrics.items():
-            if isinstance(value, float):
-                assert got[task][key] == pytest.approx(value, rel=1e-6), (task, key)
+    want = results_of(tmp_path / "one")
+    tp2 = ["--parallelism.tensor_parallel_degree", "2"]
+    for name, extra in (("requests", []), ("model", tp2)):
+        argv = [*eval_args(dcp, tmp_path / name), *extra]
+        ranks = tmp_path / f"{name}_ranks"
+        ranks.mkdir()
+        run_workers(_eval_rank, 2, ranks, free_port(), argv, init_pg=False)
+        got = results_of(tmp_path / name)
+        assert got.keys() == want.keys()
+        for task, metrics in want.items():
+            for key, value in metrics.items():
+                if isinstance(value, float):
+                    assert got[task][key] == pytest.approx(value, rel=1e-5), (name, task, key)
 
 
 # ------------------------------------------------------------------ in the loop

@@ -10,15 +10,15 @@ results (and, with --log_samples, samples) files written under --output_path. ti
 tasks (assets/eval_tasks: kjv_verse_cloze, kjv_verse_book, kjv_bits_per_byte,
 kjv_verse_completion) are always found; any other task of lm-eval's, or of --include_path.
 Under `torchrun --nproc_per_node N` each rank loads the model and scores its share of the
-requests. Other arguments are titan config overrides (e.g. --model.tokenizer_path).
-Needs lm-eval: pip install -e ".[eval]".
+requests; with `--parallelism.tensor_parallel_degree N` too, the ranks split the model instead
+(each reads only its shards) and score every request together. Other arguments are titan
+config overrides (e.g. --model.tokenizer_path). Needs lm-eval: pip install -e ".[eval]".
 """
 
 import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,26 +65,16 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         _fail(MISSING)
     from titan.components.checkpoint.folders import CheckpointError
-    from titan.components.checkpoint.identity import family_in
-    from titan.components.data.tokenizer import Tokenizer, TokenizerError
-    from titan.config import ConfigError, parse_args
-    from titan.models.spec import get_train_spec
+    from titan.components.data.tokenizer import TokenizerError
+    from titan.config import ConfigError
+    from titan.parallelisms.parallel_dims import ParallelDims
     from titan.runtime.distributed import init_distributed, pick_device
     from titan.runtime.logging_setup import init_logging
     from titan.tools import generate as gen
 
     init_logging()
     try:
-        job = parse_args(overrides)
-        path = Path(opts.checkpoint)
-        if not path.is_dir():
-            raise CheckpointError(f"--checkpoint {path}: no such folder")
-        path = gen.checkpoint_folder(path)
-        if "model.name" not in job.sources:
-            job.model.name = family_in(path) or job.model.name
-        spec = get_train_spec(job.model.name)
-        hf_tok = gen._is_hf(path) and (path / "tokenizer.json").is_file()
-        tokenizer = Tokenizer(str(path if hf_tok else gen.trained_tokenizer(path, job)))
+        job, path, spec, tokenizer = gen.open_checkpoint(opts.checkpoint, overrides)
         limit = gen.positions(gen.model_args(path, job, spec))
         max_length = opts.max_length or limit
         if not 0 < max_length <= limit:
@@ -94,16 +84,28 @@ def main(argv: list[str] | None = None) -> None:
     except KeyError as e:
         _fail(e.args[0])
     device = pick_device(job.training.device)
-    group = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    world, tp = int(os.environ.get("WORLD_SIZE", "1")), job.parallelism.tensor_parallel_degree
+    if tp > 1 and tp != world:
+        _fail(
+            f"--parallelism.tensor_parallel_degree {tp} with {world} ranks: evaluation splits "
+            "the model over all ranks (tensor parallel = the rank count) or the requests "
+            "(no tensor parallelism), not both"
+        )
+    group, tp_dims = None, None
+    if world > 1:
         init_distributed(device, job.comm.init_timeout_seconds)
-        group = dist.group.WORLD
+        if tp > 1:  # every rank holds a slice of each layer and scores every request
+            tp_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, world_size=tp)
+            tp_dims.build_mesh(device.type)
+            job = gen._tp_job(job, tp)
+        else:
+            group = dist.group.WORLD
     try:
-        model, _ = gen.load_model(path, job, spec, max_length, device)
-    except CheckpointError as e:
+        model, _ = gen.load_model(path, job, spec, max_length, device, tp_dims)
+    except (CheckpointError, gen.GenerateError) as e:
         _fail(e)
     results = evaluate(model, tokenizer, opts, max_length, device, group)
-    if results is not None:
+    if results is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         report(results, opts, f"titan__{path.name}")
     if dist.is_initialized():
         dist.destroy_process_group()

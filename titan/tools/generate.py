@@ -309,6 +309,30 @@ def trained_tokenizer(path: Path, job) -> str:
     return saved
 
 
+def open_checkpoint(checkpoint: str, overrides: list[str]):
+    """(job, folder, train spec, tokenizer) of a --checkpoint and titan overrides: the family
+    the folder holds unless --model.name names one; the tokenizer an HF folder brings, else
+    the one the run trained with. Raises ConfigError, CheckpointError, TokenizerError,
+    GenerateError, or KeyError for an unregistered family."""
+    from titan.components.checkpoint.folders import CheckpointError
+    from titan.components.checkpoint.identity import family_in
+    from titan.components.data.tokenizer import Tokenizer
+    from titan.config import parse_args
+    from titan.models.spec import get_train_spec
+
+    job = parse_args(overrides)
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise CheckpointError(f"--checkpoint {path}: no such folder")
+    path = checkpoint_folder(path)
+    if "model.name" not in job.sources:  # the family the folder holds, unless one is named
+        job.model.name = family_in(path) or job.model.name
+    spec = get_train_spec(job.model.name)
+    hf_tokenizer = _is_hf(path) and (path / "tokenizer.json").is_file()
+    tokenizer = Tokenizer(str(path if hf_tokenizer else trained_tokenizer(path, job)))
+    return job, path, spec, tokenizer
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -348,11 +372,9 @@ def main(argv: list[str] | None = None) -> None:
         _fail(e)
 
     from titan.components.checkpoint.folders import CheckpointError
-    from titan.components.checkpoint.identity import family_in
     from titan.components.data.dataset import DataError
-    from titan.components.data.tokenizer import Tokenizer, TokenizerError
-    from titan.config import ConfigError, parse_args
-    from titan.models.spec import get_train_spec
+    from titan.components.data.tokenizer import TokenizerError
+    from titan.config import ConfigError
     from titan.parallelisms.parallel_dims import ParallelDims
     from titan.runtime.distributed import init_distributed, pick_device
     from titan.runtime.logging_setup import init_logging
@@ -360,20 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     init_logging()
     # every rank checks alike, so with torchrun all of them stop at the same line
     try:
-        job = parse_args(overrides)
-        path = Path(opts.checkpoint)
-        if not path.is_dir():
-            raise CheckpointError(f"--checkpoint {path}: no such folder")
-        path = checkpoint_folder(path)
-        if "model.name" not in job.sources:  # the family the folder holds, unless one is named
-            job.model.name = family_in(path) or job.model.name
-        spec = get_train_spec(job.model.name)
-        tok_path = (
-            path
-            if _is_hf(path) and (path / "tokenizer.json").is_file()
-            else trained_tokenizer(path, job)
-        )
-        tokenizer = Tokenizer(str(tok_path))
+        job, path, spec, tokenizer = open_checkpoint(opts.checkpoint, overrides)
         prompts = (
             chat_prompts(tokenizer, opts.prompt, opts.system, job.chat.template)
             if opts.chat
