@@ -319,3 +319,12 @@ def test_an_unknown_task_is_one_line(hf_folder, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("titan.tools.eval: --tasks: no lm-eval task named nope")
+
+
+def test_an_unknown_task_in_the_loop_stops_the_launch():
+    from titan.config import ConfigError, parse_args
+    from titan.plan.run_plan import plan_run
+
+    job = parse_args([*tiny_run(2), "--eval.tasks", "kjv_verse_cloze,nope"])
+    with pytest.raises(ConfigError, match="eval.tasks: no lm-eval task named nope"):
+        plan_run(job, 1)

@@ -257,3 +257,23 @@ def test_a_run_without_the_named_document_trains_the_rest_alike(blamed_document,
     assert got[STEP - 1]["loss"] != records[STEP - 1]["loss"]
     assert "skipped_steps" not in got[-1]
     assert not (tmp_path / "dump" / "spikes.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "line, extra, message",
+    [
+        (None, [], "no such file"),
+        ('{"dataset": "other", "document": 1}', [], "names dataset 'other'"),
+        ('{"dataset": "kjv", "document": 1}', ["--training.dataset_streaming"], "indexed source"),
+    ],
+)
+def test_a_bad_skip_file_stops_the_launch(tmp_path, line, extra, message):
+    from titan.config import ConfigError, parse_args
+    from titan.plan.run_plan import plan_run
+
+    skip = tmp_path / "skip.jsonl"
+    if line is not None:
+        skip.write_text(line + "\n")
+    job = parse_args([*tiny_run(2), "--training.skip_documents", str(skip), *extra])
+    with pytest.raises(ConfigError, match=message):
+        plan_run(job, 1)

@@ -15,30 +15,28 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titan.runtime.rng import RngState
+
 # local gradient norms that differ by more than this (relative) differ: the first pass's are
 # read from its clipped gradients and unscaled, exact to a few float roundings (~1e-7)
 RANK_RTOL = 1e-4
 
 
-@dataclass
+def copies(microbatches: list[dict]) -> list[dict]:
+    return [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+        for b in microbatches
+    ]
+
+
+@dataclass(frozen=True)
 class StepInputs:
     microbatches: list[dict]
-    rng: tuple
+    rng: RngState
 
     @classmethod
     def keep(cls, microbatches: list[dict], device: torch.device) -> "StepInputs":
-        copies = [
-            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-            for b in microbatches
-        ]
-        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        return cls(copies, (torch.get_rng_state(), cuda))
-
-    def restore_rng(self, device: torch.device) -> None:
-        cpu, cuda = self.rng
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
+        return cls(copies(microbatches), RngState.take(device))
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,14 @@ from titan.runtime.logging_setup import init_logging, quiet_checkpoint_process
 from titan.trainer import interrupts
 from titan.trainer.build import meta_parts, run_identity, training_save_bytes
 from titan.trainer.microbatch import ForwardBackward
-from titan.trainer.replay import Replay, StepInputs, gather_rank_norms, local_grad_sq, unclipped
+from titan.trainer.replay import (
+    Replay,
+    StepInputs,
+    copies,
+    gather_rank_norms,
+    local_grad_sq,
+    unclipped,
+)
 from titan.trainer.run_view import RunView
 
 logger = logging.getLogger("titan")
@@ -350,16 +357,13 @@ class Trainer:
         """This step again from its batch and random state (see titan.trainer.replay), its
         microbatches first given to `edit` when given; the gradients left are the replay's."""
         max_norm = self.job.training.max_norm
-        counted = [p for p in self.grad_params()[0] if p.grad is not None]
-        first = unclipped(local_grad_sq(counted), self.step_norm, max_norm)
-        inputs = self.step_inputs
-        inputs.restore_rng(self.device)
-        replay = StepInputs.keep(inputs.microbatches, self.device).microbatches
+        first = unclipped(local_grad_sq(self.grad_params()[0]), self.step_norm, max_norm)
+        self.step_inputs.rng.restore(self.device)
+        replay = copies(self.step_inputs.microbatches)
         if edit is not None:
             replay = edit(replay)
         loss2, norm2 = self.gradients(replay, replay=True)
-        counted = [p for p in self.grad_params()[0] if p.grad is not None]
-        second = unclipped(local_grad_sq(counted), norm2, max_norm)
+        second = unclipped(local_grad_sq(self.grad_params()[0]), norm2, max_norm)
         return Replay(loss2, norm2, gather_rank_norms(first, second, self.device))
 
     def _judge(self, loss_v: float, norm_v: float) -> str | None:

@@ -15,6 +15,8 @@ def check_datasets(job, plan=None) -> None:
         sets.append(("validation", job.validation))
     if job.training.dataset_mix:
         check_mix(job)
+        if job.training.skip_documents:
+            check_skip_documents(job, streamed=False)
     for section, cfg in sets:
         if section == "training" and cfg.dataset_mix:
             continue
@@ -32,6 +34,8 @@ def check_datasets(job, plan=None) -> None:
                 "Set dataloader_num_workers = 0, or pretokenize the data "
                 "(scripts/pretokenize.py) and train on the shard folder"
             )
+        if section == "training" and cfg.skip_documents:
+            check_skip_documents(job, streamed)
         if section == "training" and streamed and job.fault_tolerance.enable:
             raise ConfigError(
                 f"fault_tolerance.enable with the streamed dataset {cfg.dataset!r}: a group that "
@@ -39,6 +43,24 @@ def check_datasets(job, plan=None) -> None:
                 "global index to jump to. Train on local files without "
                 "training.dataset_streaming, or disable fault_tolerance"
             )
+
+
+def check_skip_documents(job, streamed: bool) -> None:
+    """training.skip_documents: packed, indexed text, and a file whose lines name its
+    sources (their indices are checked against the data when it is read)."""
+    from titan.components.data.dataset import DataError, parse_mix
+    from titan.components.data.document_index import parse_skip_file, skip_refusal
+    from titan.config import ConfigError
+
+    t = job.training
+    refusal = skip_refusal(t.dataset_format == "chat", streamed, t.skip_documents)
+    if refusal:
+        raise ConfigError(refusal)
+    names = [name for name, _ in parse_mix(t.dataset_mix)] if t.dataset_mix else [t.dataset]
+    try:
+        parse_skip_file(t.skip_documents, names)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_mix(job) -> None:

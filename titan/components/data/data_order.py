@@ -131,14 +131,21 @@ class GlobalOrder(Sampler):
             self._perms[s] = (epoch, WindowPermutation(n, self.seed * 1_000_003 + epoch * 7919 + s))
         return self._perms[s][1][pos]
 
+    def _draws_of_batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, k) of every position of global batch b: k counts the samples its source
+        gave before it, in earlier batches and earlier in this one."""
+        sources = self._sources_of_batch(b)
+        ranks = np.empty_like(sources)
+        seen = self.counts_at(b).copy()
+        for p, s in enumerate(sources):
+            ranks[p] = seen[s]
+            seen[s] += 1
+        return sources, ranks
+
     def batch_windows(self, b: int) -> list[tuple[int, int]]:
         """(source, window) of every position of global batch b (all ranks' samples)."""
-        seen = self.counts_at(b).copy()
-        out = []
-        for s in self._sources_of_batch(b):
-            out.append((int(s), self._window(int(s), int(seen[s]))))
-            seen[s] += 1
-        return out
+        sources, ranks = self._draws_of_batch(b)
+        return [(int(s), self._window(int(s), int(k))) for s, k in zip(sources, ranks)]
 
     # ---------------------------------------------------------------- this rank's samples
 
@@ -155,13 +162,7 @@ class GlobalOrder(Sampler):
             b, within = divmod(j, self.per_rank)
             i = self.dp_rank * self.per_rank + within
             if b != batch:
-                batch, sources = b, self._sources_of_batch(b)
-                # k of every position: the count before the batch plus earlier ones in it
-                ranks = np.empty_like(sources)
-                seen = self.counts_at(b).copy()
-                for p, s in enumerate(sources):
-                    ranks[p] = seen[s]
-                    seen[s] += 1
+                batch, (sources, ranks) = b, self._draws_of_batch(b)
             s, k = int(sources[i]), int(ranks[i])
             if k and k % self.sizes[s] == 0:  # this sample opens a new epoch of source s
                 logger.info(

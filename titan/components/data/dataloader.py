@@ -27,7 +27,7 @@ from titan.components.data.dataset import (
     parse_mix,
     sample_fields,
 )
-from titan.components.data.document_index import DocSpan, read_skip_file
+from titan.components.data.document_index import DocSpan, read_skip_file, skip_refusal
 from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens, with_fields
 from titan.components.data.streaming import StreamingPackedDataset
 from titan.components.data.tokenizer import Tokenizer
@@ -314,11 +314,7 @@ def build_text_dataloader(
     ]
     if not mix and (files[0] is None or streaming):
         if skip_documents:
-            raise DataError(
-                f"training.skip_documents = {skip_documents!r} needs an indexed source (a local "
-                "file, folder or token shards, not streamed); unset training.dataset_streaming "
-                "or pretokenize the dataset (scripts/pretokenize.py)"
-            )
+            raise DataError(skip_refusal(False, True, skip_documents))
         if files[0] is not None and len(files[0]) == 1 and files[0][0].is_dir():
             raise DataError(
                 f"{files[0][0]} holds token shards, which are read indexed: unset dataset_streaming"
@@ -433,10 +429,7 @@ def build_dataloader(
     )
     if cfg.dataset_format == "chat":
         if cfg.skip_documents:
-            raise DataError(
-                "training.skip_documents leaves out documents of packed text; chat data "
-                "(training.dataset_format = chat) is not read that way: unset it"
-            )
+            raise DataError(skip_refusal(True, False, cfg.skip_documents))
         return build_chat_dataloader(**common, chat=sections["chat"])
     return build_text_dataloader(
         **common,

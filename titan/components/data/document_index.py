@@ -95,9 +95,26 @@ def _bos_positions(tokens, start: int, end: int, bos: int, stop_after: int) -> l
     return found
 
 
-def read_skip_file(path: str, sources: dict, key: str = "training.skip_documents") -> dict:
-    """The documents to leave out, by source name: {name: sorted indices}. `sources`: each
-    source's name -> its (tokens, bos) for the bounds check."""
+def skip_refusal(chat: bool, streamed: bool, value: str) -> str | None:
+    """Why training.skip_documents = value cannot apply to this data, or None."""
+    if chat:
+        return (
+            "training.skip_documents leaves out documents of packed text; chat data "
+            "(training.dataset_format = chat) is not read that way: unset it"
+        )
+    if streamed:
+        return (
+            f"training.skip_documents = {value!r} needs an indexed source (a local file, "
+            "folder or token shards, not streamed); unset training.dataset_streaming or "
+            "pretokenize the dataset (scripts/pretokenize.py)"
+        )
+    return None
+
+
+def parse_skip_file(path: str, names: list[str], key: str = "training.skip_documents") -> dict:
+    """The documents to leave out, by source name: {name: sorted indices}, each line of the
+    file well formed and naming a source of `names` (the indices are checked against the
+    sources by read_skip_file)."""
     file = Path(path)
     if not file.is_file():
         raise DataError(
@@ -114,16 +131,26 @@ def read_skip_file(path: str, sources: dict, key: str = "training.skip_documents
             raise DataError(
                 f'{key}: line {n} of {path} is not {{"dataset": ..., "document": ...}}'
             ) from None
-        if name not in sources:
+        if name not in names:
             raise DataError(
                 f"{key}: line {n} of {path} names dataset {name!r}, which this run does not "
-                f"read (it reads {', '.join(sources)})"
+                f"read (it reads {', '.join(names)})"
             )
-        total = documents_in(*sources[name])
-        if not isinstance(doc, int) or not 0 <= doc < total:
-            raise DataError(
-                f"{key}: line {n} of {path}: document {doc!r} of {name!r}, which holds "
-                f"documents 0 to {total - 1}"
-            )
+        if not isinstance(doc, int) or doc < 0:
+            raise DataError(f"{key}: line {n} of {path}: document {doc!r} is not an index")
         out.setdefault(name, set()).add(doc)
     return {name: sorted(docs) for name, docs in out.items()}
+
+
+def read_skip_file(path: str, sources: dict, key: str = "training.skip_documents") -> dict:
+    """parse_skip_file's documents, each within its source. `sources`: each source's name ->
+    its (tokens, bos)."""
+    skipped = parse_skip_file(path, list(sources), key)
+    for name, docs in skipped.items():
+        total = documents_in(*sources[name])
+        if docs[-1] >= total:
+            raise DataError(
+                f"{key}: {path} names document {docs[-1]} of {name!r}, which holds "
+                f"documents 0 to {total - 1}"
+            )
+    return skipped

@@ -55,6 +55,20 @@ def check(job) -> None:
     )
 
 
+def check_tasks(job, plan=None) -> None:
+    """Each of eval.tasks is a task lm-eval finds (before any rank starts: the lookup reads
+    every task's YAML, a second or two)."""
+    if not job.eval.tasks:
+        return
+    from titan.components.evaluation.tasks import task_manager
+    from titan.config import ConfigError
+
+    try:
+        task_manager(list(job.eval.tasks), job.eval.include_path)
+    except ValueError as e:
+        raise ConfigError(f"eval.tasks: {e}") from None
+
+
 def _ignored(job) -> dict:
     off = not job.eval.tasks
     return extensions.ignored_when(job, "eval", off, "eval.tasks is empty", switch="tasks")
@@ -70,3 +84,4 @@ register_callback(
     )
 )
 extensions.register_ignored(_ignored)
+extensions.register_plan_check(check_tasks)

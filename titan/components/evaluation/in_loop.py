@@ -11,31 +11,15 @@ console.
 """
 
 import logging
-import random
 import time
-from contextlib import contextmanager
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from titan.components.training.callbacks import Callback, StepEnd
+from titan.runtime.rng import rng_kept
 
 logger = logging.getLogger("titan")
-
-
-@contextmanager
-def rng_kept(device: torch.device):
-    state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:
-        yield
-    finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.set_rng_state(state[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
 
 
 def scores_of(results: dict) -> dict[str, float]:
@@ -54,14 +38,11 @@ class EvalCallback(Callback):
     def __init__(self, cfg, run):
         from titan.components.evaluation.lm_eval_model import TitanLM
         from titan.components.evaluation.tasks import task_manager
-        from titan.config import ConfigError
 
         self.cfg, self.last_step = cfg, run.job.training.steps
         p = run.job.parallelism
-        try:
-            self.manager = task_manager(list(cfg.tasks), cfg.include_path)
-        except ValueError as e:
-            raise ConfigError(f"eval.tasks: {e}") from None
+        # the names were checked before launch (eval_spec.check_tasks)
+        self.manager = task_manager(list(cfg.tasks), cfg.include_path)
         self.lm = TitanLM(
             run.logits,
             run.plan.tokenizer,

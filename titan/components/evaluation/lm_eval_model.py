@@ -193,7 +193,7 @@ class TitanLM(TemplateLM):
         """In lockstep: one-token forwards beside the peers' until none has work left."""
         if not self.lockstep:
             return
-        idle = torch.zeros(1, 1, dtype=torch.long, device=self._device)
+        idle = self._padded([[0]])  # split alike under sequence parallelism
         while self._vote(working=False):
             self.forward(idle)
 
