@@ -63,7 +63,7 @@ def both(hf_folder):
     """(titan's LM, lm-eval's hf LM) over the same folder."""
     from lm_eval.models.huggingface import HFLM
 
-    from titan.components.evaluation.lm_eval_model import TitanLM
+    from titan.components.evaluation.lm_eval_model import TitanLM, model_scores
     from titan.config import parse_args
     from titan.models.spec import get_train_spec
     from titan.tools.generate import load_model
@@ -72,11 +72,12 @@ def both(hf_folder):
     model, _ = load_model(hf_folder, job, get_train_spec("llama3"), MAX_LEN, torch.device("cpu"))
     tok = Tokenizer(str(hf_folder / "tokenizer.json"))
     titan = TitanLM(
-        model,
+        model_scores(model),
         tok,
         max_length=MAX_LEN,
         device=torch.device("cpu"),
         batch_size=4,
+        decode=model,
     )
     hf = HFLM(
         pretrained=str(hf_folder),
@@ -270,19 +271,30 @@ def test_the_loop_scores_as_the_command_on_its_checkpoint(in_loop, tmp_path):
             assert got[task][f"{metric},none"] == pytest.approx(value, rel=1e-5), key
 
 
-@pytest.mark.slow("two 2-rank trainings that evaluate twice")
-def test_every_layout_scores_as_one_rank(in_loop, tmp_path):
+LAYOUTS = {
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),  # the requests split
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),  # positions gathered back
+    # the last stage's scores sent to the first; the two pipelines' FSDP all-gathers in
+    # lockstep, their shapes agreed (a stage's first batch of a shape infers it collectively)
+    "pp2_fsdp2": (
+        4,
+        ["--parallelism.pipeline_parallel_degree", "2"]
+        + ["--parallelism.data_parallel_shard_degree", "2"],
+    ),
+}
+
+
+@pytest.mark.slow("a 2- or 4-rank training that evaluates twice")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_scores_as_one_rank(in_loop, tmp_path, layout):
     _, _, dump = in_loop
-    layouts = {
-        "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],  # the requests split
-        "tp2": ["--parallelism.tensor_parallel_degree", "2"],
-    }
-    for name, flags in layouts.items():
-        run_trainer(tmp_path / name, 2, [*LOOP, *EVAL, *flags], deadline_s=300)
-        for a, b in zip(evals_of(dump), evals_of(tmp_path / name / "dump"), strict=True):
-            assert a.keys() == b.keys()
-            for key, value in a.items():
-                assert b[key] == pytest.approx(value, rel=1e-5), (name, key)
+    nproc, flags = LAYOUTS[layout]
+    run_trainer(tmp_path, nproc, [*LOOP, *EVAL, *flags], deadline_s=300)
+    for a, b in zip(evals_of(dump), evals_of(tmp_path / "dump"), strict=True):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-5), key
 
 
 def test_a_resumed_run_evaluates_each_due_step_once(in_loop, tmp_path):
@@ -298,8 +310,6 @@ def test_a_resumed_run_evaluates_each_due_step_once(in_loop, tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--parallelism.pipeline_parallel_degree", "2"], "not yet under pipeline or context"),
-        (["--parallelism.context_parallel_degree", "2"], "not yet under pipeline or context"),
         (["--eval.freq", "0"], "must be >= 1"),
         (["--eval.limit", "0"], "must be > 0"),
     ],

@@ -115,15 +115,16 @@ def evaluate(model, tokenizer, opts, max_length: int, device, group):
     """lm-eval's results (rank 0; None elsewhere) of `model` on opts.tasks."""
     from lm_eval import simple_evaluate
 
-    from titan.components.evaluation.lm_eval_model import TitanLM
+    from titan.components.evaluation.lm_eval_model import TitanLM, model_scores
 
     lm = TitanLM(
-        model,
+        model_scores(model),
         tokenizer,
         max_length=max_length,
         device=device,
         batch_size=opts.batch_size,
         group=group,
+        decode=model,
     )
     tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
     try:

@@ -55,6 +55,7 @@ class ForwardBackward:
         # forwards per microbatch of the step: a schedule splits each into its own
         self.pipeline_microbatches = pp_plan.n_microbatches if pp_plan is not None else 1
         self.eval_schedule = None  # built at the first validation
+        self._scorer = None
 
     def _schedule(self, pp_plan, loss_fn):
         if pp_plan is None:
@@ -173,6 +174,22 @@ class ForwardBackward:
         under loss parallelism."""
         with self.amp():
             return self.parts[0](tokens, cache=cache)
+
+    def token_scores(self, tokens: torch.Tensor, targets: torch.Tensor):
+        """(each target's log-probability, the most likely token) at each position of a
+        (batch, seq) batch, on every rank of any layout (titan.trainer.scoring)."""
+        if self._scorer is None:
+            from titan.trainer.scoring import TokenScorer
+
+            self._scorer = TokenScorer(self)
+        return self._scorer(tokens, targets)
+
+    @property
+    def decodes(self) -> bool:
+        """Whether `logits` takes a decode cache on this layout (one part, whole sequences)."""
+        dims, par = self.plan.dims, self.job.parallelism
+        split = dims.cp_enabled or (dims.tp_enabled and par.enable_sequence_parallel)
+        return self.pp_plan is None and not split
 
     def eval_loss_sum(self, batch: Batch) -> tuple[torch.Tensor, float]:
         """This rank's summed token cross-entropy over a validation batch and its share of the

@@ -81,6 +81,19 @@ class RunView:
         return self._trainer.fwd_bwd.logits
 
     @property
+    def token_scores(self):
+        """tokens, targets (batch, seq) -> (each target's log-probability, the most likely
+        token) at each position, plain and whole on every rank, on any layout (pipeline
+        stages and context-parallel ranks included); every rank of the model's layout calls
+        it alike. `logits` with a decode cache only where `decodes`."""
+        return self._trainer.fwd_bwd.token_scores
+
+    @property
+    def decodes(self) -> bool:
+        """Whether `logits` runs here (one model part over whole sequences)."""
+        return self._trainer.fwd_bwd.decodes
+
+    @property
     def dp_group(self):
         """The process group of the data-parallel ranks (None where there is one)."""
         return self._trainer._group("dp")

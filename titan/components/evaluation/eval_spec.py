@@ -29,7 +29,7 @@ class Eval:
 def check(job) -> None:
     from titan.config.manager import require_all
 
-    e, p = job.eval, job.parallelism
+    e = job.eval
     if not e.tasks:
         return
     require_all(
@@ -43,13 +43,6 @@ def check(job) -> None:
                 importlib.util.find_spec("lm_eval") is not None,
                 "eval.tasks",
                 "needs lm-eval: pip install -e '.[eval]'",
-            ),
-            (
-                p.pipeline_parallel_degree == 1 and p.context_parallel_degree == 1,
-                "eval.tasks",
-                "runs on one model part over whole sequences: not yet under pipeline or "
-                "context parallelism (set them to 1, or evaluate the checkpoints with "
-                "python -m titan.tools.eval)",
             ),
         ),
     )

@@ -1,7 +1,8 @@
 """lm-evaluation-harness tasks on the training model ([eval]), every `eval.freq` steps and after
 the last, through the same TitanLM as python -m titan.tools.eval, on the model's parts as
 they are (no gathering): data-parallel ranks split the requests (in lockstep, as FSDP's
-forwards are collective), tensor-parallel ranks run theirs together.
+forwards are collective); tensor-parallel, context-parallel ranks and pipeline stages run theirs
+together.
 
 Training is left exactly as it was: the model goes back to train mode, and lm-eval's seeding
 (Python's, NumPy's and torch's generators) is undone, so a run with evaluations trains to the
@@ -40,18 +41,17 @@ class EvalCallback(Callback):
         from titan.components.evaluation.tasks import task_manager
 
         self.cfg, self.last_step = cfg, run.job.training.steps
-        p = run.job.parallelism
         # the names were checked before launch (eval_spec.check_tasks)
         self.manager = task_manager(list(cfg.tasks), cfg.include_path)
         self.lm = TitanLM(
-            run.logits,
+            run.token_scores,
             run.plan.tokenizer,
             max_length=cfg.max_length or run.job.training.seq_len,
             device=run.device,
             batch_size=cfg.batch_size,
             group=run.dp_group,
             lockstep=True,
-            seq_multiple=p.tensor_parallel_degree if p.enable_sequence_parallel else 1,
+            decode=run.logits if run.decodes else None,
         )
 
     def on_step_end(self, run, end: StepEnd) -> None:

@@ -1,11 +1,15 @@
 """titan's model as an lm-evaluation-harness LM: `loglikelihood` (through lm-eval's TemplateLM,
 which splits context and continuation as its `hf` backend does), `loglikelihood_rolling` (lm-eval's
-rolling windows of the model's length) and greedy `generate_until` with the decode cache.
+rolling windows of the model's length) and greedy `generate_until`.
 
-`forward(tokens) -> logits` is any callable over a (batch, seq) batch: a loaded model, or the
-training model's parts. Requests are scored in batches of `batch_size`, longest first (right
-padding: a causal model's positions before the padding do not see it). With a data-parallel
-`group`, lm-eval gives each rank its share of the requests and gathers them through this class.
+The model is two callables: `scores(tokens, targets) -> (log-probabilities of the targets, the
+most likely tokens)` at each position of a (batch, seq) batch, which any layout gives
+(titan.trainer.scoring: pipeline stages and context-parallel shards send those, not logits),
+and, where the layout runs one-token steps, `decode(tokens, cache=None) -> logits` for
+generation with the decode cache (else each new token re-scores the whole sequence).
+Requests are scored in batches of `batch_size`, longest first (right padding: a causal model's
+positions before the padding do not see it). With a data-parallel `group`, lm-eval gives each
+rank its share of the requests and gathers them through this class.
 
 `lockstep`: the model's forward is itself collective over the group (FSDP's all-gathers), so
 every rank must run as many forwards as the others, though their shares need different counts
@@ -24,13 +28,23 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 
+from titan.components.training.loss import target_logprobs
 from titan.models.common.generation import generate
+
+
+def model_scores(model):
+    """`scores` of a model called as model(tokens) -> logits (one process, or TP ranks)."""
+
+    def scores(tokens, targets):
+        return target_logprobs(model(tokens), targets)
+
+    return scores
 
 
 class TitanLM(TemplateLM):
     def __init__(
         self,
-        forward,
+        scores,
         tokenizer,
         *,
         max_length: int,
@@ -40,23 +54,20 @@ class TitanLM(TemplateLM):
         max_gen_toks: int = 256,
         group: dist.ProcessGroup | None = None,
         lockstep: bool = False,
-        seq_multiple: int = 1,
+        decode=None,
     ):
-        """`forward(tokens, cache=None)`: the logits, with titan's decode cache for
-        generation; `tokenizer`: titan's; `add_bos_token`: contexts open with BOS, as every
-        document titan trains on does (lm-eval's hf backend: its model_args' add_bos_token)."""
+        """`scores`, `decode`: the model (above); `tokenizer`: titan's; `add_bos_token`:
+        contexts open with BOS, as every document titan trains on does (lm-eval's hf backend:
+        its model_args' add_bos_token)."""
         super().__init__()
-        self.forward, self.tok, self._device = forward, tokenizer, device
+        self.scores, self.decode = scores, decode
+        self.tok, self._device = tokenizer, device
         self._max_length, self._batch_size = max_length, batch_size
         self.add_bos_token, self.max_gen_toks = add_bos_token, max_gen_toks
         self.group = group
         if group is not None:
             self._rank, self._world_size = dist.get_rank(group), dist.get_world_size(group)
         self.lockstep = lockstep and group is not None and self._world_size > 1
-        # sequence parallelism splits every batch's positions over its ranks: batches are
-        # padded to a multiple of them, and generation runs whole sequences (no decode cache,
-        # whose one-token steps cannot be split)
-        self.seq_multiple = seq_multiple
 
     # ---------------------------------------------------------------- tokens
 
@@ -102,14 +113,14 @@ class TitanLM(TemplateLM):
                     )
                 inputs.append((context + continuation)[-(self._max_length + 1) :][:-1])
                 conts.append(continuation)
-            tokens = self._padded(inputs)
-            logprobs = F.log_softmax(self.logits(tokens).float(), dim=-1)
+            # each row's targets: its next tokens, the continuation's at its end
+            targets = [x[1:] + [c[-1]] for x, c in zip(inputs, conts)]
+            logprobs, top = self.score(self._padded(inputs), self._padded(targets))
             for row, (i, x, cont) in enumerate(zip(batch, inputs, conts)):
-                picked = logprobs[row, len(x) - len(cont) : len(x)]
-                target = torch.tensor(cont, device=picked.device)
-                ll = picked.gather(-1, target[:, None]).sum().item()
-                greedy = bool((picked.argmax(-1) == target).all())
-                out[i] = (ll, greedy)
+                span = slice(len(x) - len(cont), len(x))
+                picked = torch.tensor(cont, device=top.device)
+                ll = logprobs[row, span].sum().item()
+                out[i] = (ll, bool((top[row, span] == picked).all()))
                 if requests[i][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], out[i])
         if not nested:
@@ -160,20 +171,21 @@ class TitanLM(TemplateLM):
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         """Right-padded into one batch (a causal model's earlier positions do not see it)."""
-        m = self.seq_multiple
-        width = -(-max(map(len, rows)) // m) * m
+        width = max(map(len, rows))
         return torch.tensor([x + [0] * (width - len(x)) for x in rows], device=self._device)
 
     def _greedy(self, prompt: list[int], new: int) -> list[int]:
         eos = self.eot_token_id
-        if self.seq_multiple == 1:
+        if self.decode is not None:
             out = generate(
-                self.logits, [prompt], max_new_tokens=new, eos_id=eos, device=self._device
+                self._decode, [prompt], max_new_tokens=new, eos_id=eos, device=self._device
             )
             return out[0]
         seq, out = list(prompt), []
         for _ in range(new):
-            out.append(int(self.logits(self._padded([seq]))[0, len(seq) - 1].argmax()))
+            tokens = self._padded([seq])
+            _, top = self.score(tokens, torch.zeros_like(tokens))
+            out.append(int(top[0, len(seq) - 1]))
             seq.append(out[-1])
             if out[-1] == eos:
                 break
@@ -181,27 +193,45 @@ class TitanLM(TemplateLM):
 
     # ---------------------------------------------------------------- ranks
 
-    def logits(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
-        """The model's logits of a batch (plain, whatever the layout), after this rank's vote
-        when in lockstep."""
+    def score(self, tokens: torch.Tensor, targets: torch.Tensor):
+        """`scores` of a batch; in lockstep, after the vote, padded to the largest batch of
+        the group (a pipeline stage's first batch of a shape runs shape inference, which
+        FSDP's all-gathers make collective: every rank of the group runs the same shapes)."""
+        if not self.lockstep:
+            return self.scores(tokens, targets)
+        _, rows, width = self._vote(working=True, shape=tokens.shape)
+        pad = (0, width - tokens.shape[1], 0, rows - tokens.shape[0])
+        logprobs, top = self.scores(F.pad(tokens, pad), F.pad(targets, pad))
+        return logprobs[: tokens.shape[0], : tokens.shape[1]], top[
+            : tokens.shape[0], : tokens.shape[1]
+        ]
+
+    def _decode(self, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The model's logits of a decode step (plain, whatever the layout), after this
+        rank's vote when in lockstep."""
         if self.lockstep:
-            self._vote(working=True)
-        out = self.forward(tokens, **kwargs)
+            self._vote(working=True)  # the peers' forwards: one each, any shape
+        out = self.decode(tokens, **kwargs)
         return out.full_tensor() if hasattr(out, "full_tensor") else out
 
     def finish(self) -> None:
-        """In lockstep: one-token forwards beside the peers' until none has work left."""
+        """In lockstep: forwards of the peers' shapes beside theirs until none has work left."""
         if not self.lockstep:
             return
-        idle = self._padded([[0]])  # split alike under sequence parallelism
-        while self._vote(working=False):
-            self.forward(idle)
+        while True:
+            working, rows, width = self._vote(working=False)
+            if not working:
+                return
+            idle = torch.zeros(rows, width, dtype=torch.long, device=self._device)
+            self.scores(idle, idle)
 
-    def _vote(self, working: bool) -> bool:
-        """Whether any rank of the group still works (every rank calls it alike)."""
-        flag = torch.tensor([int(working)], device=self._device)
+    def _vote(self, working: bool, shape=(1, 1)) -> tuple[bool, int, int]:
+        """(whether any rank of the group still works, the largest batch's rows and width
+        among those that do); every rank calls it alike."""
+        flag = torch.tensor([int(working), *shape], device=self._device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        working, rows, width = flag.tolist()
+        return bool(working), rows, width
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.group is None:

@@ -23,6 +23,18 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
 
 
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each position's log-probability of its target, the most likely token) of (batch, seq,
+    vocab) logits, in float32; vocabulary-parallel logits are gathered whole first."""
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    logits = logits.float()
+    logprobs = F.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return logprobs, logits.argmax(-1)
+
+
 def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The summed log(Z)^2 of the tokens the loss counts, Z the softmax normalizer of each
     token's (batch, seq, vocab) logits, in float32. Vocabulary-parallel logits (a DTensor
