@@ -199,25 +199,41 @@ def _eval_rank(rank, world_size, port, argv):
     return True  # a result: the rank finished
 
 
-@pytest.mark.slow("2 ranks splitting the requests, then 2 splitting the model")
-def test_two_ranks_score_as_one(trained, tmp_path):
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+COMMAND_LAYOUTS = {  # name: (ranks, the checkpoint: "dcp" or "hf", flags)
+    "requests": (2, "dcp", []),  # each rank the whole model
+    "tp2": (2, "dcp", TP2),  # each rank a slice of each layer
+    # the training layouts, built as training builds them
+    "pp2_from_hf": (2, "hf", ["--parallelism.pipeline_parallel_degree", "2"]),
+    "cp2": (2, "dcp", ["--parallelism.context_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, "dcp", TP2),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
     from titan.tools.eval import main
 
-    dcp, _ = trained
-    main(eval_args(dcp, tmp_path / "one"))
-    want = results_of(tmp_path / "one")
-    tp2 = ["--parallelism.tensor_parallel_degree", "2"]
-    for name, extra in (("requests", []), ("model", tp2)):
-        argv = [*eval_args(dcp, tmp_path / name), *extra]
-        ranks = tmp_path / f"{name}_ranks"
-        ranks.mkdir()
-        run_workers(_eval_rank, 2, ranks, free_port(), argv, init_pg=False)
-        got = results_of(tmp_path / name)
-        assert got.keys() == want.keys()
-        for task, metrics in want.items():
-            for key, value in metrics.items():
-                if isinstance(value, float):
-                    assert got[task][key] == pytest.approx(value, rel=1e-5), (name, task, key)
+    main(eval_args(trained[0], out))
+    return results_of(out)
+
+
+@pytest.mark.slow("2 or 4 ranks evaluating 2 tasks")
+@pytest.mark.parametrize("layout", COMMAND_LAYOUTS)
+def test_ranks_score_as_one_process(trained, one_process, tmp_path, layout):
+    nproc, which, flags = COMMAND_LAYOUTS[layout]
+    checkpoint = dict(zip(("dcp", "hf"), trained))[which]
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    argv = [*eval_args(checkpoint, tmp_path / "out"), *flags]
+    run_workers(_eval_rank, nproc, ranks, free_port(), argv, init_pg=False)
+    got = results_of(tmp_path / "out")
+    assert got.keys() == one_process.keys()
+    for task, metrics in one_process.items():
+        for key, value in metrics.items():
+            if isinstance(value, float):
+                assert got[task][key] == pytest.approx(value, rel=1e-5), (task, key)
 
 
 # ------------------------------------------------------------------ in the loop
@@ -338,3 +354,14 @@ def test_an_unknown_task_in_the_loop_stops_the_launch():
     job = parse_args([*tiny_run(2), "--eval.tasks", "kjv_verse_cloze,nope"])
     with pytest.raises(ConfigError, match="eval.tasks: no lm-eval task named nope"):
         plan_run(job, 1)
+
+
+def test_a_layout_the_ranks_cannot_hold_is_one_line(trained, capsys):
+    from titan.tools.eval import main
+
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--checkpoint", str(trained[0]), "--tasks", "kjv_verse_cloze", *pp2])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("titan.tools.eval: parallelism: world size 1 is not divisible")

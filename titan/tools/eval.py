@@ -11,7 +11,10 @@ tasks (assets/eval_tasks: kjv_verse_cloze, kjv_verse_book, kjv_bits_per_byte,
 kjv_verse_completion) are always found; any other task of lm-eval's, or of --include_path.
 Under `torchrun --nproc_per_node N` each rank loads the model and scores its share of the
 requests; with `--parallelism.tensor_parallel_degree N` too, the ranks split the model instead
-(each reads only its shards) and score every request together. Other arguments are titan
+(each reads only its shards) and score every request together. Any other training layout
+(`--parallelism.pipeline_parallel_degree`, `--parallelism.context_parallel_degree`, FSDP x TP)
+builds the model as training would on those ranks, the data-parallel ranks splitting the
+requests. Other arguments are titan
 config overrides (e.g. --model.tokenizer_path). Needs lm-eval: pip install -e ".[eval]".
 """
 
@@ -67,8 +70,6 @@ def main(argv: list[str] | None = None) -> None:
     from titan.components.checkpoint.folders import CheckpointError
     from titan.components.data.tokenizer import TokenizerError
     from titan.config import ConfigError
-    from titan.parallelisms.parallel_dims import ParallelDims
-    from titan.runtime.distributed import init_distributed, pick_device
     from titan.runtime.logging_setup import init_logging
     from titan.tools import generate as gen
 
@@ -83,14 +84,29 @@ def main(argv: list[str] | None = None) -> None:
         _fail(e)
     except KeyError as e:
         _fail(e.args[0])
+    world, p = int(os.environ.get("WORLD_SIZE", "1")), job.parallelism
+    tp = p.tensor_parallel_degree
+    if p.pipeline_parallel_degree > 1 or p.context_parallel_degree > 1 or 1 < tp < world:
+        results = _on_layout(job, path, spec, tokenizer, opts, max_length)
+    else:
+        results = _whole_or_tensor_parallel(job, path, spec, tokenizer, opts, max_length, world)
+    if results is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        report(results, opts, f"titan__{path.name}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _whole_or_tensor_parallel(job, path, spec, tokenizer, opts, max_length: int, world: int):
+    """Each rank the whole model and its share of the requests, or (tensor parallel = the
+    rank count) a slice of each layer, every request scored together."""
+    from titan.components.checkpoint.folders import CheckpointError
+    from titan.components.evaluation.lm_eval_model import model_scores
+    from titan.parallelisms.parallel_dims import ParallelDims
+    from titan.runtime.distributed import init_distributed, pick_device
+    from titan.tools import generate as gen
+
     device = pick_device(job.training.device)
-    world, tp = int(os.environ.get("WORLD_SIZE", "1")), job.parallelism.tensor_parallel_degree
-    if tp > 1 and tp != world:
-        _fail(
-            f"--parallelism.tensor_parallel_degree {tp} with {world} ranks: evaluation splits "
-            "the model over all ranks (tensor parallel = the rank count) or the requests "
-            "(no tensor parallelism), not both"
-        )
+    tp = job.parallelism.tensor_parallel_degree
     group, tp_dims = None, None
     if world > 1:
         init_distributed(device, job.comm.init_timeout_seconds)
@@ -104,27 +120,43 @@ def main(argv: list[str] | None = None) -> None:
         model, _ = gen.load_model(path, job, spec, max_length, device, tp_dims)
     except (CheckpointError, gen.GenerateError) as e:
         _fail(e)
-    results = evaluate(model, tokenizer, opts, max_length, device, group)
-    if results is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        report(results, opts, f"titan__{path.name}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return evaluate(model_scores(model), model, tokenizer, opts, max_length, device, group)
 
 
-def evaluate(model, tokenizer, opts, max_length: int, device, group):
-    """lm-eval's results (rank 0; None elsewhere) of `model` on opts.tasks."""
+def _on_layout(job, path, spec, tokenizer, opts, max_length: int):
+    """The model on the training layout the flags give (pipeline stages, context-parallel
+    ranks, FSDP x TP), the data-parallel ranks splitting the requests in lockstep."""
+    from titan.components.checkpoint.folders import CheckpointError
+    from titan.config import ConfigError
+    from titan.tools.eval_layout import layout_forward
+    from titan.tools.generate import GenerateError
+
+    try:
+        fb, group = layout_forward(job, path, spec, max_length)
+    except (ConfigError, CheckpointError, GenerateError) as e:
+        _fail(e)
+    decode = fb.logits if fb.decodes else None
+    return evaluate(fb.token_scores, decode, tokenizer, opts, max_length, fb.device, group, True)
+
+
+def evaluate(
+    scores, decode, tokenizer, opts, max_length: int, device, group, lockstep: bool = False
+):
+    """lm-eval's results (rank 0; None elsewhere) of the model (`scores`, `decode`: TitanLM's)
+    on opts.tasks."""
     from lm_eval import simple_evaluate
 
-    from titan.components.evaluation.lm_eval_model import TitanLM, model_scores
+    from titan.components.evaluation.lm_eval_model import TitanLM
 
     lm = TitanLM(
-        model_scores(model),
+        scores,
         tokenizer,
         max_length=max_length,
         device=device,
         batch_size=opts.batch_size,
         group=group,
-        decode=model,
+        lockstep=lockstep,
+        decode=decode,
     )
     tasks = [t.strip() for t in opts.tasks.split(",") if t.strip()]
     try:
