@@ -3,7 +3,6 @@ generation and transformers, in bounded memory."""
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
