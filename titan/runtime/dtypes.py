@@ -23,3 +23,26 @@ def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# the codes of safetensors files' headers
+_SAFETENSORS = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def safetensors_dtype(code: str) -> torch.dtype:
+    """The dtype of a safetensors header's code ("BF16", "F32", ...)."""
+    try:
+        return _SAFETENSORS[code]
+    except KeyError:
+        raise ValueError(f"unsupported safetensors dtype {code!r}") from None

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from titan.components.checkpoint.folders import MODEL_KEY, CheckpointError, _quiet_no_dist
+from titan.runtime.dtypes import safetensors_dtype
 
 
 class _Window(io.RawIOBase):
@@ -124,19 +125,6 @@ def write_dcp_model(
 
 # ------------------------------------------------------------------ safetensors
 
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
 
 def safetensors_header(file: Path) -> dict:
     """A safetensors file's header: {name: {dtype, shape, data_offsets}, "__metadata__": ...}."""
@@ -156,13 +144,13 @@ def read_safetensor(file: Path, name: str, header: dict | None = None) -> torch.
         f.seek(8 + n + start)
         if f.readinto(memoryview(out.numpy())) != end - start:
             raise CheckpointError(f"{file} is truncated at {name}: download or copy it again")
-    return out.view(_ST_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+    return out.view(safetensors_dtype(meta["dtype"])).reshape(meta["shape"])
 
 
 def safetensors_shapes(file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     header = safetensors_header(file)
     return {
-        k: (tuple(v["shape"]), _ST_DTYPES[v["dtype"]])
+        k: (tuple(v["shape"]), safetensors_dtype(v["dtype"]))
         for k, v in header.items()
         if k != "__metadata__"
     }
@@ -179,7 +167,7 @@ def write_safetensors(file: Path, header: dict, make: Callable[[str], torch.Tens
         out["__metadata__"] = header["__metadata__"]
     for name in names:
         meta = header[name]
-        dtype = _ST_DTYPES[meta["dtype"]]
+        dtype = safetensors_dtype(meta["dtype"])
         n = torch.Size(meta["shape"]).numel() * dtype.itemsize
         out[name] = {**meta, "data_offsets": [offset, offset + n]}
         offset += n
