@@ -369,7 +369,15 @@ def test_the_loop_calls_no_hook_by_name():
 
     extensions.sections()  # loads titan's own registrations
     want = [
-        *("gc", "rank_times", "metrics_writers", "validation", "profiler", "memory_snapshot"),
+        *(
+            "gc",
+            "rank_times",
+            "metrics_writers",
+            "ema",
+            "validation",
+            "profiler",
+            "memory_snapshot",
+        ),
         *("stability", "eval"),
     ]
     assert list(callbacks._CALLBACKS.entries)[: len(want)] == want

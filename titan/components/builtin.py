@@ -21,6 +21,8 @@ for module in (
     # titan's own callbacks (GC, per-rank times, the metrics writers) before validation's and
     # profiling's, which register with their sections
     "titan.components.training.callbacks",
+    # the average before the callbacks that validate or evaluate on it
+    "titan.components.training.ema_spec",
     "titan.components.training.validation_spec",
     "titan.components.observability.profiling_spec",
     "titan.components.training.stability_spec",

@@ -68,6 +68,22 @@ def register_plan_check(check: Callable) -> None:
         _PLAN_CHECKS.append(check)
 
 
+_WEIGHT_COPIES: list[Callable] = []
+
+
+def register_weight_copies(count: Callable) -> None:
+    """`count(sections)` (a job's added sections by name) -> how many float32 copies of each
+    trained weight a component keeps beside the optimizer's state (an average of the
+    weights, say): the memory planner and the checkpoints' disk check count them."""
+    if count not in _WEIGHT_COPIES:
+        _WEIGHT_COPIES.append(count)
+
+
+def weight_copies(sections: dict) -> int:
+    _load_builtin()
+    return sum(count(sections) for count in _WEIGHT_COPIES)
+
+
 _IGNORED: list[Callable] = []
 
 

@@ -82,10 +82,14 @@ def render(report: dict) -> str:
         f"{plural(report['world_size'], 'rank')}: "
         + ", ".join(f"{k} {v}" for k, v in lay.items())
         + f"; activation checkpointing {report['activation_checkpoint']}",
-        f"{'rank':>6} {'pp':>3} " + " ".join(f"{c:>12}" for c in _COLUMNS),
     ]
+    # the weights' copies (an [ema] average) get a column where a run keeps them
+    columns = _COLUMNS
+    if any(r.get("copies_bytes") for r in report["ranks"]):
+        columns = (*_COLUMNS[:3], "copies", *_COLUMNS[3:])
+    lines.append(f"{'rank':>6} {'pp':>3} " + " ".join(f"{c:>12}" for c in columns))
     for r in report["ranks"]:
-        cells = [r[f"{c}_bytes"] for c in _COLUMNS]
+        cells = [r[f"{c}_bytes"] for c in columns]
         lines.append(
             f"{r['rank']:>6} {r['pp_rank']:>3} "
             + " ".join(f"{'?' if v is None else human_bytes(v):>12}" for v in cells)

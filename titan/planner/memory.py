@@ -64,13 +64,16 @@ def state_bytes(parts: list, job: JobConfig) -> dict:
     # here, not at the top: it imports DTensor, a second of the launcher's start-up that a
     # run with no device memory to check against (CPU) never needs
     from titan.components.observability.memory_measure import tensor_bytes
+    from titan.config import extensions
 
     named = list({id(p): (n, p) for part in parts for n, p in part.named_parameters()}.values())
     trainable = [(n, p) for n, p in named if p.requires_grad]
     spec = optimizer_spec(job.optimizer.name)
+    copies = extensions.weight_copies(job.extensions)  # float32, sharded as the weights
     return {
         "params_bytes": sum(tensor_bytes(p) for _, p in named),
         "grads_bytes": sum(tensor_bytes(p) for _, p in trainable),
+        "copies_bytes": copies * sum(4 * tensor_bytes(p) // p.element_size() for _, p in trainable),
         "optimizer_bytes": sum(
             optimizer_state_bytes(
                 spec, n, p.shape, tensor_bytes(p) // p.element_size(), job.optimizer, job.extensions
@@ -236,6 +239,8 @@ _FIXES = {
     "params_bytes": "shard them over more ranks (parallelism.data_parallel_shard_degree, "
     "tensor_parallel_degree or pipeline_parallel_degree)",
     "grads_bytes": "shard them over more ranks (FSDP: parallelism.data_parallel_shard_degree)",
+    "copies_bytes": "shard the weights over more ranks (parallelism.data_parallel_shard_degree), "
+    "or keep no average of them (ema.enable = false)",
     "optimizer_bytes": 'keep Adam\'s moments in bf16 (optimizer.state_dtype = "bfloat16"), '
     "shard them over more ranks (parallelism.data_parallel_shard_degree), or "
     "offload them (training.enable_cpu_offload)",
@@ -289,6 +294,7 @@ def check_fits(job: JobConfig, plan: RunPlan) -> str | None:
                 "params_bytes",
                 "grads_bytes",
                 "optimizer_bytes",
+                "copies_bytes",
                 "activations_bytes",
                 "transient_bytes",
             )

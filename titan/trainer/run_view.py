@@ -81,6 +81,11 @@ class RunView:
         return self._trainer.fwd_bwd.logits
 
     @property
+    def callbacks(self) -> dict:
+        """The run's callbacks by name (those it built: a section that is off has none)."""
+        return self._trainer.callbacks
+
+    @property
     def token_scores(self):
         """tokens, targets (batch, seq) -> (each target's log-probability, the most likely
         token) at each position, plain and whole on every rank, on any layout (pipeline

@@ -473,6 +473,14 @@ class Trainer:
                 stack.enter_context(context)
         return stack
 
+    def _around_export(self, export: bool) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for callback in self.callbacks.values() if export else ():
+            context = callback.around_export(self.run_view)
+            if context is not None:
+                stack.enter_context(context)
+        return stack
+
     def _log_step(self, loss: float, grad_norm: float, lr: float) -> dict:
         extra = {}
         for callback in self.callbacks.values():  # what they measured of the step
@@ -500,7 +508,7 @@ class Trainer:
         if not (due or (requested and ck.enable)):
             return
         model_only = final and (ck.last_save_model_only or ck.last_save_in_hf)
-        with watchdog.paused():
+        with watchdog.paused(), self._around_export(model_only):
             self.metrics.exclude(
                 self.checkpointer.save(self.step, model_only=model_only, blocking=final or stop)
             )

@@ -17,7 +17,11 @@ def save_bytes(
 ) -> int:
     """The size of one training save of the parameters (name, shape): float32 weights, and the
     optimizer's state as its registry entry counts it."""
-    weights = 4 * sum(prod(shape) for _, shape in named_shapes)
+    from titan.config import extensions
+
+    # the float32 weights, and the copies of them a component keeps (an average)
+    copies = 1 + extensions.weight_copies(sections)
+    weights = 4 * copies * sum(prod(shape) for _, shape in named_shapes)
     state = save_state_bytes(named_shapes, optimizer_cfg, sections)
     return int((weights + state) * OVERHEAD_FACTOR) + OVERHEAD_BYTES
 

@@ -48,6 +48,9 @@ class Checkpoint:
     exclude_from_loading: list[str] = opt(
         [], "State parts not restored on resume: optimizer, lr_scheduler, dataloader, train_state"
     )
+    export_ema: bool = opt(
+        False, "The final export (last_save_model_only / last_save_in_hf) holds the [ema] average"
+    )
     last_save_model_only: bool = opt(
         False, "The final save holds only the model (in export_dtype), for export or eval"
     )

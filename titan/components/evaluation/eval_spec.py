@@ -24,6 +24,7 @@ class Eval:
     )
     batch_size: int = opt(8, "Requests scored at once on each data-parallel rank")
     max_length: int = opt(0, "Tokens a request sees at most; 0: training.seq_len")
+    use_ema: bool = opt(False, "Evaluate the average of the weights ([ema]) instead of them")
 
 
 def check(job) -> None:

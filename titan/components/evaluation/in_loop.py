@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from titan.components.training.callbacks import Callback, StepEnd
+from titan.components.training.ema import swapped_if
 from titan.runtime.rng import rng_kept
 
 logger = logging.getLogger("titan")
@@ -63,7 +64,7 @@ class EvalCallback(Callback):
         for part in run.model_parts:
             part.eval()
         try:
-            with rng_kept(run.device), torch.no_grad():
+            with rng_kept(run.device), torch.no_grad(), swapped_if(run, self.cfg.use_ema):
                 results = simple_evaluate(
                     model=self.lm,
                     tasks=list(self.cfg.tasks),

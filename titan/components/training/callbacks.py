@@ -75,6 +75,12 @@ class Callback:
         """After a downstream evaluation: its scores by "task/metric" (e.g.
         "hellaswag/acc"), the same on every rank."""
 
+    def around_export(self, run):
+        """A context manager the run's final export (a model-only or HF save) is written
+        inside, or None: what it enters is what the export holds (an average of the
+        weights, say); it must leave the model as it found it."""
+        return None
+
     def on_checkpoint_saved(self, run, step: int, path: str) -> None:
         """A checkpoint of `step` is written, or being written (an async save)."""
 

@@ -29,6 +29,7 @@ from titan.components.data.dataloader import (
 from titan.components.data.dataset import DataError
 from titan.components.data.tokenizer import Tokenizer
 from titan.components.training.callbacks import Callback, StepEnd
+from titan.components.training.ema import swapped_if
 from titan.components.training.loss import sum_over
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ class ValidationCallback(Callback):
         if not self.validator.due(end.step, self.last_step):
             return
         t0 = time.perf_counter()
-        loss, batches = self.validator.run()
+        with swapped_if(run, run.job.validation.use_ema):
+            loss, batches = self.validator.run()
         run.metrics.log_validation(end.step, loss, batches)
         run.exclude_time(time.perf_counter() - t0)
         run.notify("on_validation_end", end.step, loss, batches)

@@ -27,6 +27,7 @@ class Validation:
         "Sequences per forward on each data-parallel rank (a rank's share of a validation "
         "batch may take several); -1: its whole share (8 when global_batch_size is -1 too)",
     )
+    use_ema: bool = opt(False, "Validate the average of the weights ([ema]) instead of them")
 
 
 def check(job) -> None:
