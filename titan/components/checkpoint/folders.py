@@ -292,7 +292,8 @@ def _quiet_no_dist():
         consolidation.removeFilter(_not_single_process_note)
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers compile, activation checkpointing and FSDP add."""
     for frag in _WRAPPER_FRAGMENTS:
         name = name.replace(frag, "")
     return name
@@ -340,7 +341,7 @@ def load_dcp_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     }
     with _quiet_no_dist():
         dcp.load({MODEL_KEY: state}, checkpoint_id=str(path), no_dist=True)
-    return {_canonical(name): t for name, t in state.items()}
+    return {canonical_name(name): t for name, t in state.items()}
 
 
 def save_dcp_model_state(

@@ -13,18 +13,10 @@ import logging
 
 import torch
 
+from titan.components.checkpoint.folders import canonical_name
 from titan.components.training.callbacks import Callback, StepEnd
 
 logger = logging.getLogger("titan")
-
-# what compile, activation checkpointing and FSDP wrap a module's name in
-_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def _name(name: str) -> str:
-    for w in _WRAPPERS:
-        name = name.replace(w, "")
-    return name
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +33,7 @@ class EMACallback(Callback):
             for name, p in part.named_parameters():
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
-                    self.params[_name(name)] = p
+                    self.params[canonical_name(name)] = p
         with torch.no_grad():
             self.average = {n: p.detach().float().clone() for n, p in self.params.items()}
         size = sum(_local(a).numel() * 4 for a in self.average.values())
