@@ -107,6 +107,17 @@ class Training:
     global_batch_size: int = opt(
         -1, "Sequences per optimizer step over all ranks; -1 = local x dp (no accumulation)"
     )
+    global_batch_schedule: list[str] = opt(
+        [],
+        "Batch-size ramp-up: 'step:size' entries (e.g. 1:64,500:128), each global batch size "
+        "used from its step on (global_batch_size before the first); the data continues "
+        "exactly, gradient accumulation adjusting",
+    )
+    batch_lr_scaling: Literal["none", "sqrt", "linear"] = opt(
+        "none",
+        "The lr of a scheduled batch size: optimizer.lr x (size / global_batch_size) to the "
+        "power 0 (none), 1/2 (sqrt) or 1 (linear)",
+    )
     seq_len: int = opt(2048, "Tokens per training sequence")
     max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping")
     z_loss_weight: float = opt(

@@ -22,6 +22,7 @@ from titan.parallelisms.parallel_dims import (
     validate_against_model,
 )
 from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipelines
+from titan.plan.batch_schedule import BatchSchedule, parse_schedule
 from titan.runtime.paths import resolve
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,17 @@ class RunPlan:
     # sequences per validation batch over all dp ranks, and per forward on one rank
     validation_global_batch: int = 0
     validation_local_batch: int = 0
+    # training.global_batch_schedule resolved (None: every step global_batch_size)
+    batch_schedule: BatchSchedule | None = None
+
+    def global_batch_at(self, step: int) -> int:
+        """The global batch size of (1-based) step `step`."""
+        return self.batch_schedule.size_at(step) if self.batch_schedule else self.global_batch_size
+
+    def grad_accum_at(self, step: int) -> int:
+        """Microbatches of step `step` on each data-parallel rank."""
+        per_step = self.global_batch_size // self.grad_accum_steps
+        return self.global_batch_at(step) // per_step
 
     def pipeline(self, pp_rank: int, validation: bool = False) -> PipelinePlan | None:
         """Pipeline rank `pp_rank`'s stages; None without pipelining."""
@@ -154,6 +166,24 @@ def plan_run(
             validation_pipelines = pipeline_plans(job, model_args, validation_batch=val_local)
     grad_accum = global_batch // (t.local_batch_size * dp_size)
     check_moe(job, spec, model_args, dims, grad_accum)
+    schedule = None
+    if t.global_batch_schedule:
+        schedule = parse_schedule(job, global_batch, t.local_batch_size * dp_size)
+        for size in schedule.sizes():
+            check_moe(job, spec, model_args, dims, size // (t.local_batch_size * dp_size))
+        require(
+            job,
+            not job.fault_tolerance.enable,
+            "training.global_batch_schedule",
+            "is not yet supported with fault_tolerance.enable (a heal seeks steps of one size)",
+        )
+        require(
+            job,
+            not t.dataset_streaming,
+            "training.global_batch_schedule",
+            "needs a local dataset without training.dataset_streaming (a streamed one cannot "
+            "regroup its batches)",
+        )
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     plan = RunPlan(
@@ -169,6 +199,7 @@ def plan_run(
         validation_pipelines,
         val_global,
         val_local,
+        batch_schedule=schedule,
     )
     # the components' own: data, checkpoints, converters, torchft, profiling, ...
     for check in extensions.plan_checks():

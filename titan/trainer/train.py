@@ -128,7 +128,13 @@ class Trainer:
         self.post_optimizer_hooks = self._post_optimizer_hooks()
         self.step_terms: dict[str, float] = {}  # the objective's terms of the last step
         self.hook_metrics: dict = {}  # what the hooks report of the last step (MoE loads)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, job.lr_scheduler, t.steps)
+        schedule = plan.batch_schedule
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer,
+            job.lr_scheduler,
+            t.steps,
+            scale=schedule.lr_factor if schedule and schedule.lr_scaling != "none" else None,
+        )
 
         self.train_state = TrainState()
         # built before the resume: the checkpoint holds their states
@@ -383,7 +389,11 @@ class Trainer:
         return loss_v, norm_v, True
 
     def next_microbatches(self, data_iter):
-        return [next(data_iter) for _ in range(self.plan.grad_accum_steps)]
+        """The step's microbatches: as many as its global batch holds on this rank (a
+        batch-size schedule regroups the stream from the step whose size changes)."""
+        if self.plan.batch_schedule is not None:
+            self.dataloader.resize(self.plan.global_batch_at(self.step))
+        return [next(data_iter) for _ in range(self.plan.grad_accum_at(self.step))]
 
     # ------------------------------------------------------------------ the loop
 
@@ -404,11 +414,16 @@ class Trainer:
         data_iter = iter(self.dataloader)
         if self.faults is not None:
             data_iter = self.faults.batches(data_iter)
+        schedule = self.plan.batch_schedule
         logger.info(
-            "training %s, global batch %d sequences x %d tokens",
+            "training %s, global batch %d sequences x %d tokens%s",
             plural(t.steps, "step"),
             self.plan.global_batch_size,
             t.seq_len,
+            f" (scheduled: {', '.join(f'{s} from step {a}' for a, s in schedule.entries)}; "
+            f"lr scaling {schedule.lr_scaling})"
+            if schedule
+            else "",
         )
         view = self.run_view
         self.emit("on_train_start")

@@ -96,6 +96,11 @@ class GlobalOrder(Sampler):
         self.origin = position
         self._counts = {0: np.asarray(counts if counts is not None else [position], dtype=np.int64)}
 
+    def resize(self, global_batch_size: int) -> None:
+        """Global batches of `global_batch_size` from batch 0 on (call start_at next)."""
+        self.global_batch_size = global_batch_size
+        self.per_rank = global_batch_size // self.dp_world_size
+
     def _sources_of_batch(self, b: int) -> np.ndarray:
         """The source of every position of global batch b, from the counts at its start."""
         counts = self.counts_at(b).copy()

@@ -78,15 +78,17 @@ class IndexedLoader:
         while True:
             generation = self._generation
             self.order.start = self.taken
-            for batch in _loader(
-                self.windows, self.local_batch_size, self.workers, sampler=self.order
-            ):
-                if generation != self._generation:
-                    break
+            batches = iter(
+                _loader(self.windows, self.local_batch_size, self.workers, sampler=self.order)
+            )
+            # a jump (or a resize) between two batches: the old iterator is not asked again
+            # (its sampler would read the order as it is now)
+            while generation == self._generation:
+                batch = next(batches, None)
+                if batch is None:
+                    return  # a finite pass ended
                 self.taken += batch[INPUT_IDS].shape[0]
                 yield batch
-            else:
-                return  # a finite pass ended
 
     def state_dict(self) -> dict:
         """`global_batches`: the steps' batches taken, counted from the first run's start;
@@ -215,6 +217,25 @@ class IndexedLoader:
         self.order.start_at(0, [0] * len(self.order.sizes))
         self._jump(0)
 
+    def resize(self, global_batch_size: int) -> None:
+        """Global batches of `global_batch_size` sequences from the next one on (a batch-size
+        schedule): the stream continues at its first sequence not yet taken, so its sequences
+        are trained in the order a run of these sizes from the start trains them."""
+        if global_batch_size == self.order.global_batch_size:
+            return
+        batches, offset = divmod(self.taken, self.order.per_rank)
+        if offset:
+            raise DataError(
+                f"a global batch cannot change size {offset} samples into a batch of "
+                f"{self.order.global_batch_size}"
+            )
+        position = self.order.origin + batches * self.order.global_batch_size
+        counts = self.order.counts_at(batches).tolist()
+        self.order.resize(global_batch_size)
+        self.first_batch += batches
+        self.order.start_at(position, counts)
+        self._jump(0)
+
     def seek_global_batch(self, batches: int) -> None:
         """Continue at the start of global batch `batches` (a torchft heal jumps steps)."""
         self._jump((batches - self.first_batch) * self.order.per_rank)
@@ -266,6 +287,12 @@ class StreamLoader:
         raise DataError(
             f"{self.dataset.name} is streamed: it has no global index to seek to "
             f"batch {batches}; use a local dataset without dataset_streaming"
+        )
+
+    def resize(self, global_batch_size: int) -> None:
+        raise DataError(
+            f"{self.dataset.name} is streamed: its batches cannot change size "
+            f"(training.global_batch_schedule); use a local dataset without dataset_streaming"
         )
 
 

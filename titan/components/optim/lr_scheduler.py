@@ -53,8 +53,10 @@ class LRSchedulersContainer:
         decay_ratio: float | None,
         decay_type: str,
         min_lr_factor: float,
+        scale=None,
     ):
         self.optimizer = optimizer
+        self.scale = scale
         self.factor = partial(
             lr_factor,
             total_steps=total_steps,
@@ -69,7 +71,8 @@ class LRSchedulersContainer:
 
     def _apply(self) -> None:
         # the lr of step s (1-based) is set after s - 1 steps are done
-        f = self.factor(self.steps_done + 1)
+        step = self.steps_done + 1
+        f = self.factor(step) * (self.scale(step) if self.scale else 1.0)
         self.last_factor = f
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * f
@@ -89,8 +92,9 @@ class LRSchedulersContainer:
         self._apply()
 
 
-def build_lr_scheduler(optimizer, cfg, total_steps: int) -> LRSchedulersContainer:
-    """The schedule of `cfg` (the lr_scheduler section) over `total_steps` optimizer steps."""
+def build_lr_scheduler(optimizer, cfg, total_steps: int, scale=None) -> LRSchedulersContainer:
+    """The schedule of `cfg` (the lr_scheduler section) over `total_steps` optimizer steps,
+    times `scale(step)` where given (the lr of a scheduled batch size)."""
     if cfg.warmup_steps > total_steps:
         logger.warning(
             "lr_scheduler.warmup_steps %d exceeds training.steps %d: the warmup is "
@@ -102,5 +106,11 @@ def build_lr_scheduler(optimizer, cfg, total_steps: int) -> LRSchedulersContaine
             plural(total_steps, "step"),
         )
     return LRSchedulersContainer(
-        optimizer, total_steps, cfg.warmup_steps, cfg.decay_ratio, cfg.decay_type, cfg.min_lr_factor
+        optimizer,
+        total_steps,
+        cfg.warmup_steps,
+        cfg.decay_ratio,
+        cfg.decay_type,
+        cfg.min_lr_factor,
+        scale=scale,
     )
