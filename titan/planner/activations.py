@@ -7,9 +7,10 @@ mixed precision and float8 act as they will.
 
 A pipeline rank holds several microbatches at once: the count comes from torch's own action
 list for the schedule (`pipeline_order`), walked in order: a forward adds that stage's
-microbatch, a full or weight backward removes it but for its output when the schedule keeps
-that longer: the last stage's (`output_chunks`) and, under the multi-stage schedules
-(Interleaved1F1B, ZBV...), every stage's until the step ends; one output of a 1F1B stage.
+microbatch, a full or weight backward removes it but for its output when a send keeps that
+longer: under the multi-stage schedules (Interleaved1F1B, ZBV...) every sending stage's until
+the step ends; one output of a 1F1B stage (the last stage: one input gradient sent back). No
+stage keeps outputs for the schedule to return: the trainer asks for none.
 Its receive buffers (one per microbatch, for activations and for gradients) are added.
 
 Transient buffers are estimated, not traced: FSDP's all-gathered parameters (the largest unit
@@ -141,23 +142,30 @@ class PipelineHeld:
     per_mb: tuple[int, ...]
     outputs: tuple[int, ...]
     buffers: int
+    input_grad: int  # a stage's gradient of its input (one hidden state)
     num_stages: int
     multi_stage: bool
     orders: dict
 
     def activations_bytes(self, pp_rank: int, stage_ids: tuple[int, ...]) -> int:
         """Pipeline rank `pp_rank`'s peak, its stages `stage_ids` alike to the traced ones."""
-        # which outputs outlive their backward: the last stage's all (`output_chunks`), and
-        # every stage's under multi-stage schedules, which await their sends only when the
-        # step ends; single-stage ones (1F1B, GPipe) await each send soon, but 1F1B's loop
-        # holds the work of its last fired warmup send, and with it that output, until its
-        # steady phase ends
-        keep_all = {sid for sid in stage_ids if sid == self.num_stages - 1 or self.multi_stage}
+        # which outputs outlive their backward: those a send holds. Multi-stage schedules
+        # await their sends only when the step ends (every output of a stage that sends);
+        # single-stage ones (1F1B, GPipe) await each soon, but 1F1B's loop holds the work of
+        # its last fired warmup send, and with it that output, until its steady phase ends.
+        # The last stage keeps no outputs (the trainer asks for none); what its loop holds
+        # of a 1F1B backward is the gradient it sent back, the size of its input
+        last = self.num_stages - 1
+        outputs = dict(zip(stage_ids, self.outputs))
+        if last in outputs:
+            outputs[last] = self.input_grad
+        senders = {sid for sid in stage_ids if sid != last}
         return self.buffers + peak_in_flight(
             self.orders[pp_rank],
             dict(zip(stage_ids, self.per_mb)),
-            dict(zip(stage_ids, self.outputs)),
-            keep_all,
+            outputs,
+            senders if self.multi_stage else set(),
+            keep_one=senders if self.multi_stage else None,
         )
 
 
@@ -187,6 +195,7 @@ def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[PipelineHeld, int]:
         tuple(per_mb),
         tuple(outputs),
         buffers,
+        hidden_bytes,
         pp_plan.num_stages,
         not isinstance(fb.schedule, PipelineScheduleSingle),
         orders,
@@ -194,13 +203,17 @@ def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[PipelineHeld, int]:
 
 
 def peak_in_flight(
-    actions: list, per_mb: dict[int, int], outputs: dict[int, int], keep_all: set[int]
+    actions: list,
+    per_mb: dict[int, int],
+    outputs: dict[int, int],
+    keep_all: set[int],
+    keep_one: set[int] | None = None,
 ) -> int:
     """The most bytes a pipeline rank holds at once, walking its actions in the schedule's
     order: a forward keeps its stage's microbatch, a full or weight backward frees it (an
     input-only backward frees little: the weight gradient still needs the inputs) but for
     its output where the schedule keeps that: every output of the stages in `keep_all`, one
-    of the others'."""
+    of those in `keep_one` (default: every stage)."""
     held = peak = 0
     kept_one = set()
     for action in actions:
@@ -209,7 +222,8 @@ def peak_in_flight(
             held += per_mb[sid]
             peak = max(peak, held)
         elif kind in ("B", "W"):
-            keep = sid in keep_all or sid not in kept_one
+            one = keep_one is None or sid in keep_one
+            keep = sid in keep_all or (one and sid not in kept_one)
             kept_one.add(sid)
             held -= per_mb[sid] - (outputs[sid] if keep else 0)
     return peak

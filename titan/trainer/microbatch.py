@@ -151,8 +151,9 @@ class ForwardBackward:
                 *((inputs,) if has_first else ()),
                 target=labels,
                 losses=losses,
-                # an output layer that computes the loss returns it, not logits: nothing to gather
-                return_outputs=not self._output_takes_labels(),
+                # the losses come back through `losses`: no stage keeps its outputs for a
+                # merge nothing reads (the last stage's logits are freed after its loss)
+                return_outputs=False,
                 **kwargs,
             )
         total = torch.zeros((), device=self.device)
