@@ -194,3 +194,81 @@ def test_resume_is_bitwise_and_onto_another_layout(tmp_path):
     on_tp2 = run_trainer(tmp_path / "tp2", 2, [*fsdp2, "--parallelism.tensor_parallel_degree", "2"])
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(on_tp2[-3:], straight[-3:]))
     assert diff < 1e-5
+
+
+# ----------------------------------------------------------------------------- divided iteration
+
+
+def test_owners_balance_the_iterations_cost():
+    from titan.components.optim.muon import _cost, _rounds, owners
+
+    shapes = [torch.Size(s) for s in ((64, 64), (64, 256), (256, 64), (32, 32), (64, 64))]
+    owner = owners(shapes, 2)
+    load = [sum(_cost(s) for s, o in zip(shapes, owner) if o == r) for r in (0, 1)]
+    assert max(load) <= sum(load) - max(load) + max(_cost(s) for s in shapes)  # LPT's bound
+    assert owner[1] != owner[2]  # the two costliest apart
+    rounds = _rounds(owner, [s.numel() * 4 for s in shapes])
+    assert sorted(i for r in rounds for i in r) == list(range(5))
+    for r in rounds:  # one matrix of each rank a round: they iterate at once
+        assert len({owner[i] for i in r}) == len(r)
+
+
+def _divided_rank(rank, world_size, shape_2d):
+    """Matrices sharded on a 1-D or 2-D mesh: the divided iteration against every rank
+    iterating every matrix, and the iterations each rank ran."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    names = ("dp", "tp") if shape_2d else ("dp",)
+    mesh = init_device_mesh("cpu", shape_2d or (world_size,), mesh_dim_names=names)
+    placements = [Shard(0), Shard(1)] if shape_2d else [Shard(0)]
+    g = torch.Generator().manual_seed(0)
+    whole = [torch.randn(s, generator=g) for s in ((64, 32), (32, 96), (48, 48), (16, 64), (8, 8))]
+    updates = [distribute_tensor(w, mesh, placements) for w in whole]
+    updates.append(torch.randn(4, 4, generator=g))  # a replicated parameter: iterated here
+    ran = []
+
+    def counted(x, steps, dtype):
+        ran.append(tuple(x.shape))
+        return newton_schulz(x, steps, dtype)
+
+    muon_module.newton_schulz = counted
+    try:
+        divided = muon_module.orthogonalized_divided(updates, 5, torch.float32)
+        ran_divided = list(ran)
+        every = [muon_module.orthogonalized(u, 5, torch.float32) for u in updates]
+    finally:
+        muon_module.newton_schulz = newton_schulz
+    same = all(
+        torch.equal(
+            d.to_local() if hasattr(d, "to_local") else d,
+            e.to_local() if hasattr(e, "to_local") else e,
+        )
+        for d, e in zip(divided, every)
+    )
+    return same, ran_divided
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
+@pytest.mark.parametrize("world, shape_2d", [(2, None), (4, (2, 2))])
+def test_each_matrix_is_iterated_on_one_rank(tmp_path, world, shape_2d):
+    from tests.forked import run_workers
+
+    results = run_workers(_divided_rank, world, tmp_path, shape_2d)
+    assert all(same for same, _ in results)  # bitwise every rank iterating every matrix
+    split = [r for _, ran in results for r in ran if r != (4, 4)]
+    assert sorted(split) == sorted([(64, 32), (32, 96), (48, 48), (16, 64), (8, 8)])
+    assert all(ran.count((4, 4)) == 1 for _, ran in results)  # the replicated one: each rank
+
+
+def test_the_step_time_model_divides_the_iterations():
+    from titan.plan.run_plan import plan_run
+    from titan.planner.layout_search import Hardware, muon_work, step_time
+
+    job = parse_args([*MUON, "--training.seq_len", "32"])
+    plan = plan_run(job, 4)  # FSDP 4: each matrix split over 4 ranks
+    (every, gathered), (divided, moved) = (muon_work(job, plan, d) for d in (False, True))
+    assert divided == pytest.approx(every / 4) and moved == pytest.approx(2 * gathered)
+    assert gathered > 0
+    _, parts = step_time(job, plan, Hardware(), 4)
+    assert parts["muon"] > 0

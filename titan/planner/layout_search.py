@@ -22,6 +22,11 @@ Step time, per rank, the documented model (for ranking, not a promise):
   ranks and split over ep, so their FSDP traffic is over efsdp = dp_shard x cp / ep; expert
   parallelism's all-to-alls (dispatch and combine, forward and backward: 4 a MoE layer, top_k
   rows a token, (ep-1)/ep of them leaving the rank) are exposed.
+- Muon's step (optimizer.name = "Muon"): the Newton-Schulz flops of the rank's matrices
+  (steps x (4 m^2 n + 2 m^3) a matrix, m <= n its sides), a split matrix's divided among the
+  dp_shard x cp x tp ranks that shard it (each iterated on one of them), stacked experts
+  iterated where they lie (split over ep and efsdp); the gather and broadcast of the split
+  ones (float32) exposed.
 """
 
 import itertools
@@ -213,7 +218,52 @@ def step_time(job: JobConfig, plan, hw: Hardware, world_size: int) -> tuple[floa
         per_rank = len(plan.pipeline(0).stage_ids)
         parts["bubble"] = compute * (d.pp - 1) / (n_mb * per_rank)
         parts["pp sends"] = 2 * local_tokens * args.dim * act / bw["pp"]
+    if job.optimizer.name == "Muon":
+        flops, gathered = muon_work(job, plan)
+        parts["muon"] = flops / (hw.peak_flops * hw.efficiency) + gathered / bw["dp_shard"]
     return sum(parts.values()), parts
+
+
+def _ns_flops(shape, steps: int) -> float:
+    m, n = sorted(shape[-2:])
+    batch = 1
+    for d in shape[:-2]:
+        batch *= d
+    return steps * batch * (4 * m * m * n + 2 * m**3)
+
+
+def muon_work(job: JobConfig, plan, divide: bool = True) -> tuple[float, float]:
+    """(Newton-Schulz flops, bytes gathered and broadcast) of one rank's Muon step; without
+    `divide`, every rank iterating every split matrix (gathered, not broadcast)."""
+    import re
+
+    d, m = plan.dims, job.extensions["muon"]
+    skip = re.compile(m.adamw_params)
+    steps = m.ns_steps
+    shards = d.dp_shard * d.cp * d.tp  # the ranks a dense matrix is split over
+    flops = moved = 0.0
+    for name, shape in _matrices(plan):
+        if len(shape) < 2 or skip.search(name):
+            continue
+        if len(shape) >= 3:  # stacked experts: whole where they lie
+            flops += _ns_flops(shape, steps) / (d.ep * d.efsdp)
+            continue
+        flops += _ns_flops(shape, steps) / (shards if divide else 1)
+        if shards > 1:  # gathered whole, then broadcast from its rank: (s-1)/s each way
+            moved += (2 if divide else 1) * 4 * shape[0] * shape[1] * (shards - 1) / shards
+    return flops / d.pp, moved / d.pp
+
+
+_SHAPES: dict = {}
+
+
+def _matrices(plan) -> list[tuple[str, tuple[int, ...]]]:
+    """The model's parameters (name, shape), from its meta build (once per architecture)."""
+    key = (plan.spec.name, repr(plan.model_args))
+    if key not in _SHAPES:
+        model = plan.spec.build_meta(plan.model_args)
+        _SHAPES[key] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return _SHAPES[key]
 
 
 def suggest(

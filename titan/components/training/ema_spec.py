@@ -47,7 +47,8 @@ def check(job) -> None:
 
 
 def _copies(sections: dict) -> int:
-    return 1 if sections["ema"].enable else 0
+    ema = sections.get("ema")
+    return 1 if ema is not None and ema.enable else 0
 
 
 register_callback(
