@@ -159,7 +159,9 @@ class PipelineHeld:
         outputs = dict(zip(stage_ids, self.outputs))
         if last in outputs:
             outputs[last] = self.input_grad
-        senders = {sid for sid in stage_ids if sid != last}
+        # a stage whose next stage is on this rank too (the V schedules' turn) passes its
+        # output over no send
+        senders = {sid for sid in stage_ids if sid != last and sid + 1 not in stage_ids}
         return self.buffers + peak_in_flight(
             self.orders[pp_rank],
             dict(zip(stage_ids, self.per_mb)),

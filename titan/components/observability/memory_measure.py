@@ -71,10 +71,16 @@ class ActivationTracker(TorchDispatchMode):
         self._states = self._state_storages()
 
     def _state_storages(self) -> set[int]:
+        """Parameters, buffers and the parameters' gradients (a pipeline's weight backward
+        accumulates these outside autograd's graph task)."""
         return {
             s._cdata
             for part in self.parts
-            for t in (*part.parameters(), *part.buffers())
+            for t in (
+                *part.parameters(),
+                *part.buffers(),
+                *(p.grad for p in part.parameters() if p.grad is not None),
+            )
             for s in storages(t)
         }
 
