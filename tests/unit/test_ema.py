@@ -181,3 +181,20 @@ def test_in_loop_evaluation_scores_the_average(tmp_path):
     (plain, rows_plain), (averaged, rows_averaged) = scores
     assert averaged != plain
     assert [r["loss"] for r in rows_plain] == [r["loss"] for r in rows_averaged]
+
+
+def test_the_average_starts_from_the_weights_training_starts_from(one_rank, tmp_path):
+    """From an initial load (the checkpoint of step 6, model only), decay 0.5 from step 1:
+    after one step the average is half the loaded weights and half the new ones."""
+    _, _, dump, _ = one_rank
+    loaded = dump / "checkpoint" / f"step-{STEPS}"
+    ema = ["--ema.enable", "--ema.decay", "0.5", "--ema.start_step", "1"]
+    start = ["--checkpoint.initial_load_path", str(loaded), "--checkpoint.initial_load_model_only"]
+    ck = ["--checkpoint.enable", "--checkpoint.interval", "1"]
+    run_trainer(tmp_path, 1, [*tiny_run(1), *ema, *start, *ck], deadline_s=120)
+    step1 = tmp_path / "dump" / "checkpoint" / "step-1"
+    w0, w1 = load_dcp_model_state(loaded), load_dcp_model_state(step1)
+    got = averages(step1)
+    for name, value in got.items():
+        want = 0.5 * w0[name].double() + 0.5 * w1[name].double()
+        torch.testing.assert_close(value.double(), want, rtol=1e-6, atol=1e-7)

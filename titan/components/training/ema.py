@@ -36,6 +36,7 @@ class EMACallback(Callback):
                     self.params[canonical_name(name)] = p
         with torch.no_grad():
             self.average = {n: p.detach().float().clone() for n, p in self.params.items()}
+        self._restored = False  # the average came from a checkpoint
         size = sum(_local(a).numel() * 4 for a in self.average.values())
         logger.info("ema: %.1f MiB of float32 averages on this rank", size / 2**20)
 
@@ -47,6 +48,13 @@ class EMACallback(Callback):
     @property
     def _averages(self) -> list[torch.Tensor]:
         return [_local(a) for a in self.average.values()]
+
+    def on_train_start(self, run) -> None:
+        # a checkpoint without an average (or none: an initial load's weights, or a fresh
+        # start) starts it from the weights as training starts, not as they were built
+        if not self._restored:
+            with torch.no_grad():
+                torch._foreach_copy_(self._averages, [w.float() for w in self._weights])
 
     @torch.no_grad()
     def on_step_end(self, run, end: StepEnd) -> None:
@@ -91,6 +99,7 @@ class EMACallback(Callback):
         return dict(self.average)
 
     def load_state_dict(self, state: dict) -> None:
+        self._restored = True
         with torch.no_grad():
             for name, value in state.items():
                 if value is not self.average[name]:
