@@ -106,25 +106,38 @@ def test_a_resume_continues_the_average_bitwise(one_rank, tmp_path):
         assert torch.equal(got[name], value), name
 
 
-def test_the_final_export_holds_the_average(one_rank, tmp_path):
-    """checkpoint.export_ema: the last save (HF) holds the average; transformers loads it."""
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A run whose last save is an HF export of the average (checkpoint.export_ema)."""
+    tmp = tmp_path_factory.mktemp("export")
+    ck = ["--checkpoint.enable", "--checkpoint.interval", "100", "--checkpoint.last_save_in_hf"]
+    run_trainer(tmp, 1, [*tiny_run(STEPS), *EMA, *ck, "--checkpoint.export_ema"], deadline_s=120)
+    (export,) = (tmp / "dump" / "checkpoint").glob(f"step-{STEPS}")
+    return export
+
+
+def _titan_model(export):
     from titan.tools import generate as gen
 
-    _, _, dump, _ = one_rank
-    ck = ["--checkpoint.enable", "--checkpoint.interval", "100", "--checkpoint.last_save_in_hf"]
-    argv = [*tiny_run(STEPS), *EMA, *ck, "--checkpoint.export_ema"]
-    run_trainer(tmp_path, 1, argv, deadline_s=120)
-    (export,) = (tmp_path / "dump" / "checkpoint").glob(f"step-{STEPS}")
     job, path, spec, _ = gen.open_checkpoint(str(export), [])
     model, _ = gen.load_model(path, job, spec, 32, torch.device("cpu"))
+    return model
+
+
+def test_the_final_export_holds_the_average(one_rank, exported):
+    """checkpoint.export_ema: the last save (HF) holds the average, as titan reads it."""
+    _, _, dump, _ = one_rank
+    model = _titan_model(exported)
     want = averages(dump / "checkpoint" / f"step-{STEPS}")
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), want[name]), name
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return
-    hf = AutoModelForCausalLM.from_pretrained(export)
+
+
+@pytest.mark.needs("transformers")
+def test_the_exported_average_loads_in_transformers(exported):
+    from transformers import AutoModelForCausalLM
+
+    model, hf = _titan_model(exported), AutoModelForCausalLM.from_pretrained(exported)
     tokens = torch.tensor([[1, 17, 230, 5, 99]])
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=0, atol=1e-4)
