@@ -109,6 +109,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# the three 2-rank layouts a feature's layout test trains on beside one rank
+TWO_RANK_LAYOUTS = {
+    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
+    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
+}
+
+
 def tiny_run(steps: int, warmup: int = 2) -> list[str]:
     """Overrides for a short, deterministic fp32 run of the debug model (seq 32, global batch
     8 in microbatches of 4) that logs every step."""

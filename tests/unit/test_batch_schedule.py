@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.forked import run_trainer, tiny_run
+from tests.forked import TWO_RANK_LAYOUTS, run_trainer, tiny_run
 from titan.plan.batch_schedule import BatchSchedule
 
 # local batches of 2: global batches of 4, 8 and 16 divide on 1 and 2 data-parallel ranks
@@ -46,11 +46,7 @@ def test_a_ramp_trains_the_stream_as_runs_of_those_sizes(ramp, tmp_path):
     assert [r["tokens_seen"] for r in rows] == seen
 
 
-LAYOUTS = {
-    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
-    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
-    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
-}
+LAYOUTS = TWO_RANK_LAYOUTS
 
 
 @pytest.mark.slow("a 2-rank training of 6 steps")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.forked import run_trainer, tiny_run
+from tests.forked import TWO_RANK_LAYOUTS, run_trainer, tiny_run
 from titan.components.checkpoint.folders import load_dcp_model_state
 
 EMA = ["--ema.enable", "--ema.decay", "0.9", "--ema.start_step", "2", "--ema.every", "2"]
@@ -69,11 +69,7 @@ def test_the_average_is_the_offline_one_and_training_is_untouched(one_rank):
     assert val_losses(dump) != val_losses(plain_dump)
 
 
-LAYOUTS = {
-    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
-    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
-    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
-}
+LAYOUTS = TWO_RANK_LAYOUTS
 
 
 @pytest.mark.slow("a 2-rank training of 6 steps with checkpoints")

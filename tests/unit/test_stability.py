@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.forked import run_trainer, tiny_run
+from tests.forked import TWO_RANK_LAYOUTS, run_trainer, tiny_run
 from titan.components.training.callbacks import StopTraining
 from titan.components.training.stability import SpikeMonitor, spike_score
 from titan.config import ConfigError, parse_args
@@ -176,11 +176,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
-LAYOUTS = {
-    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
-    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
-    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
-}
+LAYOUTS = TWO_RANK_LAYOUTS
 
 
 @pytest.mark.slow("three 2-rank trainings of 10 steps")

@@ -139,7 +139,6 @@ def average_dcp(paths: list[Path], weights: list[float], out: Path, prepare) -> 
 
 def average_hf(paths: list[Path], weights: list[float], out: Path, prepare) -> None:
     from titan.components.checkpoint import hf_io
-    from titan.components.checkpoint.integrity import file_crc32
     from titan.components.checkpoint.streaming import (
         read_safetensor,
         safetensors_header,
@@ -158,9 +157,10 @@ def average_hf(paths: list[Path], weights: list[float], out: Path, prepare) -> N
                 f"{path}/config.json differs from {paths[0]}'s ({', '.join(diff[:5])}): "
                 "average folders of one model"
             )
+    headers = {f: safetensors_header(f) for fs in files for f in fs}  # each read once
     where, held = [], []  # per input: {name: its file}, {name: (shape, dtype)}
     for fs in files:
-        tensors = {f: safetensors_shapes(f) for f in fs}
+        tensors = {f: safetensors_shapes(headers[f]) for f in fs}
         where.append({n: f for f, names in tensors.items() for n in names})
         held.append({n: meta for names in tensors.values() for n, meta in names.items()})
     shapes = _same_tensors(held, paths)
@@ -169,12 +169,13 @@ def average_hf(paths: list[Path], weights: list[float], out: Path, prepare) -> N
         size, dtype = shapes[name]
         total = torch.zeros(size, dtype=_sum_dtype(dtype))
         for w_files, w in zip(where, weights):
-            total.add_(read_safetensor(w_files[name], name), alpha=w)
+            file = w_files[name]
+            total.add_(read_safetensor(file, name, headers[file]), alpha=w)
         return total if total.dtype == dtype else total.to(dtype)
 
     prepare()
     for f in files[0]:
-        write_safetensors(out / f.name, safetensors_header(f), averaged)
+        write_safetensors(out / f.name, headers[f], averaged)
     for name in (
         hf_io.HF_CONFIG,
         hf_io.HF_GENERATION_CONFIG,
@@ -183,8 +184,7 @@ def average_hf(paths: list[Path], weights: list[float], out: Path, prepare) -> N
     ):
         if (paths[0] / name).is_file():
             shutil.copyfile(paths[0] / name, out / name)
-    sums = {f.name: [file_crc32(out / f.name), (out / f.name).stat().st_size] for f in files[0]}
-    (out / hf_io.HF_CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
+    hf_io.write_checksums(out)  # the output holds the first input's weight files only
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -237,7 +237,7 @@ def save_hf(
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         _write_index(out_dir, max(indices.values()))
-    _write_checksums(out_dir, distributed, rank)
+    write_checksums(out_dir, distributed, rank)
     if rank == 0:
         config = adapter.hf_config() | (config_extra or {})
         config["torch_dtype"] = dtype_name(dtype)
@@ -250,7 +250,7 @@ def save_hf(
     return out_dir
 
 
-def _write_checksums(out_dir: Path, distributed: bool, rank: int) -> None:
+def write_checksums(out_dir: Path, distributed: bool = False, rank: int = 0) -> None:
     """The weight files' checksums, read back once the files are whole (DCP's assembly writes
     them): each rank reads its share; rank 0 writes them beside the index."""
     from titan.components.checkpoint.integrity import file_crc32
@@ -271,8 +271,9 @@ def _write_checksums(out_dir: Path, distributed: bool, rank: int) -> None:
 
 def _header_offsets(file: Path) -> dict[str, tuple[int, int]]:
     """{tensor name: (start, end) byte offsets} from a safetensors header."""
-    with open(file, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    from titan.components.checkpoint.streaming import safetensors_header
+
+    header = safetensors_header(file)
     return {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
 
 

@@ -147,8 +147,8 @@ def read_safetensor(file: Path, name: str, header: dict | None = None) -> torch.
     return out.view(safetensors_dtype(meta["dtype"])).reshape(meta["shape"])
 
 
-def safetensors_shapes(file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    header = safetensors_header(file)
+def safetensors_shapes(header: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of a safetensors header (`safetensors_header`)."""
     return {
         k: (tuple(v["shape"]), safetensors_dtype(v["dtype"]))
         for k, v in header.items()

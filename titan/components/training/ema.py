@@ -14,13 +14,10 @@ import logging
 import torch
 
 from titan.components.checkpoint.folders import canonical_name
+from titan.components.observability.memory_measure import local as _local
 from titan.components.training.callbacks import Callback, StepEnd
 
 logger = logging.getLogger("titan")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class EMACallback(Callback):
