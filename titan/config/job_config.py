@@ -118,7 +118,18 @@ class Training:
         "The lr of a scheduled batch size: optimizer.lr x (size / global_batch_size) to the "
         "power 0 (none), 1/2 (sqrt) or 1 (linear)",
     )
-    seq_len: int = opt(2048, "Tokens per training sequence")
+    seq_len: int = opt(2048, "Tokens per training sequence (the longest, with a seq_len_schedule)")
+    seq_len_schedule: list[str] = opt(
+        [],
+        "Sequence-length warm-up: 'step:length' entries (e.g. 1:512,1000:2048), each length "
+        "a divisor of seq_len used from its step on (seq_len before the first); a window of "
+        "seq_len / n tokens is one of the n pieces of a seq_len window",
+    )
+    seq_len_schedule_keeps: Literal["tokens", "sequences"] = opt(
+        "tokens",
+        "What a step at a shorter length keeps: tokens (seq_len / length times the sequences, "
+        "microbatches too) or sequences (the batch sizes, fewer tokens a step)",
+    )
     max_norm: float = opt(1.0, "Gradient-norm clipping threshold; 0 disables clipping")
     z_loss_weight: float = opt(
         0.0,

@@ -23,6 +23,12 @@ from titan.parallelisms.parallel_dims import (
 )
 from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipelines
 from titan.plan.batch_schedule import BatchSchedule, parse_schedule
+from titan.plan.seq_len_schedule import (
+    SeqLenSchedule,
+    StepShape,
+    change_steps,
+    parse_seq_len_schedule,
+)
 from titan.runtime.paths import resolve
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,9 @@ class RunPlan:
     validation_local_batch: int = 0
     # training.global_batch_schedule resolved (None: every step global_batch_size)
     batch_schedule: BatchSchedule | None = None
+    seq_len: int = 0  # training.seq_len
+    # training.seq_len_schedule resolved (None: every step seq_len)
+    seq_len_schedule: SeqLenSchedule | None = None
 
     def global_batch_at(self, step: int) -> int:
         """The global batch size of (1-based) step `step`."""
@@ -58,6 +67,16 @@ class RunPlan:
         """Microbatches of step `step` on each data-parallel rank."""
         per_step = self.global_batch_size // self.grad_accum_steps
         return self.global_batch_at(step) // per_step
+
+    def step_shape(self, step: int) -> StepShape:
+        """What (1-based) step `step` trains on: its sequences' length and number, its
+        microbatches, and the training.seq_len windows it takes from the data stream."""
+        windows = self.global_batch_at(step)
+        local = self.global_batch_size // self.grad_accum_steps // self.data_parallel_size
+        accum = self.grad_accum_at(step)
+        if self.seq_len_schedule is None:
+            return StepShape(self.seq_len, windows, local, accum, windows, 1)
+        return self.seq_len_schedule.shape(windows, local, accum, step)
 
     def pipeline(self, pp_rank: int, validation: bool = False) -> PipelinePlan | None:
         """Pipeline rank `pp_rank`'s stages; None without pipelining."""
@@ -184,6 +203,10 @@ def plan_run(
             "needs a local dataset without training.dataset_streaming (a streamed one cannot "
             "regroup its batches)",
         )
+    lengths = None
+    if t.seq_len_schedule:
+        lengths = parse_seq_len_schedule(job)
+        check_seq_len_schedule(job, lengths, schedule, dims, model_args, global_batch, dp_size)
     if job.training.enable_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     plan = RunPlan(
@@ -200,11 +223,65 @@ def plan_run(
         val_global,
         val_local,
         batch_schedule=schedule,
+        seq_len=t.seq_len,
+        seq_len_schedule=lengths,
     )
     # the components' own: data, checkpoints, converters, torchft, profiling, ...
     for check in extensions.plan_checks():
         check(job, plan)
     return plan
+
+
+def check_seq_len_schedule(
+    job: JobConfig,
+    lengths: SeqLenSchedule,
+    batches: BatchSchedule | None,
+    dims: ParallelDims,
+    model_args: ModelArgs,
+    global_batch: int,
+    dp_size: int,
+) -> None:
+    """Each step's shape under training.seq_len_schedule fits the layout and the data."""
+    t, key = job.training, "training.seq_len_schedule"
+    require(
+        job,
+        t.dataset_format == "text" and not t.dataset_streaming,
+        key,
+        "needs packed text read indexed (training.dataset_format = 'text' without "
+        "dataset_streaming): a shorter window is a piece of a training.seq_len window",
+    )
+    require(
+        job,
+        not job.fault_tolerance.enable,
+        key,
+        "is not yet supported with fault_tolerance.enable (a heal seeks steps of one shape)",
+    )
+    for step in change_steps(lengths, batches):
+        size = batches.size_at(step) if batches else global_batch
+        length = lengths.length_at(step)
+        n = t.seq_len // length
+        require(
+            job,
+            lengths.keeps == "tokens" or size % n == 0,
+            key,
+            f"step {step} trains {size} sequences of {length} tokens with "
+            "seq_len_schedule_keeps = 'sequences', which is not a whole number of "
+            f"training.seq_len = {t.seq_len} windows ({size} x {length} / {t.seq_len}); use a "
+            f"global batch size a multiple of {n}, or seq_len_schedule_keeps = 'tokens'",
+        )
+        local = t.local_batch_size * (n if lengths.keeps == "tokens" else 1)
+        try:
+            validate_against_model(
+                dims,
+                model_args,
+                seq_len=length,
+                local_batch_size=local,
+                global_batch_size=local * dp_size,
+                dp_size=dp_size,
+                cp_load_balance=job.parallelism.context_parallel_load_balance,
+            )
+        except ParallelismError as e:
+            raise ConfigError(f"{key}: step {step} at {length} tokens: {e}") from None
 
 
 def check_moe(

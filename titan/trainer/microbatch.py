@@ -52,6 +52,9 @@ class ForwardBackward:
             else contextlib.nullcontext
         )
         self.schedule = self._schedule(pp_plan, self.objective.loss)
+        # a stage infers its shapes once: one schedule per microbatch shape (a schedule of
+        # sequence lengths changes it), the first built here
+        self._schedules: dict[tuple, object] = {}
         # forwards per microbatch of the step: a schedule splits each into its own
         self.pipeline_microbatches = pp_plan.n_microbatches if pp_plan is not None else 1
         self.eval_schedule = None  # built at the first validation
@@ -117,10 +120,16 @@ class ForwardBackward:
         out = {k: v for k, v in extra_fields(batch).items() if k in model.batch_fields}
         if model.takes_labels or self._output_takes_labels():
             out[LABELS] = batch[LABELS]
-        if m.attn_mask_type != "block_causal":
-            return out
-        bos = self.plan.tokenizer.bos_id
-        return {**out, **document_kwargs(batch, m.document_positions, bos)}
+        if m.attn_mask_type == "block_causal":
+            bos = self.plan.tokenizer.bos_id
+            out.update(document_kwargs(batch, m.document_positions, bos))
+        rows, width = batch[INPUT_IDS].shape
+        if self.plan.dims.cp_enabled and width < self.job.training.seq_len:
+            # context parallelism shards the RoPE table by place, as long as training.seq_len:
+            # a shorter sequence picks its rows by position instead
+            positions = torch.arange(width, device=self.device).repeat(rows, 1)
+            out.setdefault("positions", positions)
+        return out
 
     def forward_loss(self, batch: Batch, kwargs: dict | None = None) -> torch.Tensor:
         """The loss of one microbatch, ready for backward; call inside cp_ctx and
@@ -165,7 +174,12 @@ class ForwardBackward:
         """Forward and backward of one microbatch of the step (all of a pipeline's); its terms
         go to `objective`."""
         if self.schedule is not None:
-            self.run_pipeline(self.schedule, batch)
+            shape = tuple(batch[INPUT_IDS].shape)
+            if not self._schedules:
+                self._schedules[shape] = self.schedule
+            elif shape not in self._schedules:
+                self._schedules[shape] = self._schedule(self.pp_plan, self.objective.loss)
+            self.run_pipeline(self._schedules[shape], batch)
         else:
             self.forward_backward(batch)
 

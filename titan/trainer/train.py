@@ -104,14 +104,8 @@ class Trainer:
         )
         self.model_parts, self.pp_plan, self.tied_copies = self._build_model()
         self.fwd_bwd = ForwardBackward(job, plan, self.model_parts, self.pp_plan, self.device)
-        # what the model's group losses (MoE balancing) need to know of the layout
-        self.token_split = token_split(
-            dims,
-            sequence_parallel=job.parallelism.enable_sequence_parallel,
-            global_batch_size=plan.global_batch_size,
-            seq_len=t.seq_len,
-            data_parallel_size=plan.data_parallel_size,
-        )
+        self._token_splits: dict[tuple[int, int], object] = {}
+        self._flops: dict[int, float] = {}
         self.faults = FaultInjector.build(
             job.debug,
             rank=self.rank,
@@ -210,11 +204,17 @@ class Trainer:
         return MetricsLogger(
             m,
             device=self.device,
-            flops_per_token=self.plan.model_args.flops_per_token(t.seq_len),
+            flops_per_token=self._flops_per_token(t.seq_len),
             peak_flops=peak,
             max_over_ranks=self._max_over_ranks,
             total_steps=t.steps,
         )
+
+    def _flops_per_token(self, seq_len: int) -> float:
+        """A token's training FLOPs in a sequence of `seq_len` (attention grows with it)."""
+        if seq_len not in self._flops:
+            self._flops[seq_len] = self.plan.model_args.flops_per_token(seq_len)
+        return self._flops[seq_len]
 
     def _data_shard(self) -> DataShard:
         """This rank's slice of each global batch; torchft groups extend the dp dimension."""
@@ -337,7 +337,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         objective = self.fwd_bwd.objective
         weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
-        with objective.step(weight, self.token_split):
+        with objective.step(weight, self.token_split(self.plan.step_shape(self.step))):
             for batch in microbatches:
                 self.fwd_bwd.step(to_device(batch, self.device))
         shard_grads_like_params([p for part in self.model_parts for p in part.parameters()])
@@ -351,6 +351,20 @@ class Trainer:
         )
         self.step_terms = objective.reduce(self.pp_group(), self.dp_cp_group())
         return self.step_terms.pop(LOSS), grad_norm.item()
+
+    def token_split(self, shape):
+        """What the model's group losses (MoE balancing) need to know of the layout, for a
+        step of this shape."""
+        key = (shape.sequences, shape.seq_len)
+        if key not in self._token_splits:
+            self._token_splits[key] = token_split(
+                self.plan.dims,
+                sequence_parallel=self.job.parallelism.enable_sequence_parallel,
+                global_batch_size=shape.sequences,
+                seq_len=shape.seq_len,
+                data_parallel_size=self.plan.data_parallel_size,
+            )
+        return self._token_splits[key]
 
     def grad_params(self) -> tuple[list, list]:
         """(the parameters the gradient norm counts, pipeline copies of a tied weight)."""
@@ -390,10 +404,11 @@ class Trainer:
 
     def next_microbatches(self, data_iter):
         """The step's microbatches: as many as its global batch holds on this rank (a
-        batch-size schedule regroups the stream from the step whose size changes)."""
-        if self.plan.batch_schedule is not None:
-            self.dataloader.resize(self.plan.global_batch_at(self.step))
-        return [next(data_iter) for _ in range(self.plan.grad_accum_at(self.step))]
+        schedule regroups the stream from the step whose shape changes)."""
+        shape = self.plan.step_shape(self.step)
+        if self.plan.batch_schedule is not None or self.plan.seq_len_schedule is not None:
+            self.dataloader.resize(shape.windows, shape.pieces, shape.local_batch)
+        return [next(data_iter) for _ in range(shape.grad_accum)]
 
     # ------------------------------------------------------------------ the loop
 
@@ -414,15 +429,19 @@ class Trainer:
         data_iter = iter(self.dataloader)
         if self.faults is not None:
             data_iter = self.faults.batches(data_iter)
-        schedule = self.plan.batch_schedule
+        schedule, lengths = self.plan.batch_schedule, self.plan.seq_len_schedule
         logger.info(
-            "training %s, global batch %d sequences x %d tokens%s",
+            "training %s, global batch %d sequences x %d tokens%s%s",
             plural(t.steps, "step"),
             self.plan.global_batch_size,
             t.seq_len,
             f" (scheduled: {', '.join(f'{s} from step {a}' for a, s in schedule.entries)}; "
             f"lr scaling {schedule.lr_scaling})"
             if schedule
+            else "",
+            f"; sequence lengths {', '.join(f'{n} from step {a}' for a, n in lengths.entries)}"
+            f" (a step keeps its {lengths.keeps})"
+            if lengths
             else "",
         )
         view = self.run_view
@@ -449,7 +468,12 @@ class Trainer:
             self.train_state.step = self.step
             self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
             # tp/cp/pp ranks share their batch: count each token once per device group
-            self.metrics.record_step(batch_tokens // self.plan.dims.non_dp, data_s, started_ns)
+            self.metrics.record_step(
+                batch_tokens // self.plan.dims.non_dp,
+                data_s,
+                started_ns,
+                flops_per_token=self._flops_per_token(microbatches[0][INPUT_IDS].shape[-1]),
+            )
             logged = None
             if self.metrics.should_log(self.step, t.steps):
                 logged = self._log_step(loss, grad_norm, lr)

@@ -78,6 +78,7 @@ class GlobalOrder(Sampler):
         self.weights = np.asarray(weights, dtype=np.float64) / total
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.global_batch_size = global_batch_size
+        self.pieces = 1  # samples a window is cut into (a shorter sequence length)
         self.per_rank = global_batch_size // dp_world_size
         self.seed, self.shuffle, self.infinite = seed, shuffle, infinite
         self.names = names or [f"source{i}" for i in range(len(sizes))]
@@ -96,10 +97,11 @@ class GlobalOrder(Sampler):
         self.origin = position
         self._counts = {0: np.asarray(counts if counts is not None else [position], dtype=np.int64)}
 
-    def resize(self, global_batch_size: int) -> None:
-        """Global batches of `global_batch_size` from batch 0 on (call start_at next)."""
-        self.global_batch_size = global_batch_size
-        self.per_rank = global_batch_size // self.dp_world_size
+    def resize(self, global_batch_size: int, pieces: int = 1) -> None:
+        """Global batches of `global_batch_size` windows from batch 0 on, each window cut into
+        `pieces` consecutive samples (call start_at next)."""
+        self.global_batch_size, self.pieces = global_batch_size, pieces
+        self.per_rank = global_batch_size * pieces // self.dp_world_size
 
     def _sources_of_batch(self, b: int) -> np.ndarray:
         """The source of every position of global batch b, from the counts at its start."""
@@ -161,22 +163,24 @@ class GlobalOrder(Sampler):
         return self.sizes[0] // self.global_batch_size * self.per_rank
 
     def __iter__(self):
-        j, end = self.start, self.end()
+        """(source, window), or with pieces (source, window, piece, pieces): the r-th
+        contiguous slice of each global batch's samples, a window's pieces in a row."""
+        j, end, n = self.start, self.end(), self.pieces
         batch, sources, ranks = -1, None, None
         while end is None or j < end:
             b, within = divmod(j, self.per_rank)
-            i = self.dp_rank * self.per_rank + within
+            i, piece = divmod(self.dp_rank * self.per_rank + within, n)
             if b != batch:
                 batch, (sources, ranks) = b, self._draws_of_batch(b)
             s, k = int(sources[i]), int(ranks[i])
-            if k and k % self.sizes[s] == 0:  # this sample opens a new epoch of source s
+            if k and k % self.sizes[s] == 0 and piece == 0:  # a new epoch of source s
                 logger.info(
                     "%s: all %d sequences seen, starting epoch %d",
                     self.names[s],
                     self.sizes[s],
                     k // self.sizes[s],
                 )
-            yield s, self._window(s, k)
+            yield (s, self._window(s, k)) if n == 1 else (s, self._window(s, k), piece, n)
             j += 1
 
     def __len__(self) -> int:

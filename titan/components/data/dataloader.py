@@ -113,12 +113,14 @@ class IndexedLoader:
         sources = self.windows.sources
         if offset or not batches or not all(getattr(s, "bos", None) is not None for s in sources):
             return None
-        spans = []
-        for pos, (s, w) in enumerate(self.order.batch_windows(batches - 1)):
-            docs = sources[s].label_documents(w)
-            bounds = [0, *(np.flatnonzero(np.diff(docs)) + 1).tolist(), len(docs)]
-            for first, end in zip(bounds[:-1], bounds[1:]):
-                spans.append(DocSpan(pos, self.order.names[s], int(docs[first]), first, end))
+        spans, n = [], self.order.pieces
+        for i, (s, w) in enumerate(self.order.batch_windows(batches - 1)):
+            window_docs = sources[s].label_documents(w)
+            for piece, docs in enumerate(np.split(window_docs, n)):  # a piece a sample
+                bounds = [0, *(np.flatnonzero(np.diff(docs)) + 1).tolist(), len(docs)]
+                for first, end in zip(bounds[:-1], bounds[1:]):
+                    name = self.order.names[s]
+                    spans.append(DocSpan(i * n + piece, name, int(docs[first]), first, end))
         return spans
 
     def source_tokens(self, seq_len: int) -> dict[str, int] | None:
@@ -217,23 +219,33 @@ class IndexedLoader:
         self.order.start_at(0, [0] * len(self.order.sizes))
         self._jump(0)
 
-    def resize(self, global_batch_size: int) -> None:
-        """Global batches of `global_batch_size` sequences from the next one on (a batch-size
-        schedule): the stream continues at its first sequence not yet taken, so its sequences
-        are trained in the order a run of these sizes from the start trains them."""
-        if global_batch_size == self.order.global_batch_size:
+    def resize(
+        self, global_batch_size: int, pieces: int = 1, local_batch_size: int | None = None
+    ) -> None:
+        """Global batches of `global_batch_size` windows from the next one on, each window cut
+        into `pieces` sequences, `local_batch_size` of them a batch (the run's schedules: a
+        step's shape): the stream continues at its first window not yet taken, so its windows
+        are trained in the order a run of these shapes from the start trains them."""
+        local = local_batch_size or self.local_batch_size
+        order = self.order
+        if (global_batch_size, pieces, local) == (
+            order.global_batch_size,
+            order.pieces,
+            self.local_batch_size,
+        ):
             return
-        batches, offset = divmod(self.taken, self.order.per_rank)
+        batches, offset = divmod(self.taken, order.per_rank)
         if offset:
             raise DataError(
-                f"a global batch cannot change size {offset} samples into a batch of "
-                f"{self.order.global_batch_size}"
+                f"a global batch cannot change shape {offset} samples into a batch of "
+                f"{order.global_batch_size} windows"
             )
-        position = self.order.origin + batches * self.order.global_batch_size
-        counts = self.order.counts_at(batches).tolist()
-        self.order.resize(global_batch_size)
+        position = order.origin + batches * order.global_batch_size
+        counts = order.counts_at(batches).tolist()
+        order.resize(global_batch_size, pieces)
+        self.local_batch_size = local
         self.first_batch += batches
-        self.order.start_at(position, counts)
+        order.start_at(position, counts)
         self._jump(0)
 
     def seek_global_batch(self, batches: int) -> None:
@@ -289,7 +301,7 @@ class StreamLoader:
             f"batch {batches}; use a local dataset without dataset_streaming"
         )
 
-    def resize(self, global_batch_size: int) -> None:
+    def resize(self, global_batch_size: int, pieces: int = 1, local_batch_size=None) -> None:
         raise DataError(
             f"{self.dataset.name} is streamed: its batches cannot change size "
             f"(training.global_batch_schedule); use a local dataset without dataset_streaming"

@@ -59,13 +59,19 @@ class PackedWindows(Dataset):
         return self.num_windows
 
     def __getitem__(self, i: int) -> Batch:
-        start = i * (self.seq_len + 1)
-        window = torch.from_numpy(self.tokens.read(start, self.seq_len + 1))
+        return self._sample(i * (self.seq_len + 1), self.seq_len)
+
+    def piece(self, i: int, j: int, pieces: int) -> Batch:
+        """Piece j of window i cut into `pieces`: its labels j x L/pieces .. (j+1) x L/pieces
+        - 1 with the tokens before each as inputs (training.seq_len_schedule)."""
+        length = self.seq_len // pieces
+        return self._sample(i * (self.seq_len + 1) + j * length, length)
+
+    def _sample(self, start: int, length: int) -> Batch:
+        window = torch.from_numpy(self.tokens.read(start, length + 1))
         labels = window[1:]
         # label j predicts token start + j + 1
-        spans = [
-            (max(lo - start - 1, 0), min(hi - start - 1, self.seq_len)) for lo, hi in self.skipped
-        ]
+        spans = [(max(lo - start - 1, 0), min(hi - start - 1, length)) for lo, hi in self.skipped]
         spans = [(first, end) for first, end in spans if first < end]
         if spans:
             labels = labels.clone()  # a view of the inputs' tokens
@@ -92,9 +98,11 @@ class MixedWindows(Dataset):
     def __len__(self) -> int:
         return sum(len(s) for s in self.sources)
 
-    def __getitem__(self, index: tuple[int, int]):
-        source, window = index
-        return with_fields(self.sources[source][window], self.fields)
+    def __getitem__(self, index: tuple[int, ...]):
+        """(source, window), or (source, window, piece, pieces): a piece of the window."""
+        source, window, *cut = index
+        s = self.sources[source]
+        return with_fields(s.piece(window, *cut) if cut else s[window], self.fields)
 
 
 def with_fields(sample: Batch, fields: Callable | None) -> Batch:

@@ -92,6 +92,7 @@ class _Window:
 
     start: float = field(default_factory=time.perf_counter)
     tokens: int = 0
+    flops: float = 0.0  # the tokens' training FLOPs
     data_s: float = 0.0
     steps: int = 0
     excluded_s: float = 0.0
@@ -129,12 +130,20 @@ class MetricsLogger:
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == last_step
 
-    def record_step(self, tokens: int, data_s: float, started_ns: int | None = None) -> None:
-        """`started_ns`: the step's start (time.time_ns()); it ends now."""
+    def record_step(
+        self,
+        tokens: int,
+        data_s: float,
+        started_ns: int | None = None,
+        flops_per_token: float | None = None,
+    ) -> None:
+        """`started_ns`: the step's start (time.time_ns()); it ends now. `flops_per_token`:
+        the step's own, where its sequence length is not the run's (a warm-up)."""
         w = self.window
         if started_ns is not None:
             w.last_step = (started_ns, time.time_ns(), data_s)
         w.tokens += tokens
+        w.flops += tokens * (flops_per_token or self.flops_per_token)
         w.data_s += data_s
         w.steps += 1
 
@@ -153,7 +162,7 @@ class MetricsLogger:
         w = self.window
         elapsed = max(time.perf_counter() - w.start - w.excluded_s, 1e-9)
         tps = w.tokens / elapsed
-        tflops = tps * self.flops_per_token / 1e12
+        tflops = w.flops / elapsed / 1e12
         record = {
             "step": step,
             "loss": loss,
