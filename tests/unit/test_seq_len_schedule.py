@@ -208,3 +208,14 @@ def test_with_a_batch_ramp_each_step_takes_its_windows(tmp_path):
     windows = [4, 8, 8, 12, 12, 12]
     assert [r["tokens_seen"] for r in one] == [SEQ * sum(windows[:k]) for k in range(1, 7)]
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+
+
+def test_moe_balance_is_per_sequence_of_the_steps_length(tmp_path):
+    """Qwen3-MoE's per-sequence balancing loss divides by the step's sequence length: with
+    near-uniform router probabilities at init each of its 3 layers' losses is about top_k = 2
+    (x its weight 0.001), a little above (top-k picks the likelier experts; 8 tokens a sequence
+    spread it more than 32); divided by the run's 32 tokens it would be a sixteenth."""
+    moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+    rows = run_trainer(tmp_path, 1, [*moe, *BASE, *WARMUP, "--training.steps", "1"])
+    balanced = 3 * 0.001 * 2
+    assert 0.9 * balanced < rows[0]["moe_aux_loss"] < 1.5 * balanced
