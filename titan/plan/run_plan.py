@@ -186,6 +186,13 @@ def plan_run(
     grad_accum = global_batch // (t.local_batch_size * dp_size)
     check_moe(job, spec, model_args, dims, grad_accum)
     schedule = None
+    require(
+        job,
+        t.batch_lr_scaling == "none" or bool(t.global_batch_schedule),
+        "training.batch_lr_scaling",
+        "scales the lr of scheduled batch sizes, and training.global_batch_schedule is empty: "
+        "set the schedule, or leave batch_lr_scaling = 'none'",
+    )
     if t.global_batch_schedule:
         schedule = parse_schedule(job, global_batch, t.local_batch_size * dp_size)
         for size in schedule.sizes():
