@@ -1,0 +1,177 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3-Next and Qwen3.5: projections to
+queries, keys, values, an output gate z and per-head write strengths (beta) and decay rates;
+a short causal depthwise convolution (SiLU) over the queries, keys and values; the gated delta
+rule (titan.models.common.gated_delta_rule); an RMSNorm of each head's output gated by
+SiLU(z); the output projection.
+
+Parameters are laid out by key-head group (a key head and the value heads it serves), the
+hub's order for the input projections and titan's for the convolution's channels, so that a
+tensor-parallel split of the heads splits every parameter into contiguous rows (the HF
+adapter permutes the convolution's channels between the two orders: `conv_channels_from_hf`).
+
+Documents (`resets`: a document's first token): the convolution sees no token of an earlier
+document and the recurrent state is emptied, so each document computes as if alone. A
+`LinearState` (the convolution's last inputs and the recurrent state) continues a sequence:
+decoding, or a context-parallel rank continuing the previous rank's part.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan.models.common import gated_delta_rule
+from titan.models.common.init import normal, ones
+
+
+@dataclass
+class LinearState:
+    conv: torch.Tensor  # (batch, kernel - 1, channels): the latest convolution inputs
+    recurrent: torch.Tensor  # (batch, value heads, key dim, value dim), float32
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output (float32), then x SiLU(gate)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
+        # the weight multiplies in the input's dtype, the gate in float32: as the released
+        # checkpoints were trained
+        x = self.weight * x.to(dtype)
+        return (x * F.silu(gate.float())).to(dtype)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor | None, keep):
+    """Depthwise causal convolution of (batch, seq, channels) `x` with (channels, kernel)
+    `weight` (its last column on the token itself), after `past` (batch, kernel - 1, channels)
+    inputs; `keep` (batch, seq) bool, False at a document's first token: no tap reaches back
+    past it. Returns (output, the latest kernel - 1 inputs)."""
+    kernel = weight.shape[1]
+    b, seq, c = x.shape
+    if past is None:
+        past = x.new_zeros(b, kernel - 1, c)
+    full = torch.cat([past.to(x.dtype), x], 1)
+    out = full[:, kernel - 1 :] * weight[:, -1]
+    # reach[t, j]: tap j tokens back from token t stays in its document
+    reach = None if keep is None else torch.ones_like(keep)
+    for j in range(1, kernel):
+        tap = full[:, kernel - 1 - j : kernel - 1 - j + seq] * weight[:, -1 - j]
+        if reach is not None:
+            # a token j back is in the document when no document starts within the last j
+            reach = reach & _shifted(keep, j - 1)
+            tap = tap * reach.unsqueeze(-1)
+        out = out + tap
+    return out, full[:, seq:]
+
+
+def _shifted(keep: torch.Tensor, j: int) -> torch.Tensor:
+    """keep[t - j] at t (True before the sequence: a carried state is the same document)."""
+    if j == 0:
+        return keep
+    return F.pad(keep, (j, 0), value=True)[:, : keep.shape[1]]
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        k_heads: int,
+        v_heads: int,
+        k_dim: int,
+        v_dim: int,
+        conv_kernel: int,
+        norm_eps: float,
+        chunk: int = 64,
+    ):
+        super().__init__()
+        if v_heads % k_heads:
+            raise ValueError(f"{v_heads} value heads do not group into {k_heads} key heads")
+        self.k_dim, self.v_dim, self.chunk = k_dim, v_dim, chunk
+        self.group = v_heads // k_heads  # value heads per key head
+        # per key head: q (k_dim), k (k_dim), its value heads' v, then their z
+        self.in_qkvz = nn.Linear(dim, k_heads * (2 * k_dim + 2 * self.group * v_dim), bias=False)
+        # per key head: its value heads' beta logits, then their decay inputs
+        self.in_ba = nn.Linear(dim, 2 * v_heads, bias=False)
+        # channels per key head: q, k, v (titan's order; the hub's is all q, all k, all v)
+        self.conv = nn.Parameter(
+            torch.empty(k_heads * (2 * k_dim + self.group * v_dim), conv_kernel)
+        )
+        self.dt_bias = nn.Parameter(torch.empty(v_heads))
+        self.A_log = nn.Parameter(torch.empty(v_heads))
+        self.norm = GatedRMSNorm(v_dim, norm_eps)
+        self.out = nn.Linear(v_heads * v_dim, dim, bias=False)
+
+    def param_inits(self, out_init) -> dict:
+        """The hub models' initialization: decay rates A uniform in [0.01, 16) (A_log its
+        log), dt_bias 1."""
+
+        def a_log(t, g):
+            t.uniform_(0.01, 16, generator=g).log_()
+
+        return {
+            "in_qkvz.weight": normal(0.02),
+            "in_ba.weight": normal(0.02),
+            "conv": _conv_init,
+            "dt_bias": ones,
+            "A_log": a_log,
+            "norm.weight": ones,
+            "out.weight": out_init,
+        }
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        resets: torch.Tensor | None = None,
+        state: LinearState | None = None,
+    ) -> tuple[torch.Tensor, LinearState]:
+        """(output, the state after the last token) of (batch, seq, dim) `x`."""
+        b, seq, _ = x.shape
+        kd, vd, r = self.k_dim, self.v_dim, self.group
+        # -1: key-head groups (under tensor parallelism, this rank's)
+        q, k, v, z = (
+            self.in_qkvz(x)
+            .view(b, seq, -1, 2 * kd + 2 * r * vd)
+            .split([kd, kd, r * vd, r * vd], -1)
+        )
+        beta, a = self.in_ba(x).view(b, seq, -1, 2 * r).split([r, r], -1)
+        keep = None if resets is None else ~resets.bool()
+        mixed, conv_state = causal_conv(
+            torch.cat([q, k, v], -1).flatten(2),
+            self.conv,
+            None if state is None else state.conv,
+            keep,
+        )
+        q, k, v = F.silu(mixed).view(b, seq, -1, 2 * kd + r * vd).split([kd, kd, r * vd], -1)
+        v = v.reshape(b, seq, -1, vd)
+        beta = beta.reshape(b, seq, -1).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(b, seq, -1).float() + self.dt_bias)
+        rule = gated_delta_rule.recurrent if seq == 1 else gated_delta_rule.chunked
+        kwargs = {} if seq == 1 else {"chunk": self.chunk}
+        o, recurrent = rule(
+            q, k, v, g, beta, None if state is None else state.recurrent, resets, **kwargs
+        )
+        o = self.norm(o, z.reshape(b, seq, -1, vd))
+        return self.out(o.flatten(2)), LinearState(conv_state, recurrent)
+
+
+def _conv_init(t: torch.Tensor, g: torch.Generator) -> None:
+    # nn.Conv1d's default for a depthwise kernel: uniform within 1/sqrt(fan-in)
+    bound = t.shape[1] ** -0.5
+    t.uniform_(-bound, bound, generator=g)
+
+
+def conv_channels_from_hf(k_heads: int, k_dim: int, v_dim: int, group: int) -> torch.Tensor:
+    """The hub's channel (all queries, all keys, all values) of each of titan's channels (per
+    key head: its query, its key, its value heads' values): titan = hub[index]."""
+    q = torch.arange(k_heads * k_dim).view(k_heads, k_dim)
+    k = q + k_heads * k_dim
+    v = torch.arange(k_heads * group * v_dim).view(k_heads, group * v_dim) + 2 * k_heads * k_dim
+    return torch.cat([q, k, v], 1).flatten()
