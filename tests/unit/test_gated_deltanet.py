@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan.models.common.init import seeded_init_all
-from titan.models.qwen3_next.gated_deltanet import GatedDeltaNet, conv_channels_from_hf
+from titan.models.qwen3_next.gated_deltanet import GatedDeltaNet
 
 DIM, KH, VH, KD, VD, KERNEL = 64, 2, 4, 16, 8, 4
 
@@ -42,13 +42,10 @@ def test_equal_to_transformers_layer(mixer):
         rms_norm_eps=1e-6,
     )
     hf = Qwen3NextGatedDeltaNet(cfg, 0)
-    order = conv_channels_from_hf(KH, KD, VD, VH // KH)
-    hub_conv = torch.empty_like(mixer.conv)
-    hub_conv[order] = mixer.conv.detach()
     with torch.no_grad():
         hf.in_proj_qkvz.weight.copy_(mixer.in_qkvz.weight)
         hf.in_proj_ba.weight.copy_(mixer.in_ba.weight)
-        hf.conv1d.weight.copy_(hub_conv.unsqueeze(1))
+        hf.conv1d.weight.copy_(mixer.conv.unsqueeze(1))
         hf.dt_bias.copy_(mixer.dt_bias)
         hf.A_log.copy_(mixer.A_log)
         hf.norm.weight.copy_(mixer.norm.weight)
@@ -86,10 +83,3 @@ def test_decoding_from_the_carried_state_equals_the_whole_sequence(mixer):
             y, state = mixer(x[:, t : t + 1], state=state)
             steps.append(y)
     assert torch.allclose(torch.cat(steps, 1), whole, rtol=1e-5, atol=1e-6)
-
-
-def test_channels_from_the_hub_order():
-    # 1 key head of 2 dims, 2 value heads of 1: hub q0 q1 | k0 k1 | v0 v1 -> the same here;
-    # 2 key heads: hub q(4) k(4) v(4) -> titan q0 k0 v0 | q1 k1 v1 per head
-    assert conv_channels_from_hf(1, 2, 1, 2).tolist() == [0, 1, 2, 3, 4, 5]
-    assert conv_channels_from_hf(2, 2, 1, 2).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]

@@ -4,10 +4,10 @@ a short causal depthwise convolution (SiLU) over the queries, keys and values; t
 rule (titan.models.common.gated_delta_rule); an RMSNorm of each head's output gated by
 SiLU(z); the output projection.
 
-Parameters are laid out by key-head group (a key head and the value heads it serves), the
-hub's order for the input projections and titan's for the convolution's channels, so that a
-tensor-parallel split of the heads splits every parameter into contiguous rows (the HF
-adapter permutes the convolution's channels between the two orders: `conv_channels_from_hf`).
+Parameters are laid out as the hub's: the input projections by key-head group (a key head and
+the value heads it serves), so that a tensor-parallel split of the heads splits them into
+contiguous rows; the convolution's channels as all queries, all keys, all values (a tensor-
+parallel rank convolves the rows of its own heads: titan.models.qwen3_next.parallelize).
 
 Documents (`resets`: a document's first token): the convolution sees no token of an earlier
 document and the recurrent state is emptied, so each document computes as if alone. A
@@ -100,7 +100,7 @@ class GatedDeltaNet(nn.Module):
         self.in_qkvz = nn.Linear(dim, k_heads * (2 * k_dim + 2 * self.group * v_dim), bias=False)
         # per key head: its value heads' beta logits, then their decay inputs
         self.in_ba = nn.Linear(dim, 2 * v_heads, bias=False)
-        # channels per key head: q, k, v (titan's order; the hub's is all q, all k, all v)
+        # channels: all queries, all keys, all values
         self.conv = nn.Parameter(
             torch.empty(k_heads * (2 * k_dim + self.group * v_dim), conv_kernel)
         )
@@ -143,14 +143,16 @@ class GatedDeltaNet(nn.Module):
         )
         beta, a = self.in_ba(x).view(b, seq, -1, 2 * r).split([r, r], -1)
         keep = None if resets is None else ~resets.bool()
+        widths = [q.shape[2] * kd, q.shape[2] * kd, q.shape[2] * r * vd]
         mixed, conv_state = causal_conv(
-            torch.cat([q, k, v], -1).flatten(2),
+            torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1),
             self.conv,
             None if state is None else state.conv,
             keep,
         )
-        q, k, v = F.silu(mixed).view(b, seq, -1, 2 * kd + r * vd).split([kd, kd, r * vd], -1)
-        v = v.reshape(b, seq, -1, vd)
+        q, k, v = F.silu(mixed).split(widths, -1)
+        q, k = q.view(b, seq, -1, kd), k.view(b, seq, -1, kd)
+        v = v.view(b, seq, -1, vd)
         beta = beta.reshape(b, seq, -1).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(b, seq, -1).float() + self.dt_bias)
         rule = gated_delta_rule.recurrent if seq == 1 else gated_delta_rule.chunked
@@ -166,12 +168,3 @@ def _conv_init(t: torch.Tensor, g: torch.Generator) -> None:
     # nn.Conv1d's default for a depthwise kernel: uniform within 1/sqrt(fan-in)
     bound = t.shape[1] ** -0.5
     t.uniform_(-bound, bound, generator=g)
-
-
-def conv_channels_from_hf(k_heads: int, k_dim: int, v_dim: int, group: int) -> torch.Tensor:
-    """The hub's channel (all queries, all keys, all values) of each of titan's channels (per
-    key head: its query, its key, its value heads' values): titan = hub[index]."""
-    q = torch.arange(k_heads * k_dim).view(k_heads, k_dim)
-    k = q + k_heads * k_dim
-    v = torch.arange(k_heads * group * v_dim).view(k_heads, group * v_dim) + 2 * k_heads * k_dim
-    return torch.cat([q, k, v], 1).flatten()
