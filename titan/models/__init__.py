@@ -4,3 +4,4 @@ import titan.models.deepseek_v3  # noqa: F401
 import titan.models.gpt_oss  # noqa: F401
 import titan.models.llama3  # noqa: F401
 import titan.models.qwen3  # noqa: F401
+import titan.models.qwen3_next  # noqa: F401

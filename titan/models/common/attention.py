@@ -1,8 +1,10 @@
 """Grouped-query self-attention with RoPE, optional per-head q/k RMSNorm (Qwen3) and a head
 width of its own (not necessarily dim / n_heads); SDPA, FlexAttention for document masks, and
 the decode cache for generation. Options a family sets per layer: biases on the projections, a
-sliding window (each query sees the `sliding_window` latest keys, itself included) and learned
-per-head sinks (a logit per head that joins every query's softmax and attends to nothing)."""
+sliding window (each query sees the `sliding_window` latest keys, itself included), learned
+per-head sinks (a logit per head that joins every query's softmax and attends to nothing), an
+output gate (Qwen3-Next: each head's output times the sigmoid of a gate projected with its
+query) and RoPE on the first `rotary_dim` dims of each head only."""
 
 import functools
 
@@ -68,18 +70,24 @@ class Attention(nn.Module):
         bias: bool = False,
         sliding_window: int | None = None,
         sinks: bool = False,
+        gate: bool = False,
+        rotary_dim: int | None = None,
+        qk_norm: type[nn.Module] = nn.RMSNorm,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.interleaved_rope = interleaved_rope
         self.sliding_window = sliding_window
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.gated, self.rotary_dim = gate, rotary_dim
+        # with the gate, each head's query rows are followed by its gate's (the hub's layout,
+        # which a tensor-parallel split of the heads keeps together)
+        self.wq = nn.Linear(dim, n_heads * head_dim * (2 if gate else 1), bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         if qk_norm_eps is not None:
-            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
-            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.q_norm = qk_norm(head_dim, eps=qk_norm_eps)
+            self.k_norm = qk_norm(head_dim, eps=qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         # (heads,): a tensor-parallel plan splits it with the heads
@@ -103,7 +111,11 @@ class Attention(nn.Module):
             q = k = gamma.sqrt().repeat_interleave(self.head_dim)
             scales = {"wq": q, "wk": k}
         else:
-            scales = {"wq": gamma.repeat_interleave(self.head_dim)}
+            q = gamma.repeat_interleave(self.head_dim)
+            scales = {"wq": q}
+        if self.gated:  # each head's gate rows follow its query rows, unscaled
+            heads = q.view(-1, self.head_dim)
+            scales["wq"] = torch.cat([heads, torch.ones_like(heads)], 1).flatten()
         biased = self.wq.bias is not None
         names = ("weight", "bias") if biased else ("weight",)
         return {f"{w}.{n}": rows for w, rows in scales.items() for n in names}
@@ -138,13 +150,15 @@ class Attention(nn.Module):
         bs, seq, _ = x.shape
         rows = rope if cache is None else rope[cache.positions(seq)]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
-        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        q = self.wq(x).view(bs, seq, -1, self.head_dim * (2 if self.gated else 1))
+        gate = None
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, rows, self.interleaved_rope)
-        k = apply_rope(k, rows, self.interleaved_rope)
+        q, k = self._rotate(q, rows), self._rotate(k, rows)
         if self.logit_max is not None and first_forward_of_step():
             window, keys = self.sliding_window, k.shape[1]
             note_logit_max(
@@ -175,7 +189,17 @@ class Attention(nn.Module):
         else:
             sdpa = F.scaled_dot_product_attention  # ring attention while CP is active
             out = self._attend(q, k, v, mask, first, gqa, shard, self.sinks, sdpa, ring=True)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+        out = out.transpose(1, 2)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.wo(out.reshape(bs, seq, -1))
+
+    def _rotate(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """RoPE on each head's first rotary_dim dims (all without a rotary_dim)."""
+        if self.rotary_dim is None:
+            return apply_rope(x, rows, self.interleaved_rope)
+        turned = apply_rope(x[..., : self.rotary_dim], rows, self.interleaved_rope)
+        return torch.cat([turned, x[..., self.rotary_dim :]], dim=-1)
 
     def _attend(self, q, k, v, mask, first: int, gqa: bool, shard, sinks, sdpa, ring: bool):
         """Attention of (batch, heads, seq, d) q, k, v: SDPA where it can, FlexAttention for

@@ -160,7 +160,7 @@ class Decoder(nn.Module):
         applies its window itself), or on CUDA one FlexAttention BlockMask per window."""
         if doc_ids is None:
             return {}
-        windows = set(self.sliding_windows)
+        windows = self.attention_windows()
         shard = sequence_shard.active()
         if shard is not None and shard.by_heads:
             # all-to-all CP: attention sees its group's tokens in order (the whole sequence
@@ -174,6 +174,11 @@ class Decoder(nn.Module):
             return {w: block_causal_block_mask(doc_ids, w) for w in windows}
         mask = block_causal_mask(doc_ids)
         return dict.fromkeys(windows, mask)
+
+    def attention_windows(self) -> set:
+        """The windows of the layers whose attention takes a document mask (a family whose
+        other layers mix tokens otherwise leaves theirs out and adds their own input)."""
+        return set(self.sliding_windows)
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         # the name a checkpoint or HF file stores first, then the name that shares it
