@@ -132,7 +132,8 @@ def qwen3_next_args_from_hf_config(config: dict, max_seq_len: int | None = None)
         problems.append("attention_bias=true (titan's projections have no bias)")
     n_heads, n_kv = gqa_heads(c, problems)
     rope_theta, rope_type, rope, rope_problems = rope_settings(c)
-    problems += rope_problems
+    # a partial rotation is this family's own (rotary_dim below)
+    problems += [p for p in rope_problems if not p.startswith("partial_rotary_factor")]
     if rope_type != "default":
         problems.append(f"rope type {rope_type!r} (titan's Qwen3-Next implements plain RoPE)")
     n_layers = int(c["num_hidden_layers"])
