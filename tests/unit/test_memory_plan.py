@@ -237,6 +237,18 @@ LAYOUTS.update(
 
 # zero-bubble schedules: a backward split into input (I) and weight (W) parts; 4 microbatches
 # of 1 fill ZBV's and DualPipeV's 4 stages
+# Qwen3-Next: Gated DeltaNet's chunked recurrence and convolution, gated attention, the
+# gated shared expert (titan.models.qwen3_next)
+NEXT = ["--model.name", "qwen3_next", "--model.flavor", "debugmodel"]
+LAYOUTS.update(
+    {
+        "next_fsdp2_tp2": (4, [*NEXT, "--parallelism.tensor_parallel_degree", "2"]),
+        "next_pp2_selective_ac": (
+            2,
+            [*NEXT, "--parallelism.pipeline_parallel_degree", "2", *AC["selective"]],
+        ),
+    }
+)
 ZERO_BUBBLE = ["--parallelism.pipeline_parallel_degree", "2"]
 for name, schedule in (
     ("pp2_zbv", "ZBVZeroBubble"),
