@@ -232,6 +232,13 @@ def plot(results: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def _fixed_head_dim(family: str, flavor: str) -> bool:
+    import dataclasses
+
+    args = get_train_spec(family).flavors[flavor]
+    return "head_dim" in {f.name for f in dataclasses.fields(args)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m titan.tools.coord_check", description=__doc__)
     p.add_argument("--family", default="llama3", help="llama3 or qwen3 (dense)")
@@ -248,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--n_heads",
         type=int,
-        default=4,
-        help="query = kv heads at every width, for llama3 (0: qwen3's heads grow with the width)",
+        default=0,
+        help="query = kv heads at every width; 0: 4 where the head width follows dim "
+        "(llama3), heads of the flavor's width growing in number where it is fixed (qwen3)",
     )
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--batch_size", type=int, default=4)
@@ -262,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         family=a.family,
         flavor=a.flavor,
         n_layers=a.n_layers,
-        n_heads=a.n_heads,
+        n_heads=a.n_heads or (None if _fixed_head_dim(a.family, a.flavor) else 4),
         seq_len=a.seq_len,
         optimizer=a.optimizer,
         lr=a.lr,

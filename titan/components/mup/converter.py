@@ -56,7 +56,12 @@ class MupConverter(Converter):
     def describe(self, parts, pipelined: bool) -> None:
         m = self._width()
         hidden = next(
-            (n for part in parts for n, p in part.named_parameters() if rules.is_hidden(n, p.ndim)),
+            (
+                clean_name(n)
+                for part in parts
+                for n, p in part.named_parameters()
+                if rules.is_hidden(clean_name(n), p.ndim)
+            ),
             None,
         )
         lr = rules.lr_scale(hidden, 2, m, self.optimizer, self.muon) if hidden else 1.0
