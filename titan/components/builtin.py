@@ -30,6 +30,7 @@ for module in (
     "titan.components.fault_tolerance.spec",
     "titan.components.data.chat_spec",
     "titan.components.lora.spec",
+    "titan.components.mup.spec",
     "titan.components.optim.builtin",
     "titan.components.quantization.float8_spec",
     "titan.components.training.chunked_loss_spec",

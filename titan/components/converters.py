@@ -51,6 +51,11 @@ class Converter:
     def describe(self, parts, pipelined: bool) -> None:
         """Log what changed (once the parts are built)."""
 
+    def lr_scale(self, name: str, param) -> float:
+        """The factor on the lr a trainable parameter (by its clean name) trains with, its
+        param group's or optimizer.lr (muP's width scaling); asked after convert()."""
+        return 1.0
+
     def post_optimizer_hook(self, parts) -> Callable[[bool], dict | None] | None:
         """Run after every step, told whether the optimizer stepped (float8's scales)."""
         return None
@@ -154,6 +159,12 @@ class Converters:
     def describe(self, parts, pipelined: bool) -> None:
         for c in self.items:
             c.describe(parts, pipelined)
+
+    def lr_scale(self, name: str, param) -> float:
+        scale = 1.0
+        for c in self.items:
+            scale *= c.lr_scale(name, param)
+        return scale
 
     def post_optimizer_hooks(self, parts) -> list:
         return [h for h in (c.post_optimizer_hook(parts) for c in self.items) if h]

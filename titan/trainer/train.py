@@ -118,7 +118,9 @@ class Trainer:
             self.faults.install(self.model_parts)
         self._log_model()
 
-        self.optimizer = build_optimizer(self.model_parts, job.optimizer, job.extensions)
+        self.optimizer = build_optimizer(
+            self.model_parts, job.optimizer, job.extensions, self.converters.lr_scale
+        )
         self.post_optimizer_hooks = self._post_optimizer_hooks()
         self.step_terms: dict[str, float] = {}  # the objective's terms of the last step
         self.hook_metrics: dict = {}  # what the hooks report of the last step (MoE loads)

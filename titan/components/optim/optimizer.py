@@ -6,6 +6,8 @@ which is what lets a checkpoint written under one pipeline split load under anot
 """
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -22,12 +24,14 @@ from titan.config import ConfigError, extensions
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def param_groups(part: nn.Module, cfg) -> list[dict]:
+def param_groups(part: nn.Module, cfg, lr_scale: Callable[[str, Any], float] | None = None):
     """The trainable parameters of `part` in groups: those of each optimizer.param_groups entry
     (the first whose regex a name matches), then the rest, with the lr and weight decay each
     trains with; each split further by device mesh when the parameters span several (expert-
     parallel experts beside the dense weights): foreach and fused steps take one mesh at a
-    time. Checkpoints hold the state by parameter name, so the grouping does not reach them."""
+    time. `lr_scale(name, param)`, where given, multiplies each parameter's lr (the model
+    converters' per-parameter factors), splitting a group by factor. Checkpoints hold the state
+    by parameter name, so the grouping does not reach them."""
     rules = [(re.compile(g.params), g) for g in cfg.param_groups]
     by_key: dict = {}
     for name, p in part.named_parameters():
@@ -35,20 +39,21 @@ def param_groups(part: nn.Module, cfg) -> list[dict]:
             continue
         name = clean_name(name)
         rule = next((i for i, (pattern, _) in enumerate(rules) if pattern.search(name)), len(rules))
+        scale = 1.0 if lr_scale is None else lr_scale(name, p)
         group = by_key.setdefault(
-            (rule, getattr(p, "device_mesh", None)), {"params": [], "param_names": []}
+            (rule, scale, getattr(p, "device_mesh", None)), {"params": [], "param_names": []}
         )
         group["params"].append(p)
         group["param_names"].append(name)
-    for (rule, _), group in by_key.items():
+    for (rule, scale, _), group in by_key.items():
         settings = rules[rule][1] if rule < len(rules) else None
-        group["lr"] = cfg.lr if settings is None or settings.lr is None else settings.lr
+        group["lr"] = scale * (cfg.lr if settings is None or settings.lr is None else settings.lr)
         group["weight_decay"] = (
             cfg.weight_decay
             if settings is None or settings.weight_decay is None
             else settings.weight_decay
         )
-    return [by_key[k] for k in sorted(by_key, key=lambda k: k[0])]
+    return [by_key[k] for k in sorted(by_key, key=lambda k: k[:2])]
 
 
 def _any_rank_trains(model_parts: list[nn.Module]) -> bool:
@@ -70,7 +75,7 @@ def _any_rank_trains(model_parts: list[nn.Module]) -> bool:
 class OptimizersContainer:
     """Looks like one optimizer; is a Stateful for DCP."""
 
-    def __init__(self, model_parts: list[nn.Module], cfg, sections: dict):
+    def __init__(self, model_parts: list[nn.Module], cfg, sections: dict, lr_scale=None):
         spec = optimizer_spec(cfg.name)
         build, options = extensions.load(spec.build), options_of(spec, sections)
         if not _any_rank_trains(model_parts):
@@ -80,7 +85,9 @@ class OptimizersContainer:
             )
         self.model_parts = model_parts
         self.ties = tied_names(model_parts)
-        self.optimizers = [build(param_groups(part, cfg), cfg, options) for part in model_parts]
+        self.optimizers = [
+            build(param_groups(part, cfg, lr_scale), cfg, options) for part in model_parts
+        ]
 
     @property
     def param_groups(self) -> list[dict]:
@@ -118,7 +125,10 @@ class OptimizersContainer:
             set_optimizer_state_dict(part, opt, sd, options=_OPTIONS)
 
 
-def build_optimizer(model_parts: list[nn.Module], cfg, sections: dict) -> OptimizersContainer:
+def build_optimizer(
+    model_parts: list[nn.Module], cfg, sections: dict, lr_scale=None
+) -> OptimizersContainer:
     """One optimizer per part, from `cfg` (the optimizer section) and, for an optimizer with a
-    section of its own, that section among `sections` (the job's added ones)."""
-    return OptimizersContainer(model_parts, cfg, sections)
+    section of its own, that section among `sections` (the job's added ones); `lr_scale`: see
+    param_groups."""
+    return OptimizersContainer(model_parts, cfg, sections, lr_scale)

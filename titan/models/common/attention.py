@@ -59,6 +59,11 @@ class Attention(nn.Module):
     each query to that many latest keys; `sinks` adds a learned logit per head to every
     softmax."""
 
+    # multiplies the rotated queries, so every attention path (SDPA, flex, rings, decoding,
+    # the logit max) sees softmax scale q_scale / sqrt(head_dim); a converter sets it (muP's
+    # 1/head_dim scaling)
+    q_scale = 1.0
+
     def __init__(
         self,
         dim: int,
@@ -159,6 +164,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotate(q, rows), self._rotate(k, rows)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         if self.logit_max is not None and first_forward_of_step():
             window, keys = self.sliding_window, k.shape[1]
             note_logit_max(

@@ -103,6 +103,11 @@ class Decoder(nn.Module):
         """The (max_seq_len, head_dim/2, 2) RoPE table of titan.models.common.rope."""
         raise NotImplementedError("a Decoder family must define rope_table")
 
+    # multiplies the final hidden state the output layer reads, so the logits, in training and
+    # decoding alike (also where the output layer is a chunked loss); a converter sets it
+    # (muP's 1/width output multiplier)
+    output_scale = 1.0
+
     # whether forward takes the step's `labels` (the trainer passes them then): a family that
     # trains on targets inside forward (DeepSeek-V3's multi-token prediction) sets it
     takes_labels = False
@@ -134,6 +139,8 @@ class Decoder(nn.Module):
                 mask = masks.get(self.sliding_windows[i])
                 h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         h = self.norm(h) if self.norm is not None else h
+        if self.output is not None and self.output_scale != 1.0:
+            h = h * self.output_scale
         if cache is not None:
             cache.length += tokens.shape[1]
             return self.output(h) if self.output is not None else h
