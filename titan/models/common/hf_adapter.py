@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titan.models.common.moe_args import MoEArgs
+
 TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -324,3 +326,34 @@ def gqa_heads(config: dict, problems: list[str]) -> tuple[int, int]:
             f"num_attention_heads={n_heads} not a multiple of num_key_value_heads={n_kv}"
         )
     return n_heads, n_kv
+
+
+def sparse_moe_fields(c: dict, problems: list[str], norm_topk_prob: bool = False) -> dict:
+    """The MoE fields (titan.models.common.moe_args.SparseStepMoE's) of a Qwen3-MoE or
+    Qwen3-Next config; what titan cannot express goes to `problems` (experts, top-k and layer
+    choice checked like titan's own settings). `norm_topk_prob`: the config class's default."""
+    # transformers 5 writes num_local_experts (its attribute_map), 4.x num_experts
+    n_experts = int(c.get("num_experts", c.get("num_local_experts", 0)))
+    if n_experts == 0:
+        return {}  # every layer dense
+    moe = MoEArgs(
+        n_experts=n_experts,
+        top_k=int(c.get("num_experts_per_tok", 1)),
+        hidden_dim=int(c["moe_intermediate_size"]),
+        norm_topk_prob=bool(c.get("norm_topk_prob", norm_topk_prob)),
+    )
+    problems += [f"{p} (num_experts / num_experts_per_tok)" for p in moe.problems()]
+    n_layers = int(c["num_hidden_layers"])
+    only = tuple(int(i) for i in c.get("mlp_only_layers") or ())
+    bad = [i for i in only if not 0 <= i < n_layers]
+    if bad:
+        problems.append(f"mlp_only_layers {bad} are not layers of a {n_layers}-layer model")
+    step = int(c.get("decoder_sparse_step", 1))
+    if step < 1:
+        problems.append(f"decoder_sparse_step {step} must be >= 1")
+    return {
+        "moe": moe,
+        "decoder_sparse_step": step,
+        "mlp_only_layers": only,
+        "moe_aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.0)),
+    }

@@ -2,7 +2,7 @@
 module stays light (the launcher's config check imports every family's args)."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 AUX_LOSSES = ("none", "load_balancing", "deepseek")
@@ -148,3 +148,33 @@ class MoETraining:
             "pad_to_capacity": self.moe_pad_to_capacity,
             "router_z_loss_coeff": self.moe_router_z_loss_coeff,
         }
+
+
+class SparseStepMoE:
+    """Qwen's MoE layers (Qwen3-MoE, Qwen3-Next): routed experts in every decoder_sparse_step-th
+    layer that is not in mlp_only_layers, balanced by the load-balancing loss (or the routing
+    bias), for args with `moe`, `decoder_sparse_step`, `mlp_only_layers`, the balancing knobs
+    and MoETraining's settings. A base class listed before the args' param-count base."""
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """transformers' rule for Qwen3MoeDecoderLayer and Qwen3NextDecoderLayer."""
+        return (
+            self.moe is not None
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    def moe_args(self) -> MoEArgs | None:
+        """The MoE layers' settings with this run's balancing; None for a dense flavor."""
+        if self.moe is None:
+            return None
+        rate = self.moe_bias_update_rate
+        return replace(
+            self.moe,
+            score_bias=self.moe.score_bias or rate > 0,
+            bias_update_rate=rate,
+            aux_loss="load_balancing",
+            aux_loss_coeff=self.moe_aux_loss_coeff,
+            aux_loss_scope=self.moe_aux_loss_scope,
+            **self.moe_training(),
+        )

@@ -6,12 +6,18 @@ each token to 8 of 128 experts in every layer."""
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from titan.models.common.moe_args import BALANCING_KNOBS, TRAINING_KNOBS, MoEArgs, MoETraining
+from titan.models.common.moe_args import (
+    BALANCING_KNOBS,
+    TRAINING_KNOBS,
+    MoEArgs,
+    MoETraining,
+    SparseStepMoE,
+)
 from titan.models.common.param_count import DecoderParamCount
 
 
 @dataclass(frozen=True)
-class Qwen3Args(DecoderParamCount, MoETraining):
+class Qwen3Args(SparseStepMoE, DecoderParamCount, MoETraining):
     dim: int = 4096
     n_layers: int = 36
     n_heads: int = 32
@@ -45,29 +51,6 @@ class Qwen3Args(DecoderParamCount, MoETraining):
 
     def with_updates(self, **kw) -> "Qwen3Args":
         return replace(self, **kw)
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        """transformers' rule for Qwen3MoeDecoderLayer."""
-        return (
-            self.moe is not None
-            and layer_id not in self.mlp_only_layers
-            and (layer_id + 1) % self.decoder_sparse_step == 0
-        )
-
-    def moe_args(self) -> MoEArgs | None:
-        """The MoE layers' settings with this run's balancing; None for a dense flavor."""
-        if self.moe is None:
-            return None
-        rate = self.moe_bias_update_rate
-        return replace(
-            self.moe,
-            score_bias=self.moe.score_bias or rate > 0,
-            bias_update_rate=rate,
-            aux_loss="load_balancing",
-            aux_loss_coeff=self.moe_aux_loss_coeff,
-            aux_loss_scope=self.moe_aux_loss_scope,
-            **self.moe_training(),
-        )
 
     def upcycled(self, n_experts: int, top_k: int, granularity: int = 1) -> "Qwen3Args":
         """Qwen3-MoE with experts in every layer (Qwen's softmax router, the k weights

@@ -9,9 +9,9 @@ from titan.models.common.hf_adapter import (
     DecoderHFAdapter,
     gqa_heads,
     rope_settings,
+    sparse_moe_fields,
     yarn_fields,
 )
-from titan.models.common.moe_args import MoEArgs
 from titan.models.qwen3.args import Qwen3Args
 
 _LAYER = {
@@ -125,7 +125,7 @@ def qwen3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Q
         yarn = yarn_fields(rope, c, problems)
     elif rope_type != "default":
         problems.append(f"rope type {rope_type!r} (titan's Qwen3 implements plain RoPE and YaRN)")
-    moe_fields = _moe_fields(c, problems) if moe else {}
+    moe_fields = sparse_moe_fields(c, problems) if moe else {}
     if problems:
         raise ValueError("unsupported HF config for titan's Qwen3: " + "; ".join(problems))
     seq_len = int(max_seq_len or c.get("max_position_embeddings", 4096))
@@ -146,33 +146,3 @@ def qwen3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Q
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         **yarn,
     )
-
-
-def _moe_fields(c: dict, problems: list[str]) -> dict:
-    """Qwen3Args' MoE fields of a Qwen3-MoE config; what titan cannot express goes to
-    `problems` (experts, top-k and layer choice checked like titan's own settings)."""
-    # transformers 5 writes num_local_experts (its attribute_map), 4.x num_experts
-    n_experts = int(c.get("num_experts", c.get("num_local_experts", 0)))
-    if n_experts == 0:
-        return {}  # every layer dense
-    moe = MoEArgs(
-        n_experts=n_experts,
-        top_k=int(c.get("num_experts_per_tok", 1)),
-        hidden_dim=int(c["moe_intermediate_size"]),
-        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-    )
-    problems += [f"{p} (num_experts / num_experts_per_tok)" for p in moe.problems()]
-    n_layers = int(c["num_hidden_layers"])
-    only = tuple(int(i) for i in c.get("mlp_only_layers") or ())
-    bad = [i for i in only if not 0 <= i < n_layers]
-    if bad:
-        problems.append(f"mlp_only_layers {bad} are not layers of a {n_layers}-layer model")
-    step = int(c.get("decoder_sparse_step", 1))
-    if step < 1:
-        problems.append(f"decoder_sparse_step {step} must be >= 1")
-    return {
-        "moe": moe,
-        "decoder_sparse_step": step,
-        "mlp_only_layers": only,
-        "moe_aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.0)),
-    }

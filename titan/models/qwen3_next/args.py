@@ -7,12 +7,18 @@ beside a gated shared expert; norms are zero-centred (scale 1 + w, w decayed tow
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from titan.models.common.moe_args import BALANCING_KNOBS, TRAINING_KNOBS, MoEArgs, MoETraining
+from titan.models.common.moe_args import (
+    BALANCING_KNOBS,
+    TRAINING_KNOBS,
+    MoEArgs,
+    MoETraining,
+    SparseStepMoE,
+)
 from titan.models.common.param_count import DecoderParamCount
 
 
 @dataclass(frozen=True)
-class Qwen3NextArgs(DecoderParamCount, MoETraining):
+class Qwen3NextArgs(SparseStepMoE, DecoderParamCount, MoETraining):
     dim: int = 2048
     n_layers: int = 48
     # gated full attention (every full_attention_interval-th layer)
@@ -52,27 +58,6 @@ class Qwen3NextArgs(DecoderParamCount, MoETraining):
     def is_linear_layer(self, layer_id: int) -> bool:
         """transformers' layer_types: full attention in every interval-th layer."""
         return (layer_id + 1) % self.full_attention_interval != 0
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        return (
-            self.moe is not None
-            and layer_id not in self.mlp_only_layers
-            and (layer_id + 1) % self.decoder_sparse_step == 0
-        )
-
-    def moe_args(self) -> MoEArgs | None:
-        if self.moe is None:
-            return None
-        rate = self.moe_bias_update_rate
-        return replace(
-            self.moe,
-            score_bias=self.moe.score_bias or rate > 0,
-            bias_update_rate=rate,
-            aux_loss="load_balancing",
-            aux_loss_coeff=self.moe_aux_loss_coeff,
-            aux_loss_scope=self.moe_aux_loss_scope,
-            **self.moe_training(),
-        )
 
     def problems(self) -> list[str]:
         out = []

@@ -10,8 +10,8 @@ from titan.models.common.hf_adapter import (
     DecoderHFAdapter,
     gqa_heads,
     rope_settings,
+    sparse_moe_fields,
 )
-from titan.models.common.moe_args import MoEArgs
 from titan.models.qwen3_next.args import Qwen3NextArgs
 
 _LAYER = {
@@ -148,7 +148,7 @@ def qwen3_next_args_from_hf_config(config: dict, max_seq_len: int | None = None)
         problems.append(
             "layer_types other than full attention in every full_attention_interval-th layer"
         )
-    moe_fields = _moe_fields(c, n_layers, problems)
+    moe_fields = _moe_fields(c, problems)
     if problems:
         raise ValueError("unsupported HF config for titan's Qwen3-Next: " + "; ".join(problems))
     seq_len = int(max_seq_len or c.get("max_position_embeddings", 4096))
@@ -177,25 +177,8 @@ def qwen3_next_args_from_hf_config(config: dict, max_seq_len: int | None = None)
     )
 
 
-def _moe_fields(c: dict, n_layers: int, problems: list[str]) -> dict:
-    n_experts = int(c.get("num_experts", c.get("num_local_experts", 0)) or 0)
-    if n_experts == 0:
-        return {}
-    moe = MoEArgs(
-        n_experts=n_experts,
-        top_k=int(c.get("num_experts_per_tok", 1)),
-        hidden_dim=int(c["moe_intermediate_size"]),
-        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
-    )
-    problems += [f"{p} (num_experts / num_experts_per_tok)" for p in moe.problems()]
-    only = tuple(int(i) for i in c.get("mlp_only_layers") or ())
-    bad = [i for i in only if not 0 <= i < n_layers]
-    if bad:
-        problems.append(f"mlp_only_layers {bad} are not layers of a {n_layers}-layer model")
-    return {
-        "moe": moe,
-        "shared_expert_dim": int(c.get("shared_expert_intermediate_size", 0)),
-        "decoder_sparse_step": int(c.get("decoder_sparse_step", 1)),
-        "mlp_only_layers": only,
-        "moe_aux_loss_coeff": float(c.get("router_aux_loss_coef", 0.0)),
-    }
+def _moe_fields(c: dict, problems: list[str]) -> dict:
+    fields = sparse_moe_fields(c, problems, norm_topk_prob=True)
+    if fields:
+        fields["shared_expert_dim"] = int(c.get("shared_expert_intermediate_size", 0))
+    return fields
