@@ -1,7 +1,7 @@
 """Qwen3-Next (model.name = qwen3_next): published sizes; logits, both HF directions and
 greedy generation against transformers' Qwen3NextForCausalLM; documents computed as if alone;
-every layout trains like one process (the routing bias moving alike); resume bitwise; a
-folder transformers wrote starts training at its step-1 loss."""
+every layout, CP included, trains like one process (the routing bias moving alike); resume
+bitwise; a folder transformers wrote starts training at its step-1 loss."""
 
 import sys
 import warnings
@@ -144,6 +144,17 @@ LAYOUTS = {
         ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"],
     ),
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    # the linear layers exchange heads for whole sequences; the attention layer is a ring
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "cp2_alltoall": (
+        2,
+        [
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.context_parallel_type",
+            "alltoall",
+        ],
+    ),
     "ep2": (
         2,
         [
@@ -183,13 +194,50 @@ def test_documents_train_alike_on_tp2(tmp_path):
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
 
 
-def test_context_parallelism_is_refused_until_the_state_crosses_ranks():
+def test_documents_train_alike_on_cp2_tp2(tmp_path):
+    """Block-causal documents under context parallelism (the linear layers' heads exchanged
+    for whole sequences, each split again by TP): the same losses as one process."""
+    docs = [*COMMON[:4], *tiny_run(4), "--model.attn_mask_type", "block_causal"]
+    one = run_trainer(tmp_path / "one", 1, docs)
+    cp_tp = [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ]
+    four = run_trainer(tmp_path / "four", 4, [*docs, *cp_tp], deadline_s=200)
+    assert [r["loss"] for r in four] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [
+        (
+            ["--parallelism.context_parallel_degree", "8"],
+            8,
+            r"context_parallel_degree 8 must divide linear_k_heads 4",
+        ),
+        (
+            [
+                "--parallelism.context_parallel_degree",
+                "4",
+                "--parallelism.context_parallel_type",
+                "hybrid",
+                "--parallelism.context_parallel_alltoall_degree",
+                "2",
+            ],
+            4,
+            r"linear layers need each sequence whole in an all-to-all group",
+        ),
+    ],
+)
+def test_context_parallel_layouts_the_linear_layers_cannot_take_are_refused(flags, world, message):
     from titan.config import ConfigError, parse_args
     from titan.plan.run_plan import plan_run
 
-    job = parse_args([*COMMON, "--parallelism.context_parallel_degree", "2"])
-    with pytest.raises(ConfigError, match="recurrent state does not yet pass"):
-        plan_run(job, 2)
+    job = parse_args([*COMMON, *flags])
+    with pytest.raises(ConfigError, match=message):
+        plan_run(job, world)
 
 
 @pytest.mark.needs("transformers")

@@ -1,3 +1,4 @@
+from titan.config import extensions
 from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.qwen3_next.args import QWEN3_NEXT_FLAVORS, Qwen3NextArgs
@@ -14,6 +15,25 @@ def parallelize_qwen3_next(model, dims, job):
 
     return parallelize_decoder(model, dims, job, attention_plan=mixer_plan, part_plan=part_plan)
 
+
+def check_context_parallel_type(job, plan) -> None:
+    """Gated DeltaNet under context parallelism runs whole sequences, 1/cp of the heads a
+    rank: the hybrid type's all-to-all groups hold only part of each sequence."""
+    from titan.config.manager import require
+
+    par = job.parallelism
+    require(
+        job,
+        plan.spec.name != "qwen3_next"
+        or not plan.dims.cp_enabled
+        or par.context_parallel_type != "hybrid",
+        "parallelism.context_parallel_type",
+        "Qwen3-Next's linear layers need each sequence whole in an all-to-all group; use "
+        "'ring' or 'alltoall'",
+    )
+
+
+extensions.register_plan_check(check_context_parallel_type)
 
 register_train_spec(
     TrainSpec(

@@ -78,18 +78,16 @@ class Qwen3NextArgs(SparseStepMoE, DecoderParamCount, MoETraining):
         return out
 
     def layout_problems(self, dims) -> list[str]:
-        out = []
-        if dims.cp > 1:
-            out.append(
-                "context parallelism: Gated DeltaNet's recurrent state does not yet pass from "
-                "one rank's part of a sequence to the next; set context_parallel_degree 1"
-            )
-        if dims.tp > 1 and self.linear_k_heads % dims.tp:
-            out.append(
-                f"tensor_parallel_degree {dims.tp} must divide linear_k_heads "
-                f"{self.linear_k_heads} (a rank holds whole key-head groups)"
-            )
-        return out
+        # tensor parallelism splits the linear layers by key-head groups; context parallelism
+        # splits each rank's groups again (its linear layers run whole sequences by heads)
+        split = dims.tp * dims.cp
+        if self.linear_k_heads % split:
+            return [
+                f"tensor_parallel_degree {dims.tp} x context_parallel_degree {dims.cp} must "
+                f"divide linear_k_heads {self.linear_k_heads} (a rank holds whole key-head "
+                "groups of Gated DeltaNet)"
+            ]
+        return []
 
     def _linear_params(self) -> int:
         d, kh, vh, kd, vd = (

@@ -18,11 +18,13 @@ decoding, or a context-parallel rank continuing the previous rank's part.
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from titan.models.common import gated_delta_rule
 from titan.models.common.init import normal, ones
+from titan.parallelisms import sequence_shard
 
 
 @dataclass
@@ -131,8 +133,11 @@ class GatedDeltaNet(nn.Module):
         x: torch.Tensor,
         resets: torch.Tensor | None = None,
         state: LinearState | None = None,
-    ) -> tuple[torch.Tensor, LinearState]:
-        """(output, the state after the last token) of (batch, seq, dim) `x`."""
+    ) -> tuple[torch.Tensor, LinearState | None]:
+        """(output, the state after the last token) of (batch, seq, dim) `x`. Under context
+        parallelism (x this rank's part of each sequence, `resets` the whole sequences'), the
+        recurrence needs every earlier token: the heads are exchanged for the tokens, each
+        rank running 1/cp of the heads over the whole sequence (no state is returned)."""
         b, seq, _ = x.shape
         kd, vd, r = self.k_dim, self.v_dim, self.group
         # -1: key-head groups (under tensor parallelism, this rank's)
@@ -142,26 +147,74 @@ class GatedDeltaNet(nn.Module):
             .split([kd, kd, r * vd, r * vd], -1)
         )
         beta, a = self.in_ba(x).view(b, seq, -1, 2 * r).split([r, r], -1)
+        v, z = v.reshape(b, seq, -1, vd), z.reshape(b, seq, -1, vd)
+        beta, a = beta.reshape(b, seq, -1), a.reshape(b, seq, -1)
+        shard = sequence_shard.active()
+        if shard is None:
+            o, state = self._mix(
+                q, k, v, z, beta, a, self.conv, self.dt_bias, self.A_log, resets, state
+            )
+        else:
+            o, state = self._mix_by_heads(shard, q, k, v, z, beta, a, resets), None
+        return self.out(o.flatten(2)), state
+
+    def _mix(self, q, k, v, z, beta, a, conv, dt_bias, A_log, resets, state):
+        """Convolution, gated delta rule and gated norm of (batch, seq, heads, dim) inputs
+        and these heads' parameters: ((batch, seq, value heads, v_dim), the state after)."""
+        b, seq, n_k, kd = q.shape
         keep = None if resets is None else ~resets.bool()
-        widths = [q.shape[2] * kd, q.shape[2] * kd, q.shape[2] * r * vd]
+        widths = [n_k * kd, n_k * kd, v.shape[2] * self.v_dim]
         mixed, conv_state = causal_conv(
             torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1),
-            self.conv,
+            conv,
             None if state is None else state.conv,
             keep,
         )
         q, k, v = F.silu(mixed).split(widths, -1)
         q, k = q.view(b, seq, -1, kd), k.view(b, seq, -1, kd)
-        v = v.view(b, seq, -1, vd)
-        beta = beta.reshape(b, seq, -1).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(b, seq, -1).float() + self.dt_bias)
+        v = v.view(b, seq, -1, self.v_dim)
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
         rule = gated_delta_rule.recurrent if seq == 1 else gated_delta_rule.chunked
         kwargs = {} if seq == 1 else {"chunk": self.chunk}
         o, recurrent = rule(
-            q, k, v, g, beta, None if state is None else state.recurrent, resets, **kwargs
+            q, k, v, g, beta.sigmoid(), None if state is None else state.recurrent, resets, **kwargs
         )
-        o = self.norm(o, z.reshape(b, seq, -1, vd))
-        return self.out(o.flatten(2)), LinearState(conv_state, recurrent)
+        return self.norm(o, z), LinearState(conv_state, recurrent)
+
+    def _mix_by_heads(self, shard, q, k, v, z, beta, a, resets) -> torch.Tensor:
+        """`_mix` of this rank's 1/cp of the heads over every token, the result sent back to
+        the ranks holding the tokens (the all-to-all exchanges of titan.parallelisms'
+        SequenceShard)."""
+        if shard.across is not None:  # refused before launch (qwen3_next's plan check)
+            raise ValueError("Gated DeltaNet needs each sequence whole in an all-to-all group")
+        cp, rank = shard.group.size(), dist.get_rank(group=shard.group)
+
+        def whole(t):  # (batch, tokens, heads, d) -> (batch, every token, heads / cp, d)
+            return shard.heads_in(t.transpose(1, 2)).transpose(1, 2)
+
+        n_k, n_v = q.shape[2], v.shape[2]
+        kd, vd = self.k_dim, self.v_dim
+        qk = whole(torch.cat([q, k], -1))
+        per_v = whole(torch.cat([v, z, beta.unsqueeze(-1), a.unsqueeze(-1)], -1))
+        q, k = qk.split([kd, kd], -1)
+        v, z, beta, a = per_v.split([vd, vd, 1, 1], -1)
+        # this rank's rows of the convolution (its heads' queries, keys and values) and of
+        # the per-head parameters
+        mine_k, mine_v = n_k // cp, n_v // cp
+        sections = self.conv.split([n_k * kd, n_k * kd, n_v * vd])
+        conv = torch.cat(
+            [
+                sections[0].narrow(0, rank * mine_k * kd, mine_k * kd),
+                sections[1].narrow(0, rank * mine_k * kd, mine_k * kd),
+                sections[2].narrow(0, rank * mine_v * vd, mine_v * vd),
+            ]
+        )
+        dt_bias = self.dt_bias.narrow(0, rank * mine_v, mine_v)
+        A_log = self.A_log.narrow(0, rank * mine_v, mine_v)
+        o, _ = self._mix(
+            q, k, v, z, beta.squeeze(-1), a.squeeze(-1), conv, dt_bias, A_log, resets, None
+        )
+        return shard.heads_out(o.transpose(1, 2)).transpose(1, 2)
 
 
 def _conv_init(t: torch.Tensor, g: torch.Generator) -> None:

@@ -20,6 +20,7 @@ from titan.models.common.moe import MoE
 from titan.models.common.rope import yarn_rope_table
 from titan.models.qwen3_next.args import Qwen3NextArgs
 from titan.models.qwen3_next.gated_deltanet import GatedDeltaNet
+from titan.parallelisms import sequence_shard
 
 LINEAR = "linear"  # the mask key of linear layers: their documents' first tokens
 
@@ -124,6 +125,10 @@ class Qwen3Next(Decoder):
     def _masks(self, doc_ids: torch.Tensor | None) -> dict:
         masks = super()._masks(doc_ids)
         if doc_ids is not None:
+            # under context parallelism the linear layers run whole sequences (by heads)
+            shard = sequence_shard.active()
+            if shard is not None:
+                doc_ids = shard.whole(doc_ids, dim=1)
             starts = torch.zeros_like(doc_ids, dtype=torch.bool)
             starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
             masks[LINEAR] = starts
