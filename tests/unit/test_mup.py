@@ -187,6 +187,25 @@ def test_the_trainer_trains_with_mup(trained):
     assert "muP: width multiplier 4 (base width 64): hidden init x 0.5, hidden lr x 0.25" in log
 
 
+def test_a_resume_keeps_the_parametrization(tmp_path):
+    """The checkpoint records muP's settings: the same ones resume it; another base width (or
+    none) is refused in one line before any state loads (the weights would compute other
+    outputs under other multipliers)."""
+    ck = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+    first = run_trainer(tmp_path, 1, [*tiny_run(2), *ck, "--mup.base_width", "64"])
+    assert len(first) == 2
+    for other in (["--mup.base_width", "128"], []):
+        with pytest.raises(BaseException, match="its weights were trained parametrized as"):
+            run_trainer(tmp_path, 1, [*tiny_run(4), *ck, *other])
+    resumed = run_trainer(tmp_path, 1, [*tiny_run(4), *ck, "--mup.base_width", "64"])
+    assert [r["step"] for r in resumed][-2:] == [3, 4]
+    # generation and evaluation build the plain model: they refuse it
+    from titan.tools.generate import GenerateError, open_checkpoint
+
+    with pytest.raises(GenerateError, match="was trained parametrized as"):
+        open_checkpoint(str(tmp_path / "dump" / "checkpoint" / "step-4"), [])
+
+
 @pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
 def test_every_layout_trains_mup_as_one_rank(trained, tmp_path, layout):
     """The multipliers ride on the meta model into every stage and shard; the init scale is

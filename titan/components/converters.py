@@ -77,6 +77,11 @@ class Converter:
         """What a final HF export also runs on its folder (LoRA's PEFT adapter)."""
         return None
 
+    def parametrization(self) -> dict:
+        """Settings that change what the trained weights compute (muP's multipliers): every
+        save records them, and a resume must have the same."""
+        return {}
+
 
 _CONVERTERS = extensions.Registry("converter")
 register_converter = _CONVERTERS.add
@@ -180,6 +185,12 @@ class Converters:
     def identity(self) -> dict:
         """What the partial converter records (empty without one)."""
         return self.partial.identity() if self.partial else {}
+
+    def parametrization(self) -> dict:
+        out = {}
+        for c in self.items:
+            out.update(c.parametrization())
+        return out
 
     def exporter(self, parts, train_spec, model_args) -> Callable | None:
         made = [e for e in (c.exporter(parts, train_spec, model_args) for c in self.items) if e]

@@ -309,6 +309,20 @@ def trained_tokenizer(path: Path, job) -> str:
     return saved
 
 
+def refuse_parametrized(path: Path) -> None:
+    """A model whose converters parametrized its weights (muP's multipliers, recorded in the
+    marker) computes other outputs when built plainly, as this tool builds it."""
+    from titan.components.checkpoint.trained_with import saved_trained_with
+
+    parametrization = saved_trained_with(path).get("parametrization")
+    if parametrization:
+        raise GenerateError(
+            f"{path} was trained parametrized as {parametrization}, which the model built "
+            "here would not apply (its outputs would be another model's); evaluate it in the "
+            "training loop ([eval], [validation]) instead"
+        )
+
+
 def open_checkpoint(checkpoint: str, overrides: list[str]):
     """(job, folder, train spec, tokenizer) of a --checkpoint and titan overrides: the family
     the folder holds unless --model.name names one; the tokenizer an HF folder brings, else
@@ -328,6 +342,8 @@ def open_checkpoint(checkpoint: str, overrides: list[str]):
     if "model.name" not in job.sources:  # the family the folder holds, unless one is named
         job.model.name = family_in(path) or job.model.name
     spec = get_train_spec(job.model.name)
+    if not _is_hf(path):
+        refuse_parametrized(path)
     hf_tokenizer = _is_hf(path) and (path / "tokenizer.json").is_file()
     tokenizer = Tokenizer(str(path if hf_tokenizer else trained_tokenizer(path, job)))
     return job, path, spec, tokenizer

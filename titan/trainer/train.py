@@ -193,7 +193,9 @@ class Trainer:
             else None,
             on_save_phase=self.faults.on_checkpoint_phase if self.faults else None,
             on_export=self.converters.exporter(self.model_parts, plan.spec, plan.model_args),
-            trained_with=trained_with(job.optimizer.name, plan.tokenizer),
+            trained_with=trained_with(
+                job.optimizer.name, plan.tokenizer, self.converters.parametrization()
+            ),
         )
 
     def _metrics_logger(self) -> MetricsLogger:

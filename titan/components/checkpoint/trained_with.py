@@ -1,28 +1,29 @@
-"""What a run trained with besides its model: the optimizer whose state a checkpoint holds
-and the tokenizer its weights read. Each save records them in its marker; a resume onto
-another optimizer or tokenizer is refused in one line before any state is read (DCP would
-fail deep in the load on missing optimizer keys, and another tokenizer's ids silently mean
-other tokens). Saves older than the record are not checked."""
+"""What a run trained with besides its model: the optimizer whose state a checkpoint holds,
+the tokenizer its weights read, and the parametrization the model converters give its weights
+(muP's multipliers: the same weights compute other outputs without them). Each save records
+them in its marker; a resume onto another optimizer, tokenizer or parametrization is refused in
+one line before any state is read (DCP would fail deep in the load on missing optimizer keys,
+another tokenizer's ids silently mean other tokens, other multipliers silently train another
+model). Saves older than the record are not checked."""
 
 from pathlib import Path
 
 from titan.components.checkpoint.folders import _marker
 
 
-def trained_with(optimizer: str, tokenizer) -> dict:
-    """The record of a run with the optimizer named `optimizer` and `tokenizer` (a
-    titan Tokenizer, or None when unknown): its folder (or file, if not named
-    tokenizer.json) and fingerprint."""
+def trained_with(optimizer: str, tokenizer, parametrization: dict | None = None) -> dict:
+    """The record of a run with the optimizer named `optimizer`, `tokenizer` (a titan
+    Tokenizer, or None when unknown: its folder, or file if not named tokenizer.json, and
+    fingerprint) and the converters' `parametrization` (Converters.parametrization)."""
     from titan.components.data.token_shards import tokenizer_fingerprint
 
+    record = {"optimizer": optimizer, "parametrization": parametrization or {}}
     if tokenizer is None:
-        return {"optimizer": optimizer}
+        return record
     file = tokenizer.path
     where = file.parent if file.name == "tokenizer.json" else file
-    return {
-        "optimizer": optimizer,
-        "tokenizer": {"path": str(where), "fingerprint": tokenizer_fingerprint(tokenizer)},
-    }
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    return {**record, "tokenizer": {"path": str(where), "fingerprint": fingerprint}}
 
 
 def saved_trained_with(path: Path) -> dict:
@@ -51,4 +52,13 @@ def resume_problem(path: Path, ours: dict, exclude: list[str]) -> str | None:
             f"--model.tokenizer_path {theirs_tok.get('path')}, or start a new run from these "
             "weights with checkpoint.initial_load_path"
         )
+    if "parametrization" in saved and "parametrization" in ours:
+        theirs_p, our_p = saved["parametrization"], ours["parametrization"]
+        if theirs_p != our_p:
+            return (
+                f"its weights were trained parametrized as {theirs_p or 'the family defines'} "
+                f"and this run's are {our_p or 'the family defines'}: resume with the "
+                "checkpoint's settings, or start a new run from these weights with "
+                "checkpoint.initial_load_path"
+            )
     return None

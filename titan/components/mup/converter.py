@@ -50,6 +50,9 @@ class MupConverter(Converter):
             if scale != 1.0:
                 p.mul_(scale)
 
+    def parametrization(self) -> dict:
+        return {"mup": {"base_width": self.base_width, "base_head_dim": self.base_head_dim}}
+
     def lr_scale(self, name: str, param) -> float:
         return rules.lr_scale(name, param.ndim, self._width(), self.optimizer, self.muon)
 
