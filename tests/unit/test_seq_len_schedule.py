@@ -130,6 +130,9 @@ def test_every_layout_warms_up_as_one_rank(warmup, tmp_path, layout):
     got = run_trainer(tmp_path, 2, [*BASE, *WARMUP, *LAYOUTS[layout]], deadline_s=180)
     assert losses(got) == pytest.approx(losses(rows), rel=1e-5)
     assert [r["tokens_seen"] for r in got] == [r["tokens_seen"] for r in rows]
+    # the FLOPs a token at the step's length (context parallelism shards the batch in place)
+    for a, b in zip(rows, got):
+        assert b["tflops"] / b["tps"] == pytest.approx(a["tflops"] / a["tps"], rel=1e-9)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

@@ -476,7 +476,7 @@ class Trainer:
                 batch_tokens // self.plan.dims.non_dp,
                 data_s,
                 started_ns,
-                flops_per_token=self._flops_per_token(microbatches[0][INPUT_IDS].shape[-1]),
+                flops_per_token=self._flops_per_token(self.plan.step_shape(self.step).seq_len),
             )
             logged = None
             if self.metrics.should_log(self.step, t.steps):
