@@ -35,34 +35,39 @@ class BatchSchedule:
         return sorted({self.base, *(s for _, s in self.entries)})
 
 
+def step_entries(key: str, texts, what: str, example: str) -> list[tuple[int, int]]:
+    """The (step, value) pairs of a schedule option `key` ("step:value" strings, `what` naming
+    the value, e.g. size), steps from 1 and increasing; ConfigError naming the entry
+    otherwise. The values' own rules are the caller's."""
+    entries, last = [], 0
+    for text in texts:
+        step, sep, value = str(text).partition(":")
+        try:
+            pair = (int(step), int(value))
+        except ValueError:
+            pair = None
+        if not sep or pair is None:
+            raise ConfigError(f"{key}: {text!r} is not 'step:{what}' (e.g. {example})")
+        if pair[0] < 1 or pair[0] <= last:
+            raise ConfigError(f"{key}: {text!r}: steps start at 1 and increase from entry to entry")
+        last = pair[0]
+        entries.append(pair)
+    return entries
+
+
 def parse_schedule(job, base: int, per_step: int) -> BatchSchedule:
     """training.global_batch_schedule of `job`, each size a multiple of `per_step` (the
     sequences one accumulation step takes over the data-parallel ranks); ConfigError naming
     the entry and the fix otherwise."""
     t = job.training
-    entries, last = [], 0
-    for text in t.global_batch_schedule:
-        step, sep, size = str(text).partition(":")
-        try:
-            pair = (int(step), int(size))
-        except ValueError:
-            pair = None
-        if not sep or pair is None:
+    key = "training.global_batch_schedule"
+    entries = step_entries(key, t.global_batch_schedule, "size", "1:64,500:128")
+    for step, size in entries:
+        if size < 1 or size % per_step:
             raise ConfigError(
-                f"training.global_batch_schedule: {text!r} is not 'step:size' (e.g. 1:64,500:128)"
-            )
-        if pair[0] < 1 or pair[0] <= last:
-            raise ConfigError(
-                f"training.global_batch_schedule: {text!r}: steps start at 1 and increase "
-                "from entry to entry"
-            )
-        if pair[1] < 1 or pair[1] % per_step:
-            raise ConfigError(
-                f"training.global_batch_schedule: {text!r}: a global batch of {pair[1]} "
+                f"{key}: '{step}:{size}': a global batch of {size} "
                 f"sequences is not a multiple of {per_step} (training.local_batch_size x the "
                 "data-parallel degree, one accumulation step); use a multiple of it, or a "
                 "smaller local_batch_size"
             )
-        last = pair[0]
-        entries.append(pair)
     return BatchSchedule(base, tuple(entries), t.batch_lr_scaling)

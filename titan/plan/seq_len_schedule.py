@@ -13,6 +13,7 @@ takes global batch size / n of them, as the global batch size's sequences.
 from dataclasses import dataclass
 
 from titan.config import ConfigError
+from titan.plan.batch_schedule import step_entries
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,6 @@ class SeqLenSchedule:
                 length = n
         return length
 
-    def lengths(self) -> list[int]:
-        return sorted({self.longest, *(n for _, n in self.entries)})
-
     def shape(self, windows: int, local_batch: int, grad_accum: int, step: int) -> StepShape:
         """The shape of step `step`, whose global batch size is `windows` (sequences of
         training.seq_len) in microbatches of `local_batch`, `grad_accum` a rank."""
@@ -57,32 +55,17 @@ class SeqLenSchedule:
 def parse_seq_len_schedule(job) -> SeqLenSchedule:
     """training.seq_len_schedule of `job`, each length a divisor of training.seq_len;
     ConfigError naming the entry and the fix otherwise (what a layout and the batch sizes
-    need of each length: `check_shapes`)."""
+    need of each length: titan.plan.run_plan.check_seq_len_schedule)."""
     t = job.training
-    entries, last = [], 0
-    for text in t.seq_len_schedule:
-        step, sep, length = str(text).partition(":")
-        try:
-            pair = (int(step), int(length))
-        except ValueError:
-            pair = None
-        if not sep or pair is None:
+    key = "training.seq_len_schedule"
+    entries = step_entries(key, t.seq_len_schedule, "length", "1:512,1000:2048")
+    for step, length in entries:
+        if length < 1 or length > t.seq_len or t.seq_len % length:
             raise ConfigError(
-                f"training.seq_len_schedule: {text!r} is not 'step:length' (e.g. 1:512,1000:2048)"
-            )
-        if pair[0] < 1 or pair[0] <= last:
-            raise ConfigError(
-                f"training.seq_len_schedule: {text!r}: steps start at 1 and increase from entry "
-                "to entry"
-            )
-        if pair[1] < 1 or pair[1] > t.seq_len or t.seq_len % pair[1]:
-            raise ConfigError(
-                f"training.seq_len_schedule: {text!r}: a length of {pair[1]} does not divide "
+                f"{key}: '{step}:{length}': a length of {length} does not divide "
                 f"training.seq_len = {t.seq_len} (the longest length: windows of a shorter one "
                 "are its pieces); use a divisor of it, or raise training.seq_len"
             )
-        last = pair[0]
-        entries.append(pair)
     return SeqLenSchedule(t.seq_len, tuple(entries), t.seq_len_schedule_keeps)
 
 
