@@ -96,7 +96,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         if v_heads % k_heads:
             raise ValueError(f"{v_heads} value heads do not group into {k_heads} key heads")
-        self.k_dim, self.v_dim, self.chunk = k_dim, v_dim, chunk
+        self.k_heads, self.k_dim, self.v_dim, self.chunk = k_heads, k_dim, v_dim, chunk
         self.group = v_heads // k_heads  # value heads per key head
         # per key head: q (k_dim), k (k_dim), its value heads' v, then their z
         self.in_qkvz = nn.Linear(dim, k_heads * (2 * k_dim + 2 * self.group * v_dim), bias=False)
@@ -158,6 +158,17 @@ class GatedDeltaNet(nn.Module):
             o, state = self._mix_by_heads(shard, q, k, v, z, beta, a, resets), None
         return self.out(o.flatten(2)), state
 
+    def group_channels(self, k_heads: int, block: int, blocks: int) -> torch.Tensor:
+        """The channels of key-head groups `block` of `blocks` (equal runs of groups) in a
+        convolution over `k_heads` groups (all queries, all keys, all values): those groups'
+        queries', keys' and values' rows, in that order (a tensor- or context-parallel
+        rank's own)."""
+        kd, vd = self.k_dim, self.group * self.v_dim
+        n = k_heads // blocks
+        q = torch.arange(block * n * kd, (block + 1) * n * kd)
+        v = torch.arange(block * n * vd, (block + 1) * n * vd) + 2 * k_heads * kd
+        return torch.cat([q, q + k_heads * kd, v])
+
     def _mix(self, q, k, v, z, beta, a, conv, dt_bias, A_log, resets, state):
         """Convolution, gated delta rule and gated norm of (batch, seq, heads, dim) inputs
         and these heads' parameters: ((batch, seq, value heads, v_dim), the state after)."""
@@ -200,15 +211,9 @@ class GatedDeltaNet(nn.Module):
         v, z, beta, a = per_v.split([vd, vd, 1, 1], -1)
         # this rank's rows of the convolution (its heads' queries, keys and values) and of
         # the per-head parameters
-        mine_k, mine_v = n_k // cp, n_v // cp
-        sections = self.conv.split([n_k * kd, n_k * kd, n_v * vd])
-        conv = torch.cat(
-            [
-                sections[0].narrow(0, rank * mine_k * kd, mine_k * kd),
-                sections[1].narrow(0, rank * mine_k * kd, mine_k * kd),
-                sections[2].narrow(0, rank * mine_v * vd, mine_v * vd),
-            ]
-        )
+        rows = self.group_channels(n_k, rank, cp).to(self.conv.device)
+        conv = self.conv.index_select(0, rows)
+        mine_v = n_v // cp
         dt_bias = self.dt_bias.narrow(0, rank * mine_v, mine_v)
         A_log = self.A_log.narrow(0, rank * mine_v, mine_v)
         o, _ = self._mix(

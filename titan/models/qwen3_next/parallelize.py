@@ -32,7 +32,7 @@ class GroupsOfThisRank(PrepareModuleInput):
             setattr(module, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
         local_in_forward(module, names=("dt_bias", "A_log"))
         module.conv = nn.Parameter(distribute_tensor(module.conv.data, mesh, [Replicate()]))
-        rows = _conv_rows(module, mesh.get_local_rank(), mesh.size())
+        rows = module.group_channels(module.k_heads, mesh.get_local_rank(), mesh.size())
         held = []
 
         def own_rows(mod, args):
@@ -47,18 +47,6 @@ class GroupsOfThisRank(PrepareModuleInput):
         module.register_forward_pre_hook(torch.compiler.disable(own_rows))
         module.register_forward_hook(torch.compiler.disable(restore))
         return module
-
-
-def _conv_rows(module: LinearAttention, rank: int, size: int) -> torch.Tensor:
-    """This rank's convolution channels: its share of the queries', of the keys' and of the
-    values' channels, in that order."""
-    kd, vd, r = module.k_dim, module.v_dim, module.group
-    k_heads = module.conv.shape[0] // (2 * kd + r * vd)
-    groups = k_heads // size
-    q = torch.arange(rank * groups * kd, (rank + 1) * groups * kd)
-    k = q + k_heads * kd
-    v = torch.arange(rank * groups * r * vd, (rank + 1) * groups * r * vd) + 2 * k_heads * kd
-    return torch.cat([q, k, v])
 
 
 def linear_attention_plan(between) -> dict:
