@@ -12,34 +12,17 @@ over the steps after the first 5 of tokens / tokens-per-second from metrics.json
 """
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from stability_overhead import step_seconds  # benchmarks/ is on the script's path
+
 MODELS = {
     "llama3 debugmodel (6 layers)": ("debug_model.toml", 6),
     "qwen3_next debugmodel (4 layers)": ("qwen3_next_debug.toml", 4),
 }
-
-
-def step_seconds(config: str, args, folder: Path) -> float:
-    dump = folder / "dump"
-    cmd = [
-        *(sys.executable, "-m", "titan.trainer", "--job.config_file"),
-        str(REPO / "train_configs" / config),
-        *("--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len)),
-        *("--training.local_batch_size", str(args.batch), "--metrics.log_freq", "1"),
-        *("--metrics.no_enable_tensorboard", "--training.mixed_precision_param", "float32"),
-        *("--validation.no_enable", "--job.dump_folder", str(dump)),
-    ]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=900)
-    records = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
-    tokens = args.batch * args.seq_len
-    return statistics.median(tokens / r["tps"] for r in records if r["step"] > 5)
 
 
 def main(argv=None) -> int:
@@ -53,7 +36,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for i, (name, (config, _)) in enumerate(MODELS.items()):
-                times[name].append(step_seconds(config, args, Path(tmp) / f"{r}-{i}"))
+                folder = Path(tmp) / f"{r}-{i}"
+                times[name].append(step_seconds([], args, folder, config))
     base = statistics.median(next(iter(times.values())))
     print(f"seq {args.seq_len} x batch {args.batch}, float32, 1 process, {args.rounds} rounds")
     print("| model | step s | per layer s | vs llama3 (step) |")

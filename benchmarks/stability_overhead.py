@@ -33,11 +33,13 @@ SETTINGS = {
 }
 
 
-def step_seconds(flags: list[str], args, folder: Path) -> float:
+def step_seconds(flags: list[str], args, folder: Path, config: str = "debug_model.toml") -> float:
+    """The median step time of one `python -m titan.trainer` run of train_configs/`config`
+    with `flags` (args: steps, seq_len, batch)."""
     dump = folder / "dump"
     cmd = [
         *(sys.executable, "-m", "titan.trainer", "--job.config_file"),
-        str(REPO / "train_configs" / "debug_model.toml"),
+        str(REPO / "train_configs" / config),
         *("--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len)),
         *("--training.local_batch_size", str(args.batch), "--metrics.log_freq", "1"),
         *("--metrics.no_enable_tensorboard", "--training.mixed_precision_param", "float32"),
