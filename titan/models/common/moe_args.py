@@ -164,6 +164,19 @@ class SparseStepMoE:
             and (layer_id + 1) % self.decoder_sparse_step == 0
         )
 
+    def moe_layer_problems(self) -> list[str]:
+        """What is wrong with the MoE settings, each naming its fields (empty: nothing, or a
+        dense flavor)."""
+        if self.moe is None:
+            return []
+        out = [f"moe: {p}" for p in self.moe_args().problems()]
+        if self.decoder_sparse_step < 1:
+            out.append(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+        if bad:
+            out.append(f"mlp_only_layers {bad} are not layers of a {self.n_layers}-layer model")
+        return out
+
     def moe_args(self) -> MoEArgs | None:
         """The MoE layers' settings with this run's balancing; None for a dense flavor."""
         if self.moe is None:

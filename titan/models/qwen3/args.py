@@ -62,15 +62,7 @@ class Qwen3Args(SparseStepMoE, DecoderParamCount, MoETraining):
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, each naming its fields (empty: nothing)."""
-        if self.moe is None:
-            return []
-        out = [f"moe: {p}" for p in self.moe_args().problems()]
-        if self.decoder_sparse_step < 1:
-            out.append(f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1")
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
-        if bad:
-            out.append(f"mlp_only_layers {bad} are not layers of a {self.n_layers}-layer model")
-        return out
+        return self.moe_layer_problems()
 
     def layer_params(self, layer_id: int, active: bool = False) -> int:
         """One block's parameters; `active`: those one token uses (top_k routed experts)."""

@@ -70,12 +70,7 @@ class Qwen3NextArgs(SparseStepMoE, DecoderParamCount, MoETraining):
             out.append(f"rotary_dim {self.rotary_dim} must be even and at most head_dim")
         if self.full_attention_interval < 1:
             out.append(f"full_attention_interval {self.full_attention_interval} must be >= 1")
-        if self.moe is not None:
-            out += [f"moe: {p}" for p in self.moe_args().problems()]
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
-        if bad:
-            out.append(f"mlp_only_layers {bad} are not layers of a {self.n_layers}-layer model")
-        return out
+        return out + self.moe_layer_problems()
 
     def layout_problems(self, dims) -> list[str]:
         # tensor parallelism splits the linear layers by key-head groups; context parallelism
