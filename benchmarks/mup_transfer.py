@@ -21,22 +21,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan.components.optim.lr_scheduler import lr_factor  # noqa: E402
-from titan.tools.coord_check import ROOT, TOKENIZER, Setup, build  # noqa: E402
+from titan.tools.coord_check import ROOT, Setup, build, corpus_tokens  # noqa: E402
 
 VALID = ROOT / "assets" / "corpus" / "kjv_valid.jsonl"
-
-
-def tokens(path: Path, limit: int) -> torch.Tensor:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(TOKENIZER))
-    ids: list[int] = []
-    with open(path) as f:
-        for line in f:
-            ids += tok.encode(json.loads(line)["text"]).ids
-            if len(ids) >= limit:
-                break
-    return torch.tensor(ids[:limit])
 
 
 def windows(ids: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
@@ -85,9 +72,9 @@ def main(argv=None) -> int:
     widths = [int(w) for w in a.widths.split(",")]
     lrs = [float(x) for x in a.lrs.split(",")]
     gen = torch.Generator().manual_seed(0)
-    train_ids = tokens(ROOT / "assets" / "corpus" / "kjv_train.jsonl", 400_000)
+    train_ids = corpus_tokens(400_000, ROOT / "assets" / "corpus" / "kjv_train.jsonl")
     data = [windows(train_ids, a.batch_size, a.seq_len, gen) for _ in range(a.steps)]
-    valid_ids = tokens(VALID, 100_000)
+    valid_ids = corpus_tokens(100_000, VALID)
     valid = [windows(valid_ids, a.batch_size, a.seq_len, gen) for _ in range(4)]
     columns = [("standard", w) for w in widths] + [("mup", w) for w in widths if w != a.base_width]
     losses: dict = {}

@@ -46,13 +46,14 @@ class Setup:
     seed: int = 0
 
 
-def corpus_tokens(n_tokens: int) -> torch.Tensor:
-    """The first `n_tokens` tokens of the bundled training corpus (its documents in order)."""
+def corpus_tokens(n_tokens: int, path: Path = CORPUS) -> torch.Tensor:
+    """The first `n_tokens` tokens of a bundled corpus (its documents in order; default the
+    training corpus)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(TOKENIZER))
     ids: list[int] = []
-    with open(CORPUS) as f:
+    with open(path) as f:
         for line in f:
             ids += tok.encode(json.loads(line)["text"]).ids
             if len(ids) >= n_tokens:
