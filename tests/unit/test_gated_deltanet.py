@@ -1,12 +1,12 @@
-"""Gated DeltaNet (titan.models.qwen3_next.gated_deltanet): equal to transformers' Qwen3-Next
+"""Gated DeltaNet (titan.models.common.gated_deltanet): equal to transformers' Qwen3-Next
 layer on the same weights; documents as if alone; decoding token by token from the carried
 state equals the whole sequence."""
 
 import pytest
 import torch
 
+from titan.models.common.gated_deltanet import GatedDeltaNet
 from titan.models.common.init import seeded_init_all
-from titan.models.qwen3_next.gated_deltanet import GatedDeltaNet
 
 DIM, KH, VH, KD, VD, KERNEL = 64, 2, 4, 16, 8, 4
 

@@ -26,8 +26,8 @@ COMMON = ["--model.name", "qwen3_next", "--model.flavor", "debugmodel", *tiny_ru
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
 
-def built(args, seed=0):
-    model = NEXT.build_meta(args)
+def built(args, seed=0, spec=NEXT):
+    model = spec.build_meta(args)
     model.to_empty(device="cpu")
     model.init_weights(seed)
     return model.eval()
@@ -65,8 +65,6 @@ def test_norms_start_at_scale_one():
 
 @pytest.mark.needs("transformers")
 def test_logits_both_hf_directions_and_generation_match_transformers(tmp_path):
-    import transformers
-
     model = built(DEBUG, seed=3)
     out = hf_io.save_hf(model.state_dict(), NEXT, DEBUG, tmp_path / "hf")
     names = hf_io.load_hf_state(out)
@@ -74,13 +72,21 @@ def test_logits_both_hf_directions_and_generation_match_transformers(tmp_path):
     assert "model.layers.3.self_attn.q_proj.weight" in names
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
     assert "model.layers.1.mlp.shared_expert_gate.weight" in names
+    check_against_transformers(tmp_path, model, DEBUG, NEXT, out, "Qwen3NextForCausalLM")
+
+
+def check_against_transformers(tmp_path, model, args, spec, folder, hf_class: str) -> None:
+    """`folder` (titan's export of `model`) loads in transformers as `hf_class` with equal
+    logits and greedy tokens; what transformers saves of it loads back in titan bitwise."""
+    import transformers
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(out), dtype=torch.float32, attn_implementation="eager"
+            str(folder), dtype=torch.float32, attn_implementation="eager"
         ).eval()
-    assert type(hf_model).__name__ == "Qwen3NextForCausalLM"
-    x = tokens(DEBUG)
+    assert type(hf_model).__name__ == hf_class
+    x = tokens(args)
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf_model(x).logits, rtol=0, atol=1e-4)
         # greedy decoding: the linear layers' recurrent and convolution states, the full
@@ -91,10 +97,10 @@ def test_logits_both_hf_directions_and_generation_match_transformers(tmp_path):
         )[:, 20:]
     ours = generate(model, prompt.tolist(), max_new_tokens=12, eos_id=None)
     assert ours == theirs.tolist()
-    # and back, from what transformers writes (sharded, one tensor per expert)
+    # and back, from what transformers writes (sharded)
     hf_model.save_pretrained(str(tmp_path / "from_hf"), max_shard_size="1MB")
-    assert hf_io.args_from_hf(tmp_path / "from_hf", NEXT, DEBUG.max_seq_len) == DEBUG
-    back = hf_io.load_hf(tmp_path / "from_hf", NEXT)
+    assert hf_io.args_from_hf(tmp_path / "from_hf", spec, args.max_seq_len) == args
+    back = hf_io.load_hf(tmp_path / "from_hf", spec)
     state = model.state_dict()
     assert set(back) == set(state)
     assert all(torch.equal(back[k], v) for k, v in state.items())

@@ -1,6 +1,7 @@
 """The settings every MoE family's config section has ([qwen3], [deepseek_v3], [gpt_oss]):
-token dropping and the router z-loss. A family's `Options` inherits them; its args carry the
-same names (titan.models.common.moe_args.MoETraining). Torch-free, as the sections are."""
+token dropping and the router z-loss (and the Qwen families' balancing). A family's `Options`
+inherits them; its args carry the same names (titan.models.common.moe_args.MoETraining).
+Torch-free, as the sections are."""
 
 from dataclasses import dataclass
 from typing import Literal
@@ -30,4 +31,26 @@ class MoEOptions:
         0.0,
         "ST-MoE's router z-loss weight: the mean over tokens of logsumexp(router logits)^2 "
         "(logged as moe_z_loss; 0: off; ST-MoE used 0.001)",
+    )
+
+
+@dataclass
+class BalancedMoEOptions(MoEOptions):
+    """The Qwen families' balancing: Switch-style loss and DeepSeek-V3's routing bias."""
+
+    moe_aux_loss_coeff: float = opt(
+        0.001,
+        "weight of the load-balancing loss (logged as moe_aux_loss; 0: off; unset: the "
+        "flavor's, 0.001 as Qwen publishes)",
+    )
+    moe_aux_loss_scope: Literal["sequence", "global_batch"] = opt(
+        "sequence",
+        "the tokens each balancing-loss term is computed from: every sequence "
+        "(their mean is the loss), or the whole global batch (needs one forward per step: no "
+        "gradient accumulation, no pipeline); any layout computes the same loss",
+    )
+    moe_bias_update_rate: float = opt(
+        0.0,
+        "move each expert's routing bias by this rate towards the mean load after every step "
+        "(DeepSeek-V3's auxiliary-loss-free balancing; 0: off)",
     )

@@ -4,4 +4,5 @@ import titan.models.deepseek_v3  # noqa: F401
 import titan.models.gpt_oss  # noqa: F401
 import titan.models.llama3  # noqa: F401
 import titan.models.qwen3  # noqa: F401
+import titan.models.qwen3_5  # noqa: F401
 import titan.models.qwen3_next  # noqa: F401

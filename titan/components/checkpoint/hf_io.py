@@ -9,6 +9,7 @@ model.safetensors.index.json. Only safetensors are read, never .bin/.pth pickles
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -23,6 +24,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from titan.components.checkpoint.folders import CheckpointError, _quiet_no_dist
 from titan.models.spec import ModelArgs, StateDictAdapter, TrainSpec
 from titan.runtime.dtypes import dtype_name, to_dtype
+
+logger = logging.getLogger(__name__)
 
 HF_CONFIG = "config.json"
 HF_GENERATION_CONFIG = "generation_config.json"
@@ -426,10 +429,17 @@ def load_hf_into(
     config = hf_config if hf_config is not None else read_hf_config(hf_dir)
     adapter = adapter_class(spec)(args)
     reader = _HFReader(hf_dir)
-    files = {
-        name: (m.size, m.properties.dtype)
-        for name, m in reader.read_metadata().state_dict_metadata.items()
-    }
+    stored = reader.read_metadata().state_dict_metadata
+    file_name = adapter.follow_files(stored)  # a wrapped decoder's names, as to_hf's
+    left = len(stored) - len(file_name)
+    if left and _rank() == 0:
+        logger.info(
+            "%s: %d tensors beside the decoder (%s) left unread: titan trains its language model",
+            hf_dir,
+            left,
+            ", ".join(adapter.foreign_prefixes),
+        )
+    files = {name: (stored[f].size, stored[f].properties.dtype) for name, f in file_name.items()}
     odd = sorted(f"{n} ({d})" for n, (_, d) in files.items() if d not in _FLOAT_DTYPES)
     if odd:
         raise CheckpointError(
@@ -448,7 +458,7 @@ def load_hf_into(
 
     targets = {n: t for n, t in adapter.to_hf(state_titan).items() if n in files}
     with _quiet_no_dist():
-        dcp.load(targets, storage_reader=reader)
+        dcp.load({file_name[n]: t for n, t in targets.items()}, storage_reader=reader)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the meta pass above already warned
         state = adapter.from_hf(targets, hf_config=config)

@@ -85,11 +85,14 @@ def _local_experts(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 @dataclass(frozen=True)
 class FusedExperts:
     """One HF tensor (experts, ...) holding titan's stacked `parts` (names within a block),
-    interleaved along its last dimension when there are several (gate, up, gate, up, ...);
-    `transposed`: HF stores each expert's matrix as (in, out), titan as (out, in)."""
+    interleaved along its last dimension when there are several (gate, up, gate, up, ...), or
+    (`concatenated`) one after another along each expert's output rows (all gate rows, then
+    all up rows); `transposed`: HF stores each expert's matrix as (in, out), titan as
+    (out, in)."""
 
     parts: tuple[str, ...]
     transposed: bool = False
+    concatenated: bool = False
 
 
 def _global(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -109,7 +112,12 @@ def _fuse(parts: list[torch.Tensor], spec: FusedExperts) -> torch.Tensor:
     locals_ = [_local_experts(t)[0] for t in parts]
     if spec.transposed:
         locals_ = [t.transpose(-2, -1) if t.ndim == 3 else t for t in locals_]
-    fused = locals_[0] if len(locals_) == 1 else torch.stack(locals_, dim=-1).flatten(-2)
+    if len(locals_) == 1:
+        fused = locals_[0]
+    elif spec.concatenated:
+        fused = torch.cat(locals_, dim=-2)
+    else:
+        fused = torch.stack(locals_, dim=-1).flatten(-2)
     # a file stores it packed (safetensors refuses a transposed view)
     return _global(fused.contiguous(), parts[0])
 
@@ -117,8 +125,14 @@ def _fuse(parts: list[torch.Tensor], spec: FusedExperts) -> torch.Tensor:
 def _unfuse(fused: torch.Tensor, spec: FusedExperts) -> list[torch.Tensor]:
     local, _ = _local_experts(fused)
     n, out = len(spec.parts), []
+    rows = local.shape[-2] // n
     for i in range(n):
-        piece = local[..., i::n] if n > 1 else local
+        if n == 1:
+            piece = local
+        elif spec.concatenated:
+            piece = local[..., i * rows : (i + 1) * rows, :]
+        else:
+            piece = local[..., i::n]
         if spec.transposed and piece.ndim == 3:
             piece = piece.transpose(-2, -1)
         out.append(_global(piece.contiguous(), fused))
@@ -162,6 +176,36 @@ class DecoderHFAdapter:
     # HF name within a layer of a tensor holding every expert -> what of titan's it holds
     fused_expert_names: dict[str, FusedExperts] = {}
     interleaved_rope = False  # True: q/k rows are permuted between the two layouts
+    # a checkpoint holding the decoder inside a larger model (a vision-language model's
+    # language tower) names it under another prefix: (the file's prefix, the decoder's)
+    wrapped_prefixes: tuple[tuple[str, str], ...] = ()
+    # what such a checkpoint holds beside the decoder that titan does not train (a vision
+    # tower, multi-token-prediction layers): left in the files
+    foreign_prefixes: tuple[str, ...] = ()
+
+    def follow_files(self, file_names) -> dict[str, str]:
+        """{the name to_hf and from_hf use: the file's name} of a checkpoint's tensors, the
+        parts foreign to the decoder left out; to_hf then names the routed experts as these
+        files store them (a family that reads both layouts)."""
+        out = {}
+        for name in file_names:
+            if name.startswith(self.foreign_prefixes):
+                continue
+            mine = name
+            for wrapped, plain in self.wrapped_prefixes:
+                if name.startswith(wrapped):
+                    mine = plain + name[len(wrapped) :]
+                    break
+            out[mine] = name
+        per_expert = set(self.expert_names.values())
+
+        def one_per_expert(name: str) -> bool:
+            layer = _HF_LAYER.match(name)
+            e = layer and _HF_EXPERT.match(layer[2])
+            return bool(e) and f"{e[1]}.{{e}}.{e[3]}" in per_expert
+
+        self._per_expert_files = any(one_per_expert(n) for n in out)
+        return out
 
     def __init__(self, args):
         self.args = args
@@ -173,10 +217,12 @@ class DecoderHFAdapter:
         # titan name -> (stacked tensor, first expert held) of the last to_hf: from_hf hands
         # back that very tensor when the per-expert views it made were loaded in place
         self._split: dict[str, tuple[torch.Tensor, int]] = {}
+        self._per_expert_files = False  # follow_files saw one tensor per expert
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
-        fused_of = {p: hf for hf, f in self.fused_expert_names.items() for p in f.parts}
+        fused = {} if self._per_expert_files else self.fused_expert_names
+        fused_of = {p: hf for hf, f in fused.items() for p in f.parts}
         fusing: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         for name, t in state_dict.items():
             m = _TITAN_LAYER.match(name)

@@ -1,124 +1,23 @@
-"""Map titan's Qwen3-Next state dict and args to and from the HF hub layout of
-`Qwen3NextForCausalLM`. titan keeps the hub's layouts (the gated query projection, the linear
-layers' grouped projections and the convolution's channel order; zero-centred norm weights),
-so weights cross renamed, the convolution's (channels, kernel) gaining the hub's middle dim."""
+"""Qwen3-Next's hub layout (`Qwen3NextForCausalLM`): the hybrid decoder's own
+(titan.models.common.hybrid_hf)."""
 
-from titan.models.common.hf_adapter import (
-    BLOCK_NAMES,
-    ROUTER_NAMES,
-    SWIGLU_EXPERT_NAMES,
-    DecoderHFAdapter,
-    gqa_heads,
-    rope_settings,
-    sparse_moe_fields,
-)
-from titan.models.qwen3_next.args import Qwen3NextArgs
-
-_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention.in_qkvz.weight": "linear_attn.in_proj_qkvz.weight",
-    "attention.in_ba.weight": "linear_attn.in_proj_ba.weight",
-    "attention.conv": "linear_attn.conv1d.weight",
-    "attention.dt_bias": "linear_attn.dt_bias",
-    "attention.A_log": "linear_attn.A_log",
-    "attention.norm.weight": "linear_attn.norm.weight",
-    "attention.out.weight": "linear_attn.out_proj.weight",
-    "feed_forward.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
-    "feed_forward.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
-    "feed_forward.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
-    "feed_forward.shared_experts.gate.weight": "mlp.shared_expert_gate.weight",
-    **BLOCK_NAMES,
-    **ROUTER_NAMES,
-}
-_NO_BIAS = (
-    "Qwen3-Next in the hub layout has no routing bias: export a run trained with "
-    "qwen3_next.moe_bias_update_rate = 0, or keep the DCP checkpoint"
-)
+from titan.models.common.hybrid_args import HybridArgs
+from titan.models.common.hybrid_hf import HybridHFAdapter, hybrid_args_from_hf_config
 
 
-class Qwen3NextStateDictAdapter(DecoderHFAdapter):
+class Qwen3NextStateDictAdapter(HybridHFAdapter):
     family = "Qwen3-Next"
+    section = "qwen3_next"
     hf_model_types = ("qwen3_next",)
-    layer_names = _LAYER
-    expert_names = SWIGLU_EXPERT_NAMES
+    hf_architecture = "Qwen3NextForCausalLM"
 
     @classmethod
-    def export_problems(cls, args: Qwen3NextArgs) -> list[str]:
-        return [_NO_BIAS] if args.moe is not None and args.moe_bias_update_rate else []
-
-    def to_hf(self, state_dict):
-        if any(name.endswith("router.expert_bias") for name in state_dict):
-            raise ValueError(_NO_BIAS)
-        out = super().to_hf(state_dict)
-        for name, t in out.items():
-            if name.endswith("conv1d.weight"):
-                out[name] = t.unsqueeze(1)  # (channels, 1, kernel): a depthwise Conv1d's
-        return out
-
-    def from_hf(self, hf_state_dict, hf_config=None):
-        squeezed = {
-            k: v.squeeze(1) if k.endswith("conv1d.weight") else v for k, v in hf_state_dict.items()
-        }
-        return super().from_hf(squeezed, hf_config)
-
-    @classmethod
-    def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> Qwen3NextArgs:
+    def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> HybridArgs:
         return qwen3_next_args_from_hf_config(config, max_seq_len)
 
-    def hf_config(self) -> dict:
-        a = self.args
-        cfg = {
-            "architectures": ["Qwen3NextForCausalLM"],
-            "model_type": "qwen3_next",
-            "hidden_size": a.dim,
-            "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads,
-            "head_dim": a.head_dim,
-            "partial_rotary_factor": a.rotary_dim / a.head_dim,
-            "full_attention_interval": a.full_attention_interval,
-            "layer_types": [
-                "linear_attention" if a.is_linear_layer(i) else "full_attention"
-                for i in range(a.n_layers)
-            ],
-            "linear_num_key_heads": a.linear_k_heads,
-            "linear_num_value_heads": a.linear_v_heads,
-            "linear_key_head_dim": a.linear_k_dim,
-            "linear_value_head_dim": a.linear_v_dim,
-            "linear_conv_kernel_dim": a.conv_kernel,
-            "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "max_position_embeddings": a.context_len or a.max_seq_len,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "torch_dtype": "float32",
-        }
-        m = a.moe
-        cfg.update(
-            {
-                "num_experts": 0 if m is None else m.n_experts,
-                "num_experts_per_tok": 1 if m is None else m.top_k,
-                "moe_intermediate_size": 0 if m is None else m.hidden_dim,
-                "shared_expert_intermediate_size": a.shared_expert_dim,
-                "norm_topk_prob": True if m is None else m.norm_topk_prob,
-                "decoder_sparse_step": a.decoder_sparse_step,
-                "mlp_only_layers": list(a.mlp_only_layers),
-                "router_aux_loss_coef": a.moe_aux_loss_coeff,
-                "output_router_logits": False,
-            }
-        )
-        return cfg
 
-
-def qwen3_next_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Qwen3NextArgs:
-    """Map an HF Qwen3-Next config to Qwen3NextArgs; ValueError naming every field titan's
+def qwen3_next_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> HybridArgs:
+    """Map an HF Qwen3-Next config to HybridArgs; ValueError naming every field titan's
     Qwen3-Next cannot express."""
     c = dict(config)
     problems = []
@@ -126,59 +25,4 @@ def qwen3_next_args_from_hf_config(config: dict, max_seq_len: int | None = None)
         c.get("architectures") or []
     ):
         problems.append(f"model_type={c.get('model_type')!r} is not a Qwen3-Next model")
-    if c.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={c['hidden_act']!r} (titan uses SwiGLU with silu)")
-    if c.get("attention_bias"):
-        problems.append("attention_bias=true (titan's projections have no bias)")
-    n_heads, n_kv = gqa_heads(c, problems)
-    rope_theta, rope_type, rope, rope_problems = rope_settings(c)
-    # a partial rotation is this family's own (rotary_dim below)
-    problems += [p for p in rope_problems if not p.startswith("partial_rotary_factor")]
-    if rope_type != "default":
-        problems.append(f"rope type {rope_type!r} (titan's Qwen3-Next implements plain RoPE)")
-    n_layers = int(c["num_hidden_layers"])
-    head_dim = int(c.get("head_dim") or c["hidden_size"] // n_heads)
-    factor = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
-    interval = int(c.get("full_attention_interval", 4))
-    types = c.get("layer_types")
-    expected = [
-        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)
-    ]
-    if types is not None and list(types) != expected:
-        problems.append(
-            "layer_types other than full attention in every full_attention_interval-th layer"
-        )
-    moe_fields = _moe_fields(c, problems)
-    if problems:
-        raise ValueError("unsupported HF config for titan's Qwen3-Next: " + "; ".join(problems))
-    seq_len = int(max_seq_len or c.get("max_position_embeddings", 4096))
-    context = c.get("max_position_embeddings")
-    return Qwen3NextArgs(
-        **moe_fields,
-        dim=c["hidden_size"],
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=head_dim,
-        rotary_dim=int(head_dim * factor),
-        full_attention_interval=interval,
-        linear_k_heads=int(c["linear_num_key_heads"]),
-        linear_v_heads=int(c["linear_num_value_heads"]),
-        linear_k_dim=int(c["linear_key_head_dim"]),
-        linear_v_dim=int(c["linear_value_head_dim"]),
-        conv_kernel=int(c.get("linear_conv_kernel_dim", 4)),
-        ffn_hidden_dim=int(c["intermediate_size"]),
-        vocab_size=c["vocab_size"],
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        max_seq_len=seq_len,
-        context_len=None if context == seq_len else context,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-    )
-
-
-def _moe_fields(c: dict, problems: list[str]) -> dict:
-    fields = sparse_moe_fields(c, problems, norm_topk_prob=True)
-    if fields:
-        fields["shared_expert_dim"] = int(c.get("shared_expert_intermediate_size", 0))
-    return fields
+    return hybrid_args_from_hf_config(c, max_seq_len, "Qwen3-Next", problems)

@@ -1,7 +1,8 @@
-"""Qwen3-Next on the common decoder: blocks whose token mixer is Gated DeltaNet
-(titan.models.qwen3_next.gated_deltanet) in three of every four layers and gated full attention
-(common Attention with its output gate, RoPE on part of each head) in the fourth; SwiGLU or a
-softmax-routed MoE with a gated shared expert; zero-centred RMSNorms everywhere.
+"""The hybrid linear-attention decoder of Qwen3-Next and Qwen3.5 on the common decoder: blocks
+whose token mixer is Gated DeltaNet (titan.models.common.gated_deltanet) in three of every four
+layers and gated full attention (common Attention with its output gate, RoPE on part of each
+head) in the fourth; SwiGLU or a softmax-routed MoE with a gated shared expert; zero-centred
+RMSNorms everywhere. A family subclasses HybridDecoder under its own name.
 
 A linear layer's "mask" is the tokens that start a document (the decoder builds one per layer
 kind: `_masks`); its decode state lives in the decode cache beside the attention layers' keys.
@@ -15,11 +16,11 @@ from titan.models.common.attention import Attention
 from titan.models.common.decode import DecodeCache
 from titan.models.common.decoder import Decoder, TransformerBlock
 from titan.models.common.feed_forward import FeedForward
+from titan.models.common.gated_deltanet import GatedDeltaNet
+from titan.models.common.hybrid_args import HybridArgs
 from titan.models.common.init import normal, zeros
 from titan.models.common.moe import MoE
 from titan.models.common.rope import yarn_rope_table
-from titan.models.qwen3_next.args import Qwen3NextArgs
-from titan.models.qwen3_next.gated_deltanet import GatedDeltaNet
 from titan.parallelisms import sequence_shard
 
 LINEAR = "linear"  # the mask key of linear layers: their documents' first tokens
@@ -67,8 +68,8 @@ class LinearAttention(GatedDeltaNet):
         return out
 
 
-class Qwen3NextBlock(TransformerBlock):
-    def __init__(self, layer_id: int, args: Qwen3NextArgs, mixer: nn.Module, ffn: nn.Module):
+class HybridBlock(TransformerBlock):
+    def __init__(self, layer_id: int, args: HybridArgs, mixer: nn.Module, ffn: nn.Module):
         super().__init__(layer_id, args.dim, args.norm_eps, mixer, ffn)
         self.attention_norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
@@ -81,12 +82,12 @@ class Qwen3NextBlock(TransformerBlock):
         return inits
 
 
-class Qwen3Next(Decoder):
-    def __init__(self, args: Qwen3NextArgs):
+class HybridDecoder(Decoder):
+    def __init__(self, args: HybridArgs):
         super().__init__(args)
         self.norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
 
-    def build_block(self, layer_id: int, args: Qwen3NextArgs) -> nn.Module:
+    def build_block(self, layer_id: int, args: HybridArgs) -> nn.Module:
         if args.is_linear_layer(layer_id):
             mixer = LinearAttention(
                 args.dim,
@@ -114,9 +115,9 @@ class Qwen3Next(Decoder):
             ffn = MoE(args.dim, args.moe_args(), shared=shared)
         else:
             ffn = FeedForward(args.dim, args.ffn_hidden_dim)
-        return Qwen3NextBlock(layer_id, args, mixer, ffn)
+        return HybridBlock(layer_id, args, mixer, ffn)
 
-    def layer_window(self, layer_id: int, args: Qwen3NextArgs):
+    def layer_window(self, layer_id: int, args: HybridArgs):
         return LINEAR if args.is_linear_layer(layer_id) else None
 
     def attention_windows(self) -> set:
@@ -135,7 +136,7 @@ class Qwen3Next(Decoder):
         return masks
 
     @staticmethod
-    def rope_table(args: Qwen3NextArgs, device=None) -> torch.Tensor:
+    def rope_table(args: HybridArgs, device=None) -> torch.Tensor:
         return yarn_rope_table(
             args.rotary_dim, args.rope_theta, args.max_seq_len, None, 0, device=device
         )
@@ -145,3 +146,12 @@ class Qwen3Next(Decoder):
         super().init_weights(seed, buffer_device)
         if self.norm is not None:
             self.norm.weight.zero_()  # zero-centred: scale 1
+
+
+def parallelize_hybrid(model, dims, job):
+    # imported when a model is parallelized: the launcher's config check registers every
+    # family and needs none of DTensor/FSDP
+    from titan.models.common.hybrid_parallelize import mixer_plan, part_plan
+    from titan.models.common.parallelize import parallelize_decoder
+
+    return parallelize_decoder(model, dims, job, attention_plan=mixer_plan, part_plan=part_plan)

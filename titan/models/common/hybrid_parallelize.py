@@ -1,4 +1,5 @@
-"""Qwen3-Next's tensor-parallel plan: gated attention as the common plan splits attention
+"""The hybrid decoder's tensor-parallel plan (Qwen3-Next, Qwen3.5): gated attention as the
+common plan splits attention
 (each head's query and gate rows together); Gated DeltaNet split by key-head groups (a rank
 holds whole groups: their projection rows, decay parameters and convolution channels); the
 gated shared expert as a dense FFN, its gate whole on every rank."""
@@ -14,8 +15,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from titan.models.common.hybrid_decoder import GatedSharedExpert, LinearAttention
 from titan.models.common.parallelize import attention_plan, moe_plan, swiglu_ffn_plan
-from titan.models.qwen3_next.model import GatedSharedExpert, LinearAttention
 from titan.parallelisms.tensor_parallel import LocalTokens, local_in_forward
 
 

@@ -7,7 +7,7 @@ SiLU(z); the output projection.
 Parameters are laid out as the hub's: the input projections by key-head group (a key head and
 the value heads it serves), so that a tensor-parallel split of the heads splits them into
 contiguous rows; the convolution's channels as all queries, all keys, all values (a tensor-
-parallel rank convolves the rows of its own heads: titan.models.qwen3_next.parallelize).
+parallel rank convolves the rows of its own heads: titan.models.common.hybrid_parallelize).
 
 Documents (`resets`: a document's first token): the convolution sees no token of an earlier
 document and the recurrent state is emptied, so each document computes as if alone. A
@@ -196,7 +196,7 @@ class GatedDeltaNet(nn.Module):
         """`_mix` of this rank's 1/cp of the heads over every token, the result sent back to
         the ranks holding the tokens (the all-to-all exchanges of titan.parallelisms'
         SequenceShard)."""
-        if shard.across is not None:  # refused before launch (qwen3_next's plan check)
+        if shard.across is not None:  # refused before launch (hybrid_args' plan check)
             raise ValueError("Gated DeltaNet needs each sequence whole in an all-to-all group")
         cp, rank = shard.group.size(), dist.get_rank(group=shard.group)
 

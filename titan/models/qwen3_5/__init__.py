@@ -1,0 +1,32 @@
+"""Qwen3.5's text model (dense and MoE): the hybrid linear-attention decoder
+(titan.models.common.hybrid_decoder) with Qwen3.5's flavors and hub layout."""
+
+from titan.config import extensions
+from titan.models.common.hybrid_args import check_context_parallel_type
+from titan.models.common.hybrid_decoder import HybridDecoder, parallelize_hybrid
+from titan.models.common.moe_balance import moe_balance_hook
+from titan.models.common.pipeline import pipeline_decoder
+from titan.models.qwen3_5.args import QWEN3_5_FLAVORS
+from titan.models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
+from titan.models.spec import TrainSpec, register_train_spec
+
+
+class Qwen3_5(HybridDecoder):
+    pass
+
+
+extensions.register_plan_check(check_context_parallel_type)
+
+register_train_spec(
+    TrainSpec(
+        name="qwen3_5",
+        model_cls=Qwen3_5,
+        flavors=QWEN3_5_FLAVORS,
+        parallelize_fn=parallelize_hybrid,
+        pipelining_fn=pipeline_decoder,
+        state_dict_adapter=Qwen3_5StateDictAdapter,
+        post_optimizer_hooks=(moe_balance_hook,),
+    )
+)
+
+__all__ = ["QWEN3_5_FLAVORS", "Qwen3_5", "Qwen3_5StateDictAdapter"]

@@ -1,0 +1,11 @@
+"""Qwen3.5's own config section, [qwen3_5]: the balancing of its MoE flavors. Torch-free:
+the config parser loads it (titan.config.family_options)."""
+
+from dataclasses import dataclass
+
+from titan.config.moe_options import BalancedMoEOptions
+
+
+@dataclass
+class Options(BalancedMoEOptions):
+    pass
