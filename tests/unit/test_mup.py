@@ -45,9 +45,12 @@ def test_the_width_rules_of_adam_and_muon():
     assert rules.q_scale(16, 16) == 1.0 and rules.q_scale(64, 16) == 0.5
 
 
-def _model(width: int, base_width=None, family="llama3", flavor="debugmodel", seed=0):
+def _model(
+    width: int, base_width=None, family="llama3", flavor="debugmodel", seed=0, layers=2, **changes
+):
     spec = get_train_spec(family)
-    args = spec.flavors[flavor].with_updates(dim=width, n_layers=2, max_seq_len=32)
+    args = spec.flavors[flavor].with_updates(dim=width, max_seq_len=32, **changes)
+    args = args.with_updates(n_layers=layers or args.n_layers)
     conv = MupConverter(base_width) if base_width else None
     model = spec.build_meta(args)
     if conv:
@@ -199,11 +202,34 @@ def test_a_resume_keeps_the_parametrization(tmp_path):
             run_trainer(tmp_path, 1, [*tiny_run(4), *ck, *other])
     resumed = run_trainer(tmp_path, 1, [*tiny_run(4), *ck, "--mup.base_width", "64"])
     assert [r["step"] for r in resumed][-2:] == [3, 4]
-    # generation and evaluation build the plain model: they refuse it
+    # generation and evaluation build the plain model: they refuse it, naming the export
     from titan.tools.generate import GenerateError, open_checkpoint
 
-    with pytest.raises(GenerateError, match="was trained parametrized as"):
+    with pytest.raises(GenerateError, match="was trained parametrized as .* export it"):
         open_checkpoint(str(tmp_path / "dump" / "checkpoint" / "step-4"), [])
+
+
+@pytest.mark.needs("transformers")
+def test_an_hf_export_computes_the_mup_model_in_transformers(tmp_path):
+    """At lr 1e-30 (no float32 weight moves) the trained weights are the muP init, which the
+    test rebuilds; the run's HF export, loaded by transformers, gives its logits, and its
+    marker records no parametrization, so generation opens it."""
+    import transformers
+
+    from titan.components.checkpoint.trained_with import saved_trained_with
+    from titan.tools.generate import open_checkpoint
+
+    argv = [*tiny_run(2), "--mup.base_width", "64", "--optimizer.lr", "1e-30"]
+    ck = ["--checkpoint.enable", "--checkpoint.interval", "100", "--checkpoint.last_save_in_hf"]
+    run_trainer(tmp_path, 1, [*argv, *ck, "--training.seed", "3"])
+    export = tmp_path / "dump" / "checkpoint" / "step-2"
+    assert saved_trained_with(export)["parametrization"] == {}
+    open_checkpoint(str(export), [])  # not refused
+    mup, _ = _model(256, 64, seed=3, layers=None)  # the flavor's, as trained
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+    tokens = torch.randint(0, 2048, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, mup(tokens), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
@@ -224,10 +250,6 @@ def test_every_layout_trains_mup_as_one_rank(trained, tmp_path, layout):
         (
             ["--mup.base_width", "64", "--lora.rank", "4"],
             r"lora.rank = 4 .*use one of them",
-        ),
-        (
-            ["--mup.base_width", "64", "--checkpoint.enable", "--checkpoint.last_save_in_hf"],
-            r"checkpoint.last_save_in_hf = True .*no place for muP",
         ),
     ],
 )
@@ -251,6 +273,41 @@ def test_families_the_rules_do_not_cover_are_refused(name, flavor):
     )
     with pytest.raises(ConfigError, match=r"model.name .*muP supports the dense llama3 and qwen3"):
         plan_run(job, 1)
+
+
+def test_an_export_of_a_tied_flavor_is_refused_before_launch():
+    """The logit multiplier has no matrix of its own to fold into when the output is the
+    embedding."""
+    from titan.config import ConfigError, parse_args
+    from titan.plan.run_plan import plan_run
+
+    job = parse_args(
+        [*tiny_run(1), "--model.flavor", "debugmodel_tied", "--mup.base_width", "64"]
+        + ["--checkpoint.enable", "--checkpoint.last_save_in_hf"]
+    )
+    with pytest.raises(ConfigError, match=r"last_save_in_hf .*embedding shares"):
+        plan_run(job, 1)
+
+
+@pytest.mark.parametrize("family, flavor", [("llama3", "debugmodel"), ("qwen3", "debugmodel")])
+def test_folded_weights_compute_the_mup_model_plainly(family, flavor):
+    """The export's weights (logit multiplier in the output matrix, attention scale in the
+    query projection or its norm) in the plain model: the muP model's logits (float32
+    rounding of one extra product each)."""
+    from titan.components.checkpoint.train_state import ModelState
+
+    untied = {"tie_word_embeddings": False}  # qwen3's debug model ties them
+    mup, conv = _model(256, 64, family, flavor, seed=3, **untied)
+    plain, _ = _model(256, None, family, flavor, **untied)
+    folded = ModelState([mup], fold=lambda sd: conv.fold(sd, [mup])).exported(None)
+    assert folded.folded
+    plain.load_state_dict(folded.state_dict())
+    tokens = torch.randint(0, 2048, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(tokens), mup(tokens), rtol=0, atol=1e-5)
+        # not a vacuous equality: unfolded, the plain model computes other logits
+        plain.load_state_dict(mup.state_dict())
+        assert (plain(tokens) - mup(tokens)).abs().max() > 1e-2
 
 
 def test_the_coord_check_cli_prints_its_tables_and_json(tmp_path, capsys):

@@ -69,6 +69,12 @@ class Converter:
         """The plain model's state from the whole converted state, for exports."""
         return state
 
+    def fold(self, state: dict, parts) -> dict:
+        """The state with what this converter multiplies at run time (muP's multipliers)
+        folded into the weights, so that the plain model computes the same: what an export
+        (a final model-only or HF save) holds."""
+        return state
+
     def identity(self) -> dict:
         """Settings a training checkpoint records; a resume must have the same ones."""
         return {}
@@ -177,10 +183,20 @@ class Converters:
     def model_state(self, parts):
         from titan.components.checkpoint.train_state import ModelState
 
+        folding = [c for c in self.items if type(c).fold is not Converter.fold]
+
+        def fold(sd: dict) -> dict:
+            for c in folding:
+                sd = c.fold(sd, parts)
+            return sd
+
+        fold_ = fold if folding else None
         if self.partial is None:
-            return ModelState(parts)
+            return ModelState(parts, fold=fold_)
         merge = self.partial.merge
-        return ModelState(parts, trained=self.partial.trained(), merge=lambda sd: merge(sd, parts))
+        return ModelState(
+            parts, trained=self.partial.trained(), merge=lambda sd: merge(sd, parts), fold=fold_
+        )
 
     def identity(self) -> dict:
         """What the partial converter records (empty without one)."""

@@ -318,8 +318,10 @@ def refuse_parametrized(path: Path) -> None:
     if parametrization:
         raise GenerateError(
             f"{path} was trained parametrized as {parametrization}, which the model built "
-            "here would not apply (its outputs would be another model's); evaluate it in the "
-            "training loop ([eval], [validation]) instead"
+            "here would not apply (its outputs would be another model's); export it "
+            "(checkpoint.last_save_model_only or last_save_in_hf: the export folds the "
+            "multipliers into the weights), or evaluate it in the training loop ([eval], "
+            "[validation])"
         )
 
 

@@ -420,7 +420,7 @@ class Checkpointer:
         if model_only:
             # an export (final save) in export_dtype; a seed checkpoint (step 0) as initialized
             dtype = to_dtype(self.cfg.export_dtype) if step > 0 else None
-            state = {"model": self.states["model"].exported(dtype)}
+            state = {"model": self.states["model"].exported(dtype, folded=step > 0)}
         else:
             state = dict(self.states)
         path = step_folder(self.root, step)
@@ -440,7 +440,7 @@ class Checkpointer:
                 if self.on_export is not None:
                     self.on_export(path)
             self._phase("written", step)
-            self._mark_complete(path, step, model_only, fmt="hf")
+            self._mark_complete(path, step, model_only, fmt="hf", folded=state["model"].folded)
             blocked = time.perf_counter() - t0
             logger.info("checkpoint step %d saved as an HF folder %s in %.2fs", step, path, blocked)
             return blocked
@@ -480,7 +480,7 @@ class Checkpointer:
             with self._writing(path, step):
                 dcp.save(state, checkpoint_id=str(path), storage_writer=writer)
             self._phase("written", step)
-            self._mark_complete(path, step, model_only)
+            self._mark_complete(path, step, model_only, folded=model_only and state["model"].folded)
         blocked = time.perf_counter() - t0
         logger.info(
             "checkpoint step %d %s (%s, training blocked %.2fs)",
@@ -628,10 +628,17 @@ class Checkpointer:
         self._phase("written", step)
         self._mark_complete(path, step, model_only=False)
 
-    def _mark_complete(self, path: Path, step: int, model_only: bool, fmt: str = "dcp") -> None:
+    def _mark_complete(
+        self, path: Path, step: int, model_only: bool, fmt: str = "dcp", folded: bool = False
+    ) -> None:
+        """`folded`: the weights hold the run-time multipliers (an export): the plain model
+        computes what the run did, so the marker records no parametrization."""
         # every rank's writes and the metadata are done when dcp.save / the future returns
         if self.rank != 0:
             return
+        trained_with = self.trained_with
+        if folded and trained_with:
+            trained_with = {**trained_with, "parametrization": {}}
         files = collect_sidecars(path)
         write_complete_marker(
             path,
@@ -641,7 +648,7 @@ class Checkpointer:
             fmt,
             model=self.identity.record() if self.identity else None,
             files=files or None,
-            trained_with=self.trained_with,
+            trained_with=trained_with,
         )
         remove_sidecars(path)
         if self._purger is not None:

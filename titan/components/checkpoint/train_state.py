@@ -46,12 +46,14 @@ class ModelState:
         *,
         trained: Callable[[str], bool] | None = None,
         merge: Callable[[dict], dict] | None = None,
+        fold: Callable[[dict], dict] | None = None,
     ):
         self.parts, self.export_dtype = parts, export_dtype
-        self.trained, self.merge = trained, merge
+        self.trained, self.merge, self.fold = trained, merge, fold
         self.ties = tied_names(parts)
         self._keep: Callable[[str], bool] | None = trained  # the keys this view reads
         self._merged = False
+        self._folded = False
 
     @property
     def partial(self) -> bool:
@@ -65,11 +67,19 @@ class ModelState:
             view._keep = lambda k: not self.trained(k)
         return view
 
-    def exported(self, dtype: torch.dtype | None) -> "ModelState":
-        """The whole plain model in `dtype`: what a final model-only save writes."""
-        view = ModelState(self.parts, dtype, merge=self.merge)
+    def exported(self, dtype: torch.dtype | None, folded: bool = True) -> "ModelState":
+        """The whole plain model in `dtype`: what a final model-only save writes; `folded`:
+        with the run-time multipliers folded into the weights (`fold`: an export), else as
+        trained (a seed checkpoint, which a run with the same converters starts from)."""
+        view = ModelState(self.parts, dtype, merge=self.merge, fold=self.fold)
         view._merged = self.merge is not None
+        view._folded = folded and self.fold is not None
         return view
+
+    @property
+    def folded(self) -> bool:
+        """Whether this view's weights hold the run-time multipliers (an export's)."""
+        return self._folded
 
     def _own(self, part: nn.Module) -> dict:
         sd = get_model_state_dict(part)
@@ -81,6 +91,8 @@ class ModelState:
             sd.update(get_model_state_dict(part) if self._merged else self._own(part))
         if self._merged:
             sd = self.merge(sd)
+        if self._folded:
+            sd = self.fold(sd)
         sd = saved_form(sd, self.ties)
         if self.export_dtype is not None:
             sd = {k: v.to(self.export_dtype) for k, v in sd.items()}

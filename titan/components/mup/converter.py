@@ -50,6 +50,29 @@ class MupConverter(Converter):
             if scale != 1.0:
                 p.mul_(scale)
 
+    @torch.no_grad()
+    def fold(self, state: dict, parts) -> dict:
+        """The logit multiplier into the output matrix, the attention scale into each query
+        (its norm's weight, or its projection where it has no norm): RoPE is linear, so a
+        query scaled before it is the query scaled after it."""
+        if self.m is None:
+            return state
+        out = dict(state)
+        if "output.weight" in out:
+            if any("output.weight" in pair for part in parts for pair in part.tied_parameters()):
+                raise ValueError(
+                    "muP's logit multiplier cannot be folded into an output matrix the "
+                    "embedding shares: train muP untied to export it"
+                )
+            out["output.weight"] = out["output.weight"] * (1.0 / self.m)
+        if self.q_scale == 1.0:
+            return out
+        for part in parts:
+            for name, module in part.named_modules():
+                if isinstance(module, Attention):
+                    _fold_q_scale(out, clean_name(name), module, self.q_scale)
+        return out
+
     def parametrization(self) -> dict:
         return {"mup": {"base_width": self.base_width, "base_head_dim": self.base_head_dim}}
 
@@ -79,6 +102,25 @@ class MupConverter(Converter):
             1.0 / m,
             self.q_scale,
         )
+
+
+def _fold_q_scale(state: dict, prefix: str, attention: Attention, scale: float) -> None:
+    norm = attention.q_norm
+    if norm is not None:
+        if type(norm) is not torch.nn.RMSNorm or norm.weight is None:
+            raise ValueError(
+                f"{prefix}: muP's attention scale cannot be folded into a "
+                f"{type(norm).__name__}: export needs a plain RMSNorm on the queries"
+            )
+        key = f"{prefix}.q_norm.weight"
+        if key in state:
+            state[key] = state[key] * scale
+        return
+    if attention.gated:
+        raise ValueError(f"{prefix}: the query rows of a gated projection are not folded")
+    for key in (f"{prefix}.wq.weight", f"{prefix}.wq.bias"):
+        if key in state:
+            state[key] = state[key] * scale
 
 
 def build(job) -> MupConverter:

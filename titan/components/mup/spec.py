@@ -32,7 +32,7 @@ class Mup:
 def check(job) -> None:
     from titan.config.manager import require_all
 
-    m, ck = job.mup, job.checkpoint
+    m = job.mup
     require_all(
         job,
         (
@@ -50,13 +50,6 @@ def check(job) -> None:
                 "muP parametrizes pretraining from its own init; LoRA fine-tunes a given "
                 "model: use one of them",
             ),
-            (
-                not ck.last_save_in_hf,
-                "checkpoint.last_save_in_hf",
-                "an HF model has no place for muP's logit and attention multipliers, so the "
-                "export would compute other logits; export in titan's format "
-                "(checkpoint.last_save_model_only)",
-            ),
         ),
     )
 
@@ -72,6 +65,18 @@ def plan_check(job, train_spec, model_args, device: str) -> None:
         "model.name",
         f"muP supports the dense {' and '.join(FAMILIES)} models, not "
         f"{job.model.name} {job.model.flavor}; train it without muP (mup.base_width = 0)",
+    )
+    ck = job.checkpoint
+    require(
+        job,
+        not (
+            getattr(model_args, "tie_word_embeddings", False)
+            and ck.enable
+            and (ck.last_save_model_only or ck.last_save_in_hf)
+        ),
+        "checkpoint.last_save_in_hf" if ck.last_save_in_hf else "checkpoint.last_save_model_only",
+        "the export folds muP's logit multiplier into the output matrix, which this flavor's "
+        "embedding shares: train untied, or keep the training checkpoint (no export)",
     )
     base_hd = job.mup.base_head_dim or model_args.with_updates(dim=job.mup.base_width).head_dim
     require(
