@@ -30,6 +30,9 @@ OPTIONAL = {
     "transformers": "test",
     "peft": "test",
     "ruff": "test",
+    "moto": "test",
+    "s3fs": "s3",
+    "upath": "s3",
 }
 # importers whose imports count as the project's own (libraries' imports of each other are
 # theirs to guard)

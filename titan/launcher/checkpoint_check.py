@@ -21,14 +21,20 @@ from titan.runtime.paths import resolve
 
 def check_checkpoints(job: JobConfig, plan) -> None:
     """ConfigError for a checkpoint the run would refuse, or a disk it would fill."""
+    from titan.components.checkpoint.storage import checkpoint_root
+
     ck = job.checkpoint
-    root = Path(job.job.dump_folder) / ck.folder
+    root = checkpoint_root(job.job.dump_folder, ck.folder)
     resuming = ck.enable and (ck.load_step >= 0 or any(root.glob("step-*")))
     if resuming or (ck.initial_load_path and not ck.initial_load_in_hf):
         _check_loaded_folder(job, plan, root, resuming)
+    free = free_bytes(root) if ck.enable else 0
+    if free is None:
+        print(f"titan: {root} is object storage: no free-space check before saves", flush=True)
+        return
     # the exact size needs the meta model (building one imports torch's compiler, a second);
     # a disk with room for any likely optimizer's save is passed without it
-    if ck.enable and free_bytes(root) < generous_save_bytes(plan.model_args.num_params()):
+    if ck.enable and free < generous_save_bytes(plan.model_args.num_params()):
         from titan.trainer.build import training_save_bytes
 
         need = training_save_bytes(job, plan)

@@ -6,7 +6,6 @@ the next run loads (titan.components.checkpoint.folders). `status` says which th
 """
 
 import signal
-from pathlib import Path
 
 STOPPING = (signal.SIGINT, signal.SIGTERM)
 _received: int | None = None
@@ -62,10 +61,11 @@ def received() -> int | None:
 def status(checkpoint_cfg, dump_folder: str) -> str:
     """Where the next run starts, for the line that reports a stop."""
     from titan.components.checkpoint.folders import COMPLETE_MARKER, folder_problem, step_folders
+    from titan.components.checkpoint.storage import checkpoint_root
 
     if not checkpoint_cfg.enable:
         return "checkpointing is off (checkpoint.enable): the next run starts from step 0"
-    root = Path(dump_folder) / checkpoint_cfg.folder
+    root = checkpoint_root(dump_folder, checkpoint_cfg.folder)
     done = [
         p
         for _, p in (step_folders(root) if root.is_dir() else [])

@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import queue
-import shutil
 import signal
 import threading
 import time
@@ -21,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
@@ -42,10 +40,16 @@ from titan.components.checkpoint.folders import (
 )
 from titan.components.checkpoint.identity import INITIAL_LOAD_FIX, RESUME_FIX, refusal
 from titan.components.checkpoint.integrity import (
-    ChecksummingWriter,
+    checksumming_writer,
     collect_sidecars,
     file_problem,
     remove_sidecars,
+)
+from titan.components.checkpoint.storage import (
+    checkpoint_root,
+    dcp_reader,
+    make_folder,
+    remove_tree,
 )
 from titan.components.checkpoint.trained_with import resume_problem
 from titan.runtime.dtypes import to_dtype
@@ -217,7 +221,7 @@ class Checkpointer:
         trained_with: dict | None = None,
     ):
         self.cfg = cfg
-        self.root = Path(dump_folder) / cfg.folder
+        self.root = checkpoint_root(dump_folder, cfg.folder)
         self.states = states
         self.rank = rank
         self.layout = layout
@@ -332,7 +336,7 @@ class Checkpointer:
 
     def _dcp_load(self, state: dict, path: Path) -> None:
         t0 = time.perf_counter()
-        md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        md = dcp_reader(path).read_metadata().state_dict_metadata
         if "train_state" in state:
             state["train_state"].saved_keys = {
                 k.split(".", 1)[1] for k in md if k.startswith("train_state.")
@@ -354,7 +358,9 @@ class Checkpointer:
                 )
         try:
             dcp.load(
-                state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=False)
+                state,
+                storage_reader=dcp_reader(path),
+                planner=DefaultLoadPlanner(allow_partial_load=False),
             )
         finally:
             if "dataloader" in state:
@@ -426,8 +432,8 @@ class Checkpointer:
         path = step_folder(self.root, step)
         self._check_space(path, model_only, getattr(state.get("model"), "export_dtype", None))
         if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # a re-run of a step rewrites it whole
-            path.mkdir(parents=True)
+            remove_tree(path)  # a re-run of a step rewrites it whole
+            make_folder(path)
         dist.barrier()
         if model_only and step > 0 and self.cfg.last_save_in_hf:
             with self._writing(path, step):
@@ -464,16 +470,14 @@ class Checkpointer:
                     state,
                     checkpoint_id=str(path),
                     async_stager=self._stager(),
-                    storage_writer=ChecksummingWriter(
-                        str(path), thread_count=self.cfg.write_threads
-                    ),
+                    storage_writer=checksumming_writer(path, thread_count=self.cfg.write_threads),
                     async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 )
             self._pending = (response.upload_completion, path, step)
             self._staging = (response.staging_completion, step)
         else:
-            writer = ChecksummingWriter(
-                str(path),
+            writer = checksumming_writer(
+                path,
                 on_write=lambda: self._phase("writing", step),
                 thread_count=self.cfg.write_threads,
             )
@@ -535,7 +539,7 @@ class Checkpointer:
         # DCP wraps each rank's OSError its own way, in a CheckpointException: a BaseException
         except (Exception, CheckpointException) as e:  # noqa: BLE001
             if self.rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree(path)
             kept = next(
                 (
                     p.name
@@ -665,7 +669,9 @@ class Checkpointer:
             # torn saves older than the newest complete one will never be completed
             doomed += [p for s, p in steps if s < newest and not (p / COMPLETE_MARKER).is_file()]
             for p in doomed:
-                shutil.rmtree(p, ignore_errors=True)
+                # the marker first: a removal cut short leaves no folder that claims to be whole
+                (p / COMPLETE_MARKER).unlink(missing_ok=True)
+                remove_tree(p)
                 logger.info(
                     "removed old checkpoint %s (keep_latest_k=%d)", p.name, self.cfg.keep_latest_k
                 )

@@ -47,15 +47,23 @@ def model_save_bytes(model, optimizer_cfg, sections: dict, trained_only: bool = 
     return save_bytes(named, optimizer_cfg, sections)
 
 
-def free_bytes(folder: Path) -> int:
+def free_bytes(folder: Path) -> int | None:
+    """The free bytes of `folder`'s disk; None on an object store (no such figure: a bucket
+    has no size, a quota is the provider's)."""
+    from titan.components.checkpoint.storage import is_remote
+
+    if is_remote(folder):
+        return None
     while not folder.exists():
         folder = folder.parent
     return shutil.disk_usage(folder).free
 
 
 def space_problem(folder: Path, need: int) -> str | None:
-    """Why `folder`'s disk cannot take `need` more bytes (None if it can)."""
+    """Why `folder`'s disk cannot take `need` more bytes (None if it can, or cannot know)."""
     free = free_bytes(folder)
+    if free is None:
+        return None
     if free >= need:
         return None
     return (

@@ -19,7 +19,6 @@ saves and restores a training run with them.
 import contextlib
 import json
 import logging
-import os
 import re
 import time
 import warnings
@@ -27,9 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from titan.components.checkpoint.integrity import file_problem
+from titan.components.checkpoint.storage import as_path, dcp_reader, write_whole
 
 COMPLETE_MARKER = ".complete"
 MODEL_KEY = "model"
@@ -61,14 +60,14 @@ def step_folders(root: Path) -> list[tuple[int, Path]]:
 
 def latest_complete_step(root: str | Path) -> Path | None:
     """The highest `step-N` folder under `root` that holds the `.complete` marker."""
-    for _, p in reversed(step_folders(Path(root))):
+    for _, p in reversed(step_folders(as_path(root))):
         if (p / COMPLETE_MARKER).is_file():
             return p
     return None
 
 
 def check_complete(path: str | Path) -> Path:
-    path = Path(path)
+    path = as_path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint folder {str(path)!r} does not exist")
     if not (path / COMPLETE_MARKER).is_file():
@@ -94,28 +93,21 @@ def write_complete_marker(
     files: dict[str, list[int]] | None = None,
     trained_with: dict | None = None,
 ) -> None:
-    """Mark `path` complete: write a temp file, fsync it, rename it into place. The marker
+    """Mark `path` complete, written whole (storage.write_whole) and last. The marker
     records the step, the format ("dcp", or "hf" for an HF export), the parallel layout that
     saved it, the model it holds (`identity.ModelIdentity`'s record), what else it trained
     with (`trained_with`: optimizer, tokenizer) and each file's [crc32, size] as written."""
-    tmp = path / (COMPLETE_MARKER + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(
-            {
-                "step": step,
-                "model_only": model_only,
-                "time": time.time(),
-                "layout": layout,
-                "format": fmt,
-                "model": model,
-                "files": files,
-                "trained_with": trained_with,
-            },
-            f,
-        )
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / COMPLETE_MARKER)
+    marker = {
+        "step": step,
+        "model_only": model_only,
+        "time": time.time(),
+        "layout": layout,
+        "format": fmt,
+        "model": model,
+        "files": files,
+        "trained_with": trained_with,
+    }
+    write_whole(path / COMPLETE_MARKER, json.dumps(marker))
 
 
 def _marker(path: Path) -> dict:
@@ -165,7 +157,7 @@ def folder_problem(path: Path, verify: str = "fast") -> str | None:
         if why:
             return why
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = dcp_reader(path).read_metadata()
     except Exception as e:  # noqa: BLE001  any unreadable metadata means unusable
         return f"unreadable metadata ({type(e).__name__}: {e})"
     sizes: dict[str, int] = {}
@@ -264,7 +256,7 @@ def intact_folder(path: Path, flag: str, using: str, warn) -> Path:
 
 
 def saved_keys(path: Path) -> set[str]:
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = dcp_reader(path).read_metadata()
     return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
 
 
@@ -304,7 +296,7 @@ def dcp_model_metadata(path: str | Path) -> dict[str, tuple[torch.Size, torch.dt
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = check_complete(path)
-    md = FileSystemReader(str(path)).read_metadata()
+    md = dcp_reader(path).read_metadata()
     planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
     out: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for key, meta in md.state_dict_metadata.items():
@@ -340,7 +332,7 @@ def load_dcp_model_state(path: str | Path) -> dict[str, torch.Tensor]:
         name: torch.empty(size, dtype=dtype, device="cpu") for name, (size, dtype) in meta.items()
     }
     with _quiet_no_dist():
-        dcp.load({MODEL_KEY: state}, checkpoint_id=str(path), no_dist=True)
+        dcp.load({MODEL_KEY: state}, storage_reader=dcp_reader(as_path(path)), no_dist=True)
     return {canonical_name(name): t for name, t in state.items()}
 
 

@@ -29,6 +29,7 @@ from titan.components.checkpoint.folders import (
     dcp_model_metadata,
     saved_model,
 )
+from titan.components.checkpoint.storage import as_path, dcp_reader
 from titan.components.checkpoint.tied_state import saved_form
 
 logger = logging.getLogger(__name__)
@@ -255,7 +256,7 @@ def _equal_tensors(path: Path, a: str, b: str) -> bool:
     meta = dcp_model_metadata(path)
     state = {n: torch.empty(meta[n][0], dtype=meta[n][1]) for n in (a, b)}
     with _quiet_no_dist():
-        dcp.load({MODEL_KEY: state}, checkpoint_id=str(path), no_dist=True)
+        dcp.load({MODEL_KEY: state}, storage_reader=dcp_reader(as_path(path)), no_dist=True)
     return torch.equal(state[a], state[b])
 
 

@@ -14,12 +14,15 @@ over the ranks, each reading its share), "fast" compares sizes only, "off" trust
 import contextlib
 import io
 import json
-import os
 import zlib
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from titan.components.checkpoint.storage import as_path, is_remote, write_whole
 
 SIDECAR_SUFFIX = ".checksums.json"
 _READ_CHUNK = 16 << 20
@@ -47,16 +50,16 @@ class _ChecksummingStream(io.RawIOBase):
         return self.raw.tell()
 
     def fileno(self) -> int:
-        return self.raw.fileno()
+        return self.raw.fileno()  # an object store's stream has none: DCP then skips fsync
 
     def flush(self) -> None:
         self.raw.flush()
 
 
-class _ChecksummingFileSystem(FileSystem):
-    def __init__(self):
-        super().__init__()
-        self.sums: dict[str, list[int]] = {}  # file name -> [crc32, size]
+class _Summing:
+    """A DCP file system (on disk, or fsspec's) whose write streams checksum what passes."""
+
+    sums: dict[str, list[int]]  # file name -> [crc32, size]
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -67,17 +70,33 @@ class _ChecksummingFileSystem(FileSystem):
             wrapped = _ChecksummingStream(stream)
             yield wrapped
             wrapped.flush()
-            name = Path(path).name
+            name = str(path).rstrip("/").rsplit("/", 1)[-1]
             # .metadata is written as .metadata.tmp, then renamed
             self.sums[name.removesuffix(".tmp")] = [wrapped.crc, wrapped.size]
 
 
-class ChecksummingWriter(FileSystemWriter):
+class _SummingFileSystem(_Summing, FileSystem):
+    def __init__(self):
+        super().__init__()
+        self.sums = {}
+
+
+class _SummingFsspec(_Summing, FsspecFileSystem):
+    def __init__(self):
+        super().__init__()
+        self.sums = {}
+
+
+class _ChecksummingWriting:
     """DCP's file writer, leaving `<prefix>.checksums.json` beside the files it wrote."""
 
     def __init__(self, path, on_write=None, **kwargs):
         super().__init__(path, **kwargs)
-        self.fs = _ChecksummingFileSystem()
+        if isinstance(self, FsspecWriter):
+            self.fs = _SummingFsspec()
+            self.path = self.fs.init_path(path)
+        else:
+            self.fs = _SummingFileSystem()
         self.on_write = on_write  # called as this rank starts writing its files
 
     def write_data(self, plan, planner):
@@ -85,24 +104,31 @@ class ChecksummingWriter(FileSystemWriter):
             self.on_write()
         self.fs.sums.clear()
         future = super().write_data(plan, planner)  # done when it returns: files are closed
-        _write_sidecar(
-            Path(self.path) / f"{plan.storage_data.prefix}{SIDECAR_SUFFIX}", self.fs.sums
+        folder = as_path(str(self.path))
+        write_whole(
+            folder / f"{plan.storage_data.prefix}{SIDECAR_SUFFIX}", json.dumps(self.fs.sums)
         )
         return future
 
     def finish(self, metadata, results) -> None:
         self.fs.sums.clear()
         super().finish(metadata, results)
-        _write_sidecar(Path(self.path) / f"metadata{SIDECAR_SUFFIX}", self.fs.sums)
+        folder = as_path(str(self.path))
+        write_whole(folder / f"metadata{SIDECAR_SUFFIX}", json.dumps(self.fs.sums))
 
 
-def _write_sidecar(path: Path, sums: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(sums, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+class ChecksummingWriter(_ChecksummingWriting, FileSystemWriter):
+    pass
+
+
+class RemoteChecksummingWriter(_ChecksummingWriting, FsspecWriter):
+    """The same through fsspec, for a folder on an object store (a URL)."""
+
+
+def checksumming_writer(path, **kwargs):
+    """The checksumming DCP writer for a step folder: on disk, or on an object store."""
+    cls = RemoteChecksummingWriter if is_remote(path) else ChecksummingWriter
+    return cls(str(path), **kwargs)
 
 
 def collect_sidecars(folder: Path) -> dict[str, list[int]]:
@@ -121,7 +147,7 @@ def remove_sidecars(folder: Path) -> None:
 
 def file_crc32(path: Path) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_READ_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc

@@ -121,6 +121,15 @@ def check_plan(job, plan) -> None:
             f"checkpoint.{key}",
             f"model {m.name} registers no HF state-dict adapter",
         )
+    from titan.components.checkpoint.storage import is_remote
+
+    require(
+        job,
+        not is_remote(ck.initial_load_path or ""),
+        "checkpoint.initial_load_path",
+        "a URL: loading a start from object storage is not supported yet; copy it to a local "
+        "folder first (e.g. `aws s3 sync`)",
+    )
     require(
         job,
         not ck.initial_load_path or resolve(ck.initial_load_path).is_dir(),
@@ -142,12 +151,29 @@ def check_writable(job) -> None:
     disk holds one more save is the launcher's `checkpoint_check`)."""
     from pathlib import Path
 
+    from titan.components.checkpoint.storage import is_remote, store_problem
     from titan.config import ConfigError
 
+    ck = job.checkpoint
+    if is_remote(job.job.dump_folder):
+        raise ConfigError(
+            f"job.dump_folder = {job.job.dump_folder!r}: the dump folder holds the run's logs, "
+            "metrics and TensorBoard files and must be local; put the checkpoints on object "
+            "storage with checkpoint.folder = 's3://bucket/prefix'"
+        )
     dump = Path(job.job.dump_folder)
     targets = [("job.dump_folder", dump)]
-    if job.checkpoint.enable:
-        targets.append(("checkpoint.folder", dump / job.checkpoint.folder))
+    if ck.enable and is_remote(ck.folder):
+        if ck.last_save_in_hf:
+            raise ConfigError(
+                f"checkpoint.last_save_in_hf: an HF export into {ck.folder} (object storage) "
+                "is not supported yet; export to a local checkpoint.folder, or set "
+                "last_save_model_only for a DCP export there"
+            )
+        if why := store_problem(ck.folder):
+            raise ConfigError(f"checkpoint.folder = {ck.folder!r}: {why}")
+    elif ck.enable:
+        targets.append(("checkpoint.folder", dump / ck.folder))
     for key, path in targets:
         why = _probe_write(_existing_ancestor(path))
         if why:

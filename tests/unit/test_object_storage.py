@@ -1,0 +1,205 @@
+"""Checkpoints on object storage (checkpoint.folder = "s3://bucket/prefix"), against a real S3
+server on 127.0.0.1 (moto's server mode): a run saves into the bucket and resumes from it bit
+for bit, also onto another layout; retention removes whole prefixes; a torn upload (no
+marker) and a corrupted object are skipped for the previous step; what cannot work is one
+line before any rank starts. tests/integration/test_object_storage.py kills a rank during an
+upload under run_train.sh."""
+
+import json
+import sys
+
+import pytest
+
+from tests.forked import rank_logs, run_trainer, tiny_run
+from tests.s3_server import forget_clients, keys, s3_server
+from titan.config import ConfigError
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
+SERVED = pytest.mark.needs("moto", "s3fs", "upath")  # the tests that talk to the server
+
+BUCKET = "titan-ckpt"
+STEPS = 6
+EVERY_2 = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+def folder(prefix: str, keep: int = 0) -> list[str]:
+    return [
+        *EVERY_2,
+        "--checkpoint.folder",
+        f"s3://{BUCKET}/{prefix}",
+        "--checkpoint.keep_latest_k",
+        str(keep),
+    ]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server(BUCKET) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """6 steps on a local disk, uninterrupted: what every stored run must reproduce."""
+    return [r["loss"] for r in run_trainer(tmp_path_factory.mktemp("straight"), 1, tiny_run(6))]
+
+
+def steps_in(client, prefix: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for key in keys(client, BUCKET, f"{prefix}/"):
+        step, name = key[len(prefix) + 1 :].split("/", 1)
+        out.setdefault(step, []).append(name)
+    return out
+
+
+def stop_after(client, prefix: str, step: int) -> None:
+    """The bucket as if the job had stopped after `step`'s save: the later steps' objects
+    deleted."""
+    for key in keys(client, BUCKET, f"{prefix}/"):
+        if int(key[len(prefix) + 1 :].split("/", 1)[0].removeprefix("step-")) > step:
+            client.delete_object(Bucket=BUCKET, Key=key)
+
+
+@SERVED
+def test_a_run_saves_into_the_bucket_and_resumes_bitwise(s3, straight, tmp_path):
+    first = run_trainer(tmp_path / "a", 1, [*tiny_run(STEPS), *folder("run", keep=2)])
+    assert [r["loss"] for r in first] == straight
+    stored = steps_in(s3, "run")
+    # keep_latest_k = 2: step-2's prefix removed whole once step-6 was complete
+    assert sorted(stored) == ["step-4", "step-6"]
+    for names in stored.values():
+        # the shards, DCP's metadata and the marker, and no checksum sidecar left behind
+        assert ".complete" in names and ".metadata" in names
+        assert any(n.endswith(".distcp") for n in names)
+        assert not any(n.endswith(".checksums.json") for n in names)
+    marker = json.loads(s3.get_object(Bucket=BUCKET, Key="run/step-4/.complete")["Body"].read())
+    sizes = {
+        k.rsplit("/", 1)[1]: s3.head_object(Bucket=BUCKET, Key=k)["ContentLength"]
+        for k in keys(s3, BUCKET, "run/step-4/")
+    }
+    assert {n: size for n, (_, size) in marker["files"].items()} == {
+        n: size for n, size in sizes.items() if n != ".complete"
+    }
+    stop_after(s3, "run", 4)
+    second = run_trainer(tmp_path / "b", 1, [*tiny_run(STEPS), *folder("run", keep=2)])
+    assert "resumed from s3://titan-ckpt/run/step-4 at step 4" in rank_logs(tmp_path / "b", 1)
+    assert [r["loss"] for r in second] == straight[4:]
+
+
+@SERVED
+def test_a_two_rank_save_resumes_on_one_rank(s3, straight, tmp_path):
+    """Saved by FSDP on 2 ranks, uploading in the background (async saves: DCP's saving
+    process), resumed in one process: DCP reshards from the bucket."""
+    fsdp = ["--parallelism.data_parallel_shard_degree", "2", "--checkpoint.async_mode", "async"]
+    first = run_trainer(tmp_path / "a", 2, [*tiny_run(STEPS), *folder("layout"), *fsdp])
+    assert [r["loss"] for r in first] == pytest.approx(straight, rel=1e-5)
+    stop_after(s3, "layout", 4)
+    second = run_trainer(tmp_path / "b", 1, [*tiny_run(STEPS), *folder("layout")])
+    assert [r["loss"] for r in second] == pytest.approx(straight[4:], rel=1e-5)
+
+
+@SERVED
+def test_a_torn_and_a_corrupted_step_are_skipped(s3, straight, tmp_path):
+    """step-6's upload torn before its marker, one of step-4's objects rewritten with other
+    bytes of the same size: the resume takes step-2, says why, and trains on to the
+    uninterrupted run's losses."""
+    run_trainer(tmp_path / "a", 1, [*tiny_run(STEPS), *folder("damaged")])
+    s3.delete_object(Bucket=BUCKET, Key="damaged/step-6/.complete")
+    shard = next(k for k in keys(s3, BUCKET, "damaged/step-4/") if k.endswith(".distcp"))
+    body = s3.get_object(Bucket=BUCKET, Key=shard)["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=shard, Body=bytes(b ^ 0xFF for b in body))
+    resumed = run_trainer(tmp_path / "b", 1, [*tiny_run(STEPS), *folder("damaged")])
+    log = rank_logs(tmp_path / "b", 1)
+    assert "resumed from s3://titan-ckpt/damaged/step-2 at step 2" in log
+    assert "step-4 is unusable" in log and "fails its checksum" in log
+    assert "step-6 is unusable (incomplete" in log
+    assert [r["loss"] for r in resumed] == straight[2:]
+
+
+@SERVED
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--checkpoint.folder", "s3://no-such-bucket/run"],
+            r"checkpoint.folder = 's3://no-such-bucket/run': the bucket 'no-such-bucket' does "
+            r"not exist",
+        ),
+        (
+            ["--checkpoint.folder", f"s3://{BUCKET}/hf", "--checkpoint.last_save_in_hf"],
+            r"checkpoint.last_save_in_hf: an HF export into s3://.* is not supported yet",
+        ),
+        (
+            ["--checkpoint.initial_load_path", f"s3://{BUCKET}/run/step-4"],
+            r"checkpoint.initial_load_path = .*not supported yet; copy it to a local folder",
+        ),
+        (
+            ["--job.dump_folder", f"s3://{BUCKET}/dump"],
+            r"job.dump_folder = 's3://titan-ckpt/dump': .*must be local",
+        ),
+    ],
+)
+def test_what_cannot_work_is_one_line_before_launch(s3, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        planned(["--checkpoint.enable", *flags])
+
+
+def planned(argv: list[str]) -> None:
+    """The checks the launcher makes before any rank starts."""
+    from titan.config import parse_args
+    from titan.plan.run_plan import plan_run
+
+    plan_run(parse_args([*tiny_run(1), *argv]), 1)
+
+
+@SERVED
+def test_an_unreachable_endpoint_and_missing_credentials_are_named(s3, monkeypatch):
+    argv = ["--checkpoint.enable", "--checkpoint.folder", f"s3://{BUCKET}/run"]
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookups
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard: nothing listens
+    forget_clients()
+    try:
+        with pytest.raises(ConfigError, match=r"cannot reach http://127.0.0.1:9"):
+            planned(argv)
+        monkeypatch.undo()
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            monkeypatch.delenv(key)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+        monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+        forget_clients()
+        with pytest.raises(ConfigError, match=r"no credentials for s3://"):
+            planned(argv)
+    finally:
+        monkeypatch.undo()
+        forget_clients()
+
+
+@pytest.mark.needs("s3fs", "upath")
+def test_a_url_folder_is_a_path_of_its_store():
+    """The folder rules' pathlib calls on a URL: joining, names; a relative checkpoint.folder
+    stays under the dump folder, an absolute URL is its own root."""
+    from pathlib import Path
+
+    from titan.components.checkpoint.storage import checkpoint_root, is_remote
+
+    root = checkpoint_root("outputs/run", f"s3://{BUCKET}/run")
+    step = root / "step-4"
+    assert str(step) == f"s3://{BUCKET}/run/step-4" and step.name == "step-4"
+    assert is_remote(step) and not is_remote(Path("outputs")) and not is_remote("file:///x")
+    assert checkpoint_root("outputs/run", "checkpoint") == Path("outputs/run/checkpoint")
+
+
+@pytest.mark.needs("upath")
+def test_a_scheme_whose_package_is_absent_names_its_extra():
+    import importlib.util
+
+    from titan.components.checkpoint.storage import missing_package
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    assert missing_package("gs://bucket/run") == (
+        "gs:// paths need gcsfs: pip install 'titan[gcs]'"
+    )
+    assert missing_package("/local/folder") is None
