@@ -9,6 +9,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from tests.forked import rank_logs, run_trainer, tiny_run
 from tests.s3_server import forget_clients, keys, s3_server
@@ -39,9 +40,28 @@ def s3():
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """6 steps on a local disk, uninterrupted: what every stored run must reproduce."""
-    return [r["loss"] for r in run_trainer(tmp_path_factory.mktemp("straight"), 1, tiny_run(6))]
+def local_run(tmp_path_factory):
+    """6 steps on a local disk, uninterrupted, saved at the end: what every stored run must
+    reproduce."""
+    tmp = tmp_path_factory.mktemp("straight")
+    at_end = ["--checkpoint.enable", "--checkpoint.interval", "100"]
+    losses = [r["loss"] for r in run_trainer(tmp, 1, [*tiny_run(STEPS), *at_end])]
+    return losses, tmp / "dump" / "checkpoint" / f"step-{STEPS}"
+
+
+@pytest.fixture(scope="module")
+def straight(local_run):
+    return local_run[0]
+
+
+def generated(checkpoint: str) -> list[list[int]]:
+    """titan.tools.generate's greedy tokens from `checkpoint` (a folder or URL)."""
+    from titan.models.common.generation import generate
+    from titan.tools.generate import load_model, open_checkpoint
+
+    job, path, spec, _ = open_checkpoint(checkpoint, [])
+    model, _ = load_model(path, job, spec, 64, torch.device("cpu"))
+    return generate(model, [[1, 5, 9, 200]], max_new_tokens=8, eos_id=None)
 
 
 def steps_in(client, prefix: str) -> dict[str, list[str]]:
@@ -61,7 +81,7 @@ def stop_after(client, prefix: str, step: int) -> None:
 
 
 @SERVED
-def test_a_run_saves_into_the_bucket_and_resumes_bitwise(s3, straight, tmp_path):
+def test_a_run_saves_into_the_bucket_and_resumes_bitwise(s3, straight, local_run, tmp_path):
     first = run_trainer(tmp_path / "a", 1, [*tiny_run(STEPS), *folder("run", keep=2)])
     assert [r["loss"] for r in first] == straight
     stored = steps_in(s3, "run")
@@ -84,6 +104,15 @@ def test_a_run_saves_into_the_bucket_and_resumes_bitwise(s3, straight, tmp_path)
     second = run_trainer(tmp_path / "b", 1, [*tiny_run(STEPS), *folder("run", keep=2)])
     assert "resumed from s3://titan-ckpt/run/step-4 at step 4" in rank_logs(tmp_path / "b", 1)
     assert [r["loss"] for r in second] == straight[4:]
+    # generation (and evaluation, through the same opening) reads a step in the bucket as
+    # it reads one on disk, and so does a run that starts from it
+    assert generated(f"s3://{BUCKET}/run/step-6") == generated(str(local_run[1]))
+    starts = [
+        run_trainer(tmp_path / f"from{i}", 1, [*tiny_run(2), "--checkpoint.initial_load_path", p])
+        for i, p in enumerate((f"s3://{BUCKET}/run/step-6", str(local_run[1])))
+    ]
+    assert [r["loss"] for r in starts[0]] == [r["loss"] for r in starts[1]]
+    assert "initialized model from the checkpoint s3://" in rank_logs(tmp_path / "from0", 1)
 
 
 @SERVED
@@ -130,8 +159,12 @@ def test_a_torn_and_a_corrupted_step_are_skipped(s3, straight, tmp_path):
             r"checkpoint.last_save_in_hf: an HF export into s3://.* is not supported yet",
         ),
         (
-            ["--checkpoint.initial_load_path", f"s3://{BUCKET}/run/step-4"],
-            r"checkpoint.initial_load_path = .*not supported yet; copy it to a local folder",
+            [
+                "--checkpoint.initial_load_path",
+                f"s3://{BUCKET}/hf",
+                "--checkpoint.initial_load_in_hf",
+            ],
+            r"checkpoint.initial_load_path = .*an HF folder in object storage is not read in",
         ),
         (
             ["--job.dump_folder", f"s3://{BUCKET}/dump"],

@@ -201,9 +201,11 @@ def load_model(path: Path, job, spec, max_len: int, device: torch.device, tp_dim
     else:
         import torch.distributed.checkpoint as dcp
 
+        from titan.components.checkpoint.storage import dcp_reader
+
         loaded = state.state_dict()
         with checkpoint._quiet_no_dist():  # one process without a group: meant
-            dcp.load({checkpoint.MODEL_KEY: loaded}, checkpoint_id=str(path))
+            dcp.load({checkpoint.MODEL_KEY: loaded}, storage_reader=dcp_reader(path))
     state.load_state_dict(loaded)
     logger.info("loaded %s (%.1fM parameters)", path, args.num_params() / 1e6)
     return model.eval(), args
@@ -332,15 +334,23 @@ def open_checkpoint(checkpoint: str, overrides: list[str]):
     GenerateError, or KeyError for an unregistered family."""
     from titan.components.checkpoint.folders import CheckpointError
     from titan.components.checkpoint.identity import family_in
+    from titan.components.checkpoint.storage import as_path, is_remote, missing_package
     from titan.components.data.tokenizer import Tokenizer
     from titan.config import parse_args
     from titan.models.spec import get_train_spec
 
     job = parse_args(overrides)
-    path = Path(checkpoint)
+    if why := missing_package(checkpoint):
+        raise CheckpointError(f"--checkpoint {checkpoint}: {why}")
+    path = as_path(checkpoint)
     if not path.is_dir():
         raise CheckpointError(f"--checkpoint {path}: no such folder")
     path = checkpoint_folder(path)
+    if is_remote(path) and _is_hf(path):
+        raise CheckpointError(
+            f"--checkpoint {path}: an HF folder in object storage is not read in place yet; "
+            "download it first (e.g. `aws s3 sync`); DCP step folders are"
+        )
     if "model.name" not in job.sources:  # the family the folder holds, unless one is named
         job.model.name = family_in(path) or job.model.name
     spec = get_train_spec(job.model.name)

@@ -121,15 +121,7 @@ def check_plan(job, plan) -> None:
             f"checkpoint.{key}",
             f"model {m.name} registers no HF state-dict adapter",
         )
-    from titan.components.checkpoint.storage import is_remote
 
-    require(
-        job,
-        not is_remote(ck.initial_load_path or ""),
-        "checkpoint.initial_load_path",
-        "a URL: loading a start from object storage is not supported yet; copy it to a local "
-        "folder first (e.g. `aws s3 sync`)",
-    )
     require(
         job,
         not ck.initial_load_path or resolve(ck.initial_load_path).is_dir(),

@@ -12,58 +12,10 @@ GCS application-default credentials): nothing titan-specific.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 
-# the optional extra that installs each scheme's fsspec package
-EXTRAS = {
-    "s3": ("s3fs", "s3"),
-    "s3a": ("s3fs", "s3"),
-    "gs": ("gcsfs", "gcs"),
-    "gcs": ("gcsfs", "gcs"),
-}
-_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
-
-
-def scheme(path) -> str | None:
-    """The URL scheme of `path` ("s3", "gs", ...), None for a local path (file:// too)."""
-    m = _URL.match(str(path))
-    return None if m is None or m[1] == "file" else m[1].lower()
-
-
-def is_remote(path) -> bool:
-    return scheme(path) is not None
-
-
-def missing_package(url: str) -> str | None:
-    """Why `url` cannot be opened here for lack of a package (naming the extra), or None."""
-    import importlib.util
-
-    kind = scheme(url)
-    if kind is None:
-        return None
-    package, extra = EXTRAS.get(kind, (None, None))
-    needed = ["upath"] + ([package] if package else [])
-    missing = [m for m in needed if importlib.util.find_spec(m) is None]
-    if not missing:
-        return None
-    names = ", ".join("universal-pathlib" if m == "upath" else m for m in missing)
-    how = (
-        f"pip install 'titan[{extra}]'" if extra else f"install {names} and fsspec's {kind} package"
-    )
-    return f"{kind}:// paths need {names}: {how}"
-
-
-def as_path(path) -> Path:
-    """`path` as a pathlib-like object: a Path, or a UPath for a URL."""
-    if isinstance(path, Path) or not is_remote(path):
-        return Path(path)
-    if why := missing_package(str(path)):
-        raise ValueError(why)
-    from upath import UPath
-
-    return UPath(str(path))
+from titan.runtime.paths import as_path, is_remote, missing_package, scheme
 
 
 def checkpoint_root(dump_folder: str, folder: str) -> Path:
