@@ -146,6 +146,41 @@ def test_a_torn_and_a_corrupted_step_are_skipped(s3, straight, tmp_path):
 
 
 @SERVED
+def test_data_read_from_the_bucket_trains_as_the_local_files(s3, tmp_path, monkeypatch):
+    """A folder of JSON-lines files, a token-shard folder and the validation set in the
+    bucket: the same losses and validation loss as the same data on disk (raw files are
+    tokenized into the local token cache as local files are; a shard folder is copied into
+    it once, since its memmaps read local files)."""
+    from pathlib import Path
+
+    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = Path("assets/corpus/kjv_valid.jsonl").resolve()
+    s3.upload_file(str(corpus), BUCKET, f"data/corpus/{corpus.name}")
+    valid = ["--validation.enable", "--validation.freq", "3", "--validation.steps", "1"]
+
+    def run(name: str, data: str, validation: str) -> tuple[list, list]:
+        argv = [*tiny_run(3), "--training.dataset_path", data, *valid]
+        rows = run_trainer(tmp_path / name, 1, [*argv, "--validation.dataset_path", validation])
+        val = (tmp_path / name / "dump" / "validation.jsonl").read_text().splitlines()
+        return [r["loss"] for r in rows], [json.loads(v)["val_loss"] for v in val]
+
+    # the launcher's checks read the bucket's files as they read local ones
+    from titan.config import parse_args
+    from titan.launcher.content_check import check_content
+    from titan.plan.run_plan import plan_run
+
+    job = parse_args([*tiny_run(1), "--training.dataset_path", f"s3://{BUCKET}/data/corpus"])
+    check_content(job, plan_run(job, 1).tokenizer)
+    local = run("local", str(corpus), str(corpus))
+    assert run("bucket", f"s3://{BUCKET}/data/corpus", f"s3://{BUCKET}/data/corpus") == local
+    shards = next((tmp_path / "cache").glob("tokens-*"))  # the local run's token cache
+    for f in shards.iterdir():
+        s3.upload_file(str(f), BUCKET, f"data/shards/{f.name}")
+    assert run("shards", f"s3://{BUCKET}/data/shards", str(corpus)) == local
+    assert "copying the token shards s3://" in rank_logs(tmp_path / "shards", 1)
+
+
+@SERVED
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -8,6 +8,7 @@ every file would be a load on shared storage. What only a full read finds (a bad
 the middle of a file) is the workers' to report (titan/runtime/final_error.py).
 """
 
+import io
 import json
 from pathlib import Path
 
@@ -80,7 +81,8 @@ def check_text_file(path: Path, text_field: str, chat: bool = False) -> None:
 
 
 def _check_jsonl_head(path: Path, text_field: str, chat: bool) -> None:
-    with open(path, "rb") as f:
+    with path.open("rb") as raw:  # a Path, or a UPath of a bucket (fsspec's file object)
+        f = raw if isinstance(raw, io.BufferedIOBase) else io.BufferedReader(raw)
         for number in range(1, FIRST_LINES + 1):
             line = f.readline(LINE_LIMIT)
             if not line:
@@ -128,7 +130,8 @@ def _check_parquet_schema(path: Path, text_field: str, key: str) -> None:
     import pyarrow.parquet as pq
 
     try:
-        names = pq.read_schema(path).names  # the footer only
+        with path.open("rb") as f:  # the footer only
+            names = pq.read_schema(f).names
     except Exception as e:  # noqa: BLE001  pyarrow raises several types for a bad file
         raise DataError(
             f"{path} is not a readable parquet file ({type(e).__name__}: {e}); "

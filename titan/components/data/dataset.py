@@ -334,7 +334,7 @@ def _bad_jsonl_line(f: Path) -> tuple[int, str] | None:
     reader's own error counts rows within a block, not lines of the file."""
     import json
 
-    with open(f, "rb") as lines:
+    with f.open("rb") as lines:
         for number, raw in enumerate(lines, 1):
             if not raw.strip():
                 continue
