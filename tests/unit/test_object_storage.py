@@ -146,6 +146,43 @@ def test_a_torn_and_a_corrupted_step_are_skipped(s3, straight, tmp_path):
 
 
 @SERVED
+@pytest.mark.needs("transformers")
+def test_an_hf_export_into_the_bucket_is_the_local_export(s3, tmp_path, monkeypatch):
+    """A 2-rank run's final HF export into the bucket (assembled under the dump folder, then
+    uploaded, each rank its share of the files, the marker last): the same files as the same
+    run exporting to a disk; a download of the prefix loads in transformers; a run started
+    from the folder in the bucket starts at the loss it starts at from the disk."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path / "cache"))  # the bucket's HF copy
+    export = ["--checkpoint.last_save_in_hf", "--parallelism.data_parallel_shard_degree", "2"]
+    run_trainer(tmp_path / "local", 2, [*tiny_run(2), *EVERY_2, *export])
+    run_trainer(tmp_path / "bucket", 2, [*tiny_run(2), *folder("hf"), *export])
+    local = tmp_path / "local" / "dump" / "checkpoint" / "step-2"
+    names = sorted(steps_in(s3, "hf")["step-2"])
+    assert set(names) == {f.name for f in local.iterdir()}  # the marker too
+    assert not (tmp_path / "bucket" / "dump" / ".hf_export" / "step-2").exists()
+    download = tmp_path / "download"
+    download.mkdir()
+    for name in names:
+        s3.download_file(BUCKET, f"hf/step-2/{name}", str(download / name))
+    for name in (f.name for f in local.glob("*.safetensors")):
+        want, got = load_file(str(local / name)), load_file(str(download / name))
+        assert set(want) == set(got) and all(torch.equal(got[k], v) for k, v in want.items())
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(download), dtype=torch.float32)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    start = ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path"]
+    starts = [
+        run_trainer(tmp_path / f"from{i}", 1, [*tiny_run(1), *start, where])
+        for i, where in enumerate((f"s3://{BUCKET}/hf/step-2", str(local)))
+    ]
+    assert starts[0][0]["loss"] == starts[1][0]["loss"]
+    assert generated(f"s3://{BUCKET}/hf/step-2") == generated(str(local))
+
+
+@SERVED
 def test_data_read_from_the_bucket_trains_as_the_local_files(s3, tmp_path, monkeypatch):
     """A folder of JSON-lines files, a token-shard folder and the validation set in the
     bucket: the same losses and validation loss as the same data on disk (raw files are
@@ -190,16 +227,12 @@ def test_data_read_from_the_bucket_trains_as_the_local_files(s3, tmp_path, monke
             r"not exist",
         ),
         (
-            ["--checkpoint.folder", f"s3://{BUCKET}/hf", "--checkpoint.last_save_in_hf"],
-            r"checkpoint.last_save_in_hf: an HF export into s3://.* is not supported yet",
-        ),
-        (
             [
                 "--checkpoint.initial_load_path",
-                f"s3://{BUCKET}/hf",
+                f"s3://{BUCKET}/nothing-here",
                 "--checkpoint.initial_load_in_hf",
             ],
-            r"checkpoint.initial_load_path = .*an HF folder in object storage is not read in",
+            r"checkpoint.initial_load_path = 's3://titan-ckpt/nothing-here': no config.json in",
         ),
         (
             ["--job.dump_folder", f"s3://{BUCKET}/dump"],

@@ -403,14 +403,7 @@ def _hf_args(job: JobConfig, spec: TrainSpec, seq_len: int) -> ModelArgs | None:
         return None
     from titan.components.checkpoint.folders import CheckpointError
     from titan.components.checkpoint.hf_io import args_from_hf
-    from titan.runtime.paths import is_remote
 
-    if is_remote(ck.initial_load_path):
-        raise ConfigError(
-            f"checkpoint.initial_load_path = {ck.initial_load_path!r}: an HF folder in object "
-            "storage is not read in place yet; copy it to a local folder first (e.g. `aws s3 "
-            "sync`); a DCP step folder there is read in place"
-        )
     try:
         return args_from_hf(resolve(ck.initial_load_path), spec, max_seq_len=seq_len)
     except CheckpointError as e:

@@ -4,6 +4,7 @@ repo checkout, so bundled assets are found wherever run_train.sh is started from
 universal-pathlib (`as_path`), which answers the pathlib calls titan's folder rules make."""
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -64,3 +65,9 @@ def resolve(path: str) -> Path:
         return p
     in_repo = REPO_ROOT / p
     return in_repo if in_repo.exists() else p
+
+
+def cache_dir() -> Path:
+    """titan's local cache (token caches, copies of remote folders): TITAN_CACHE_DIR, by
+    default ~/.cache/titan."""
+    return Path(os.environ.get("TITAN_CACHE_DIR", "~/.cache/titan")).expanduser()

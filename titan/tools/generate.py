@@ -346,11 +346,11 @@ def open_checkpoint(checkpoint: str, overrides: list[str]):
     if not path.is_dir():
         raise CheckpointError(f"--checkpoint {path}: no such folder")
     path = checkpoint_folder(path)
-    if is_remote(path) and _is_hf(path):
-        raise CheckpointError(
-            f"--checkpoint {path}: an HF folder in object storage is not read in place yet; "
-            "download it first (e.g. `aws s3 sync`); DCP step folders are"
-        )
+    if is_remote(path) and _is_hf(path):  # safetensors maps local files: a copy, once
+        from titan.components.checkpoint.hf_io import local_hf_copy
+        from titan.runtime.paths import cache_dir
+
+        path = local_hf_copy(path, cache_dir())
     if "model.name" not in job.sources:  # the family the folder holds, unless one is named
         job.model.name = family_in(path) or job.model.name
     spec = get_train_spec(job.model.name)

@@ -48,12 +48,13 @@ from titan.components.checkpoint.integrity import (
 from titan.components.checkpoint.storage import (
     checkpoint_root,
     dcp_reader,
+    is_remote,
     make_folder,
     remove_tree,
 )
 from titan.components.checkpoint.trained_with import resume_problem
 from titan.runtime.dtypes import to_dtype
-from titan.runtime.paths import resolve
+from titan.runtime.paths import cache_dir, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +223,8 @@ class Checkpointer:
     ):
         self.cfg = cfg
         self.root = checkpoint_root(dump_folder, cfg.folder)
+        # where an HF export into object storage is assembled before its upload
+        self.staging = Path(dump_folder) / ".hf_export"
         self.states = states
         self.rank = rank
         self.layout = layout
@@ -383,6 +386,8 @@ class Checkpointer:
                     "checkpoint.initial_load_in_hf: this model family has no HF state-dict adapter"
                 )
             model = self.states["model"].base()
+            if is_remote(path):
+                path = self._local_hf_copy(path)
             state, nbytes = self.hf.load_into(model.state_dict(), path)
             model.load_state_dict(state)
             logger.info(
@@ -436,15 +441,20 @@ class Checkpointer:
             make_folder(path)
         dist.barrier()
         if model_only and step > 0 and self.cfg.last_save_in_hf:
+            # DCP's assembly of the safetensors files reads and writes local files: into a
+            # bucket, the folder is assembled under the dump folder, then uploaded
+            local = self.staging / path.name if is_remote(path) else path
             with self._writing(path, step):
                 self.hf.save(
                     state["model"].state_dict(),
-                    path,
+                    local,
                     state["model"].export_dtype,
                     self.cfg.hf_max_shard_size,
                 )
                 if self.on_export is not None:
-                    self.on_export(path)
+                    self.on_export(local)
+                if local != path:
+                    self._upload(local, path)
             self._phase("written", step)
             self._mark_complete(path, step, model_only, fmt="hf", folded=state["model"].folded)
             blocked = time.perf_counter() - t0
@@ -494,6 +504,32 @@ class Checkpointer:
             blocked,
         )
         return blocked
+
+    def _local_hf_copy(self, url: Path) -> Path:
+        """An HF folder in a bucket, copied into the local cache by one rank of each node
+        (the others wait, then find it there)."""
+        from titan.components.checkpoint.hf_io import local_hf_copy
+
+        t0 = time.perf_counter()
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            local = local_hf_copy(url, cache_dir())
+            logger.info("copied %s to %s in %.2fs", url, local, time.perf_counter() - t0)
+        if dist.is_initialized():
+            dist.barrier()
+        return local_hf_copy(url, cache_dir())
+
+    def _upload(self, local: Path, path: Path) -> None:
+        """Every file of the assembled folder `local` into `path` (each rank its share), then
+        the local copy removed; the marker comes after, as for any save."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        files = sorted(f for f in local.iterdir() if f.is_file())
+        for f in files[self.rank :: world]:
+            (path / f.name).fs.put_file(str(f), (path / f.name).path)
+        if dist.is_initialized():
+            dist.barrier()
+        if self.rank == 0:
+            remove_tree(local)
+        logger.info("uploaded the HF export (%d files) to %s", len(files), path)
 
     def _needed_bytes(self, model_only: bool, export_dtype: torch.dtype | None) -> int:
         """What the save will write: the newest complete save's size when there is one of the

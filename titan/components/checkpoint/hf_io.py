@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from titan.components.checkpoint.folders import CheckpointError, _quiet_no_dist
 from titan.models.spec import ModelArgs, StateDictAdapter, TrainSpec
 from titan.runtime.dtypes import dtype_name, to_dtype
+from titan.runtime.paths import as_path
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def check_state_matches(
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
-    file = Path(hf_dir) / HF_CONFIG
+    file = as_path(hf_dir) / HF_CONFIG
     if not file.is_file():
         raise CheckpointError(f"no {HF_CONFIG} in {str(hf_dir)!r}")
     try:
@@ -300,6 +301,7 @@ def hf_weight_files(hf_dir: Path, verify: str = "fast") -> list[Path]:
     """The folder's weight files, each present and as long as its header says, and (a folder
     titan exported) as long as it was written, or with `verify` "full" the same bytes; a
     CheckpointError naming the file otherwise. "fast" reads the index and the headers only."""
+    hf_dir = as_path(hf_dir)
     index = hf_dir / HF_INDEX_FILE
     if index.is_file():
         try:
@@ -351,7 +353,7 @@ def _check_length(file: Path) -> None:
     before any rank maps it and fails somewhere inside DCP."""
     have = file.stat().st_size
     try:
-        with open(file, "rb") as f:
+        with file.open("rb") as f:
             n = int.from_bytes(f.read(8), "little")
             if 8 + n > have:
                 raise ValueError("header longer than the file")
@@ -394,10 +396,13 @@ class _HFReader(HuggingFaceStorageReader):
 
     def __init__(self, hf_dir: Path):
         super().__init__(str(hf_dir))
-        self.files = {str(f) for f in hf_weight_files(hf_dir)}
+        # by name: a store's listing names its objects without the URL's scheme
+        self.files = {f.name for f in hf_weight_files(hf_dir)}
         self.bytes_read = 0
         listing = self.fs.ls
-        self.fs.ls = lambda path: [f for f in listing(path) if f in self.files]
+        self.fs.ls = lambda path: [
+            f for f in listing(path) if str(f).rstrip("/").rsplit("/", 1)[-1] in self.files
+        ]
 
     def _process_read_request(self, f, req, planner):
         itemsize = self.storage_data[req.storage_index].dtype.itemsize
@@ -405,9 +410,34 @@ class _HFReader(HuggingFaceStorageReader):
         super()._process_read_request(f, req, planner)
 
 
+def local_hf_copy(hf_dir: Path, cache: Path) -> Path:
+    """An HF folder in object storage, copied once into `cache` (keyed by its URL and its
+    files' names and sizes): DCP's HF reader reads local files (safetensors maps them). The
+    copy is made aside and renamed into place, so it is whole or absent."""
+    import hashlib
+    import tempfile
+
+    files = hf_weight_files(hf_dir)  # present, whole, and as the export wrote them
+    names = (HF_CONFIG, HF_GENERATION_CONFIG, HF_INDEX_FILE, HF_CHECKSUMS, *HF_TOKENIZER_FILES)
+    files += [hf_dir / n for n in names if (hf_dir / n).is_file()]
+    listing = sorted((f.name, f.stat().st_size) for f in files)
+    dest = cache / f"hf-{hashlib.sha256(f'{hf_dir}|{listing}'.encode()).hexdigest()[:20]}"
+    if (dest / HF_CONFIG).is_file():
+        return dest
+    cache.mkdir(parents=True, exist_ok=True)
+    aside = Path(tempfile.mkdtemp(prefix=f"{dest.name}.", dir=cache))
+    for f in files:
+        f.fs.get_file(f.path, str(aside / f.name))
+    try:
+        aside.rename(dest)
+    except OSError:  # another process's copy is in place
+        shutil.rmtree(aside, ignore_errors=True)
+    return dest
+
+
 def hf_file_shapes(hf_dir: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """{HF name: (shape, dtype)} of a folder's weights, from the safetensors headers only."""
-    md = _HFReader(Path(hf_dir)).read_metadata().state_dict_metadata
+    md = _HFReader(as_path(hf_dir)).read_metadata().state_dict_metadata
     return {name: (m.size, m.properties.dtype) for name, m in md.items()}
 
 
@@ -425,7 +455,7 @@ def load_hf_into(
     only the slices its tensors hold, converted to their dtype. The folder is checked against
     the model by its headers before any weight is read.
     """
-    hf_dir = Path(hf_dir)
+    hf_dir = as_path(hf_dir)
     config = hf_config if hf_config is not None else read_hf_config(hf_dir)
     adapter = adapter_class(spec)(args)
     reader = _HFReader(hf_dir)

@@ -156,12 +156,6 @@ def check_writable(job) -> None:
     dump = Path(job.job.dump_folder)
     targets = [("job.dump_folder", dump)]
     if ck.enable and is_remote(ck.folder):
-        if ck.last_save_in_hf:
-            raise ConfigError(
-                f"checkpoint.last_save_in_hf: an HF export into {ck.folder} (object storage) "
-                "is not supported yet; export to a local checkpoint.folder, or set "
-                "last_save_model_only for a DCP export there"
-            )
         if why := store_problem(ck.folder):
             raise ConfigError(f"checkpoint.folder = {ck.folder!r}: {why}")
     elif ck.enable:

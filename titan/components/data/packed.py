@@ -30,7 +30,7 @@ from titan.components.data.token_shards import (
 )
 from titan.components.data.tokenizer import Tokenizer
 from titan.components.training.loss import IGNORE_INDEX
-from titan.runtime.paths import is_remote
+from titan.runtime.paths import cache_dir, is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +122,6 @@ def open_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> Tok
         return cached_tokens(files, tokenizer, text_field)
     except ShardError as e:
         raise DataError(str(e)) from None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TITAN_CACHE_DIR", "~/.cache/titan")).expanduser()
 
 
 def local_copy(folder) -> Path:
