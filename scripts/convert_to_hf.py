@@ -96,7 +96,9 @@ def main(argv=None) -> None:
     from titan.models.spec import get_train_spec
 
     t0 = time.time()
-    given = Path(args.checkpoint)
+    from titan.runtime.paths import as_path
+
+    given = as_path(args.checkpoint)  # a folder, or a URL of one in object storage
     try:
         ckpt = checkpoint.intact_folder(
             given,

@@ -80,14 +80,25 @@ def stop_after(client, prefix: str, step: int) -> None:
             client.delete_object(Bucket=BUCKET, Key=key)
 
 
+@pytest.fixture(scope="module")
+def stored(s3, tmp_path_factory):
+    """6 steps saved every 2 into the bucket's `run/` (keep_latest_k 2), and a copy of its
+    step-6 under `tools/` for the readers' test: (the run's losses, its dump)."""
+    tmp = tmp_path_factory.mktemp("stored")
+    rows = run_trainer(tmp, 1, [*tiny_run(STEPS), *folder("run", keep=2)])
+    for key in keys(s3, BUCKET, "run/step-6/"):
+        copy = {"Bucket": BUCKET, "Key": key}
+        s3.copy_object(Bucket=BUCKET, Key="tools/" + key.removeprefix("run/"), CopySource=copy)
+    return [r["loss"] for r in rows]
+
+
 @SERVED
-def test_a_run_saves_into_the_bucket_and_resumes_bitwise(s3, straight, local_run, tmp_path):
-    first = run_trainer(tmp_path / "a", 1, [*tiny_run(STEPS), *folder("run", keep=2)])
-    assert [r["loss"] for r in first] == straight
-    stored = steps_in(s3, "run")
+def test_a_run_saves_into_the_bucket_and_resumes_bitwise(s3, straight, stored, tmp_path):
+    assert stored == straight
+    steps = steps_in(s3, "run")
     # keep_latest_k = 2: step-2's prefix removed whole once step-6 was complete
-    assert sorted(stored) == ["step-4", "step-6"]
-    for names in stored.values():
+    assert sorted(steps) == ["step-4", "step-6"]
+    for names in steps.values():
         # the shards, DCP's metadata and the marker, and no checksum sidecar left behind
         assert ".complete" in names and ".metadata" in names
         assert any(n.endswith(".distcp") for n in names)
@@ -101,18 +112,38 @@ def test_a_run_saves_into_the_bucket_and_resumes_bitwise(s3, straight, local_run
         n: size for n, size in sizes.items() if n != ".complete"
     }
     stop_after(s3, "run", 4)
-    second = run_trainer(tmp_path / "b", 1, [*tiny_run(STEPS), *folder("run", keep=2)])
-    assert "resumed from s3://titan-ckpt/run/step-4 at step 4" in rank_logs(tmp_path / "b", 1)
+    second = run_trainer(tmp_path, 1, [*tiny_run(STEPS), *folder("run", keep=2)])
+    assert "resumed from s3://titan-ckpt/run/step-4 at step 4" in rank_logs(tmp_path, 1)
     assert [r["loss"] for r in second] == straight[4:]
-    # generation (and evaluation, through the same opening) reads a step in the bucket as
-    # it reads one on disk, and so does a run that starts from it
-    assert generated(f"s3://{BUCKET}/run/step-6") == generated(str(local_run[1]))
+
+
+@SERVED
+def test_the_tools_read_a_step_in_the_bucket_as_on_disk(stored, local_run, tmp_path):
+    """The same step-6 in the bucket and on disk: generation (and evaluation, through the same
+    opening) gives the same tokens, a run started from it the same losses,
+    scripts/convert_to_hf.py the same HF weights, titan.tools.average of the two the
+    weights."""
+    from safetensors.torch import load_file
+
+    from tests.unit.test_qwen3 import _script
+    from titan.components.checkpoint.folders import load_dcp_model_state
+    from titan.tools.average import main as average
+
+    both = (f"s3://{BUCKET}/tools/step-6", str(local_run[1]))
+    assert generated(both[0]) == generated(both[1])
     starts = [
         run_trainer(tmp_path / f"from{i}", 1, [*tiny_run(2), "--checkpoint.initial_load_path", p])
-        for i, p in enumerate((f"s3://{BUCKET}/run/step-6", str(local_run[1])))
+        for i, p in enumerate(both)
     ]
     assert [r["loss"] for r in starts[0]] == [r["loss"] for r in starts[1]]
     assert "initialized model from the checkpoint s3://" in rank_logs(tmp_path / "from0", 1)
+    for i, step in enumerate(both):
+        _script("convert_to_hf").main([step, str(tmp_path / f"hf{i}"), "--max-seq-len", "32"])
+    ours, theirs = (load_file(str(tmp_path / f"hf{i}" / "model.safetensors")) for i in (0, 1))
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    average(["--checkpoints", *both, "--out", str(tmp_path / "avg")])
+    got, want = load_dcp_model_state(tmp_path / "avg"), load_dcp_model_state(local_run[1])
+    assert all(torch.equal(got[k], v) for k, v in want.items())
 
 
 @SERVED

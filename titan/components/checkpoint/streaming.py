@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from titan.components.checkpoint.folders import MODEL_KEY, CheckpointError, _quiet_no_dist
+from titan.components.checkpoint.storage import as_path, dcp_reader
 from titan.runtime.dtypes import safetensors_dtype
 
 
@@ -56,8 +56,8 @@ class DCPModelReader:
     chunks one at a time."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
-        reader = FileSystemReader(str(self.path))
+        self.path = as_path(path)  # a folder, or a URL of one in object storage
+        reader = dcp_reader(self.path)
         md = reader.read_metadata()
         reader.set_up_storage_reader(md, is_coordinator=True)
         self._storage = reader.storage_data
@@ -83,7 +83,7 @@ class DCPModelReader:
                     f"{self.path}: {name} was saved through storage transforms "
                     f"{info.transform_descriptors}, which this reader does not undo"
                 )
-            with open(self.path / info.relative_path, "rb") as f:
+            with (self.path / info.relative_path).open("rb") as f:
                 window = io.BufferedReader(_Window(f, info.offset, info.length))
                 tensor = torch.load(window, map_location="cpu", weights_only=True)
             where = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
