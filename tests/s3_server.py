@@ -20,8 +20,12 @@ def s3_server(*buckets: str):
     """Start the server with `buckets`; yields a boto3 client of it. The AWS variables point
     at it while it runs (restored after)."""
     import boto3
+    import s3fs
     from moto.server import ThreadedMotoServer
 
+    # held here: a module fixture's teardown runs under its module's last test, which may
+    # not be marked as needing s3fs (the suite fails an unmarked import)
+    forget = s3fs.S3FileSystem.clear_instance_cache
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -32,7 +36,7 @@ def s3_server(*buckets: str):
         AWS_ENDPOINT_URL=f"http://{host}:{port}",
         AWS_DEFAULT_REGION="us-east-1",
     )
-    forget_clients()
+    forget()
     try:
         client = boto3.client("s3")
         for bucket in buckets:
@@ -45,7 +49,7 @@ def s3_server(*buckets: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        forget_clients()
+        forget()
 
 
 def keys(client, bucket: str, prefix: str = "") -> list[str]:
