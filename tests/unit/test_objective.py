@@ -75,6 +75,7 @@ LAYOUTS = {
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
+@pytest.mark.slow("two 1-rank runs and a 2-rank run of each layout (31.5 s on CI's 2 cores)")
 def test_a_plugins_term_trains_alike_on_every_layout(logit_l2, tmp_path):
     argv = [*tiny_run(4), "--logit_l2.weight", "0.01"]
     one = run_trainer(tmp_path / "one", 1, argv)
