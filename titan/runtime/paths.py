@@ -71,3 +71,24 @@ def cache_dir() -> Path:
     """titan's local cache (token caches, copies of remote folders): TITAN_CACHE_DIR, by
     default ~/.cache/titan."""
     return Path(os.environ.get("TITAN_CACHE_DIR", "~/.cache/titan")).expanduser()
+
+
+def local_copy(files: list, name: str) -> Path:
+    """`files` (paths of one folder in object storage) copied into `cache_dir()/name`, once:
+    made aside and renamed into place, so the folder is whole or absent, and processes copying
+    at once leave one copy. `name` should change with the files (a hash of their listing)."""
+    import shutil
+    import tempfile
+
+    dest = cache_dir() / name
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    aside = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=dest.parent))
+    for f in files:
+        f.fs.get_file(f.path, str(aside / f.name))
+    try:
+        aside.rename(dest)
+    except OSError:  # another process's copy is in place
+        shutil.rmtree(aside, ignore_errors=True)
+    return dest

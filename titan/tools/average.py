@@ -189,23 +189,13 @@ def average_hf(paths: list[Path], weights: list[float], out: Path, prepare) -> N
 
 def main(argv: list[str] | None = None) -> None:
     from titan.components.checkpoint.folders import CheckpointError
-    from titan.components.checkpoint.hf_io import local_hf_copy
-    from titan.runtime.paths import as_path, cache_dir, is_remote, missing_package
-    from titan.tools.generate import _is_hf, checkpoint_folder
+    from titan.runtime.paths import is_remote
+    from titan.tools.generate import _is_hf, readable_folder
 
     opts = parse(argv)
     try:
         weights = weights_of(opts.weights, len(opts.checkpoints))
-        paths = []
-        for c in opts.checkpoints:  # folders, or URLs of folders in object storage
-            if why := missing_package(c):
-                raise AverageError(f"--checkpoints {c}: {why}")
-            if not as_path(c).is_dir():
-                raise AverageError(f"--checkpoints {c}: no such folder")
-            path = checkpoint_folder(as_path(c))
-            if is_remote(path) and _is_hf(path):  # safetensors maps local files: a copy, once
-                path = local_hf_copy(path, cache_dir())
-            paths.append(path)
+        paths = [readable_folder(c, "--checkpoints") for c in opts.checkpoints]
         if is_remote(opts.out):
             raise AverageError(
                 f"--out {opts.out}: the average is written to a local folder; upload it after"

@@ -62,6 +62,26 @@ def checkpoint_folder(path: Path) -> Path:
     return checkpoint.intact_folder(path, "--checkpoint", "generating from", warn)
 
 
+def readable_folder(checkpoint: str, flag: str = "--checkpoint") -> Path:
+    """`checkpoint`, a folder or a URL of one in object storage, as checkpoint_folder gives
+    it; an HF folder in a bucket copied once to the local cache (safetensors maps local
+    files). CheckpointError naming `flag` when it cannot be read."""
+    from titan.components.checkpoint.folders import CheckpointError
+    from titan.runtime.paths import as_path, is_remote, missing_package
+
+    if why := missing_package(checkpoint):
+        raise CheckpointError(f"{flag} {checkpoint}: {why}")
+    path = as_path(checkpoint)
+    if not path.is_dir():
+        raise CheckpointError(f"{flag} {path}: no such folder")
+    path = checkpoint_folder(path)
+    if is_remote(path) and _is_hf(path):
+        from titan.components.checkpoint.hf_io import local_hf_copy
+
+        path = local_hf_copy(path)
+    return path
+
+
 class GenerateError(ValueError):
     """A command line or checkpoint that cannot be used: one line for the user, exit 2."""
 
@@ -332,25 +352,13 @@ def open_checkpoint(checkpoint: str, overrides: list[str]):
     the folder holds unless --model.name names one; the tokenizer an HF folder brings, else
     the one the run trained with. Raises ConfigError, CheckpointError, TokenizerError,
     GenerateError, or KeyError for an unregistered family."""
-    from titan.components.checkpoint.folders import CheckpointError
     from titan.components.checkpoint.identity import family_in
-    from titan.components.checkpoint.storage import as_path, is_remote, missing_package
     from titan.components.data.tokenizer import Tokenizer
     from titan.config import parse_args
     from titan.models.spec import get_train_spec
 
     job = parse_args(overrides)
-    if why := missing_package(checkpoint):
-        raise CheckpointError(f"--checkpoint {checkpoint}: {why}")
-    path = as_path(checkpoint)
-    if not path.is_dir():
-        raise CheckpointError(f"--checkpoint {path}: no such folder")
-    path = checkpoint_folder(path)
-    if is_remote(path) and _is_hf(path):  # safetensors maps local files: a copy, once
-        from titan.components.checkpoint.hf_io import local_hf_copy
-        from titan.runtime.paths import cache_dir
-
-        path = local_hf_copy(path, cache_dir())
+    path = readable_folder(checkpoint)
     if "model.name" not in job.sources:  # the family the folder holds, unless one is named
         job.model.name = family_in(path) or job.model.name
     spec = get_train_spec(job.model.name)

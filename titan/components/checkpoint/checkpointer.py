@@ -54,7 +54,7 @@ from titan.components.checkpoint.storage import (
 )
 from titan.components.checkpoint.trained_with import resume_problem
 from titan.runtime.dtypes import to_dtype
-from titan.runtime.paths import cache_dir, resolve
+from titan.runtime.paths import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -511,12 +511,13 @@ class Checkpointer:
         from titan.components.checkpoint.hf_io import local_hf_copy
 
         t0 = time.perf_counter()
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            local = local_hf_copy(url, cache_dir())
+        first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        if first:
+            local = local_hf_copy(url)
             logger.info("copied %s to %s in %.2fs", url, local, time.perf_counter() - t0)
         if dist.is_initialized():
             dist.barrier()
-        return local_hf_copy(url, cache_dir())
+        return local if first else local_hf_copy(url)
 
     def _upload(self, local: Path, path: Path) -> None:
         """Every file of the assembled folder `local` into `path` (each rank its share), then

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from titan.components.checkpoint.folders import CheckpointError, _quiet_no_dist
 from titan.models.spec import ModelArgs, StateDictAdapter, TrainSpec
 from titan.runtime.dtypes import dtype_name, to_dtype
-from titan.runtime.paths import as_path
+from titan.runtime.paths import as_path, local_copy
 
 logger = logging.getLogger(__name__)
 
@@ -410,29 +410,17 @@ class _HFReader(HuggingFaceStorageReader):
         super()._process_read_request(f, req, planner)
 
 
-def local_hf_copy(hf_dir: Path, cache: Path) -> Path:
-    """An HF folder in object storage, copied once into `cache` (keyed by its URL and its
-    files' names and sizes): DCP's HF reader reads local files (safetensors maps them). The
-    copy is made aside and renamed into place, so it is whole or absent."""
+def local_hf_copy(hf_dir: Path) -> Path:
+    """An HF folder in object storage, copied once into the local cache (keyed by its URL and
+    its files' names and sizes): DCP's HF reader reads local files (safetensors maps them)."""
     import hashlib
-    import tempfile
 
     files = hf_weight_files(hf_dir)  # present, whole, and as the export wrote them
     names = (HF_CONFIG, HF_GENERATION_CONFIG, HF_INDEX_FILE, HF_CHECKSUMS, *HF_TOKENIZER_FILES)
     files += [hf_dir / n for n in names if (hf_dir / n).is_file()]
     listing = sorted((f.name, f.stat().st_size) for f in files)
-    dest = cache / f"hf-{hashlib.sha256(f'{hf_dir}|{listing}'.encode()).hexdigest()[:20]}"
-    if (dest / HF_CONFIG).is_file():
-        return dest
-    cache.mkdir(parents=True, exist_ok=True)
-    aside = Path(tempfile.mkdtemp(prefix=f"{dest.name}.", dir=cache))
-    for f in files:
-        f.fs.get_file(f.path, str(aside / f.name))
-    try:
-        aside.rename(dest)
-    except OSError:  # another process's copy is in place
-        shutil.rmtree(aside, ignore_errors=True)
-    return dest
+    key = hashlib.sha256(f"{hf_dir}|{listing}".encode()).hexdigest()[:20]
+    return local_copy(files, f"hf-{key}")
 
 
 def hf_file_shapes(hf_dir: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:

@@ -121,7 +121,6 @@ def check_plan(job, plan) -> None:
             f"checkpoint.{key}",
             f"model {m.name} registers no HF state-dict adapter",
         )
-
     require(
         job,
         not ck.initial_load_path or resolve(ck.initial_load_path).is_dir(),

@@ -7,7 +7,6 @@ once into the same shard format in a cache and read memory-mapped from then on.
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from titan.components.data.token_shards import (
 )
 from titan.components.data.tokenizer import Tokenizer
 from titan.components.training.loss import IGNORE_INDEX
-from titan.runtime.paths import cache_dir, is_remote
+from titan.runtime.paths import cache_dir, is_remote, local_copy
 
 logger = logging.getLogger(__name__)
 
@@ -117,35 +116,21 @@ def open_tokens(files: list[Path], tokenizer: Tokenizer, text_field: str) -> Tok
     local files through the on-the-fly cache."""
     try:
         if len(files) == 1 and is_shard_folder(files[0]):
-            folder = local_copy(files[0]) if is_remote(files[0]) else files[0]
+            folder = remote_shards(files[0]) if is_remote(files[0]) else files[0]
             return TokenShards(folder, tokenizer)
         return cached_tokens(files, tokenizer, text_field)
     except ShardError as e:
         raise DataError(str(e)) from None
 
 
-def local_copy(folder) -> Path:
+def remote_shards(folder) -> Path:
     """A shard folder in object storage, copied once into the token cache (keyed by its URL
-    and its meta.json, which names every shard and its size): memmaps read local files. Each
-    copy is made aside and renamed into place, so ranks copying at once leave one whole."""
-    import shutil
-    import tempfile
-
+    and its meta.json, which names every shard and its size): memmaps read local files."""
     meta = (folder / META).read_text()
     key = hashlib.sha256(f"{folder}|{meta}".encode()).hexdigest()[:20]
-    dest = cache_dir() / f"remote-tokens-{key}"
-    if is_shard_folder(dest):
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    aside = Path(tempfile.mkdtemp(prefix=f"{dest.name}.", dir=dest.parent))
-    logger.info("copying the token shards %s into the token cache %s, once", folder, dest)
-    for name in [*(s["file"] for s in json.loads(meta)["shards"]), META]:  # the index last
-        (folder / name).fs.get((folder / name).path, str(aside / name))
-    try:
-        os.rename(aside, dest)
-    except OSError:  # another rank's copy is in place
-        shutil.rmtree(aside, ignore_errors=True)
-    return dest
+    names = [*(s["file"] for s in json.loads(meta)["shards"]), META]
+    logger.info("copying the token shards %s into the token cache, once", folder)
+    return local_copy([folder / n for n in names], f"remote-tokens-{key}")
 
 
 def _cache_key(files: list[Path], tokenizer: Tokenizer, text_field: str) -> str:

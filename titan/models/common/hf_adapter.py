@@ -147,16 +147,37 @@ def _permute_rows(w: torch.Tensor, n_heads: int, to_halves: bool) -> torch.Tenso
     resharded as it was."""
     rows, cols = w.shape
     split = (n_heads, rows // n_heads // 2, 2) if to_halves else (n_heads, 2, rows // n_heads // 2)
+
+    def permute(t):
+        return t.view(*split, cols).transpose(1, 2).reshape(rows, cols)
+
     try:
-        return w.view(*split, cols).transpose(1, 2).reshape(rows, cols)
+        return permute(w)
     except RuntimeError:
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import DTensor
 
         if not isinstance(w, DTensor):
             raise
-        full = w.redistribute(placements=[Replicate()] * w.device_mesh.ndim)
-        out = full.view(*split, cols).transpose(1, 2).reshape(rows, cols)
-        return out.redistribute(placements=w.placements)
+        return on_whole(permute, w)
+
+
+def on_whole(fn, *tensors: torch.Tensor):
+    """`fn(*tensors)`, a tensor or a tuple of them, computed on whole tensors: DTensors are
+    gathered for this one call and each result sharded as the first of them was (a row
+    reordering whose rows cross the shards' boundaries)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    like = tensors[0]
+    if not isinstance(like, DTensor):
+        return fn(*tensors)
+    out = fn(*(t.full_tensor() for t in tensors))
+    replicated = [Replicate()] * like.device_mesh.ndim
+
+    def reshard(t: torch.Tensor) -> torch.Tensor:
+        whole = DTensor.from_local(t.contiguous(), like.device_mesh, replicated)
+        return whole.redistribute(placements=like.placements)
+
+    return reshard(out) if isinstance(out, torch.Tensor) else tuple(reshard(t) for t in out)
 
 
 class DecoderHFAdapter:

@@ -13,7 +13,7 @@ stores them; one tensor per expert (what a save_pretrained may write) is read to
 
 import torch
 
-from titan.models.common.hf_adapter import FusedExperts
+from titan.models.common.hf_adapter import FusedExperts, on_whole
 from titan.models.common.hybrid_args import HybridArgs
 from titan.models.common.hybrid_hf import HybridHFAdapter, hybrid_args_from_hf_config
 
@@ -120,27 +120,14 @@ class Qwen3_5StateDictAdapter(HybridHFAdapter):
 
 def _rows(w, order: torch.Tensor, sizes: list[int] | None):
     """Rows of `w` (or of its `pieces` stacked, when a list) taken in `order`: cut into
-    `sizes` (a list) or whole (None). A DTensor is gathered for this one tensor and each
-    result sharded as it was."""
-    from torch.distributed.tensor import DTensor, Replicate
-
+    `sizes` (a list) or whole (None); sharded as they were (hf_adapter.on_whole)."""
     pieces = w if isinstance(w, list) else [w]
-    like = pieces[0]
-    if not isinstance(like, DTensor):
-        full = torch.cat(pieces) if len(pieces) > 1 else like
-        out = full.index_select(0, order.to(full.device))
-        return out if sizes is None else list(out.split(sizes))
-    full = torch.cat([p.full_tensor() for p in pieces])
-    out = full.index_select(0, order.to(full.device))
-    results = [out] if sizes is None else out.split(sizes)
-    replicated = [Replicate()] * like.device_mesh.ndim
-    sharded = [
-        DTensor.from_local(r.contiguous(), like.device_mesh, replicated).redistribute(
-            placements=like.placements
-        )
-        for r in results
-    ]
-    return sharded[0] if sizes is None else sharded
+
+    def take(*whole):
+        out = torch.cat(whole).index_select(0, order.to(whole[0].device))
+        return out if sizes is None else out.split(sizes)
+
+    return on_whole(take, *pieces)
 
 
 def qwen3_5_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> HybridArgs:
