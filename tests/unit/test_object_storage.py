@@ -245,7 +245,9 @@ def test_data_read_from_the_bucket_trains_as_the_local_files(s3, tmp_path, monke
     for f in shards.iterdir():
         s3.upload_file(str(f), BUCKET, f"data/shards/{f.name}")
     assert run("shards", f"s3://{BUCKET}/data/shards", str(corpus)) == local
-    assert "copying the token shards s3://" in rank_logs(tmp_path / "shards", 1)
+    logs = rank_logs(tmp_path / "shards", 1)
+    assert "copying the token shards s3://" in logs
+    assert "Found credentials" not in logs  # the store client's INFO chatter is kept out
 
 
 @SERVED
@@ -265,9 +267,10 @@ def test_data_read_from_the_bucket_trains_as_the_local_files(s3, tmp_path, monke
             ],
             r"checkpoint.initial_load_path = 's3://titan-ckpt/nothing-here': no config.json in",
         ),
-        (
+        (  # the launcher mirrors a URL dump folder: a trainer started alone cannot
             ["--job.dump_folder", f"s3://{BUCKET}/dump"],
-            r"job.dump_folder = 's3://titan-ckpt/dump': .*must be local",
+            r"job.dump_folder = 's3://titan-ckpt/dump': a URL dump folder is written through "
+            r"a local mirror that the launcher uploads; start the run with run_train.sh",
         ),
     ],
 )
@@ -306,6 +309,77 @@ def test_an_unreachable_endpoint_and_missing_credentials_are_named(s3, monkeypat
     finally:
         monkeypatch.undo()
         forget_clients()
+
+
+@SERVED
+def test_a_url_dump_folder_is_mirrored_and_its_histories_fetched(s3, tmp_path, monkeypatch):
+    """The launcher's mirror of job.dump_folder = s3://...: the workers get a local folder and
+    checkpoints under the URL; uploads are of what changed (never the HF staging or a temp
+    file), nothing is deleted from the store, another machine fetches the top-level histories,
+    and a file a killed launcher left unsent is uploaded, not overwritten, by the next."""
+    from titan.config import parse_args
+    from titan.launcher.dump_mirror import for_job
+
+    url = f"s3://{BUCKET}/dump-mirror"
+    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path / "node-a"))
+    job = parse_args([*tiny_run(1), "--checkpoint.enable", "--job.dump_folder", url])
+    mirror = for_job(job)
+    local = mirror.local
+    assert mirror.redirect(job) == [
+        "--job.dump_folder",
+        str(local),
+        "--checkpoint.folder",
+        f"{url}/checkpoint",
+    ]
+    assert local.is_relative_to(tmp_path / "node-a") and job.job.dump_folder == str(local)
+    planned(["--checkpoint.enable", "--job.dump_folder", str(local)])  # the workers' view
+    assert mirror.fetch() == 0  # a new run
+
+    (local / "metrics.jsonl").write_text('{"step": 1}\n')
+    (local / "tb" / "run" / "rank_0").mkdir(parents=True)
+    (local / "tb" / "run" / "rank_0" / "events").write_text("e1")
+    (local / ".hf_export").mkdir()
+    (local / ".hf_export" / "model.safetensors").write_text("staged")
+    (local / "metrics.jsonl.tmp").write_text("half")
+    assert mirror.push() == []
+    stored = ["dump-mirror/metrics.jsonl", "dump-mirror/tb/run/rank_0/events"]
+    assert keys(s3, BUCKET, "dump-mirror/") == stored
+
+    s3.delete_object(Bucket=BUCKET, Key="dump-mirror/tb/run/rank_0/events")
+    with open(local / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2}\n')
+    (local / "metrics.jsonl.tmp").unlink()
+    assert mirror.push() == []  # the unchanged event file is not sent again
+    assert keys(s3, BUCKET, "dump-mirror/") == ["dump-mirror/metrics.jsonl"]
+    body = s3.get_object(Bucket=BUCKET, Key="dump-mirror/metrics.jsonl")["Body"].read()
+    assert body == b'{"step": 1}\n{"step": 2}\n'
+    (local / "metrics.jsonl").rename(local / "metrics.1.jsonl")
+    mirror.push()
+    assert "dump-mirror/metrics.jsonl" in keys(s3, BUCKET, "dump-mirror/")  # never deleted
+
+    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path / "node-b"))
+    other = for_job(parse_args(["--job.dump_folder", url]))
+    assert other.local != local and other.fetch() == 2  # metrics.jsonl and metrics.1.jsonl
+    assert (other.local / "metrics.jsonl").read_bytes() == body
+    assert not (other.local / "tb").exists()  # a new start writes its own events
+
+    with open(other.local / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3}\n')  # ... and the launcher is killed before its upload
+    again = for_job(parse_args(["--job.dump_folder", url]))
+    again.fetch()
+    final = body + b'{"step": 3}\n'
+    assert (again.local / "metrics.jsonl").read_bytes() == final
+    assert s3.get_object(Bucket=BUCKET, Key="dump-mirror/metrics.jsonl")["Body"].read() == final
+
+
+@SERVED
+def test_a_url_dump_folder_in_a_missing_bucket_is_refused(s3):
+    from titan.config import parse_args
+    from titan.launcher.dump_mirror import for_job
+
+    job = parse_args(["--job.dump_folder", "s3://no-such-bucket/run"])
+    with pytest.raises(ConfigError, match=r"job.dump_folder = 's3://no-such-bucket/run': the "):
+        for_job(job)
 
 
 @pytest.mark.needs("s3fs", "upath")

@@ -24,7 +24,16 @@ def opt(default, doc: str):
 @dataclass
 class Job:
     config_file: str | None = opt(None, "TOML file read before CLI overrides are applied")
-    dump_folder: str = opt("./outputs", "Folder for logs, metrics.jsonl, TensorBoard and traces")
+    dump_folder: str = opt(
+        "./outputs",
+        "Folder for logs, metrics.jsonl, TensorBoard and traces; a URL (s3://bucket/run) is "
+        "written through a local mirror under TITAN_CACHE_DIR that the launcher uploads",
+    )
+    dump_sync_interval_s: float = opt(
+        60.0,
+        "With a URL job.dump_folder: seconds between uploads of what changed in its local "
+        "mirror (each node uploads its ranks' files, and again when the run ends)",
+    )
     description: str = opt("", "Free-text description of the run, logged at start")
     print_config: bool = opt(False, "Print the merged config (defaults < TOML < CLI) at start")
     custom_import: list[str] = opt(

@@ -348,6 +348,7 @@ def validate(cfg: JobConfig) -> None:
     core sections' here, every component's own after them (titan.config.extensions)."""
     t, c = cfg.training, cfg.comm
     checks = [
+        (cfg.job.dump_sync_interval_s > 0, "job.dump_sync_interval_s", "must be > 0 seconds"),
         (t.steps >= 1, "training.steps", "must be >= 1"),
         (t.seq_len >= 1, "training.seq_len", "must be >= 1"),
         (t.local_batch_size >= 1, "training.local_batch_size", "must be >= 1"),

@@ -19,14 +19,17 @@ import shlex
 import sys
 
 from titan.config import ConfigError, extensions, help_text, parse_args, to_toml
-from titan.runtime.console import print_out
+from titan.launcher import dump_mirror
+from titan.runtime.console import plural, print_out
 from titan.runtime.final_error import run_torchrun
+from titan.runtime.paths import is_remote
 
 
 def rendezvous_id(dump_folder: str) -> str:
     """A job id every node derives alike from the (shared) dump folder, so a restarted job
     meets its own nodes and no other job's."""
-    digest = hashlib.sha1(os.path.abspath(dump_folder).encode()).hexdigest()[:12]
+    where = dump_folder if is_remote(dump_folder) else os.path.abspath(dump_folder)
+    digest = hashlib.sha1(where.encode()).hexdigest()[:12]
     return f"titan-{digest}"
 
 
@@ -143,6 +146,10 @@ def main() -> None:
             print_out(help_text(trainer_args))
             sys.exit(0)
         job = parse_args(trainer_args)
+        dump_url = job.job.dump_folder  # the rendezvous id is the URL's, not a mirror's
+        mirror = dump_mirror.for_job(job)
+        if mirror is not None:  # the checks below see the folders the workers will
+            trainer_args = [*trainer_args, *mirror.redirect(job)]
         dry = dry_run(os.environ.get("DRY_RUN", ""))
         from torch.distributed.run import get_args_parser, parse_min_max_nnodes
 
@@ -171,7 +178,7 @@ def main() -> None:
     if note:
         print(f"titan: note: {note}", file=sys.stderr, flush=True)
     if not ta.standalone and ta.rdzv_id == "none":
-        torchrun_args = [*torchrun_args, f"--rdzv-id={rendezvous_id(job.job.dump_folder)}"]
+        torchrun_args = [*torchrun_args, f"--rdzv-id={rendezvous_id(dump_url)}"]
     if job.job.print_config:
         print(to_toml(job), flush=True)
         # printed once, here: a last override wins over every form (flag, =true, TOML)
@@ -182,7 +189,23 @@ def main() -> None:
         sys.exit(0)
     from titan.trainer import interrupts
 
-    run_torchrun(command, stopped=lambda: interrupts.status(job.checkpoint, job.job.dump_folder))
+    stopped = lambda: interrupts.status(job.checkpoint, job.job.dump_folder)  # noqa: E731
+    if mirror is None:
+        run_torchrun(command, stopped=stopped)
+        return
+    fetched = mirror.fetch()
+    print(
+        f"titan: job.dump_folder {dump_url}: the ranks write into {mirror.local}, uploaded "
+        f"every {mirror.interval_s:g} s and when the run ends"
+        + (f" ({plural(fetched, 'file')} of the earlier run fetched)" if fetched else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    mirror.start()
+    try:
+        run_torchrun(command, stopped=stopped)
+    finally:
+        mirror.finish()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ def _not_library_info(record: logging.LogRecord) -> bool:
     )
 
 
+STORE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google.auth")
+
+
 def init_logging() -> None:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
@@ -23,6 +26,9 @@ def init_logging() -> None:
         force=True,
     )
     logging.getLogger().addFilter(_not_library_info)
+    # an object store's client says at INFO where it found credentials, once a process
+    for name in STORE_CLIENTS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def quiet_checkpoint_process() -> None:
@@ -31,3 +37,5 @@ def quiet_checkpoint_process() -> None:
     is unpickled before the process's groups exist (harmless: it never compiles)."""
     logging.getLogger().addFilter(_not_library_info)
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
+    for name in STORE_CLIENTS:
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -148,9 +148,9 @@ def check_writable(job) -> None:
     ck = job.checkpoint
     if is_remote(job.job.dump_folder):
         raise ConfigError(
-            f"job.dump_folder = {job.job.dump_folder!r}: the dump folder holds the run's logs, "
-            "metrics and TensorBoard files and must be local; put the checkpoints on object "
-            "storage with checkpoint.folder = 's3://bucket/prefix'"
+            f"job.dump_folder = {job.job.dump_folder!r}: a URL dump folder is written through "
+            "a local mirror that the launcher uploads; start the run with run_train.sh (or "
+            "python -m titan.launcher), or give a local dump folder"
         )
     dump = Path(job.job.dump_folder)
     targets = [("job.dump_folder", dump)]
