@@ -197,6 +197,16 @@ def _stage_class(inference_ctx: Callable):
             with inference_ctx():
                 return super()._prepare_backward_infra(*args, **kwargs)
 
+        # called before each weight backward (W), while what its input-only backward kept
+        # is still reachable (torch takes it out of the stage's state first): the first
+        # step's memory measurement
+        before_weight_backward: Callable | None = None
+
+        def backward_weight_one_chunk(self, *args, **kwargs):
+            if self.before_weight_backward is not None:
+                self.before_weight_backward()
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
     return Stage
 
 
@@ -226,3 +236,30 @@ def build_schedule(
     return cls(
         pipeline_stages, n_microbatches=plan.n_microbatches, loss_fn=loss_fn, scale_grads=False
     )
+
+
+def schedule_stages(schedule) -> list:
+    """This rank's stages of a schedule: a multi-stage one's list, or a single one's."""
+    return getattr(schedule, "_stages", None) or [schedule._stage]
+
+
+def held_between_actions(schedule) -> list[torch.Tensor]:
+    """Tensors a schedule's stages hold between actions that a backward made, so that no
+    forward did: the gradients an input-only backward keeps for the weight backward (at the
+    intermediates it starts from) and leaves on its inputs (`.grad`, until the next step),
+    and the receive buffers a V schedule's same-rank stages replace with each other's tensors.
+    The memory measurement counts them (titan.components.observability.memory_measure)."""
+    from torch.utils._pytree import tree_leaves
+
+    held = []
+    for stage in schedule_stages(schedule):
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            for info in infos:
+                if info.buffer is not None:
+                    held += [info.buffer, info.buffer.grad]
+        held += tree_leaves(list(stage.bwd_cache.values()))
+        for inputs, param_groups, _, output_grads in stage.backward_state.values():
+            groups = [g.get("grads") for g in param_groups or ()]
+            held += tree_leaves([inputs, [getattr(t, "grad", None) for t in inputs], groups])
+            held += tree_leaves(output_grads)
+    return [t for t in held if isinstance(t, torch.Tensor)]

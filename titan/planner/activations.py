@@ -7,11 +7,17 @@ mixed precision and float8 act as they will.
 
 A pipeline rank holds several microbatches at once: the count comes from torch's own action
 list for the schedule (`pipeline_order`), walked in order: a forward adds that stage's
-microbatch, a full or weight backward removes it but for its output when a send keeps that
+microbatch, a full or weight backward removes it but for its output when something keeps that
 longer: under the multi-stage schedules (Interleaved1F1B, ZBV...) every sending stage's until
-the step ends; one output of a 1F1B stage (the last stage: one input gradient sent back). No
+the step ends, as a V schedule's turning stage's (the next stage, on the same rank, holds it
+as its input); one output of a 1F1B stage (the last stage: one input gradient sent back). No
 stage keeps outputs for the schedule to return: the trainer asks for none.
-Its receive buffers (one per microbatch, for activations and for gradients) are added.
+A zero-bubble schedule splits a backward into an input part (I) and a weight part (W): the I
+frees the graph above the weights' uses (the last stage's loss and logits), keeps the
+gradients at the intermediates the W starts from until that W, and leaves the input's gradient
+on the stage's input until the step ends; each is traced with torch's own input backward.
+Its receive buffers (one per microbatch, for activations and for gradients) are added; a V
+schedule's same-rank stages replace theirs with each other's tensors as they go.
 
 Transient buffers are estimated, not traced: FSDP's all-gathered parameters (the largest unit
 and the next one prefetched, plus units kept unsharded: the last, or all of them under
@@ -63,7 +69,7 @@ def trace_activations(
             held = None
             if pp_plan is None:
                 t = job.training
-                acts, _ = _forward_held(fb, parts, 0, t.local_batch_size, t.seq_len)
+                acts, _, _ = _forward_held(fb, parts, 0, t.local_batch_size, t.seq_len)
                 logits = _output_bytes(parts[0], t.local_batch_size, t.seq_len // plan.dims.cp, fb)
             else:
                 held, logits = _pipeline_held(fb, parts, pp_plan, plan)
@@ -85,9 +91,12 @@ def _forward_held(
     batch: int,
     seq_len: int,
     hidden: torch.Tensor | None = None,
-) -> tuple[int, int]:
-    """(bytes held for backward, bytes of the output) after one forward of parts[index] on
-    `batch` sequences: from tokens, or from `hidden` (a later pipeline stage)."""
+    split: bool = False,
+) -> tuple[int, int, tuple[int, int]]:
+    """(bytes held for backward, bytes of the output, (bytes an input-only backward keeps
+    for the weight backward, bytes of the held ones it frees)) after one forward of
+    parts[index] on `batch` sequences: from tokens, or from `hidden` (a later pipeline stage).
+    The last pair is traced with `split` (a zero-bubble schedule's later stage), else 0s."""
     part = parts[index]
     tokens = torch.randint(0, 2, (batch, seq_len))
     labels = torch.randint(0, 2, (batch, seq_len))
@@ -108,8 +117,37 @@ def _forward_held(
             # the schedule keeps each loss (and so its graph) until the step ends
             loss = fb.objective.loss(out, labels) if part.output is not None else None
         held = tracker.held_bytes()
+        out_bytes = sum(s.nbytes() for s in storages(out))
+        split_bytes = (0, 0)
+        if split and hidden is not None:
+            if loss is not None:
+                # the last stage keeps its loss for the weight backward, not its logits
+                out = None
+            kept, after = _input_backward(part, out if loss is None else loss, hidden, tracker)
+            split_bytes = (kept, held - after)
     del loss
-    return held, sum(s.nbytes() for s in storages(out))
+    return held, out_bytes, split_bytes
+
+
+def _input_backward(part: nn.Module, out: torch.Tensor, hidden: torch.Tensor, tracker):
+    """torch's input-only backward of a stage (its zero-bubble I): (the bytes of the gradients
+    it keeps for the weight backward, at the intermediates that one starts from; the bytes the
+    forward's graph holds after it: it frees the part above those intermediates)."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+    from torch.utils._pytree import tree_leaves
+
+    grads = None if out.dim() == 0 else [torch.empty_like(out)]  # a receive buffer's
+    _, groups = stage_backward_input([out], grads, [hidden], part.parameters())
+    hidden.grad = _ = None  # the input's gradient: the walk's own term
+    # while `groups` keeps the rest of the graph; the buffer is counted as one
+    after = tracker.held_bytes() - sum(s.nbytes() for g in grads or () for s in storages(g))
+    kept = {
+        s._cdata: s.nbytes()
+        for t in tree_leaves([g.get("grads") for g in groups])
+        if isinstance(t, torch.Tensor)
+        for s in storages(t)
+    }
+    return sum(kept.values()), after
 
 
 def _output_bytes(part: nn.Module, batch: int, seq_len: int, fb) -> int:
@@ -134,13 +172,16 @@ def _act_dtype(fb) -> torch.dtype:
 @dataclass
 class PipelineHeld:
     """What a pipeline rank's stages hold, by their position in its stage list: per
-    microbatch until its backward, the output, the receive buffers; and every pipeline rank's
-    actions, in order (torch's schedule plans them all). A rank whose stages have the same
-    structure holds the same per microbatch, but walks its own actions: 1F1B's ranks keep
-    different counts of microbatches in flight."""
+    microbatch until its backward, the output, what an input-only backward keeps for the
+    weight backward, the receive buffers; and every pipeline rank's actions, in order (torch's
+    schedule plans them all). A rank whose stages have the same structure holds the same per
+    microbatch, but walks its own actions: 1F1B's ranks keep different counts of microbatches
+    in flight."""
 
     per_mb: tuple[int, ...]
     outputs: tuple[int, ...]
+    # what an input-only backward (I) keeps until its W, and what it frees of per_mb
+    split_kept: tuple[tuple[int, int], ...]
     buffers: int
     input_grad: int  # a stage's gradient of its input (one hidden state)
     num_stages: int
@@ -149,26 +190,66 @@ class PipelineHeld:
 
     def activations_bytes(self, pp_rank: int, stage_ids: tuple[int, ...]) -> int:
         """Pipeline rank `pp_rank`'s peak, its stages `stage_ids` alike to the traced ones."""
-        # which outputs outlive their backward: those a send holds. Multi-stage schedules
-        # await their sends only when the step ends (every output of a stage that sends);
-        # single-stage ones (1F1B, GPipe) await each soon, but 1F1B's loop holds the work of
-        # its last fired warmup send, and with it that output, until its steady phase ends.
-        # The last stage keeps no outputs (the trainer asks for none); what its loop holds
-        # of a 1F1B backward is the gradient it sent back, the size of its input
-        last = self.num_stages - 1
-        outputs = dict(zip(stage_ids, self.outputs))
-        if last in outputs:
-            outputs[last] = self.input_grad
-        # a stage whose next stage is on this rank too (the V schedules' turn) passes its
-        # output over no send
-        senders = {sid for sid in stage_ids if sid != last and sid + 1 not in stage_ids}
-        return self.buffers + peak_in_flight(
-            self.orders[pp_rank],
-            dict(zip(stage_ids, self.per_mb)),
-            outputs,
-            senders if self.multi_stage else set(),
-            keep_one=senders if self.multi_stage else None,
-        )
+        last, hidden = self.num_stages - 1, self.input_grad
+        holds = {}
+        for sid, per_mb, output, split in zip(
+            stage_ids, self.per_mb, self.outputs, self.split_kept
+        ):
+            hold = StageHold(per_mb, split_kept=split[0], split_freed=split[1])
+            if sid > 0:
+                hold.input_grad = hidden  # an I leaves it on the input until the step ends
+            if sid + 1 in stage_ids:
+                # a V schedule's turn: the next stage takes this output as its input (its
+                # receive buffer, freed) and holds it until the step ends; its backward hands
+                # back the gradient in place of this stage's gradient buffer
+                hold.kept = output
+            elif sid != last and self.multi_stage:
+                hold.kept = output  # multi-stage schedules await their sends when the step ends
+            elif not self.multi_stage:
+                # 1F1B's loop holds the work of its last fired warmup send, and with it that
+                # output, until its steady phase ends; the last stage's, the gradient it sent
+                hold.kept, hold.keep_one = (hidden if sid == last else output), True
+            if sid - 1 in stage_ids:
+                hold.replaces = hidden
+            holds[sid] = hold
+        return self.buffers + peak_in_flight(self.orders[pp_rank], holds)
+
+
+@dataclass
+class StageHold:
+    """One stage's bytes in the walk over its rank's actions."""
+
+    per_mb: int  # held from a microbatch's forward until its full or weight backward
+    kept: int = 0  # of it, what outlives that backward until the step ends
+    keep_one: bool = False  # only the first backward keeps `kept`
+    split_kept: int = 0  # made by an input-only backward (I), freed by its weight backward (W)
+    split_freed: int = 0  # of per_mb, what the I frees (the graph above the weights' uses)
+    input_grad: int = 0  # made by an I and left on the stage's input until the step ends
+    # a receive buffer of this stage and one of the previous stage that the previous stage's
+    # output and this stage's input gradient replace (same-rank stages): freed at forward and
+    # at I; a full backward's gradient is held in the buffer's place
+    replaces: int = 0
+
+
+def peak_in_flight(actions: list, holds: dict[int, StageHold]) -> int:
+    """The most bytes a pipeline rank holds at once, walking its actions in the schedule's
+    order (the moments a backward begins: after each forward and input-only backward)."""
+    held = peak = 0
+    kept_once = set()
+    for action in actions:
+        kind, sid = action.computation_type.value, action.stage_index
+        h = holds[sid]
+        if kind == "F":
+            held += h.per_mb - h.replaces
+        elif kind == "I":
+            held += h.split_kept + h.input_grad - h.replaces - h.split_freed
+        elif kind in ("B", "W"):
+            keep = h.kept if not (h.keep_one and sid in kept_once) else 0
+            kept_once.add(sid)
+            split = h.split_kept - h.split_freed if kind == "W" else 0
+            held -= h.per_mb - keep + split
+        peak = max(peak, held)
+    return peak
 
 
 def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[PipelineHeld, int]:
@@ -180,7 +261,11 @@ def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[PipelineHeld, int]:
         seq // dims.tp if dims.tp_enabled and fb.job.parallelism.enable_sequence_parallel else seq
     )
     hidden_bytes = mb * hidden_seq * args.dim * _act_dtype(fb).itemsize
-    per_mb, outputs, buffers, logits = [], [], 0, 0
+    per_mb, outputs, split_kept, buffers, logits = [], [], [], 0, 0
+    orders = {rank: list(_flat(actions)) for rank, actions in fb.schedule.pipeline_order.items()}
+    splits = {
+        a.stage_index for acts in orders.values() for a in acts if a.computation_type.value == "I"
+    }
     for i, sid in enumerate(pp_plan.stage_ids):
         hidden = None
         if sid > 0:
@@ -188,47 +273,21 @@ def _pipeline_held(fb, parts, pp_plan, plan) -> tuple[PipelineHeld, int]:
             buffers += pp_plan.n_microbatches * hidden_bytes  # activation receive buffers
         if sid < pp_plan.num_stages - 1:
             buffers += pp_plan.n_microbatches * hidden_bytes  # gradient receive buffers
-        held, out = _forward_held(fb, parts, i, mb, t.seq_len, hidden)
+        held, out, split = _forward_held(fb, parts, i, mb, t.seq_len, hidden, sid in splits)
         per_mb.append(held)
         outputs.append(out)
+        split_kept.append(split)
         logits = max(logits, _output_bytes(parts[i], mb, seq, fb))
-    orders = {rank: list(_flat(actions)) for rank, actions in fb.schedule.pipeline_order.items()}
     return PipelineHeld(
         tuple(per_mb),
         tuple(outputs),
+        tuple(split_kept),
         buffers,
         hidden_bytes,
         pp_plan.num_stages,
         not isinstance(fb.schedule, PipelineScheduleSingle),
         orders,
     ), logits
-
-
-def peak_in_flight(
-    actions: list,
-    per_mb: dict[int, int],
-    outputs: dict[int, int],
-    keep_all: set[int],
-    keep_one: set[int] | None = None,
-) -> int:
-    """The most bytes a pipeline rank holds at once, walking its actions in the schedule's
-    order: a forward keeps its stage's microbatch, a full or weight backward frees it (an
-    input-only backward frees little: the weight gradient still needs the inputs) but for
-    its output where the schedule keeps that: every output of the stages in `keep_all`, one
-    of those in `keep_one` (default: every stage)."""
-    held = peak = 0
-    kept_one = set()
-    for action in actions:
-        kind, sid = action.computation_type.value, action.stage_index
-        if kind == "F":
-            held += per_mb[sid]
-            peak = max(peak, held)
-        elif kind in ("B", "W"):
-            one = keep_one is None or sid in keep_one
-            keep = sid in keep_all or (one and sid not in kept_one)
-            kept_one.add(sid)
-            held -= per_mb[sid] - (outputs[sid] if keep else 0)
-    return peak
 
 
 def _flat(actions):

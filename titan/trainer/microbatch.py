@@ -18,7 +18,12 @@ from titan.config import JobConfig
 from titan.models.common.documents import document_kwargs
 from titan.parallelisms.context_parallel import context_parallel_ctx
 from titan.parallelisms.parallel_dims import heads_group_size
-from titan.parallelisms.pipeline import PipelinePlan, build_schedule
+from titan.parallelisms.pipeline import (
+    PipelinePlan,
+    build_schedule,
+    held_between_actions,
+    schedule_stages,
+)
 from titan.plan.run_plan import RunPlan
 
 
@@ -71,6 +76,19 @@ class ForwardBackward:
             loss_fn,
             inference_ctx=self.objective.paused,
         )
+
+    def _pipeline_schedules(self) -> list:
+        return list({id(s): s for s in (self.schedule, *self._schedules.values()) if s}.values())
+
+    def held_between_actions(self) -> list[torch.Tensor]:
+        """What this rank's pipeline schedules hold that a backward made (none without one)."""
+        return [t for s in self._pipeline_schedules() for t in held_between_actions(s)]
+
+    def before_weight_backward(self, callback) -> None:
+        """Call `callback` before every stage's weight backward (None: no more)."""
+        for schedule in self._pipeline_schedules():
+            for stage in schedule_stages(schedule):
+                stage.before_weight_backward = callback
 
     def loss_parallel_ctx(self):
         return (

@@ -496,6 +496,7 @@ class Trainer:
         logger.info("training done after %s", plural(self.step, "step"))
 
     def _after_first_step(self, tracker, watchdog: StepWatchdog) -> None:
+        self.fwd_bwd.before_weight_backward(None)
         self._write_memory_measured(tracker)
         # start-up and compilation are slow; steady-state steps are not
         timeout = self.job.comm.train_timeout_seconds
@@ -560,7 +561,11 @@ class Trainer:
 
     def _activation_tracker(self) -> ActivationTracker | None:
         # compiled code allocates below the dispatcher, where the tracker cannot see
-        return None if self.job.compile.enable else ActivationTracker(self.model_parts)
+        if self.job.compile.enable:
+            return None
+        tracker = ActivationTracker(self.model_parts, self.fwd_bwd.held_between_actions)
+        self.fwd_bwd.before_weight_backward(tracker.measure)
+        return tracker
 
     def _write_memory_measured(
         self, tracker: ActivationTracker | None, peak_only: bool = False

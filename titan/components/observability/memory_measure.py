@@ -58,13 +58,19 @@ class ActivationTracker(TorchDispatchMode):
     through a weak reference, and the ones still alive are summed each time a backward
     begins (the moments after a forward, when held activations peak). This counts what
     saved-tensor hooks miss: selective AC's cache, checkpointed blocks' inputs, a pipeline's
-    receive buffers and kept outputs. Parameters and buffers (those there at the start, and
-    FSDP's unsharded parameters) are not counted, though ops may return views of them.
+    receive buffers and kept outputs. `held_elsewhere` names tensors a backward made that are
+    held between a pipeline's actions (a zero-bubble input backward's gradients, kept for the
+    weight backward), counted too; `measure` takes a reading where a backward start would
+    miss them. Parameters and buffers (those there at the start, and FSDP's unsharded
+    parameters) are not counted, though ops may return views of them.
     Eager mode only: compiled code allocates below the dispatcher."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: list[nn.Module], held_elsewhere=None):
         super().__init__()
         self.parts = parts
+        # tensors held between a pipeline's actions that backward made (the tracker watches
+        # what ops make outside backward): a callable, counted at each measurement
+        self.held_elsewhere = held_elsewhere
         self.watched: dict[int, StorageWeakRef] = {}
         self.peak = 0
         self._in_backward = False
@@ -99,18 +105,26 @@ class ActivationTracker(TorchDispatchMode):
 
     def _alive_bytes(self) -> int:
         params = self._states | self._state_storages()
-        total = 0
+        alive = {}
         for key, ref in list(self.watched.items()):
             if ref.expired():
                 del self.watched[key]
             elif key not in params:
-                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        return total
+                alive[key] = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        for t in self.held_elsewhere() if self.held_elsewhere else ():
+            for storage in storages(t):
+                if storage._cdata not in params:
+                    alive[storage._cdata] = storage.nbytes()
+        return sum(alive.values())
+
+    def measure(self) -> None:
+        """Take the held bytes now into the peak."""
+        self.peak = max(self.peak, self.held_bytes(above=self.peak))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         backward = torch._C._current_graph_task_id() != -1
         if backward and not self._in_backward:
-            self.peak = max(self.peak, self.held_bytes(above=self.peak))
+            self.measure()
         self._in_backward = backward
         out = func(*args, **(kwargs or {}))
         if not backward:
