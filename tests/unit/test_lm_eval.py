@@ -261,6 +261,7 @@ def in_loop(tmp_path_factory):
     return plain, evaluated, tmp / "eval" / "dump"
 
 
+@pytest.mark.slow("the module's two trainings, plain and evaluating, are set up under it")
 def test_evals_in_the_loop_leave_training_as_it_was(in_loop):
     plain, evaluated, dump = in_loop
     assert [(r["loss"], r["grad_norm"]) for r in plain] == [
