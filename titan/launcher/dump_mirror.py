@@ -69,7 +69,7 @@ class DumpMirror:
         top-level files into the mirror; returns how many were copied."""
         self.local.mkdir(parents=True, exist_ok=True)
         self._uploaded = self._read_manifest()
-        unsent = {entry.split(" (", 1)[0] for entry in self.push()}
+        unsent = dict(self.push())
         self.fs.invalidate_cache()
         try:
             entries = self.fs.ls(self.root, detail=True)
@@ -89,9 +89,9 @@ class DumpMirror:
         self._write_manifest()
         return fetched
 
-    def push(self) -> list[str]:
+    def push(self) -> list[tuple[str, str]]:
         """Upload every file of the mirror that changed since its last upload; returns the
-        files that could not be uploaded (each is tried again on the next push)."""
+        files that could not be uploaded, each with why (tried again on the next push)."""
         with self._lock:
             failed = []
             for rel in self._changed():
@@ -100,7 +100,7 @@ class DumpMirror:
                 except FileNotFoundError:  # renamed or removed meanwhile (a .tmp replaced)
                     continue
                 except Exception as e:  # noqa: BLE001  retried at the next push
-                    failed.append(f"{rel} ({type(e).__name__}: {e})")
+                    failed.append((rel, f"{type(e).__name__}: {e}"))
                     continue
                 self._uploaded[rel] = self._stat(self.local / rel)
             self._write_manifest()
@@ -158,9 +158,10 @@ class DumpMirror:
             self._thread.join()
         failed = self.push()
         if failed:
+            some = "; ".join(f"{rel} ({why})" for rel, why in failed[:3])
             print(
                 f"titan: warning: {len(failed)} file(s) of the dump folder could not be "
-                f"uploaded to {self.url}: {'; '.join(failed[:3])}. They are in {self.local}; "
+                f"uploaded to {self.url}: {some}. They are in {self.local}; "
                 "the next launch on this machine uploads them",
                 file=sys.stderr,
                 flush=True,

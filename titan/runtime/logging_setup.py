@@ -25,17 +25,19 @@ def init_logging() -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
-    logging.getLogger().addFilter(_not_library_info)
-    # an object store's client says at INFO where it found credentials, once a process
-    for name in STORE_CLIENTS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    _quiet_libraries()
 
 
 def quiet_checkpoint_process() -> None:
     """In DCP's saving process (spawned from titan.trainer.train, which it imports first): its
     INFO lines, in a format of their own, and the warning every staged DTensor's mesh gives as it
     is unpickled before the process's groups exist (harmless: it never compiles)."""
-    logging.getLogger().addFilter(_not_library_info)
+    _quiet_libraries()
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
+
+
+def _quiet_libraries() -> None:
+    logging.getLogger().addFilter(_not_library_info)
+    # an object store's client says at INFO where it found credentials, once a process
     for name in STORE_CLIENTS:
         logging.getLogger(name).setLevel(logging.WARNING)
