@@ -370,6 +370,7 @@ def test_the_loop_calls_no_hook_by_name():
     extensions.sections()  # loads titan's own registrations
     want = [
         *(
+            "memory_measured",
             "gc",
             "rank_times",
             "metrics_writers",

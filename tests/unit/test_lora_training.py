@@ -194,7 +194,8 @@ def test_frozen_weights_get_no_gradient(world, tmp_path):
         job = [*argv(), *layout, "--job.dump_folder", str(tmp_path)]
         trainer = build_trainer(rank, world, port, job)
         try:
-            trainer.train_step(trainer.next_microbatches(iter(trainer.dataloader)))
+            shape = trainer.plan.step_shape(1)
+            trainer.train_step(trainer.next_microbatches(iter(trainer.dataloader), shape), shape)
             named = [(n, p) for part in trainer.model_parts for n, p in part.named_parameters()]
             state = trainer.optimizer.state_dict()
             return {

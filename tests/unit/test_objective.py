@@ -37,7 +37,7 @@ def test_without_terms_the_objective_is_the_cross_entropy_mean():
     with objective.step(1.0, TokenSplit()):
         loss = objective.loss(logits, labels)
     assert torch.equal(loss, cross_entropy_sum(logits, labels) / 10)
-    assert objective.reduce(None, None) == {"loss": loss.item()}
+    assert objective.named(objective.reduce(None, None)) == {"loss": loss.item()}
 
 
 def test_a_terms_weight_is_in_backward_and_its_value_is_logged_unweighted(logit_l2):
@@ -50,7 +50,7 @@ def test_a_terms_weight_is_in_backward_and_its_value_is_logged_unweighted(logit_
         objective.loss(logits, labels).backward()
     l2 = logits.detach().square().mean(-1)[labels != IGNORE_INDEX].sum()
     ce = cross_entropy_sum(logits.detach(), labels)
-    got = objective.reduce(None, None)
+    got = objective.named(objective.reduce(None, None))
     assert got["loss"] == pytest.approx((ce / 5).item(), rel=1e-6)
     assert got["logit_l2"] == pytest.approx((l2 / 5).item(), rel=1e-6)
     # the gradient is the weighted sum's

@@ -51,7 +51,7 @@ def test_the_objective_weights_it_in_backward_and_logs_it_unweighted():
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     z = z_loss_sum(logits, labels)
     assert loss.item() == pytest.approx((ce + 1e-2 * z).item() / 10, rel=1e-6)
-    logged = objective.reduce(None, None)
+    logged = objective.named(objective.reduce(None, None))
     assert logged["z_loss"] == pytest.approx(z.item() / 10, rel=1e-6)
     assert logged["loss"] == pytest.approx(ce.item() / 10, rel=1e-6)
 

@@ -81,6 +81,18 @@ class RunView:
         return self._trainer.fwd_bwd.logits
 
     @property
+    def held_between_actions(self):
+        """() -> the tensors a backward made that this rank's pipeline stages hold between
+        their actions (none without pipelining)."""
+        return self._trainer.fwd_bwd.held_between_actions
+
+    @property
+    def before_weight_backward(self):
+        """callback -> None: call `callback()` before every pipeline stage's weight backward
+        (None: no more)."""
+        return self._trainer.fwd_bwd.before_weight_backward
+
+    @property
     def callbacks(self) -> dict:
         """The run's callbacks by name (those it built: a section that is off has none)."""
         return self._trainer.callbacks

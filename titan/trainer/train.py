@@ -5,11 +5,9 @@ Read top to bottom: build everything from the config, then loop over steps.
 
 import contextlib
 import logging
-import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,17 +31,12 @@ from titan.components.fault_tolerance.injection import FaultInjector
 from titan.components.fault_tolerance.watchdog import StepWatchdog
 from titan.components.observability.flight_recorder import configure_flight_recorder
 from titan.components.observability.flops import peak_flops
-from titan.components.observability.memory_measure import (
-    ActivationTracker,
-    state_bytes,
-    write_measured,
-)
 from titan.components.observability.metrics import MetricsLogger
 from titan.components.optim.grad_clip import clip_grad_norm_
 from titan.components.optim.lr_scheduler import build_lr_scheduler
 from titan.components.optim.optimizer import build_optimizer
-from titan.components.training.callbacks import StepEnd, StopTraining, build_callbacks
-from titan.components.training.objective import LOSS
+from titan.components.training.callbacks import Callback, StepEnd, StopTraining, build_callbacks
+from titan.components.training.step_figures import StepFigures, StepGuard
 from titan.config import ConfigError, JobConfig, help_text, parse_args, to_toml, with_config_file
 from titan.parallelisms.tensor_parallel import shard_grads_like_params
 from titan.parallelisms.tied_weights import TiedCopies
@@ -74,10 +67,6 @@ from titan.trainer.replay import (
 from titan.trainer.run_view import RunView
 
 logger = logging.getLogger("titan")
-
-
-class NonFiniteLossError(StopTraining):
-    pass
 
 
 class Trainer:
@@ -122,7 +111,7 @@ class Trainer:
             self.model_parts, job.optimizer, job.extensions, self.converters.lr_scale
         )
         self.post_optimizer_hooks = self._post_optimizer_hooks()
-        self.step_terms: dict[str, float] = {}  # the objective's terms of the last step
+        self.guard = StepGuard(self.device, nonfinite_stops=t.on_nonfinite == "stop")
         self.hook_metrics: dict = {}  # what the hooks report of the last step (MoE loads)
         schedule = plan.batch_schedule
         self.lr_scheduler = build_lr_scheduler(
@@ -137,6 +126,10 @@ class Trainer:
         self.run_view = RunView(self)
         self.callbacks = build_callbacks(self.run_view, job.extensions)
         self.train_state.callbacks = self.callbacks
+        # the host reads every step's figures only for a component that decides on them
+        self.judges = [cb for cb in self.callbacks.values() if _overrides(cb, "judge_step")]
+        self.reads_each_step = bool(self.judges) or t.on_nonfinite == "skip"
+        self.keeps_step_inputs = any(cb.replays for cb in self.callbacks.values())
         self.checkpointer = self._checkpointer()
         self.checkpointer.load()
         self.step = self.train_state.step
@@ -290,58 +283,60 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, microbatches) -> tuple[float, float, bool]:
-        """One optimizer step over the microbatches; returns (loss, grad norm, skipped)."""
+    def train_step(self, microbatches, shape) -> tuple[StepFigures, bool]:
+        """One optimizer step over the microbatches of a step of `shape`: (its figures, left
+        on the device; whether its update was skipped)."""
         if self.ft is not None:
             self.checkpointer.wait_for_staging()  # a heal may overwrite the parameters
             self.ft.start_step()  # the quorum forms while forward/backward run
-        objective = self.fwd_bwd.objective
         # the loss is the mean over the labels the data counts, however many that is
-        if objective.count([b[LABELS] for b in microbatches], self._group("dp")) == 0:
-            raise objective.nothing_counted(self.step)
-        self.step_inputs = StepInputs.keep(microbatches, self.device)  # for a replay
-        loss_v, norm_v = self.gradients(microbatches)
-        self.step_norm = norm_v
-        # collective within the group: every rank asks, whatever it will do with the answer
-        if self.ft is not None and not self.ft.should_commit():
-            logger.warning(
-                "step %d: torchft quorum did not commit; optimizer step skipped", self.step
-            )
-            return self._skip(loss_v, norm_v)
-        if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
-            if self.job.training.on_nonfinite == "stop":
-                raise NonFiniteLossError(
-                    f"non-finite loss ({loss_v}) or grad norm ({norm_v}) at step {self.step}; "
-                    "lower optimizer.lr, check the data, or set training.on_nonfinite = 'skip'"
-                )
-            logger.warning(
-                "step %d: non-finite loss %s / grad norm %s, optimizer step skipped",
-                self.step,
-                loss_v,
-                norm_v,
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            return self._skip(loss_v, norm_v)
-        reason = self._judge(loss_v, norm_v)
+        counted = self.fwd_bwd.objective.count([b[LABELS] for b in microbatches], self._group("dp"))
+        if self.keeps_step_inputs:  # a callback replays steps
+            self.step_inputs = StepInputs.keep(microbatches, self.device)
+        self.shape = shape
+        self.figures = figures = self.gradients(microbatches, counted)
+        self.guard.watch(self.step, figures.values, figures.norm, counted)
+        figures.guard = self.guard
+        reason = self._skip_reason(figures)
         if reason is not None:
             logger.warning("step %d: optimizer step skipped: %s", self.step, reason)
             self.optimizer.zero_grad(set_to_none=True)
-            return self._skip(loss_v, norm_v)
+            for hook in self.post_optimizer_hooks:  # its routing counts move no bias
+                hook(False)
+            self.lr_scheduler.step()
+            return figures, True
         # an async checkpoint's copy of the parameters overlaps forward/backward, not this
         self.checkpointer.wait_for_staging()
         self.optimizer.step()
         for hook in self.post_optimizer_hooks:
             self.hook_metrics.update(hook(True) or {})
         self.lr_scheduler.step()
-        return loss_v, norm_v, False
+        return figures, False
 
-    def gradients(self, microbatches, replay: bool = False) -> tuple[float, float]:
-        """Forward and backward of the step's microbatches, the gradients clipped: (global
-        loss, global gradient norm); the objective's terms in step_terms."""
+    def _skip_reason(self, figures: StepFigures) -> str | None:
+        """Why this step's update is not taken, or None. The host reads the step's figures
+        here only where a component decides on them (training.on_nonfinite = "skip", a
+        callback's judge_step); otherwise the guard watches them on the device."""
+        # collective within the group: every rank asks, whatever it will do with the answer
+        if self.ft is not None and not self.ft.should_commit():
+            return "torchft quorum did not commit"
+        if not self.reads_each_step:
+            return None
+        if not figures.finite:  # under on_nonfinite = "stop", reading them raised already
+            return f"non-finite loss {figures.loss} / grad norm {figures.grad_norm}"
+        reasons = (
+            cb.judge_step(self.run_view, self.step, figures.loss, figures.grad_norm)
+            for cb in self.judges
+        )
+        return next((r for r in reasons if r is not None), None)
+
+    def gradients(self, microbatches, counted, replay: bool = False) -> StepFigures:
+        """Forward and backward of the step's microbatches, the gradients clipped: the
+        step's figures (global loss and terms, global gradient norm), on the device."""
         self.optimizer.zero_grad(set_to_none=True)
         objective = self.fwd_bwd.objective
         weight = 1 / (len(microbatches) * self.fwd_bwd.pipeline_microbatches)
-        with objective.step(weight, self.token_split(self.plan.step_shape(self.step))):
+        with objective.step(weight, self.token_split(self.shape)):
             for batch in microbatches:
                 self.fwd_bwd.step(to_device(batch, self.device))
         shard_grads_like_params([p for part in self.model_parts for p in part.parameters()])
@@ -353,8 +348,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             params, self.job.training.max_norm, extra_group=self.pp_group(), uncounted=copies
         )
-        self.step_terms = objective.reduce(self.pp_group(), self.dp_cp_group())
-        return self.step_terms.pop(LOSS), grad_norm.item()
+        values = objective.reduce(self.pp_group(), self.dp_cp_group())
+        return StepFigures(objective.names, values, grad_norm, counted)
 
     def token_split(self, shape):
         """What the model's group losses (MoE balancing) need to know of the layout, for a
@@ -380,36 +375,24 @@ class Trainer:
     def replay_step(self, edit=None) -> Replay:
         """This step again from its batch and random state (see titan.trainer.replay), its
         microbatches first given to `edit` when given; the gradients left are the replay's."""
-        max_norm = self.job.training.max_norm
-        first = unclipped(local_grad_sq(self.grad_params()[0]), self.step_norm, max_norm)
+        if not self.keeps_step_inputs:
+            raise RuntimeError(
+                "replay_step: no callback of this run says it replays steps (its `replays` "
+                "attribute), so the step's inputs were not kept"
+            )
+        max_norm, figures = self.job.training.max_norm, self.figures
+        first = unclipped(local_grad_sq(self.grad_params()[0]), figures.grad_norm, max_norm)
         self.step_inputs.rng.restore(self.device)
         replay = copies(self.step_inputs.microbatches)
         if edit is not None:
             replay = edit(replay)
-        loss2, norm2 = self.gradients(replay, replay=True)
-        second = unclipped(local_grad_sq(self.grad_params()[0]), norm2, max_norm)
-        return Replay(loss2, norm2, gather_rank_norms(first, second, self.device))
+        again = self.gradients(replay, figures.counted, replay=True)
+        second = unclipped(local_grad_sq(self.grad_params()[0]), again.grad_norm, max_norm)
+        return Replay(again.loss, again.grad_norm, gather_rank_norms(first, second, self.device))
 
-    def _judge(self, loss_v: float, norm_v: float) -> str | None:
-        """The first reason a callback gives to skip this step's update (each is asked)."""
-        reasons = [
-            cb.judge_step(self.run_view, self.step, loss_v, norm_v)
-            for cb in self.callbacks.values()
-        ]
-        return next((r for r in reasons if r is not None), None)
-
-    def _skip(self, loss_v: float, norm_v: float) -> tuple[float, float, bool]:
-        """A step whose optimizer update is skipped: the hooks drop what its forward gathered
-        (its routing counts do not move the next step's bias)."""
-        for hook in self.post_optimizer_hooks:
-            hook(False)
-        self.lr_scheduler.step()
-        return loss_v, norm_v, True
-
-    def next_microbatches(self, data_iter):
-        """The step's microbatches: as many as its global batch holds on this rank (a
-        schedule regroups the stream from the step whose shape changes)."""
-        shape = self.plan.step_shape(self.step)
+    def next_microbatches(self, data_iter, shape):
+        """The step's microbatches: as many as its global batch (of `shape`) holds on this
+        rank (a schedule regroups the stream from the step whose shape changes)."""
         if self.plan.batch_schedule is not None or self.plan.seq_len_schedule is not None:
             self.dataloader.resize(shape.windows, shape.pieces, shape.local_batch)
         return [next(data_iter) for _ in range(shape.grad_accum)]
@@ -454,21 +437,18 @@ class Trainer:
             self.step += 1
             started_ns = time.time_ns()
             t0 = time.perf_counter()
-            microbatches = self.next_microbatches(data_iter)
+            shape = self.plan.step_shape(self.step)
+            microbatches = self.next_microbatches(data_iter, shape)
             data_s = time.perf_counter() - t0
             # counted before the step: context parallelism shards the batch in place
             batch_tokens = sum(b[INPUT_IDS].numel() for b in microbatches)
             # optimizer.lr on its schedule (a param group's own lr follows the same factor)
             lr = self.job.optimizer.lr * self.lr_scheduler.last_factor
-            # the first step is measured: what the memory planner's figures are checked on
-            tracker = self._activation_tracker() if self.step == first_step else None
-            with tracker or contextlib.nullcontext(), self._around_step():
-                loss, grad_norm, skipped = self.train_step(microbatches)
+            with self._around_step():
+                figures, skipped = self.train_step(microbatches, shape)
             self.skipped_steps += skipped
             if self.step == first_step:
-                self._after_first_step(tracker, watchdog)
-            elif self.step == first_step + 1 and self.device.type == "cuda":
-                self._write_memory_measured(None, peak_only=True)
+                self._after_first_step(watchdog)
             self.train_state.step = self.step
             self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
             # tp/cp/pp ranks share their batch: count each token once per device group
@@ -476,28 +456,28 @@ class Trainer:
                 batch_tokens // self.plan.dims.non_dp,
                 data_s,
                 started_ns,
-                flops_per_token=self._flops_per_token(self.plan.step_shape(self.step).seq_len),
+                flops_per_token=self._flops_per_token(shape.seq_len),
             )
             logged = None
             if self.metrics.should_log(self.step, t.steps):
-                logged = self._log_step(loss, grad_norm, lr)
-            figures = (loss, grad_norm, lr, skipped, self.train_state.tokens_seen, logged)
-            self.emit("on_step_end", StepEnd(self.step, *figures))
+                logged = self._log_step(figures, lr)
+            tokens = self.train_state.tokens_seen
+            self.emit("on_step_end", StepEnd(self.step, figures, lr, skipped, tokens, logged))
             stop = self.step == t.exit_at_step or view.stop_reason is not None
-            self._save_if_due(stop, watchdog, requested=view.save_requested)
+            self._save_if_due(stop, watchdog, figures, requested=view.save_requested)
             view.save_requested = False
             watchdog.progress(f"step {self.step}")
             if stop:
                 why = view.stop_reason or "training.exit_at_step"
                 logger.info("stopping after step %d (%s)", self.step, why)
                 break
+        if self.step >= first_step:  # the guard's word on the steps no one read
+            figures.read()
         self.emit("on_train_end")
         watchdog.stop()
         logger.info("training done after %s", plural(self.step, "step"))
 
-    def _after_first_step(self, tracker, watchdog: StepWatchdog) -> None:
-        self.fwd_bwd.before_weight_backward(None)
-        self._write_memory_measured(tracker)
+    def _after_first_step(self, watchdog: StepWatchdog) -> None:
         # start-up and compilation are slow; steady-state steps are not
         timeout = self.job.comm.train_timeout_seconds
         set_collective_timeout(timeout)
@@ -525,7 +505,8 @@ class Trainer:
                 stack.enter_context(context)
         return stack
 
-    def _log_step(self, loss: float, grad_norm: float, lr: float) -> dict:
+    def _log_step(self, figures: StepFigures, lr: float) -> dict:
+        loss, grad_norm = figures.loss, figures.grad_norm  # read first: the guard may raise
         extra = {}
         for callback in self.callbacks.values():  # what they measured of the step
             extra.update(callback.figures(self.run_view, self.step) or {})
@@ -533,7 +514,7 @@ class Trainer:
             extra["skipped_steps"] = self.skipped_steps
         # the objective's terms beside the cross-entropy `loss` (the model's own too), and
         # what the hooks measured (already the same on every rank)
-        extra.update(self.step_terms)
+        extra.update(figures.terms)
         extra.update(self.fwd_bwd.objective.model_terms())
         extra.update(self.hook_metrics)
         mix = self.dataloader.source_tokens(self.job.training.seq_len)
@@ -543,14 +524,17 @@ class Trainer:
             self.step, loss, grad_norm, lr, tokens_seen=self.train_state.tokens_seen, **extra
         )
 
-    def _save_if_due(self, stop: bool, watchdog: StepWatchdog, requested: bool = False) -> None:
+    def _save_if_due(
+        self, stop: bool, watchdog: StepWatchdog, figures: StepFigures, requested: bool = False
+    ) -> None:
         """The step's checkpoint, if one is due or a callback asked for it; the last step's
-        and an exit's block."""
+        and an exit's block. Nothing is saved of a run the guard stops (figures.read)."""
         final = self.step == self.job.training.steps
         ck = self.job.checkpoint
         due = self.checkpointer.due(self.step, last=final or stop)
         if not (due or (requested and ck.enable)):
             return
+        figures.read()
         model_only = final and (ck.last_save_model_only or ck.last_save_in_hf)
         with watchdog.paused(), self._around_export(model_only):
             self.metrics.exclude(
@@ -558,31 +542,6 @@ class Trainer:
             )
         path = step_folder(self.checkpointer.root, self.step)
         self.emit("on_checkpoint_saved", self.step, str(path))
-
-    def _activation_tracker(self) -> ActivationTracker | None:
-        # compiled code allocates below the dispatcher, where the tracker cannot see
-        if self.job.compile.enable:
-            return None
-        tracker = ActivationTracker(self.model_parts, self.fwd_bwd.held_between_actions)
-        self.fwd_bwd.before_weight_backward(tracker.measure)
-        return tracker
-
-    def _write_memory_measured(
-        self, tracker: ActivationTracker | None, peak_only: bool = False
-    ) -> None:
-        """The bytes this rank holds after its first step, in the memory planner's keys. The
-        first step makes the optimizer states after its peak: on CUDA the peak is written
-        again after the second step, whose peak is the steady one."""
-        if not peak_only:
-            self._measured = state_bytes(self.model_parts, self.optimizer.optimizers)
-            if tracker is not None:
-                self._measured["activations_bytes"] = tracker.peak
-        if self.device.type == "cuda":
-            self._measured["max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
-            self._measured["max_memory_allocated_at_step"] = self.step
-        write_measured(
-            Path(self.job.job.dump_folder) / "memory_measured.json", self._measured, self.rank
-        )
 
     def stopping(self, error: BaseException) -> None:
         """The run ends with `error`: tell the callbacks (on this rank only)."""
@@ -598,6 +557,10 @@ class Trainer:
         self.checkpointer.close()
         for callback in self.callbacks.values():
             callback.close()
+
+
+def _overrides(callback: Callback, method: str) -> bool:
+    return getattr(type(callback), method) is not getattr(Callback, method)
 
 
 def set_determinism(seed: int, deterministic: bool, compiling: bool) -> None:

@@ -13,6 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from titan.components.training.callbacks import Callback
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -146,3 +148,44 @@ def storages(t) -> list[torch.UntypedStorage]:
         names, _ = t.__tensor_flatten__()
         return [s for name in names for s in storages(getattr(t, name))]
     return [t.untyped_storage()]
+
+
+class MemoryMeasured(Callback):
+    """Writes `<dump_folder>/memory_measured.json` after the run's first step: the states'
+    bytes and the activations the step held (measured by an ActivationTracker around it,
+    except under torch.compile, whose kernels allocate below the dispatcher). The first
+    step makes the optimizer states after its peak: on CUDA the peak allocation is written
+    again after the second step, whose peak is the steady one."""
+
+    def __init__(self):
+        self.first = 1
+        self.tracker: ActivationTracker | None = None
+        self.measured: dict = {}
+
+    def on_train_start(self, run) -> None:
+        self.first = run.step + 1
+
+    def around_step(self, run, step: int):
+        if step != self.first or run.job.compile.enable:
+            return None
+        self.tracker = ActivationTracker(run.model_parts, run.held_between_actions)
+        run.before_weight_backward(self.tracker.measure)
+        return self.tracker
+
+    def on_step_end(self, run, end) -> None:
+        if end.step == self.first:
+            run.before_weight_backward(None)
+            self.measured = state_bytes(run.model_parts, run.optimizer.optimizers)
+            if self.tracker is not None:
+                self.measured["activations_bytes"] = self.tracker.peak
+                self.tracker = None
+        elif end.step != self.first + 1 or run.device.type != "cuda":
+            return
+        if run.device.type == "cuda":
+            self.measured["max_memory_allocated"] = torch.cuda.max_memory_allocated(run.device)
+            self.measured["max_memory_allocated_at_step"] = end.step
+        write_measured(Path(run.dump_folder) / "memory_measured.json", self.measured, run.rank)
+
+
+def build_callback(run, options) -> MemoryMeasured:
+    return MemoryMeasured()

@@ -30,20 +30,35 @@ class StopTraining(RuntimeError):
 
 @dataclass(frozen=True)
 class StepEnd:
-    """A training step's figures, the same on every rank."""
+    """A training step's figures, the same on every rank. `loss` and `grad_norm` stay on the
+    device until a callback reads them (the host then waits for the step to finish: read
+    them at logged steps, `logged is not None`, where it waits anyway)."""
 
     step: int
-    loss: float  # the global batch's loss
-    grad_norm: float  # over every parameter of every rank
+    # the step's global figures (titan.components.training.step_figures.StepFigures)
+    figures: Any
     lr: float
     skipped: bool  # the optimizer did not step (non-finite figures, torchft's quorum, a
     #                callback's judge_step)
     tokens_seen: int  # training tokens of all ranks so far
     logged: dict | None  # the metrics record, when this step was logged
 
+    @property
+    def loss(self) -> float:
+        """The global batch's loss."""
+        return self.figures.loss
+
+    @property
+    def grad_norm(self) -> float:
+        """Over every parameter of every rank."""
+        return self.figures.grad_norm
+
 
 class Callback:
     """The trainer's events; `run` is the trainer's view (titan.trainer.run_view.RunView)."""
+
+    # whether it calls run.replay_step: only then does every step keep a copy of its inputs
+    replays: bool = False
 
     def on_train_start(self, run) -> None:
         """Before the first step (after a resume: the step after the checkpoint's)."""
@@ -62,7 +77,8 @@ class Callback:
         """Before the step's optimizer update, with its global (finite) loss and gradient
         norm, the same on every rank: a reason to skip the update (a short phrase), or None
         to take it. Raise StopTraining to end the run here, the update not taken. Every
-        callback is asked, in order; the first reason given is logged."""
+        callback is asked, in order; the first reason given is logged. A callback that
+        defines it has the host read every step's figures (it waits for the device then)."""
         return None
 
     def on_step_end(self, run, end: StepEnd) -> None:
@@ -130,6 +146,9 @@ _OWN = "titan.components"
 # the figures' callbacks first: the metrics writers then see a validation's figures, and every
 # later callback the step's whole record; validation's and profiling's own are registered with
 # their sections (training/validation_spec.py, observability/profiling_spec.py), after these
+register_callback(
+    CallbackSpec("memory_measured", build=f"{_OWN}.observability.memory_measure:build_callback")
+)
 register_callback(CallbackSpec("gc", build=f"{_OWN}.training.gc:build_callback"))
 register_callback(
     CallbackSpec("rank_times", build=f"{_OWN}.observability.rank_times:build_callback")

@@ -51,17 +51,19 @@ class Objective:
     def names(self) -> list[str]:
         return [LOSS, *self.terms]
 
-    def count(self, labels: list[torch.Tensor], dp_group: dist.ProcessGroup | None) -> int:
+    def count(self, labels: list[torch.Tensor], dp_group: dist.ProcessGroup | None) -> torch.Tensor:
         """This step's terms are means over the labels the loss counts (not IGNORE_INDEX) in
         this rank's microbatches' `labels`, summed over `dp_group` (None: this rank alone;
         torchft's replica groups count their own): each rank's share of it, as the count is
-        shared by the dp x cp ranks. Returns the count."""
-        counted, ranks = sum(int((y != IGNORE_INDEX).sum()) for y in labels), 1
+        shared by the dp x cp ranks. Returns the count, on the device: nothing waits for it
+        (a step with none is caught by titan.components.training.step_guard)."""
+        counted = sum((y != IGNORE_INDEX).sum() for y in labels).to(self.device)
+        ranks = 1
         if dp_group is not None:
-            total = torch.tensor(counted, dtype=torch.int64, device=self.device)
-            dist.all_reduce(total, group=dp_group)
-            counted, ranks = int(total.item()), dist.get_world_size(dp_group)
-        self.tokens = max(counted, 1) / (ranks * self.cp)
+            dist.all_reduce(counted, group=dp_group)
+            ranks = dist.get_world_size(dp_group)
+        # float64, then float32: what dividing by the Python number it was rounded to
+        self.tokens = (counted.clamp(min=1).double() / (ranks * self.cp)).float()
         return counted
 
     @staticmethod
@@ -112,10 +114,15 @@ class Objective:
 
     def reduce(
         self, pp_group: dist.ProcessGroup | None, dp_cp_group: dist.ProcessGroup | None
-    ) -> dict[str, float]:
-        """The step's `loss` and terms over the run (collective: every rank calls it)."""
+    ) -> torch.Tensor:
+        """The step's `loss` and terms over the run, in `names`' order, on the device
+        (collective: every rank calls it)."""
         values = self._values
         reduce_loss(values, pp_group=pp_group, dp_cp_group=dp_cp_group)
+        return values
+
+    def named(self, values: torch.Tensor) -> dict[str, float]:
+        """`reduce`'s values by name, read on the host."""
         return dict(zip(self.names, values.tolist(), strict=True))
 
     def model_terms(self) -> dict[str, float]:

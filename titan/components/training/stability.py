@@ -41,6 +41,7 @@ class SpikeMonitor(Callback):
         self.path = os.path.join(dump_folder, "spikes.jsonl")
         self.windows = {m: deque(maxlen=cfg.spike_window) for m in cfg.spike_metrics}
         self.spikes = 0  # flagged steps so far
+        self.replays = cfg.rerun_on_spike
 
     def on_train_start(self, run) -> None:
         if self.rank == 0:
