@@ -141,9 +141,7 @@ def test_a_callbacks_section_is_checked_before_launch(loss_ema):
 
 
 def test_a_stop_reaches_every_callback_even_past_a_failing_one(caplog):
-    from types import SimpleNamespace
-
-    from titan.trainer.train import Trainer
+    from titan.components.training.callbacks import Callbacks
 
     seen = []
 
@@ -155,7 +153,7 @@ def test_a_stop_reaches_every_callback_even_past_a_failing_one(caplog):
         def on_stop(self, run, error):
             seen.append((run, str(error)))
 
-    trainer = SimpleNamespace(callbacks={"breaks": Breaks(), "notes": Notes()}, run_view="view")
-    Trainer.stopping(trainer, KeyboardInterrupt("ctrl-c"))
+    callbacks = Callbacks({"breaks": Breaks(), "notes": Notes()})
+    callbacks.stopping("view", KeyboardInterrupt("ctrl-c"))
     assert seen == [("view", "ctrl-c")]
     assert "callback Breaks failed in on_stop" in caplog.text

@@ -185,8 +185,8 @@ def first_step_against_transformers(rank, world_size, port, argv, hf_dir):
     seen = []
     take = trainer.next_microbatches
 
-    def recorded(data_iter):  # the batch step 1 trains on, kept as it came
-        batch = take(data_iter)
+    def recorded(data_iter, shape):  # the batch step 1 trains on, kept as it came
+        batch = take(data_iter, shape)
         seen.extend((b["input_ids"].clone(), b["labels"].clone()) for b in batch)
         return batch
 

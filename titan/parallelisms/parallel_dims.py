@@ -214,6 +214,11 @@ class ParallelDims:
             return self._flat[dims]
         return self._mesh[dims]
 
+    def group(self, dim: str):
+        """The process group of the mesh dimension `dim`; None where it is one rank."""
+        mesh = self[dim]
+        return mesh.get_group() if mesh.size() > 1 else None
+
 
 def heads_group_size(parallelism, cp: int) -> int:
     """The ranks of each all-to-all attention group under context parallelism (the

@@ -74,6 +74,15 @@ def is_collective_failure(error: BaseException) -> bool:
     return tb is not None and f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest of every rank's `value` (collective where there are several ranks)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor(value, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def set_collective_timeout(seconds: int) -> None:
     """Shorten the timeout once the first step has run (init and compile are slow, steps not)."""
     from torch.distributed.distributed_c10d import _set_pg_timeout

@@ -24,6 +24,7 @@ from titan.parallelisms.pipeline import (
     held_between_actions,
     schedule_stages,
 )
+from titan.parallelisms.token_split import token_split
 from titan.plan.run_plan import RunPlan
 
 
@@ -63,6 +64,7 @@ class ForwardBackward:
         # forwards per microbatch of the step: a schedule splits each into its own
         self.pipeline_microbatches = pp_plan.n_microbatches if pp_plan is not None else 1
         self.eval_schedule = None  # built at the first validation
+        self._token_splits: dict[tuple[int, int], object] = {}
         self._scorer = None
 
     def _schedule(self, pp_plan, loss_fn):
@@ -76,6 +78,20 @@ class ForwardBackward:
             loss_fn,
             inference_ctx=self.objective.paused,
         )
+
+    def token_split(self, shape):
+        """What the model's group losses (MoE balancing) need to know of the layout, for a
+        step of this shape (titan.plan.run_plan.StepShape)."""
+        key = (shape.sequences, shape.seq_len)
+        if key not in self._token_splits:
+            self._token_splits[key] = token_split(
+                self.plan.dims,
+                sequence_parallel=self.job.parallelism.enable_sequence_parallel,
+                global_batch_size=shape.sequences,
+                seq_len=shape.seq_len,
+                data_parallel_size=self.plan.data_parallel_size,
+            )
+        return self._token_splits[key]
 
     def _pipeline_schedules(self) -> list:
         return list({id(s): s for s in (self.schedule, *self._schedules.values()) if s}.values())

@@ -75,6 +75,25 @@ def unclipped(sq: torch.Tensor, grad_norm: float, max_norm: float) -> torch.Tens
     return sq / factor**2
 
 
+def replay_step(trainer, edit=None) -> Replay:
+    """The trainer's current step again from its kept inputs and random state, its
+    microbatches first given to `edit` when given; the gradients left are the replay's."""
+    if trainer.step_inputs is None:
+        raise RuntimeError(
+            "replay_step: no callback of this run says it replays steps (its `replays` "
+            "attribute), so the step's inputs were not kept"
+        )
+    max_norm, figures = trainer.job.training.max_norm, trainer.figures
+    first = unclipped(local_grad_sq(trainer.grad_params()[0]), figures.grad_norm, max_norm)
+    trainer.step_inputs.rng.restore(trainer.device)
+    microbatches = copies(trainer.step_inputs.microbatches)
+    if edit is not None:
+        microbatches = edit(microbatches)
+    again = trainer.gradients(microbatches, figures.counted, replay=True)
+    second = unclipped(local_grad_sq(trainer.grad_params()[0]), again.grad_norm, max_norm)
+    return Replay(again.loss, again.grad_norm, gather_rank_norms(first, second, trainer.device))
+
+
 def gather_rank_norms(first: torch.Tensor, second: torch.Tensor, device) -> list:
     pair = torch.stack([first, second]).sqrt().to(device)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -113,13 +113,13 @@ class RunView:
     @property
     def dp_group(self):
         """The process group of the data-parallel ranks (None where there is one)."""
-        return self._trainer._group("dp")
+        return self._trainer.plan.dims.group("dp")
 
     @property
     def loss_groups(self) -> list:
         """The process groups a rank's loss sum and token count add up over (pipeline
         stages, dp x cp ranks; None where a dimension is 1)."""
-        return [self._trainer.pp_group(), self._trainer.dp_cp_group()]
+        return list(self._trainer.loss_groups)
 
     # ---------------------------------------------------------------- what it asks for
 
@@ -138,7 +138,9 @@ class RunView:
         on every rank (collective: every rank calls it). `edit(microbatches)` may change a
         copy of the batch first (mask labels, say); its loss is still over the step's
         counted tokens. The update, if taken, uses the last replay's gradients."""
-        return self._trainer.replay_step(edit)
+        from titan.trainer.replay import replay_step
+
+        return replay_step(self._trainer, edit)
 
     def step_documents(self):
         """The documents of the current step's global batch, by label span
@@ -152,4 +154,4 @@ class RunView:
 
     def notify(self, event: str, *args) -> None:
         """Tell every callback of an event (`on_validation_end`, say)."""
-        self._trainer.emit(event, *args)
+        self._trainer.callbacks.emit(self, event, *args)

@@ -16,11 +16,15 @@ through --job.custom_import. `function(run, options)` returns the callback, or N
 this run does not use it (its section off). Torch-free: specs are read before torch loads.
 """
 
+import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from titan.config import extensions
+
+logger = logging.getLogger("titan")
 
 
 class StopTraining(RuntimeError):
@@ -133,13 +137,68 @@ register_callback = _CALLBACKS.add
 unregister_callback = _CALLBACKS.remove
 
 
-def build_callbacks(run, sections: dict) -> dict[str, Callback]:
+class Callbacks(dict):
+    """A run's callbacks by name, in registration order, and the trainer's ways of telling
+    them of its events."""
+
+    def emit(self, run, event: str, *args) -> None:
+        """Call `event` of every callback, in order."""
+        for callback in self.values():
+            getattr(callback, event)(run, *args)
+
+    def figures(self, run, step: int) -> dict:
+        """What each callback measured of a logged step, merged."""
+        out = {}
+        for callback in self.values():
+            out.update(callback.figures(run, step) or {})
+        return out
+
+    def around_step(self, run, step: int) -> contextlib.ExitStack:
+        return self._entered(lambda cb: cb.around_step(run, step))
+
+    def around_export(self, run, export: bool) -> contextlib.ExitStack:
+        """The contexts an export is written in (none where `export` is False)."""
+        return self._entered(lambda cb: cb.around_export(run) if export else None)
+
+    def _entered(self, context_of) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for callback in self.values():
+            context = context_of(callback)
+            if context is not None:
+                stack.enter_context(context)
+        return stack
+
+    @property
+    def judges(self) -> list[Callback]:
+        """The callbacks that judge each step's update (the host reads its figures for them)."""
+        own = Callback.judge_step
+        return [cb for cb in self.values() if type(cb).judge_step is not own]
+
+    @property
+    def replay(self) -> bool:
+        """Whether one replays steps (each step then keeps its inputs)."""
+        return any(cb.replays for cb in self.values())
+
+    def stopping(self, run, error: BaseException) -> None:
+        """The run ends with `error` (on this rank only): each callback's on_stop."""
+        for callback in self.values():
+            try:
+                callback.on_stop(run, error)
+            except Exception:  # noqa: BLE001  the run's own error is the one to report
+                logger.exception("callback %s failed in on_stop", type(callback).__name__)
+
+    def close(self) -> None:
+        for callback in self.values():
+            callback.close()
+
+
+def build_callbacks(run, sections: dict) -> Callbacks:
     """This run's callbacks by name, in registration order (titan's own first)."""
     made = {
         spec.name: extensions.load(spec.build)(run, _CALLBACKS.options_of(spec, sections))
         for spec in _CALLBACKS.entries.values()
     }
-    return {name: cb for name, cb in made.items() if cb is not None}
+    return Callbacks({name: cb for name, cb in made.items() if cb is not None})
 
 
 _OWN = "titan.components"

@@ -36,9 +36,12 @@ class StepGuard:
         self.nonfinite_stops = nonfinite_stops
         self.record = torch.zeros(4, dtype=torch.float64, device=device)
 
-    def watch(self, step: int, values: torch.Tensor, grad_norm: torch.Tensor, counted) -> None:
-        loss, norm = values[0].double(), grad_norm.double()
-        kind = torch.where(counted == 0, _NOTHING_COUNTED, _FINE)
+    def watch(self, step: int, figures: "StepFigures") -> None:
+        """Record `figures` of `step` if it is the first bad one, and have them raise its
+        error when read."""
+        figures.guard = self
+        loss, norm = figures.values[0].double(), figures.norm.double()
+        kind = torch.where(figures.counted == 0, _NOTHING_COUNTED, _FINE)
         if self.nonfinite_stops:
             finite = torch.isfinite(loss) & torch.isfinite(norm)
             kind = torch.where((kind == _FINE) & ~finite, _NON_FINITE, kind)
