@@ -286,6 +286,7 @@ LAYERS = [
     "models",
     "components",
     "plan",
+    "assembly",
     "trainer",
     "planner",
     "launcher",

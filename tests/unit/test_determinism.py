@@ -9,7 +9,7 @@ from titan.runtime.paths import REPO_ROOT
 
 CHECK = """
 import sys, torch
-from titan.trainer.determinism import set_determinism
+from titan.assembly.determinism import set_determinism
 
 set_determinism(0, True, compiling=False)
 assert torch.are_deterministic_algorithms_enabled()

@@ -8,8 +8,9 @@ import time
 import pytest
 
 from titan.components.checkpoint.checkpointer import SaveInterrupted
+from titan.components.fault_tolerance import interrupts
 from titan.config.job_config import JobConfig
-from titan.trainer import interrupts, train
+from titan.trainer import train
 
 
 @pytest.fixture

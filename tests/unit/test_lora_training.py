@@ -127,7 +127,7 @@ def test_resume_onto_another_layout(one_rank, tmp_path):
 def test_the_disk_check_sizes_an_adapter_checkpoint(one_rank):
     """The save-size estimate the disk check uses is the adapters' (and their moments'), not
     the whole model's: above what was written, by less than its fixed 1 MiB margin and 2%."""
-    from titan.trainer.build import training_save_bytes
+    from titan.assembly.build import training_save_bytes
 
     job = parse_args(argv())
     estimate = training_save_bytes(job, plan_run(job, world_size=1))
@@ -149,7 +149,7 @@ def test_the_disk_check_sizes_an_adapter_checkpoint(one_rank):
     ],
 )
 def test_a_checkpoint_of_other_adapters_is_refused(one_rank, flags, says):
-    from titan.trainer.build import run_identity
+    from titan.assembly.build import run_identity
 
     job = parse_args([*argv(), *flags])
     why = run_identity(job, plan_run(job, world_size=1)).problem(one_rank[1] / "step-2")

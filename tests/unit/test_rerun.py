@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
+from titan.assembly.replay import Replay
 from titan.components.data.dataloader import DataShard, build_text_dataloader
 from titan.components.data.dataset import DataError
 from titan.components.data.document_index import (
@@ -26,7 +27,6 @@ from titan.components.data.tokenizer import Tokenizer
 from titan.components.training.blame import bisect, keep_labels
 from titan.components.training.loss import IGNORE_INDEX
 from titan.runtime.paths import REPO_ROOT
-from titan.trainer.replay import Replay
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork")
 

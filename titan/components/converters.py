@@ -6,7 +6,7 @@ final export adds, what runs after each optimizer step.
 One registry (on titan.config.extensions, as optimizers, writers and callbacks): an entry names
 its builder by module path, so this module and the entries' specs stay torch-free and a config
 is checked before torch is imported. The run assembles the enabled converters in one place,
-`Converters` (titan.trainer.build); nothing else names one.
+`Converters` (titan.assembly.build); nothing else names one.
 """
 
 from collections.abc import Callable

@@ -35,7 +35,7 @@ def check_checkpoints(job: JobConfig, plan) -> None:
     # the exact size needs the meta model (building one imports torch's compiler, a second);
     # a disk with room for any likely optimizer's save is passed without it
     if ck.enable and free < generous_save_bytes(plan.model_args.num_params()):
-        from titan.trainer.build import training_save_bytes
+        from titan.assembly.build import training_save_bytes
 
         need = training_save_bytes(job, plan)
         why = space_problem(root, need)
@@ -45,6 +45,7 @@ def check_checkpoints(job: JobConfig, plan) -> None:
 
 def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> None:
     # DCP is imported only when there is a checkpoint to read: a fresh launch stays light
+    from titan.assembly.build import run_identity
     from titan.components.checkpoint.folders import (
         CheckpointError,
         folder_problem,
@@ -52,7 +53,6 @@ def _check_loaded_folder(job: JobConfig, plan, root: Path, resuming: bool) -> No
     )
     from titan.components.checkpoint.identity import INITIAL_LOAD_FIX, RESUME_FIX, refusal
     from titan.components.checkpoint.trained_with import resume_problem, trained_with
-    from titan.trainer.build import run_identity
 
     ck = job.checkpoint
     identity = run_identity(job, plan)

@@ -187,7 +187,7 @@ def main() -> None:
     if dry:
         print_out("torchrun " + shlex.join(command))
         sys.exit(0)
-    from titan.trainer import interrupts
+    from titan.components.fault_tolerance import interrupts
 
     stopped = lambda: interrupts.status(job.checkpoint, job.job.dump_folder)  # noqa: E731
     if mirror is None:

@@ -1,7 +1,7 @@
 """Activations and transient buffers of one rank, before the run: the rank's own model parts
-(`titan.trainer.build.meta_parts`, under a fake process group) run one microbatch's forward on fake
+(`titan.assembly.build.meta_parts`, under a fake process group) run one microbatch's forward on fake
 tensors (shapes and dtypes, no memory, no data) through the trainer's own forward
-(`titan.trainer.microbatch`), and `ActivationTracker` sums what is held for backward when it ends,
+(`titan.assembly.microbatch`), and `ActivationTracker` sums what is held for backward when it ends,
 as it does in the run. So AC mode, sequence and context sharding, TP/SP and loss parallelism,
 mixed precision and float8 act as they will.
 
@@ -55,7 +55,7 @@ def trace_activations(
     worst_case_routing), and the dispatch buffers are counted for it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from titan.trainer.microbatch import ForwardBackward
+    from titan.assembly.microbatch import ForwardBackward
 
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_log.level

@@ -1,5 +1,5 @@
 """Per-rank memory of a run, known before it starts: parameters, gradients and optimizer
-states of every rank, from the model parts that rank would build (`titan.trainer.build.meta_parts`)
+states of every rank, from the model parts that rank would build (`titan.assembly.build.meta_parts`)
 under a fake process group, so every sharding (FSDP's uneven last shards, TP's plans,
 pipeline stages, tied copies) is torch's own and the bytes equal the run's; activations and
 transient buffers from a forward of those parts on fake tensors (`titan.planner.activations`).
@@ -98,8 +98,8 @@ def _total(out: dict) -> int:
 
 def _rank_figures(job: JobConfig, plan: RunPlan, rank: int, worst_routing: bool = False):
     """(rank_bytes, what its pipeline stages hold: `activations.PipelineHeld`, or None)."""
+    from titan.assembly.build import meta_parts
     from titan.planner.activations import trace_activations
-    from titan.trainer.build import meta_parts
 
     job = copy.deepcopy(job)
     job.compile.enable = False  # no state changes; activations are traced eagerly
@@ -135,9 +135,9 @@ def _worst_routing_bytes(job: JobConfig, plan: RunPlan) -> dict:
     """Activations and transients traced with each rank receiving every row of its ep group
     in every MoE layer; on parts of their own, as a traced forward leaves its parts holding
     what the tracker of another forward would count."""
+    from titan.assembly.build import meta_parts
     from titan.parallelisms.expert_parallel import worst_case_routing
     from titan.planner.activations import trace_activations
-    from titan.trainer.build import meta_parts
 
     _, parts, pp_plan = meta_parts(job, plan)
     try:

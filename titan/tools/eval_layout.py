@@ -1,6 +1,6 @@
 """A checkpoint's model on a training layout, for titan.tools.eval under pipeline or context
 parallelism, or data and tensor parallelism together: the parts the trainer would build for
-that layout (titan.trainer.build), their weights read as a training run's initial load reads
+that layout (titan.assembly.build), their weights read as a training run's initial load reads
 them (each rank its shards, from a DCP step or an HF folder), and the trainer's forward
 (ForwardBackward: token_scores on any layout, logits with the decode cache where the layout
 runs one model part over whole sequences)."""
@@ -14,6 +14,8 @@ def layout_forward(job, path: Path, spec, max_length: int):
     """(ForwardBackward over this rank's parts of `job`'s layout holding `path`'s weights, the
     data-parallel process group or None). Starts the process group. Raises ConfigError,
     CheckpointError, GenerateError."""
+    from titan.assembly.build import meta_parts, run_identity
+    from titan.assembly.microbatch import ForwardBackward
     from titan.components.checkpoint.checkpointer import Checkpointer
     from titan.components.checkpoint.folders import saved_model
     from titan.components.checkpoint.hf_io import HFModelIO
@@ -22,8 +24,6 @@ def layout_forward(job, path: Path, spec, max_length: int):
     from titan.plan.run_plan import FROM_HF, plan_run
     from titan.runtime.distributed import init_distributed, pick_device
     from titan.tools import generate as gen
-    from titan.trainer.build import meta_parts, run_identity
-    from titan.trainer.microbatch import ForwardBackward
 
     hf = gen._is_hf(path)
     if not hf and adapters_of(saved_model(path)):

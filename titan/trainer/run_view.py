@@ -81,6 +81,12 @@ class RunView:
         return self._trainer.fwd_bwd.logits
 
     @property
+    def history_set_aside(self):
+        """Where this run's start moved another history's checkpoints (a run that went back
+        with checkpoint.load_step), on rank 0; None: it moved none."""
+        return self._trainer.checkpointer.set_aside
+
+    @property
     def held_between_actions(self):
         """() -> the tensors a backward made that this rank's pipeline stages hold between
         their actions (none without pipelining)."""
@@ -134,11 +140,11 @@ class RunView:
 
     def replay_step(self, edit=None):
         """Run the current step's forward and backward again, from its batch and random
-        state, before its update (from judge_step): a titan.trainer.replay.Replay, the same
+        state, before its update (from judge_step): a titan.assembly.replay.Replay, the same
         on every rank (collective: every rank calls it). `edit(microbatches)` may change a
         copy of the batch first (mask labels, say); its loss is still over the step's
         counted tokens. The update, if taken, uses the last replay's gradients."""
-        from titan.trainer.replay import replay_step
+        from titan.assembly.replay import replay_step
 
         return replay_step(self._trainer, edit)
 

@@ -12,12 +12,16 @@ import time
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from titan.assembly import build
+from titan.assembly.microbatch import ForwardBackward
+from titan.assembly.replay import StepInputs
 from titan.components.checkpoint.checkpointer import SaveInterrupted, stop_save_process
 from titan.components.checkpoint.folders import CheckpointError, step_folder
 from titan.components.checkpoint.train_state import DataState, ModelState, TrainState
 from titan.components.converters import Converters
 from titan.components.data.batch import INPUT_IDS, LABELS, to_device
 from titan.components.data.dataset import DataError
+from titan.components.fault_tolerance import interrupts
 from titan.components.fault_tolerance.watchdog import StepWatchdog
 from titan.components.optim.grad_clip import clip_grad_norm_
 from titan.components.optim.optimizer import build_optimizer
@@ -33,16 +37,13 @@ from titan.runtime.distributed import (
     is_collective_failure,
 )
 from titan.runtime.logging_setup import init_logging, quiet_checkpoint_process
-from titan.trainer import build, interrupts
-from titan.trainer.microbatch import ForwardBackward
-from titan.trainer.replay import StepInputs
 from titan.trainer.run_view import RunView
 
 logger = logging.getLogger("titan")
 
 
 class Trainer:
-    """Builds a run from its config and plan (titan.trainer.build), then trains it: each step
+    """Builds a run from its config and plan (titan.assembly.build), then trains it: each step
     forward -> backward -> clip -> step -> log, the components told through their seams."""
 
     def __init__(self, job: JobConfig, plan: RunPlan):

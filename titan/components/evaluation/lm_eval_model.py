@@ -4,7 +4,7 @@ rolling windows of the model's length) and greedy `generate_until`.
 
 The model is two callables: `scores(tokens, targets) -> (log-probabilities of the targets, the
 most likely tokens)` at each position of a (batch, seq) batch, which any layout gives
-(titan.trainer.scoring: pipeline stages and context-parallel shards send those, not logits),
+(titan.assembly.scoring: pipeline stages and context-parallel shards send those, not logits),
 and, where the layout runs one-token steps, `decode(tokens, cache=None) -> logits` for
 generation with the decode cache (else each new token re-scores the whole sequence).
 Requests are scored in batches of `batch_size`, longest first (right padding: a causal model's

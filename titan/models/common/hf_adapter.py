@@ -180,6 +180,41 @@ def on_whole(fn, *tensors: torch.Tensor):
     return reshard(out) if isinstance(out, torch.Tensor) else tuple(reshard(t) for t in out)
 
 
+# a decoder_hf_config field a family's config does not have
+LEAVE_OUT = object()
+# HF config field -> the args' field it is written from
+_ARGS_FIELDS = {
+    "hidden_size": "dim",
+    "intermediate_size": "ffn_hidden_dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "head_dim": "head_dim",
+    "vocab_size": "vocab_size",
+    "rms_norm_eps": "norm_eps",
+    "rope_theta": "rope_theta",
+    "tie_word_embeddings": "tie_word_embeddings",
+}
+
+
+def sparse_step_moe_hf_fields(args) -> dict:
+    """The HF config fields of Qwen's MoE layers (Qwen3-MoE, Qwen3-Next, Qwen3.5): every
+    `decoder_sparse_step`-th layer routed except `mlp_only_layers`; a dense model's as
+    transformers' defaults read them."""
+    m = args.moe
+    return {
+        "num_experts": 0 if m is None else m.n_experts,
+        "num_experts_per_tok": 1 if m is None else m.top_k,
+        "moe_intermediate_size": 0 if m is None else m.hidden_dim,
+        "norm_topk_prob": True if m is None else m.norm_topk_prob,
+        "decoder_sparse_step": args.decoder_sparse_step,
+        "mlp_only_layers": list(args.mlp_only_layers),
+        # transformers adds the loss only with output_router_logits, as released
+        "router_aux_loss_coef": args.moe_aux_loss_coeff,
+        "output_router_logits": False,
+    }
+
+
 class DecoderHFAdapter:
     """The renaming and permuting half of a StateDictAdapter (titan/models/spec.py); a
     family adds `hf_config` and `args_from_hf_config`."""
@@ -203,6 +238,22 @@ class DecoderHFAdapter:
     # what such a checkpoint holds beside the decoder that titan does not train (a vision
     # tower, multi-token-prediction layers): left in the files
     foreign_prefixes: tuple[str, ...] = ()
+
+    def decoder_hf_config(self, architecture: str, model_type: str, **fields) -> dict:
+        """The HF config of a decoder: the fields every family writes alike from its args,
+        then the family's own `fields` (a value of LEAVE_OUT leaves that field out)."""
+        a = self.args
+        cfg = {"architectures": [architecture], "model_type": model_type}
+        # read only where the family does not say otherwise (its args may lack the field)
+        cfg.update((k, getattr(a, attr)) for k, attr in _ARGS_FIELDS.items() if k not in fields)
+        cfg.update(
+            max_position_embeddings=a.context_len or a.max_seq_len,
+            hidden_act="silu",
+            attention_bias=False,
+            torch_dtype="float32",
+        )
+        cfg.update(fields)
+        return {k: v for k, v in cfg.items() if v is not LEAVE_OUT}
 
     def follow_files(self, file_names) -> dict[str, str]:
         """{the name to_hf and from_hf use: the file's name} of a checkpoint's tensors, the

@@ -146,12 +146,3 @@ class HybridDecoder(Decoder):
         super().init_weights(seed, buffer_device)
         if self.norm is not None:
             self.norm.weight.zero_()  # zero-centred: scale 1
-
-
-def parallelize_hybrid(model, dims, job):
-    # imported when a model is parallelized: the launcher's config check registers every
-    # family and needs none of DTensor/FSDP
-    from titan.models.common.hybrid_parallelize import mixer_plan, part_plan
-    from titan.models.common.parallelize import parallelize_decoder
-
-    return parallelize_decoder(model, dims, job, attention_plan=mixer_plan, part_plan=part_plan)

@@ -12,6 +12,7 @@ from titan.models.common.hf_adapter import (
     gqa_heads,
     rope_settings,
     sparse_moe_fields,
+    sparse_step_moe_hf_fields,
 )
 from titan.models.common.hybrid_args import HybridArgs
 
@@ -74,50 +75,23 @@ class HybridHFAdapter(DecoderHFAdapter):
 
     def hf_config(self) -> dict:
         a = self.args
-        cfg = {
-            "architectures": [self.hf_architecture],
-            "model_type": self.hf_model_types[0],
-            "hidden_size": a.dim,
-            "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads,
-            "head_dim": a.head_dim,
-            "partial_rotary_factor": a.rotary_dim / a.head_dim,
-            "full_attention_interval": a.full_attention_interval,
-            "layer_types": [
+        return self.decoder_hf_config(
+            self.hf_architecture,
+            self.hf_model_types[0],
+            partial_rotary_factor=a.rotary_dim / a.head_dim,
+            full_attention_interval=a.full_attention_interval,
+            layer_types=[
                 "linear_attention" if a.is_linear_layer(i) else "full_attention"
                 for i in range(a.n_layers)
             ],
-            "linear_num_key_heads": a.linear_k_heads,
-            "linear_num_value_heads": a.linear_v_heads,
-            "linear_key_head_dim": a.linear_k_dim,
-            "linear_value_head_dim": a.linear_v_dim,
-            "linear_conv_kernel_dim": a.conv_kernel,
-            "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "max_position_embeddings": a.context_len or a.max_seq_len,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "torch_dtype": "float32",
-        }
-        m = a.moe
-        cfg.update(
-            {
-                "num_experts": 0 if m is None else m.n_experts,
-                "num_experts_per_tok": 1 if m is None else m.top_k,
-                "moe_intermediate_size": 0 if m is None else m.hidden_dim,
-                "shared_expert_intermediate_size": a.shared_expert_dim,
-                "norm_topk_prob": True if m is None else m.norm_topk_prob,
-                "decoder_sparse_step": a.decoder_sparse_step,
-                "mlp_only_layers": list(a.mlp_only_layers),
-                "router_aux_loss_coef": a.moe_aux_loss_coeff,
-                "output_router_logits": False,
-            }
+            linear_num_key_heads=a.linear_k_heads,
+            linear_num_value_heads=a.linear_v_heads,
+            linear_key_head_dim=a.linear_k_dim,
+            linear_value_head_dim=a.linear_v_dim,
+            linear_conv_kernel_dim=a.conv_kernel,
+            shared_expert_intermediate_size=a.shared_expert_dim,
+            **sparse_step_moe_hf_fields(a),
         )
-        return cfg
 
 
 def hybrid_args_from_hf_config(

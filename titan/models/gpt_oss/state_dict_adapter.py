@@ -7,6 +7,7 @@ dequantizes such a folder first."""
 
 from titan.models.common.hf_adapter import (
     BLOCK_NAMES,
+    LEAVE_OUT,
     DecoderHFAdapter,
     FusedExperts,
     gqa_heads,
@@ -59,34 +60,24 @@ class GptOssStateDictAdapter(DecoderHFAdapter):
                     "truncate": a.rope_truncate,
                 }
             )
-        return {
-            "architectures": ["GptOssForCausalLM"],
-            "model_type": "gpt_oss",
-            "hidden_size": a.dim,
-            "intermediate_size": a.moe.hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads,
-            "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.norm_eps,
-            "rope_parameters": rope,
-            "max_position_embeddings": a.context_len or a.max_seq_len,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": True,
-            "attention_dropout": 0.0,
-            "num_local_experts": a.moe.n_experts,
-            "num_experts_per_tok": a.moe.top_k,
-            "swiglu_limit": a.swiglu_limit,
-            "swiglu_alpha": a.swiglu_alpha,
-            "sliding_window": a.sliding_window,
-            "layer_types": list(a.kinds()),
+        return self.decoder_hf_config(
+            "GptOssForCausalLM",
+            "gpt_oss",
+            intermediate_size=a.moe.hidden_dim,
+            rope_theta=LEAVE_OUT,
+            rope_parameters=rope,
+            attention_bias=True,
+            attention_dropout=0.0,
+            num_local_experts=a.moe.n_experts,
+            num_experts_per_tok=a.moe.top_k,
+            swiglu_limit=a.swiglu_limit,
+            swiglu_alpha=a.swiglu_alpha,
+            sliding_window=a.sliding_window,
+            layer_types=list(a.kinds()),
             # transformers adds the loss only with output_router_logits, as released
-            "router_aux_loss_coef": a.moe_aux_loss_coeff,
-            "output_router_logits": False,
-            "torch_dtype": "float32",
-        }
+            router_aux_loss_coef=a.moe_aux_loss_coeff,
+            output_router_logits=False,
+        )
 
 
 def gpt_oss_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> GptOssArgs:

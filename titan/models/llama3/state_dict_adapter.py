@@ -29,25 +29,7 @@ class Llama3StateDictAdapter(DecoderHFAdapter):
 
     def hf_config(self) -> dict:
         a = self.args
-        cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": a.dim,
-            "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads,
-            "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "max_position_embeddings": a.context_len or a.max_seq_len,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": "float32",
-        }
+        cfg = self.decoder_hf_config("LlamaForCausalLM", "llama", mlp_bias=False)
         if a.rope_scaling_factor is not None:
             cfg["rope_scaling"] = {
                 "rope_type": "llama3",

@@ -10,6 +10,7 @@ from titan.models.common.hf_adapter import (
     gqa_heads,
     rope_settings,
     sparse_moe_fields,
+    sparse_step_moe_hf_fields,
     yarn_fields,
 )
 from titan.models.qwen3.args import Qwen3Args
@@ -51,25 +52,7 @@ class Qwen3StateDictAdapter(DecoderHFAdapter):
 
     def hf_config(self) -> dict:
         a = self.args
-        cfg = {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            "hidden_size": a.dim,
-            "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads,
-            "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "max_position_embeddings": a.context_len or a.max_seq_len,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "use_sliding_window": False,
-            "torch_dtype": "float32",
-        }
+        cfg = self.decoder_hf_config("Qwen3ForCausalLM", "qwen3", use_sliding_window=False)
         if a.rope_scaling_factor is not None:
             cfg["rope_scaling"] = {
                 "rope_type": "yarn",
@@ -79,22 +62,8 @@ class Qwen3StateDictAdapter(DecoderHFAdapter):
                 "beta_slow": a.rope_beta_slow,
             }
         if a.moe is not None:
-            m = a.moe
-            cfg.update(
-                {
-                    "architectures": ["Qwen3MoeForCausalLM"],
-                    "model_type": "qwen3_moe",
-                    "num_experts": m.n_experts,
-                    "num_experts_per_tok": m.top_k,
-                    "moe_intermediate_size": m.hidden_dim,
-                    "norm_topk_prob": m.norm_topk_prob,
-                    "decoder_sparse_step": a.decoder_sparse_step,
-                    "mlp_only_layers": list(a.mlp_only_layers),
-                    # transformers adds the loss only with output_router_logits, as released
-                    "router_aux_loss_coef": a.moe_aux_loss_coeff,
-                    "output_router_logits": False,
-                }
-            )
+            cfg.update(sparse_step_moe_hf_fields(a))
+            cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
         return cfg
 
 

@@ -3,7 +3,7 @@
 
 from titan.config import extensions
 from titan.models.common.hybrid_args import check_context_parallel_type
-from titan.models.common.hybrid_decoder import HybridDecoder, parallelize_hybrid
+from titan.models.common.hybrid_decoder import HybridDecoder
 from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.qwen3_5.args import QWEN3_5_FLAVORS
@@ -17,12 +17,21 @@ class Qwen3_5(HybridDecoder):
 
 extensions.register_plan_check(check_context_parallel_type)
 
+
+def parallelize_qwen3_5(model, dims, job):
+    # imported when a model is parallelized, not when the family registers: the launcher's
+    # config check registers every family and needs none of DTensor/FSDP
+    from titan.models.common.hybrid_parallelize import parallelize_hybrid
+
+    return parallelize_hybrid(model, dims, job)
+
+
 register_train_spec(
     TrainSpec(
         name="qwen3_5",
         model_cls=Qwen3_5,
         flavors=QWEN3_5_FLAVORS,
-        parallelize_fn=parallelize_hybrid,
+        parallelize_fn=parallelize_qwen3_5,
         pipelining_fn=pipeline_decoder,
         state_dict_adapter=Qwen3_5StateDictAdapter,
         post_optimizer_hooks=(moe_balance_hook,),

@@ -237,9 +237,9 @@ def fault_tolerance(job: JobConfig, device, parts, states: dict, on_heal):
 def process(job: JobConfig, plan: RunPlan):
     """(device, rank, world size) of this process, its process group and mesh made, its
     random state seeded and determinism set."""
+    from titan.assembly.determinism import set_determinism
     from titan.components.observability.flight_recorder import configure_flight_recorder
     from titan.runtime.distributed import init_distributed, pick_device
-    from titan.trainer.determinism import set_determinism
 
     t, dims = job.training, plan.dims
     device = pick_device(t.device)

@@ -226,9 +226,9 @@ class ForwardBackward:
 
     def token_scores(self, tokens: torch.Tensor, targets: torch.Tensor):
         """(each target's log-probability, the most likely token) at each position of a
-        (batch, seq) batch, on every rank of any layout (titan.trainer.scoring)."""
+        (batch, seq) batch, on every rank of any layout (titan.assembly.scoring)."""
         if self._scorer is None:
-            from titan.trainer.scoring import TokenScorer
+            from titan.assembly.scoring import TokenScorer
 
             self._scorer = TokenScorer(self)
         return self._scorer(tokens, targets)
