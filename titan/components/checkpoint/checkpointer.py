@@ -34,6 +34,7 @@ from titan.components.checkpoint.folders import (
     saved_keys,
     saved_layout,
     saved_model_only,
+    set_aside_newer,
     step_folder,
     step_folders,
     write_complete_marker,
@@ -239,6 +240,8 @@ class Checkpointer:
         self._async_stager = None
         self._shm_ok: bool | None = None  # whether staging fits in /dev/shm (checked once)
         self._purge_queue: queue.Queue = queue.Queue()
+        # where this run moved another history's steps at its start (None: nothing)
+        self.set_aside: Path | None = None
         self._purger = None
         if cfg.enable and rank == 0 and cfg.keep_latest_k > 0:
             self._purger = threading.Thread(target=self._purge_loop, daemon=True)
@@ -293,6 +296,7 @@ class Checkpointer:
         if not self.cfg.enable:
             return self._initial_load()  # nothing to resume from without checkpointing
         path = resume_candidate(self.root, self.cfg.load_step, self._problem, warn=logger.warning)
+        self.set_aside = set_aside_newer(self.root, path, self._problem, self.rank)
         if path is None:
             return self._initial_load()
         self._check_identity(path, "cannot resume from", RESUME_FIX)

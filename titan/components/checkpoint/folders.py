@@ -28,7 +28,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan.components.checkpoint.integrity import file_problem
-from titan.components.checkpoint.storage import as_path, dcp_reader, write_whole
+from titan.components.checkpoint.storage import as_path, dcp_reader, is_remote, write_whole
+
+logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = ".complete"
 MODEL_KEY = "model"
@@ -56,6 +58,61 @@ def step_folders(root: Path) -> list[tuple[int, Path]]:
         if m and p.is_dir():
             out.append((int(m.group(1)), p))
     return sorted(out)
+
+
+def newer_history(root: Path, step: int, problem=None) -> list[tuple[Path, str]]:
+    """(folder, what it is) of every sound `step-N` folder under `root` with N > `step`:
+    another history (a run that went back with checkpoint.load_step) or an export a resume
+    cannot continue from. A save cut short or damaged (what `problem(path)`, folder_problem
+    by default, finds wrong) is not: the run writes that step again."""
+    out = []
+    for n, path in step_folders(root):
+        if n <= step:
+            continue
+        why = (problem or folder_problem)(path)
+        if why is None or why == HF_EXPORT:
+            out.append((path, "an HF export" if why else "a checkpoint"))
+    return out
+
+
+def set_aside_newer(root: Path, resumed: Path | None, problem, rank: int) -> Path | None:
+    """A folder holds one history: the sound steps after the one a run resumes from
+    (`resumed`; all of them on a fresh start) belong to another (a run that went back with
+    checkpoint.load_step) or are an export a resume cannot continue from. Rank 0 moves them,
+    whole, into `root/history.K` (the first free K), logged and never deleted, before the
+    run writes its own steps there, and returns that folder (None: nothing moved, and on
+    the other ranks). Collective where there is something to move."""
+    step = int(resumed.name.split("-")[1]) if resumed is not None else 0
+    newer = newer_history(root, step, problem)
+    if not newer:
+        return None
+    names = ", ".join(f"{p.name} ({what})" for p, what in newer)
+    if is_remote(root):
+        raise CheckpointError(
+            f"{root} holds steps after the one this run starts from: {names}; titan sets "
+            "another history aside only on a local disk: copy them elsewhere (or remove "
+            "them), or start from the newest with checkpoint.load_step = -1"
+        )
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank has chosen its step before a folder moves
+    if rank != 0:
+        return None
+    k = 1
+    while (root / f"history.{k}").exists():
+        k += 1
+    dest = root / f"history.{k}"
+    dest.mkdir()
+    for path, _ in newer:
+        path.rename(dest / path.name)
+    start = f"resuming from {resumed.name}" if resumed is not None else "starting afresh"
+    logger.warning(
+        "%s: %s; the folder's newer %s kept in %s, out of this run's history",
+        root,
+        start,
+        names,
+        dest,
+    )
+    return dest
 
 
 def latest_complete_step(root: str | Path) -> Path | None:
@@ -192,7 +249,12 @@ def resume_candidate(root: Path, load_step: int, problem=folder_problem, warn=No
     path, skipped = _newest_usable(root, problem)
     if path is not None:
         for name, reason in skipped:
-            if warn:
+            if warn and reason == HF_EXPORT:
+                warn(
+                    f"checkpoint {name} is {HF_EXPORT}, not a training state: kept; resuming "
+                    f"from {path.name}"
+                )
+            elif warn:
                 warn(f"checkpoint {name} is unusable ({reason}); resuming from {path.name} instead")
         return path
     completed = [(n, r) for n, r in skipped if not r.startswith(("incomplete", HF_EXPORT))]

@@ -30,10 +30,11 @@ def _set_aside(path: str) -> str:
     return f"{stem}.{n}{ext}"
 
 
-def _records_until(path: str, keep_until: int) -> list[str]:
-    """The lines of steps up to `keep_until`; a line that is not JSON (a torn last line,
-    what a crash or a full disk leaves) is dropped with a warning."""
-    kept, torn = [], 0
+def _records_until(path: str, keep_until: int) -> tuple[list[str], int]:
+    """(the lines of steps up to `keep_until`, how many records come after them); a line
+    that is not JSON (a torn last line, what a crash or a full disk leaves) is dropped with a
+    warning."""
+    kept, later, torn = [], 0, 0
     with open(path) as f:
         for line in f:
             if not line.strip():
@@ -45,6 +46,8 @@ def _records_until(path: str, keep_until: int) -> list[str]:
                 continue
             if step <= keep_until:
                 kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                later += 1
     if torn:
         logger.warning(
             "%s: %d line(s) that are not a step's record (cut short by a crash or a full "
@@ -52,21 +55,27 @@ def _records_until(path: str, keep_until: int) -> list[str]:
             path,
             torn,
         )
-    return kept
+    return kept, later
 
 
-def start_history(path: str, resume_step: int | None) -> None:
+def start_history(path: str, resume_step: int | None, branched: bool = False) -> None:
+    """Continue the history at `path` from `resume_step` (None: start a new one). `branched`:
+    the run went back to `resume_step`, its checkpoints after it set aside as another history;
+    the whole file is set aside with them, and the new one keeps its records up to it."""
     if not os.path.exists(path):
         return
-    if resume_step is None:
+    kept, later = _records_until(path, resume_step) if resume_step is not None else ([], 0)
+    if resume_step is None or (branched and later):
         moved = _set_aside(path)
         logger.warning(
-            "%s held an earlier run's history: kept as %s (this run starts a new one)",
+            "%s held %s: kept as %s (this run %s)",
             path,
+            "another history" if branched else "an earlier run's history",
             os.path.basename(moved),
+            f"continues from step {resume_step}" if resume_step else "starts a new one",
         )
-        return
-    kept = _records_until(path, resume_step)
+        if not kept:
+            return
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
@@ -83,7 +92,7 @@ class JsonlWriter:
             )
         }
         for path in self.paths.values():
-            start_history(path, context.resume_step)
+            start_history(path, context.resume_step, context.branched)
         self.train = open(self.paths["train/"], "a")
 
     def scalars(self, step: int, values: dict) -> None:

@@ -31,6 +31,9 @@ class WriterContext:
     dump_folder: str
     resume_step: int | None  # the checkpoint step a resumed run continues from
     run_config: dict  # the merged job config, as a nested dict
+    # the start set another history's checkpoints aside (a run that went back): the
+    # histories after resume_step are set aside with them
+    branched: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class MetricsWriters(Callback):
             dump_folder=run.dump_folder,
             resume_step=run.step or None,
             run_config=self.run_config,
+            branched=run.history_set_aside is not None,
         )
         self.writers = build_writers(self.cfg, self.sections, context)
 

@@ -46,7 +46,8 @@ class SpikeMonitor(Callback):
     def on_train_start(self, run) -> None:
         if self.rank == 0:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            start_history(self.path, run.step if run.step > 0 else None)
+            branched = run.history_set_aside is not None
+            start_history(self.path, run.step if run.step > 0 else None, branched)
 
     def judge_step(self, run, step: int, loss: float, grad_norm: float) -> str | None:
         values = {"loss": loss, "grad_norm": grad_norm}
