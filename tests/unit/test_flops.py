@@ -108,7 +108,8 @@ def _logger_and_writers(tmp_path, peak, cfg):
 
     log = MetricsLogger(cfg, device=torch.device("cpu"), flops_per_token=1e9, peak_flops=peak)
     writers = MetricsWriters(cfg, {}, {})
-    writers.on_train_start(SimpleNamespace(dump_folder=str(tmp_path), step=0, rank=0))
+    run = SimpleNamespace(dump_folder=str(tmp_path), step=0, rank=0, history_set_aside=None)
+    writers.on_train_start(run)
     return log, writers
 
 
@@ -177,3 +178,21 @@ def test_lists_are_tensorboard_histograms_only(tmp_path, caplog):
     (hist,) = acc.Histograms("train/expert_load/layer_1")
     assert hist.step == 1 and list(hist.histogram_value.bucket) == loads
     assert [e.value for e in acc.Scalars("train/expert_load_imbalance")] == [2.0]
+
+
+def test_seconds_print_alike_every_step_and_validation_names_what_it_scored(tmp_path, caplog):
+    from titan.config import JobConfig
+
+    cfg = JobConfig().metrics
+    cfg.enable_tensorboard = False
+    log, _ = _logger_and_writers(tmp_path, None, cfg)
+    lines = []
+    for gc_s in (0.0, 0.000177):
+        log.record_step(tokens=1000, data_s=0.0)
+        with caplog.at_level("INFO", logger="titan.components.observability.metrics"):
+            log.log(1, loss=2.0, grad_norm=1.0, lr=1e-3, tokens_seen=1000, gc_s=gc_s)
+        lines.append(caplog.records[-1].getMessage())
+    assert "gc_s: 0.0000" in lines[0] and "gc_s: 0.0002" in lines[1]
+    with caplog.at_level("INFO", logger="titan.components.observability.metrics"):
+        log.log_validation(4, 2.5, 2, of="the EMA weights")
+    assert caplog.records[-1].getMessage().endswith("batches: 2  (the EMA weights)")

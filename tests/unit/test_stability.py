@@ -50,7 +50,7 @@ def monitor(tmp_path, **kw) -> SpikeMonitor:
     for key, value in kw.items():
         setattr(cfg, key, value)
     m = SpikeMonitor(cfg, str(tmp_path), rank=0)
-    m.on_train_start(SimpleNamespace(step=0))
+    m.on_train_start(SimpleNamespace(step=0, history_set_aside=None))
     return m
 
 

@@ -40,7 +40,9 @@ def _fail(why) -> None:
 
 def parse(argv):
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m titan.tools.eval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--checkpoint", required=True, help="DCP step folder / checkpoint root, or an HF folder"

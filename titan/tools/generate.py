@@ -371,7 +371,9 @@ def open_checkpoint(checkpoint: str, overrides: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m titan.tools.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--checkpoint", required=True, help="DCP step folder / checkpoint root, or an HF folder"

@@ -272,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(
+        prog="python -m titan.tools.loss_compare",
         description="Train two configurations (same seed and data) and compare losses per step. "
         "Exits 1 if any step differs by more than --rtol (relative), 2 if the runs "
         "cannot be compared (a config error, or different global batches: set "
-        "--training.global_batch_size in --common)."
+        "--training.global_batch_size in --common).",
     )
     ap.add_argument("--baseline", required=True, help="'NPROC:overrides', e.g. '1:'")
     ap.add_argument(

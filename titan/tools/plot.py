@@ -107,6 +107,7 @@ def plot_runs(runs: dict[str, Path], out: str | Path):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
+        prog="python -m titan.tools.plot",
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n", 2)[2],

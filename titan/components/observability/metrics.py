@@ -58,7 +58,11 @@ def on_host(values: dict) -> dict:
     return out
 
 
-def _short(value) -> str:
+def _short(value, key: str = "") -> str:
+    """A figure on the console: seconds (`*_s`) to the 0.1 ms, every step alike; other
+    floats to 4 significant digits."""
+    if isinstance(value, float) and key.endswith("_s"):
+        return f"{value:.4f}"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -188,7 +192,7 @@ class MetricsLogger:
             f"{c('tps')}tps: {tps:>10,.0f}  tflops: {tflops:7.2f}  "
             f"{c('mfu')}mfu: {_percent(record['mfu'])}{c('reset')}  "
             f"data: {record['data_pct']:4.1f}%"
-            + "".join(f"  {k}: {_short(v)}" for k, v in printed.items())
+            + "".join(f"  {k}: {_short(v, k)}" for k, v in printed.items())
             + self._eta(step, record["step_time_s"])
         )
         return record
@@ -211,8 +215,11 @@ class MetricsLogger:
             mem["memory_max_gib"] = self.max_over_ranks(mem["memory_gib"])
         return mem
 
-    def log_validation(self, step: int, loss: float, steps: int) -> None:
-        logger.info(f"validation  step: {step:>6}  loss: {loss:8.4f}  batches: {steps}")
+    def log_validation(self, step: int, loss: float, steps: int, of: str | None = None) -> None:
+        """The console's validation line; `of`: what was scored, where not the weights
+        training updates (the EMA's average)."""
+        scored = f"  ({of})" if of else ""
+        logger.info(f"validation  step: {step:>6}  loss: {loss:8.4f}  batches: {steps}{scored}")
 
     def exclude(self, seconds: float) -> None:
         """Keep time spent outside training steps (validation, checkpoints) out of tokens/s."""

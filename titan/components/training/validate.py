@@ -140,7 +140,8 @@ class ValidationCallback(Callback):
         t0 = time.perf_counter()
         with swapped_if(run, run.job.validation.use_ema):
             loss, batches = self.validator.run()
-        run.metrics.log_validation(end.step, loss, batches)
+        what = "the EMA weights" if run.job.validation.use_ema else None
+        run.metrics.log_validation(end.step, loss, batches, of=what)
         run.exclude_time(time.perf_counter() - t0)
         run.notify("on_validation_end", end.step, loss, batches)
 
