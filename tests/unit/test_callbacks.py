@@ -157,3 +157,46 @@ def test_a_stop_reaches_every_callback_even_past_a_failing_one(caplog):
     callbacks.stopping("view", KeyboardInterrupt("ctrl-c"))
     assert seen == [("view", "ctrl-c")]
     assert "callback Breaks failed in on_stop" in caplog.text
+
+
+class FiguresFromTheProse(Callback):
+    """`figures(self, run)`, as a reader of a doc without signatures might write it."""
+
+    def figures(self, run):
+        return {"mine": 1.0}
+
+
+def build_from_the_prose(run, options):
+    return FiguresFromTheProse()
+
+
+def test_a_method_the_trainer_cannot_call_is_refused_before_any_step(tmp_path):
+    register_callback(CallbackSpec("prose", build=f"{__name__}:build_from_the_prose"))
+    try:
+        with pytest.raises(pytest.fail.Exception) as e:
+            run_trainer(tmp_path, 1, tiny_run(2))
+    finally:
+        unregister_callback("prose")
+    assert (
+        "ConfigError: callback 'prose': FiguresFromTheProse.figures(self, run) cannot take what "
+        "the trainer passes: figures(self, run, step)" in str(e.value)
+    )
+    assert not (tmp_path / "dump" / "metrics.jsonl").exists()  # no step was taken
+
+
+def test_titans_own_callbacks_take_what_the_trainer_passes():
+    from titan.components.training.callbacks import _CALLBACKS, signature_problem
+    from titan.config import extensions
+
+    extensions.sections()  # loads titan's own registrations
+    for spec in _CALLBACKS.entries.values():
+        extensions.load(spec.build)  # imports the module that defines the callback
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    own = [c for c in subclasses(Callback) if c.__module__.startswith("titan.")]
+    assert len(own) >= 8
+    assert [c.__name__ for c in own if signature_problem(c.__new__(c))] == []

@@ -17,6 +17,7 @@ this run does not use it (its section off). Torch-free: specs are read before to
 """
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,12 +194,44 @@ class Callbacks(dict):
 
 
 def build_callbacks(run, sections: dict) -> Callbacks:
-    """This run's callbacks by name, in registration order (titan's own first)."""
+    """This run's callbacks by name, in registration order (titan's own first); a callback
+    whose method the trainer cannot call as `Callback` declares it is refused (ConfigError)
+    before any step."""
     made = {
         spec.name: extensions.load(spec.build)(run, _CALLBACKS.options_of(spec, sections))
         for spec in _CALLBACKS.entries.values()
     }
-    return Callbacks({name: cb for name, cb in made.items() if cb is not None})
+    callbacks = Callbacks({name: cb for name, cb in made.items() if cb is not None})
+    for name, callback in callbacks.items():
+        problem = signature_problem(callback)
+        if problem:
+            from titan.config.manager import ConfigError
+
+            raise ConfigError(f"callback {name!r}: {problem}; see docs/extending.md, Callbacks")
+    return callbacks
+
+
+def signature_problem(callback: Callback) -> str | None:
+    """Why the trainer cannot call one of `callback`'s methods as Callback declares it (the
+    arguments it passes, by position), or None."""
+    for method, declared in vars(Callback).items():
+        mine = getattr(type(callback), method, None)
+        if method.startswith("_") or not inspect.isfunction(declared) or mine is declared:
+            continue
+        passed = len(inspect.signature(declared).parameters)  # self included
+        params = list(inspect.signature(mine).parameters.values())
+        if any(p.kind is p.VAR_POSITIONAL for p in params):
+            continue
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [p for p in positional if p.default is p.empty]
+        if len(required) > passed or len(positional) < passed:
+            want = ", ".join(inspect.signature(declared).parameters)
+            got = ", ".join(p.name for p in params)
+            return (
+                f"{type(callback).__name__}.{method}({got}) cannot take what the trainer passes: "
+                f"{method}({want})"
+            )
+    return None
 
 
 _OWN = "titan.components"
