@@ -508,8 +508,22 @@ def test_to_toml_round_trip(tmp_path, cfg):
     tomllib.loads(text)  # valid TOML on its own
     path = write(tmp_path, text, "dump.toml")
     back = parse_args(["--job.config_file", path])
-    cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, config_file=path))
-    assert back == cfg
+    # a printed config run as it is does not print itself again
+    job = dataclasses.replace(cfg.job, config_file=path, print_config=False)
+    assert back == dataclasses.replace(cfg, job=job)
+
+
+def test_a_printed_config_runs_as_a_config_file(tmp_path):
+    """--job.print_config's output fed back as CONFIG_FILE: the same run (it named its own
+    config file and the test hooks before)."""
+    from titan.config import with_config_file
+
+    job = parse_args(with_config_file(["--job.print_config", "--training.steps", "7"]))
+    text = to_toml(job)
+    assert "[debug]" not in text and "\nconfig_file" not in text
+    back = parse_args(["--job.config_file", write(tmp_path, text, "printed.toml")])
+    assert back.training == job.training and back.model == job.model
+    assert back.job.print_config is False
 
 
 def test_to_toml_round_trip_control_characters(tmp_path):

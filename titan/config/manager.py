@@ -483,15 +483,30 @@ def as_dict(cfg: JobConfig) -> dict[str, dict]:
 
 
 def to_toml(cfg: JobConfig) -> str:
-    """The merged config in TOML form (readable back by parse_args)."""
+    """The merged config in TOML form, usable as a run's config file (CONFIG_FILE): the file
+    it was read from is a comment, it does not ask to print itself again, and the test hooks'
+    section holds only the hooks set."""
     out = []
     for section, obj in _sections(cfg).items():
-        out.append(f"[{section}]")
+        default = type(obj)()
+        lines = []
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
-            # TOML has no null: an unset optional is shown commented out
-            out.append(f"# {f.name} = None" if v is None else f"{f.name} = {_toml_value(v)}")
-        out.append("")
+            if section in TEST_HOOK_SECTIONS and v == getattr(default, f.name):
+                continue
+            if (section, f.name) == ("job", "config_file"):  # a config file names no other
+                lines.append(
+                    f"# {f.name} = {_toml_value(v)} (these values came from it)"
+                    if v
+                    else f"# {f.name} = None"
+                )
+            elif (section, f.name) == ("job", "print_config"):
+                lines.append(f"{f.name} = false")
+            else:
+                # TOML has no null: an unset optional is shown commented out
+                lines.append(f"# {f.name} = None" if v is None else f"{f.name} = {_toml_value(v)}")
+        if lines or section not in TEST_HOOK_SECTIONS:
+            out += [f"[{section}]", *lines, ""]
     return "\n".join(out)
 
 
