@@ -83,3 +83,19 @@ def test_going_back_to_overwrite_a_step_keeps_the_old_one(tmp_path):
     _run(tmp_path, "again", dump, 6, *flags)
     assert (ck / "history.1" / "step-6" / ".complete").read_text() == old
     assert _folders(ck) == ["history.1", "step-3", "step-6"]
+
+
+def test_a_resume_with_another_tokenizer_names_the_tokenizer(tmp_path):
+    """The chat tokenizer has 2051 tokens to the bundled one's 2048: the vocabulary's size
+    differs too, and the refusal names the tokenizer, not the model."""
+    import pytest
+
+    dump = tmp_path / "dump"
+    _run(tmp_path, "first", dump, 2, "--checkpoint.interval", "2")
+    chat = ["--model.tokenizer_path", "assets/tokenizer_chat/tokenizer.json"]
+    with pytest.raises(pytest.fail.Exception) as e:
+        _run(tmp_path, "other", dump, 4, "--checkpoint.interval", "2", *chat)
+    message = str(e.value)
+    assert "its model was trained with the tokenizer" in message
+    assert "this run reads assets/tokenizer_chat" in message
+    assert "vocab_size" not in message

@@ -53,7 +53,7 @@ from titan.components.checkpoint.storage import (
     make_folder,
     remove_tree,
 )
-from titan.components.checkpoint.trained_with import resume_problem
+from titan.components.checkpoint.trained_with import resume_problem, tokenizer_problem
 from titan.runtime.dtypes import to_dtype
 from titan.runtime.paths import resolve
 
@@ -299,6 +299,9 @@ class Checkpointer:
         self.set_aside = set_aside_newer(self.root, path, self._problem, self.rank)
         if path is None:
             return self._initial_load()
+        why = tokenizer_problem(path, self.trained_with or {})  # before the vocabulary's size
+        if why:
+            raise CheckpointError(f"cannot resume from {path}: {why}")
         self._check_identity(path, "cannot resume from", RESUME_FIX)
         why = resume_problem(path, self.trained_with or {}, self.cfg.exclude_from_loading)
         if why:

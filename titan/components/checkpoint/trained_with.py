@@ -31,6 +31,23 @@ def saved_trained_with(path: Path) -> dict:
     return _marker(path).get("trained_with") or {}
 
 
+def tokenizer_problem(path: Path, ours: dict) -> str | None:
+    """Why the step folder `path`'s model, trained with another tokenizer than this run's
+    (`trained_with`), cannot resume; None where it was trained with this one (or either is
+    not recorded). Asked before the model's shapes: another tokenizer changes the vocabulary,
+    which the model's identity would blame on the model."""
+    saved = _marker(path).get("trained_with") or {}
+    theirs_tok, our_tok = saved.get("tokenizer") or {}, ours.get("tokenizer") or {}
+    if our_tok and theirs_tok and theirs_tok.get("fingerprint") != our_tok.get("fingerprint"):
+        return (
+            f"its model was trained with the tokenizer {theirs_tok.get('path')} and this run "
+            f"reads {our_tok.get('path')}, which maps text to other ids: resume with "
+            f"--model.tokenizer_path {theirs_tok.get('path')}, or start a new run from these "
+            "weights with checkpoint.initial_load_path"
+        )
+    return None
+
+
 def resume_problem(path: Path, ours: dict, exclude: list[str]) -> str | None:
     """Why the step folder `path` does not resume into a run that trains with `ours`
     (`trained_with`), not loading the state parts `exclude`; None if it does."""
@@ -44,14 +61,9 @@ def resume_problem(path: Path, ours: dict, exclude: list[str]) -> str | None:
             f"resume with --optimizer.name {theirs_opt}, or start {our_opt}'s state afresh "
             "with --checkpoint.exclude_from_loading optimizer"
         )
-    theirs_tok, our_tok = saved.get("tokenizer") or {}, ours.get("tokenizer") or {}
-    if our_tok and theirs_tok and theirs_tok.get("fingerprint") != our_tok.get("fingerprint"):
-        return (
-            f"its model was trained with the tokenizer {theirs_tok.get('path')} and this run "
-            f"reads {our_tok.get('path')}, which maps text to other ids: resume with "
-            f"--model.tokenizer_path {theirs_tok.get('path')}, or start a new run from these "
-            "weights with checkpoint.initial_load_path"
-        )
+    why = tokenizer_problem(path, ours)
+    if why:
+        return why
     if "parametrization" in saved and "parametrization" in ours:
         theirs_p, our_p = saved["parametrization"], ours["parametrization"]
         if theirs_p != our_p:
