@@ -550,3 +550,18 @@ def test_convert_to_hf_takes_an_hf_config_and_float16(model, tmp_path):
     assert_identical(
         hf_io.load_hf(tmp_path / "o", LLAMA), {k: v.half() for k, v in model.state_dict().items()}
     )
+
+
+def test_an_hf_folder_of_another_family_names_it():
+    """An HF config the family cannot read says what it holds: the family that reads it, or
+    that none does and the model types each family reads."""
+    from titan.components.checkpoint.folders import CheckpointError
+    from titan.components.checkpoint.hf_io import args_from_hf_config
+    from titan.models.spec import get_train_spec
+
+    llama = get_train_spec("llama3")
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    with pytest.raises(CheckpointError, match="holds a 'qwen3' model, .* model.name = 'qwen3'"):
+        args_from_hf_config(llama, {**config, "model_type": "qwen3"})
+    with pytest.raises(CheckpointError, match="'gemma3_text' model, which no titan family reads"):
+        args_from_hf_config(llama, {**config, "model_type": "gemma3_text"})

@@ -110,11 +110,32 @@ def read_hf_config(hf_dir: str | Path) -> dict:
 
 def args_from_hf_config(spec: TrainSpec, config: dict, max_seq_len: int | None = None) -> ModelArgs:
     """The ModelArgs an HF config describes, by the family's adapter."""
+    adapter = adapter_class(spec)
     try:
-        return adapter_class(spec).args_from_hf_config(config, max_seq_len)
+        return adapter.args_from_hf_config(config, max_seq_len)
     except (KeyError, ValueError) as e:
+        other = other_family(config, spec)
+        if other:
+            raise CheckpointError(other) from None
         missing = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
         raise CheckpointError(missing) from None
+
+
+def other_family(config: dict, spec: TrainSpec) -> str | None:
+    """Where an HF config's model_type is not one `spec`'s family reads: which family reads
+    it (model.name to set), or that none does, with the types titan reads; None otherwise."""
+    from titan.models.spec import get_train_spec, registered_names
+
+    kind = config.get("model_type")
+    if not kind or kind in adapter_class(spec).hf_model_types:
+        return None
+    adapters = {name: get_train_spec(name).state_dict_adapter for name in registered_names()}
+    readers = {name: a.hf_model_types for name, a in adapters.items() if a is not None}
+    reads = [name for name, kinds in readers.items() if kind in kinds]
+    if reads:
+        return f"it holds a {kind!r} model, which titan trains as model.name = {reads[0]!r}: set it"
+    known = "; ".join(f"{name}: {', '.join(kinds)}" for name, kinds in readers.items() if kinds)
+    return f"it holds a {kind!r} model, which no titan family reads (the types each reads: {known})"
 
 
 def args_from_hf(hf_dir: str | Path, spec: TrainSpec, max_seq_len: int | None = None) -> ModelArgs:
