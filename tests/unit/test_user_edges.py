@@ -405,10 +405,21 @@ def test_a_step_with_no_counted_label_stops_the_run(tmp_path):
     assert not (tmp_path / "dump" / "metrics.jsonl").read_text()  # no step was taken
 
 
-def test_a_run_with_no_learning_rate_is_refused():
-    with pytest.raises(ConfigError, match="optimizer.lr = 0.0 .*no weight would ever change"):
-        parse_args(["--optimizer.lr", "0"])
-    parse_args(["--optimizer.lr", "0", "--optimizer.param_groups", '[{params = "norm", lr = 0.1}]'])
+def test_a_run_with_no_learning_rate_trains_nothing_and_says_so(tmp_path):
+    """optimizer.lr = 0 (an evaluation-only run, a data-pipeline check) runs, warned once
+    (rank 0's console), and its weights do not move."""
+    from tests.forked import rank_logs, run_trainer, tiny_run
+    from titan.components.checkpoint.folders import load_dcp_model_state
+
+    ck = ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
+    records = run_trainer(tmp_path, 1, [*tiny_run(3), *ck, "--optimizer.lr", "0"])
+    log = rank_logs(tmp_path, 1)
+    assert log.count("optimizer.lr = 0 and no param group's lr is above it") == 1
+    assert [r["lr"] for r in records] == [0.0, 0.0, 0.0]
+    first, last = (
+        load_dcp_model_state(tmp_path / "dump" / "checkpoint" / s) for s in ("step-1", "step-3")
+    )
+    assert first.keys() == last.keys() and all(first[k].equal(last[k]) for k in first)
 
 
 def test_generate_decodes_with_the_tokenizer_the_checkpoint_trained_with(tmp_path):

@@ -5,6 +5,7 @@ One optimizer per part keeps optimizer state addressable by each part's own para
 which is what lets a checkpoint written under one pipeline split load under another.
 """
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 from titan.components.checkpoint.tied_state import saved_form, saved_key, tied_names
 from titan.components.optim.registry import clean_name, optimizer_spec, options_of
 from titan.config import ConfigError, extensions
+
+logger = logging.getLogger("titan")
 
 # tensors only (exp_avg, exp_avg_sq, step): hyper-parameters come from the config on resume
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -131,4 +134,10 @@ def build_optimizer(
     """One optimizer per part, from `cfg` (the optimizer section) and, for an optimizer with a
     section of its own, that section among `sections` (the job's added ones); `lr_scale`: see
     param_groups."""
+    if cfg.lr == 0 and not any(g.lr for g in cfg.param_groups):
+        # an evaluation-only run, a data-pipeline check: torchtitan accepts it too
+        logger.warning(
+            "optimizer.lr = 0 and no param group's lr is above it: no weight will change "
+            "(set optimizer.lr > 0 to train)"
+        )
     return OptimizersContainer(model_parts, cfg, sections, lr_scale)

@@ -66,12 +66,6 @@ def check(job) -> None:
         job,
         (
             (o.lr >= 0, "optimizer.lr", "must be >= 0"),
-            (
-                o.lr > 0 or any(g.lr for g in o.param_groups),
-                "optimizer.lr",
-                "0 with no param group's lr above it: no weight would ever change; set "
-                "optimizer.lr > 0",
-            ),
             (o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0"),
             (
                 all(
