@@ -19,7 +19,8 @@ config) or an HF config.json (--hf-config) name them for older saves, or overrid
 size is read from the checkpoint's embedding. max_position_embeddings is the flavor's
 published context (131072 for Llama 3.1/3.2), else --max-seq-len. Only the `model` entry is
 read; the optimizer state is never loaded. Folders without the `.complete` marker are
-refused. --tokenizer writes tokenizer.json (adding BOS as titan does), tokenizer_config.json and
+refused. The tokenizer the checkpoint records its run trained with (or --tokenizer) writes
+tokenizer.json (adding BOS as titan does), tokenizer_config.json and
 special_tokens_map.json, and puts the BOS/EOS ids in config.json and
 generation_config.json, so HF generation stops where titan's does.
 
@@ -43,7 +44,9 @@ def fail(why) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python scripts/convert_to_hf.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("checkpoint", help="DCP step folder (…/checkpoint/step-N) or a checkpoint root")
     ap.add_argument(
@@ -122,6 +125,12 @@ def main(argv=None) -> None:
             f"choose from {', '.join(spec.flavors)}, or give --hf-config"
         )
     recorded = record is not None and record.get("family") == spec.name
+    saved_flavor = (record or {}).get("flavor") if recorded else None
+    if args.flavor is not None and saved_flavor in spec.flavors and saved_flavor != args.flavor:
+        fail(
+            f"{ckpt} holds a {name} {saved_flavor} model, not {args.flavor}: drop --flavor (the "
+            "checkpoint records its model) or give --flavor " + saved_flavor
+        )
     if args.flavor is None and args.hf_config is None and not recorded:
         fail(
             f"{ckpt} does not record a {name} model (saved before titan recorded it, or of "
@@ -139,10 +148,26 @@ def main(argv=None) -> None:
             f"({', '.join(p.name for p in hf_io.hf_model_files(out_dir)[:4])}); pass "
             "--overwrite to replace it, or choose another output folder"
         )
+    from titan.components.checkpoint.trained_with import saved_trained_with
+
+    # the tokenizer the run trained with, as its checkpoint records it, unless one is given
+    saved_tokenizer = (saved_trained_with(ckpt).get("tokenizer") or {}).get("path")
+    tokenizer = None
     try:
-        tokenizer = Tokenizer(args.tokenizer) if args.tokenizer else None
+        if args.tokenizer:
+            tokenizer = Tokenizer(args.tokenizer)
+        elif saved_tokenizer and Path(saved_tokenizer).exists():
+            tokenizer = Tokenizer(saved_tokenizer)
+        elif saved_tokenizer:
+            print(
+                f"convert_to_hf: warning: {ckpt} was trained with the tokenizer "
+                f"{saved_tokenizer}, which is not there: the export has none (pass it with "
+                "--tokenizer)",
+                file=sys.stderr,
+                flush=True,
+            )
     except TokenizerError as e:
-        fail(f"--tokenizer: {e}")
+        fail(f"--tokenizer: {e}" if args.tokenizer else f"the tokenizer {saved_tokenizer}: {e}")
     try:
         if args.hf_config:
             config = json.loads(Path(args.hf_config).read_text())

@@ -565,3 +565,23 @@ def test_an_hf_folder_of_another_family_names_it():
         args_from_hf_config(llama, {**config, "model_type": "qwen3"})
     with pytest.raises(CheckpointError, match="'gemma3_text' model, which no titan family reads"):
         args_from_hf_config(llama, {**config, "model_type": "gemma3_text"})
+
+
+def test_convert_to_hf_reads_what_a_training_checkpoint_records(tmp_path, capsys):
+    """A training checkpoint records its model and tokenizer: --flavor naming another is
+    refused in one line that names the checkpoint's, and the export carries the tokenizer
+    the run trained with."""
+    from tests.forked import run_trainer, tiny_run
+
+    ck = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    run_trainer(tmp_path / "run", 1, [*tiny_run(2), *ck], dump=tmp_path / "dump")
+    step = tmp_path / "dump" / "checkpoint" / "step-2"
+    to_hf = _load_script("convert_to_hf").main
+    err = _exit_2(capsys, to_hf, [str(step), str(tmp_path / "wrong"), "--flavor", "8B"])
+    assert "holds a llama3 debugmodel model, not 8B: drop --flavor" in err
+    to_hf([str(step), str(tmp_path / "hf")])
+    assert {"tokenizer.json", "special_tokens_map.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["bos_token_id"] is not None and config["eos_token_id"] is not None
