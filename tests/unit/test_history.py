@@ -5,6 +5,8 @@ and a later plain resume continues the history the user chose."""
 
 import json
 
+import pytest
+
 from tests.forked import rank_logs, run_trainer, tiny_run
 
 
@@ -88,7 +90,6 @@ def test_going_back_to_overwrite_a_step_keeps_the_old_one(tmp_path):
 def test_a_resume_with_another_tokenizer_names_the_tokenizer(tmp_path):
     """The chat tokenizer has 2051 tokens to the bundled one's 2048: the vocabulary's size
     differs too, and the refusal names the tokenizer, not the model."""
-    import pytest
 
     dump = tmp_path / "dump"
     _run(tmp_path, "first", dump, 2, "--checkpoint.interval", "2")
@@ -99,3 +100,56 @@ def test_a_resume_with_another_tokenizer_names_the_tokenizer(tmp_path):
     assert "its model was trained with the tokenizer" in message
     assert "this run reads assets/tokenizer_chat" in message
     assert "vocab_size" not in message
+
+
+@pytest.mark.needs("transformers")
+def test_an_export_keeps_the_source_models_context_and_fields(tmp_path):
+    """A transformers Llama with max_position_embeddings 512, trained from its folder at
+    seq_len 32: the export says 512 (it said the training length before) and keeps the
+    source's fields titan does not write; a fine-tune's export averages with its base."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.01,
+        pad_token_id=0,
+    )
+    source = tmp_path / "source"
+    transformers.LlamaForCausalLM(config).save_pretrained(str(source))
+    dump = tmp_path / "dump"
+    flags = ["--checkpoint.initial_load_path", str(source), "--checkpoint.initial_load_in_hf"]
+    _run(
+        tmp_path,
+        "tune",
+        dump,
+        2,
+        *flags,
+        "--model.flavor",
+        "from_hf",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.last_save_in_hf",
+    )
+    exported = json.loads((dump / "checkpoint" / "step-2" / "config.json").read_text())
+    assert exported["max_position_embeddings"] == 512
+    assert (exported["initializer_range"], exported["pad_token_id"]) == (0.01, 0)
+    assert exported["torch_dtype"] == "float32" and "dtype" not in exported
+
+    from titan.tools.average import main as average
+
+    average(
+        [
+            "--checkpoints",
+            str(source),
+            str(dump / "checkpoint" / "step-2"),
+            "--out",
+            str(tmp_path / "avg"),
+        ]
+    )
+    assert (tmp_path / "avg" / "config.json").is_file()

@@ -191,7 +191,7 @@ def checkpointer(
         identity=run_identity(job, plan, converters),
         save_bytes=training_save_bytes(job, plan, converters),
         states=states,
-        hf=HFModelIO(plan.spec, plan.model_args, plan.tokenizer)
+        hf=HFModelIO(plan.spec, plan.model_args, plan.tokenizer, hf_source(job))
         if plan.spec.state_dict_adapter
         else None,
         on_save_phase=faults.on_checkpoint_phase if faults else None,
@@ -298,3 +298,14 @@ def steady_state(job: JobConfig, watchdog) -> None:
     set_collective_timeout(timeout)
     logger.info("collective timeout now %ds (comm.train_timeout_seconds)", timeout)
     watchdog.start()
+
+
+def hf_source(job: JobConfig) -> dict | None:
+    """The config.json of the HF model a run starts from (None: it starts from no HF
+    folder): its exports keep the fields they do not change."""
+    from titan.components.checkpoint.hf_io import read_hf_config
+
+    ck = job.checkpoint
+    if not (ck.initial_load_in_hf and ck.initial_load_path):
+        return None
+    return read_hf_config(resolve(ck.initial_load_path))

@@ -16,6 +16,7 @@ and exit code 2; the output folder must be new or empty (--overwrite replaces it
 """
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -147,7 +148,7 @@ def average_hf(paths: list[Path], weights: list[float], out: Path, prepare) -> N
     )
 
     files = [hf_io.hf_weight_files(p) for p in paths]  # checked: present, whole, checksums
-    configs = [json.loads((p / hf_io.HF_CONFIG).read_text()) for p in paths]
+    configs = [_architecture(json.loads((p / hf_io.HF_CONFIG).read_text())) for p in paths]
     for path, config in zip(paths[1:], configs[1:]):
         if config != configs[0]:
             diff = sorted(
@@ -223,3 +224,36 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# config.json fields that say nothing of the architecture: how a folder was saved, its token
+# ids, the context it was published for
+_NOT_ARCHITECTURE = (
+    "_name_or_path",
+    "architectures",
+    "bos_token_id",
+    "dtype",
+    "eos_token_id",
+    "max_position_embeddings",
+    "pad_token_id",
+    "torch_dtype",
+    "transformers_version",
+    "use_cache",
+)
+
+
+def _architecture(config: dict) -> dict:
+    """What of an HF config two folders must share to be averaged: the model args the titan
+    family of its model type reads from it (a base folder and its fine-tune's export, whose
+    configs differ in fields titan does not write), else its fields but those above."""
+    from titan.components.checkpoint.hf_io import args_from_hf_config, reader_of
+
+    spec = reader_of(config)
+    if spec is not None:
+        try:
+            args = args_from_hf_config(spec, config, max_seq_len=1)
+            fields = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
+            return {"family": spec.name, **{k: v for k, v in fields.items() if k != "context_len"}}
+        except Exception:  # noqa: BLE001  a config titan cannot read is compared as it is
+            pass
+    return {k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}

@@ -121,20 +121,32 @@ def args_from_hf_config(spec: TrainSpec, config: dict, max_seq_len: int | None =
         raise CheckpointError(missing) from None
 
 
+def _readers() -> dict[str, tuple[TrainSpec, tuple[str, ...]]]:
+    """Each registered family with an HF adapter: (its spec, the model types it reads)."""
+    from titan.models.spec import get_train_spec, registered_names
+
+    specs = [get_train_spec(name) for name in registered_names()]
+    return {s.name: (s, s.state_dict_adapter.hf_model_types) for s in specs if s.state_dict_adapter}
+
+
+def reader_of(config: dict) -> TrainSpec | None:
+    """The registered family whose adapter reads an HF config's model_type (None: none)."""
+    kind = config.get("model_type")
+    return next((spec for spec, kinds in _readers().values() if kind in kinds), None)
+
+
 def other_family(config: dict, spec: TrainSpec) -> str | None:
     """Where an HF config's model_type is not one `spec`'s family reads: which family reads
     it (model.name to set), or that none does, with the types titan reads; None otherwise."""
-    from titan.models.spec import get_train_spec, registered_names
-
     kind = config.get("model_type")
     if not kind or kind in adapter_class(spec).hf_model_types:
         return None
-    adapters = {name: get_train_spec(name).state_dict_adapter for name in registered_names()}
-    readers = {name: a.hf_model_types for name, a in adapters.items() if a is not None}
-    reads = [name for name, kinds in readers.items() if kind in kinds]
-    if reads:
-        return f"it holds a {kind!r} model, which titan trains as model.name = {reads[0]!r}: set it"
-    known = "; ".join(f"{name}: {', '.join(kinds)}" for name, kinds in readers.items() if kinds)
+    other = reader_of(config)
+    if other is not None:
+        return (
+            f"it holds a {kind!r} model, which titan trains as model.name = {other.name!r}: set it"
+        )
+    known = "; ".join(f"{name}: {', '.join(kinds)}" for name, (_, kinds) in _readers().items())
     return f"it holds a {kind!r} model, which no titan family reads (the types each reads: {known})"
 
 
@@ -212,6 +224,7 @@ def save_hf(
     dtype: str | torch.dtype = torch.float32,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
     config_extra: dict | None = None,
+    source: dict | None = None,
 ) -> Path:
     """Write an HF folder (config.json and safetensors weights) through the family's adapter.
 
@@ -222,7 +235,8 @@ def save_hf(
     rank ever holds the whole model. One file of at most `max_shard_size` bytes becomes
     `model.safetensors`. Weight files of an earlier export into the same folder are removed
     first; other files (tokenizer, README) are left alone. `config_extra` is merged into
-    config.json (e.g. bos/eos token ids).
+    config.json (e.g. bos/eos token ids); `source`, the config of the HF model the run
+    started from, gives the fields titan does not write (`exported_config`).
     """
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files_on_every_rank,
@@ -264,7 +278,7 @@ def save_hf(
         _write_index(out_dir, max(indices.values()))
     write_checksums(out_dir, distributed, rank)
     if rank == 0:
-        config = adapter.hf_config() | (config_extra or {})
+        config = exported_config(source, adapter.hf_config(), args) | (config_extra or {})
         config["torch_dtype"] = dtype_name(dtype)
         (out_dir / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
@@ -273,6 +287,26 @@ def save_hf(
     if distributed:  # the folder is whole when any rank returns
         dist.barrier()
     return out_dir
+
+
+# fields of a source config an export never keeps: how the weights were stored (titan writes
+# plain tensors in its own dtype); RoPE's (rope_*) titan writes as it trained them
+_NOT_KEPT = ("quantization_config", "dtype", "torch_dtype")
+
+
+def exported_config(source: dict | None, ours: dict, args: ModelArgs) -> dict:
+    """The config.json of an export: titan's fields over those of the HF model the run
+    started from (`source`), where that is the same model type, so a fine-tune keeps what
+    it did not change (token ids, initializer range, the published context: titan's own
+    max_position_embeddings is the training length where the args publish none)."""
+    if not source or source.get("model_type") != ours.get("model_type"):
+        return ours
+    kept = {k: v for k, v in source.items() if k not in _NOT_KEPT and not k.startswith("rope")}
+    config = kept | ours
+    if args.context_len is None and "max_position_embeddings" in source:
+        context = (source["max_position_embeddings"], ours["max_position_embeddings"])
+        config["max_position_embeddings"] = max(context)
+    return config
 
 
 def write_checksums(out_dir: Path, distributed: bool = False, rank: int = 0) -> None:
@@ -531,8 +565,12 @@ class HFModelIO:
     shards. `tokenizer` (anything with `save_hf(folder) -> config entries`) is written
     alongside each save, with its BOS/EOS ids in config.json and generation_config.json."""
 
-    def __init__(self, spec: TrainSpec, args: ModelArgs, tokenizer=None):
-        self.spec, self.args, self.tokenizer = spec, args, tokenizer
+    def __init__(
+        self, spec: TrainSpec, args: ModelArgs, tokenizer=None, source: dict | None = None
+    ):
+        """`source`: the config.json of the HF model the run started from, whose fields an
+        export keeps where it does not change them (`exported_config`)."""
+        self.spec, self.args, self.tokenizer, self.source = spec, args, tokenizer, source
 
     def load_into(self, state: dict[str, torch.Tensor], hf_dir: Path) -> tuple[dict, int]:
         return load_hf_into(state, hf_dir, self.spec, self.args)
@@ -549,5 +587,12 @@ class HFModelIO:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             extra = self.tokenizer.save_hf(out_dir)
         return save_hf(
-            state, self.spec, self.args, out_dir, dtype, max_shard_size, config_extra=extra
+            state,
+            self.spec,
+            self.args,
+            out_dir,
+            dtype,
+            max_shard_size,
+            config_extra=extra,
+            source=self.source,
         )
