@@ -256,3 +256,40 @@ def test_ctrl_c_and_sigterm_stop_in_a_few_lines_and_the_run_resumes(straight, tm
         assert "the next run resumes from it" in after[-1]
     launch(2, [*BASE, *CK, *dp_batch(2), "--checkpoint.interval", "2"], dump, timeout=600)
     assert losses(dump) == straight[2]
+
+
+@pytest.mark.slow("a launch and a killed rank")
+def test_a_rank_killed_without_restarts_ends_in_a_few_lines(tmp_path):
+    """MAX_RESTARTS=0 and rank 1 SIGKILLed after the step-4 checkpoint: exit 1 with which rank
+    died and how, where the next run resumes, and torchrun's report in a file it names: no
+    traceback of the launcher's."""
+    dump = tmp_path / "run"
+    workers.hold(2)
+    cmd, env = command(2, [*BASE, *CK, *dp_batch(2)], dump, env={"MAX_RESTARTS": "0"})
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while max(losses(dump), default=0) < 6:  # past the step-4 checkpoint
+            assert proc.poll() is None and time.monotonic() < deadline, "run ended early"
+            time.sleep(0.2)
+        (pid,) = find_workers(dump, rank=1)
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_workers(dump)
+    assert proc.returncode == 1, err[-3000:]
+    assert "titan: the run ended: rank 1 killed by SIGKILL" in err, err[-3000:]
+    assert "the newest complete one is step-4" in err
+    (report,) = dump.glob("rank_failure_*.txt")
+    assert f"torchrun's report is in {report}" in err and "SIGKILL" in report.read_text()
+    launcher = [ln for ln in err.splitlines() if not ln.startswith("[rank")]
+    assert not any("Traceback" in ln or "ChildFailedError" in ln for ln in launcher), err[-3000:]

@@ -190,8 +190,9 @@ def main() -> None:
     from titan.components.fault_tolerance import interrupts
 
     stopped = lambda: interrupts.status(job.checkpoint, job.job.dump_folder)  # noqa: E731
+    reports = job.job.dump_folder  # a URL's local mirror, which is uploaded
     if mirror is None:
-        run_torchrun(command, stopped=stopped)
+        run_torchrun(command, stopped=stopped, reports=reports)
         return
     fetched = mirror.fetch()
     print(
@@ -203,7 +204,7 @@ def main() -> None:
     )
     mirror.start()
     try:
-        run_torchrun(command, stopped=stopped)
+        run_torchrun(command, stopped=stopped, reports=reports)
     finally:
         mirror.finish()
 

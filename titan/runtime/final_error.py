@@ -55,6 +55,28 @@ def record(kind: str, error: BaseException | str, exit_code: int) -> None:
         os.remove(tmp)
 
 
+def _ended(failure) -> str:
+    """How a worker process ended, from torchrun's record of it."""
+    code = failure.exitcode
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def _stopped(failure) -> bool:
+    """Whether a worker ended as one that torchrun stopped (SIGTERM), not by its own fault."""
+    return failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
+
+
+def peer_failure() -> str | None:
+    """On a worker stopped by SIGTERM: which rank's failure made torchrun stop the others
+    (the launcher's agent writes it before it stops them), or None (a stop from outside:
+    Ctrl-C, a scheduler, the user)."""
+    path = os.environ.get(ENV)
+    try:
+        return Path(f"{path}.peers").read_text().strip() if path else None
+    except OSError:
+        return None
+
+
 def read(path: str | Path) -> dict | None:
     try:
         return json.loads(Path(path).read_text())
@@ -67,11 +89,13 @@ def one_line(entry: dict, max_restarts: int) -> str:
     return f"titan: {entry['kind']} on rank {entry['rank']}: {entry['message']}{why}"
 
 
-def run_torchrun(argv: list[str], stopped=None) -> None:
+def run_torchrun(argv: list[str], stopped=None, reports: str | None = None) -> None:
     """torch.distributed.run's main with `argv`, stopping at a final error: then one line on
     stderr and the worker's exit code. Ctrl-C or SIGTERM: torchrun stops the workers, then
-    one line (with `stopped()`: where the next run starts) and 128 + the signal. Other
-    failures end as torchrun's own do."""
+    one line (with `stopped()`: where the next run starts) and 128 + the signal. A rank that
+    died (killed, or exited with an error no restart was left for): a few lines naming it,
+    how it ended and where the next run starts, exit 1, torchrun's own report written in
+    `reports` (a folder; without one, torchrun's failure is raised as it would)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -90,10 +114,13 @@ def run_torchrun(argv: list[str], stopped=None) -> None:
             where = f"; {stopped()}" if stopped is not None else ""
             print(f"titan: stopped by {describe(e.sigval)}{where}", file=sys.stderr, flush=True)
             sys.exit(128 + int(e.sigval))
-        except ChildFailedError:
+        except ChildFailedError as failed:
             entry = read(path)
-            if entry is None:
+            if entry is None and reports is None:
                 raise
+            if entry is None:
+                print(died(failed, reports, stopped, args.max_restarts), file=sys.stderr)
+                sys.exit(1)
             print(one_line(entry, args.max_restarts), file=sys.stderr, flush=True)
             sys.exit(entry["exit_code"])
 
@@ -101,6 +128,31 @@ def run_torchrun(argv: list[str], stopped=None) -> None:
         supervised()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def died(failed, reports: str, stopped=None, max_restarts: int = 0) -> str:
+    """The lines for ranks that ended with a failure (torchrun's ChildFailedError `failed`):
+    which, how (a signal or an exit code), the restarts spent, where the next run starts;
+    torchrun's whole report written to a file under `reports`, named."""
+    import time
+
+    # a rank a signal killed first: the others' errors are mostly what its loss caused them
+    failures = sorted(failed.failures.items(), key=lambda rf: (rf[1].exitcode >= 0, rf[0]))
+    own = [(rank, f) for rank, f in failures if not _stopped(f)] or failures
+    first, *then = (f"rank {rank} {_ended(f)}" for rank, f in own)
+    os.makedirs(reports, exist_ok=True)
+    report = os.path.join(reports, f"rank_failure_{time.strftime('%Y%m%d-%H%M%S')}.txt")
+    with open(report, "w") as f:
+        f.write(failed.format_msg() + "\n")
+    spent = f"after {max_restarts} restart(s) (MAX_RESTARTS)" if max_restarts else "MAX_RESTARTS=0"
+    lines = [
+        f"titan: the run ended: {first}"
+        + (f" (then {', '.join(then)})" if then else "")
+        + f"; {spent}",
+        f"titan: {stopped()}" if stopped is not None else None,
+        f"titan: each rank's own error is above; torchrun's report is in {report}",
+    ]
+    return "\n".join(line for line in lines if line)
 
 
 @contextlib.contextmanager
@@ -115,8 +167,16 @@ def _agents_stopping_at(path: str):
     class Agent(original):
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
-            if result.is_failed() and os.path.exists(path):
-                self._remaining_restarts = 0  # _invoke_run then stops the group
+            peers = Path(f"{path}.peers")
+            if not result.is_failed() and peers.exists():
+                peers.unlink()  # a restarted group runs: a later stop is not that failure's
+            if result.is_failed():
+                # before the agent stops the other ranks: their stop line names the cause
+                failed = sorted(result.failures.items())
+                named = ", ".join(f"rank {r} {_ended(f)}" for r, f in failed if not _stopped(f))
+                peers.write_text(named + "\n")
+                if os.path.exists(path):
+                    self._remaining_restarts = 0  # _invoke_run then stops the group
             return result
 
     def quiet(record: logging.LogRecord) -> bool:

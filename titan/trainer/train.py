@@ -6,6 +6,7 @@ Read top to bottom: build everything from the config, then loop over steps.
 import functools
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -372,9 +373,10 @@ def _report(e: BaseException, job: JobConfig) -> int:
         return 1
     # a collective a stopping peer left is part of the stop, wherever the signal landed
     step = interrupts.step_at_signal()
+    peer = final_error.peer_failure() if signum == signal.SIGTERM else None
     logger.warning(
-        "stopped by %s %s; %s",
-        final_error.describe(signum),
+        "stopped %s %s; %s",
+        f"by torchrun as a peer failed ({peer})" if peer else f"by {final_error.describe(signum)}",
         f"during step {step}" if step else "before the first step",
         interrupts.status(job.checkpoint, job.job.dump_folder),
     )
