@@ -208,6 +208,9 @@ def test_every_layout_names_the_same_document(blamed_document, tmp_path):
     for name, flags in {**LAYOUTS, "pp2": pp2}.items():
         run_trainer(tmp_path / name, 2, argv("skip", *BAD_DOC, *flags), deadline_s=180)
         assert_names_the_document(spikes_of(tmp_path / name / "dump"), blamed_document[2])
+        # the document blamed alone, in the form training.skip_documents reads
+        suggested = (tmp_path / name / "dump" / "suggested_skip_documents.jsonl").read_text()
+        assert suggested == json.dumps({"dataset": "kjv", "document": blamed_document[2][0]}) + "\n"
 
 
 @pytest.mark.slow("two 2-rank trainings")

@@ -23,6 +23,9 @@ from titan.components.training.callbacks import Callback, StopTraining
 
 logger = logging.getLogger("titan")
 
+# beside spikes.jsonl: the documents replays blamed alone, as training.skip_documents reads them
+SUGGESTED = "suggested_skip_documents.jsonl"
+
 
 def spike_score(value: float, window) -> float:
     """How many standard deviations (sample form, n - 1) of the window's values `value` lies
@@ -184,6 +187,31 @@ class SpikeMonitor(Callback):
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
+        if rerun.get("alone"):
+            self._suggest(rerun["documents"])
+
+    def _suggest(self, documents: list[dict]) -> None:
+        """Documents a replay blamed alone, each once, in training.skip_documents' form: the
+        file a resume that leaves them out names (a step whose documents none makes alone
+        suggests nothing: dropping them all would drop what may be noise)."""
+        path = os.path.join(os.path.dirname(self.path), SUGGESTED)
+        known = set()
+        if os.path.exists(path):
+            with open(path) as f:
+                known = {(e["dataset"], e["document"]) for e in map(json.loads, f) if e}
+        new = [d for d in documents if (d["dataset"], d["document"]) not in known]
+        with open(path, "a") as f:
+            for d in new:
+                f.write(json.dumps({"dataset": d["dataset"], "document": d["document"]}) + "\n")
+        for d in new:
+            logger.warning(
+                "document %d of %s added to %s: resume with --training.skip_documents %s to "
+                "leave it out",
+                d["document"],
+                d["dataset"],
+                path,
+                path,
+            )
 
     def figures(self, run, step: int) -> dict | None:
         return {"spikes": self.spikes} if self.spikes else None
