@@ -366,3 +366,29 @@ def test_a_layout_the_ranks_cannot_hold_is_one_line(trained, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("titan.tools.eval: parallelism: world size 1 is not divisible")
+
+
+def test_the_training_console_gets_lm_evals_warnings_only(caplog, capsys):
+    """Within an in-loop evaluation: lm-eval's INFO lines, its `--metadata` advice and its
+    notes on titan's own tasks' metrics are left out, as are tqdm's bars on stderr; its other
+    warnings go through."""
+    import logging
+
+    from tqdm import tqdm
+
+    from titan.components.evaluation.in_loop import quiet_lm_eval
+
+    task = logging.getLogger("lm_eval.api.task")
+    with caplog.at_level(logging.INFO), quiet_lm_eval():
+        logging.getLogger("lm_eval.evaluator").info("Selected tasks:")
+        task.warning("kjv_verse_cloze: Custom kwargs can be passed to `--metadata` in console")
+        task.warning("[Task: kjv_bits_per_byte] metric x is defined, but aggregation is not.")
+        task.warning("[Task: theirs] metric x is defined, but aggregation is not.")
+        for _ in tqdm(range(3), desc="Tokenizing inputs"):
+            pass
+        print("a real error", file=sys.stderr)
+    assert [r.getMessage() for r in caplog.records] == [
+        "[Task: theirs] metric x is defined, but aggregation is not."
+    ]
+    assert capsys.readouterr().err == "a real error\n"
+    assert logging.getLogger("lm_eval").level == logging.NOTSET  # as it was

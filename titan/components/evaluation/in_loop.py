@@ -11,7 +11,10 @@ go to every writer as eval/<task>/<metric> (eval.jsonl beside validation.jsonl) 
 console.
 """
 
+import contextlib
+import io
 import logging
+import sys
 import time
 
 import torch
@@ -34,6 +37,61 @@ def scores_of(results: dict) -> dict[str, float]:
             metric, filt = key.split(",", 1)
             out[f"{task}/{metric}" + ("" if filt == "none" else f"_{filt}")] = float(value)
     return out
+
+
+class _Advice(logging.Filter):
+    """lm-eval's advice for its own command line (`--metadata`), and its notes on metrics
+    that titan's bundled tasks define as it means them: not for a training console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return "`--metadata`" not in text and not (
+            "[Task: kjv_" in text and "is defined, but" in text
+        )
+
+
+class _NoProgressBars(io.TextIOBase):
+    """stderr without tqdm's bars: line by line, a line holding a carriage return or a bar's
+    counters is left out."""
+
+    def __init__(self, stream):
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            self._line(line + "\n")
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        if not ("\r" in line or "it/s]" in line or "?it/s" in line):
+            self.stream.write(line)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.pending:
+            self._line(self.pending)
+        self.flush()
+
+
+@contextlib.contextmanager
+def quiet_lm_eval():
+    """Within, lm-eval says only what a training console needs: its warnings and errors
+    (its INFO lines, progress bars and console advice left out)."""
+    lm_eval, task = logging.getLogger("lm_eval"), logging.getLogger("lm_eval.api.task")
+    level, advice = lm_eval.level, _Advice()
+    lm_eval.setLevel(logging.WARNING)
+    task.addFilter(advice)
+    stderr = _NoProgressBars(sys.stderr)
+    try:
+        with contextlib.redirect_stderr(stderr):
+            yield
+    finally:
+        stderr.close()
+        lm_eval.setLevel(level)
+        task.removeFilter(advice)
 
 
 class EvalCallback(Callback):
@@ -64,7 +122,12 @@ class EvalCallback(Callback):
         for part in run.model_parts:
             part.eval()
         try:
-            with rng_kept(run.device), torch.no_grad(), swapped_if(run, self.cfg.use_ema):
+            with (
+                rng_kept(run.device),
+                torch.no_grad(),
+                swapped_if(run, self.cfg.use_ema),
+                quiet_lm_eval(),
+            ):
                 results = simple_evaluate(
                     model=self.lm,
                     tasks=list(self.cfg.tasks),
@@ -72,7 +135,6 @@ class EvalCallback(Callback):
                     limit=self.cfg.limit,
                     task_manager=self.manager,
                     log_samples=False,
-                    verbosity="WARNING",
                 )
         finally:
             for part in run.model_parts:
