@@ -70,7 +70,7 @@ def test_the_chunked_loss_computes_it_chunk_by_chunk():
     apply_chunked_loss(model, chunk_tokens=4, terms=(z_term,))  # 14 tokens: chunks 4, 4, 4, 2
     sums = model.output(h, labels)
     assert sums.shape == (2,)
-    objective = Objective({"z_loss": z_term}, tokens_per_rank_step=1, cp=1)
+    objective = Objective({"z_loss": z_term}, tokens_per_rank_step=1, cp=1, output_sums=True)
     objective.loss(sums, labels).backward()
     assert sums[1].item() == pytest.approx(z_loss_sum(logits, labels).item(), rel=1e-6)
     torch.testing.assert_close(out.weight.grad, want_grad, rtol=1e-5, atol=1e-6)

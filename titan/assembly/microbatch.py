@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titan.components.data.batch import INPUT_IDS, LABELS, Batch, extra_fields
-from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum, plain
+from titan.components.training.loss import IGNORE_INDEX, plain
 from titan.components.training.objective import Objective
 from titan.components.training.terms import build_terms
 from titan.config import JobConfig
@@ -48,7 +48,8 @@ class ForwardBackward:
         # each cp rank holds 1/cp of every sequence; FSDP averages grads over dp x cp ranks.
         # Every step counts its own (Objective.count); unmasked, the global batch's tokens
         tokens = plan.global_batch_size // plan.data_parallel_size * t.seq_len // dims.cp
-        self.objective = Objective(build_terms(job), tokens, dims.cp, device=device)
+        sums = self._output_takes_labels()  # a chunked loss's output layer computes them
+        self.objective = Objective(build_terms(job), tokens, dims.cp, device, output_sums=sums)
         self.loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
         # FSDP casts parameters itself; a single replica needs autocast for bf16 compute
         bf16_autocast = t.mixed_precision_param == "bfloat16" and not dims.fsdp_enabled
@@ -249,12 +250,12 @@ class ForwardBackward:
         if self.pp_plan is not None:
             if self.eval_schedule is None:
                 plan = self.plan.pipeline(self.plan.dims["pp"].get_local_rank(), validation=True)
-                self.eval_schedule = self._schedule(plan, cross_entropy_sum)
+                self.eval_schedule = self._schedule(plan, self.objective.cross_entropy)
             has_last = self.pp_plan.num_stages - 1 in self.pp_plan.stage_ids
             loss = self.run_pipeline(self.eval_schedule, batch, train=False)
             return loss, tokens if has_last else 0
         kwargs = self.model_kwargs(batch)
         inputs = batch[INPUT_IDS]
         with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx(), self.amp():
-            loss = cross_entropy_sum(self.parts[0](inputs, **kwargs), labels)
+            loss = self.objective.cross_entropy(self.parts[0](inputs, **kwargs), labels)
         return plain(loss), tokens

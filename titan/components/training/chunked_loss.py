@@ -25,19 +25,21 @@ def _chunk_loss(
     # (1, tokens, ...): cross_entropy_sum's (batch, seq) form, its float32 upcast included
     logits, labels = F.linear(h, weight)[None], labels[None]
     ce = cross_entropy_sum(logits, labels)
-    if not terms:
-        return ce
     return torch.stack([ce, *(term.token_sum(logits, labels).float() for term in terms)])
 
 
 class ChunkedLossOutput(nn.Linear):
-    """An output projection that, given `labels`, returns the cross-entropy sum of its
-    logits, computed `chunk_tokens` tokens at a time; with objective terms on the logits (a
-    z-loss), the sums [cross-entropy, each term] in the objective's order."""
+    """An output projection that, given `labels`, returns the sums [cross-entropy, each
+    objective term on the logits (a z-loss), in the objective's order] of its logits,
+    computed `chunk_tokens` tokens at a time (the objective composes them: its
+    `output_sums`)."""
 
     takes_labels = True
-    chunk_tokens: int = 0
-    terms: tuple = ()
+
+    def __init__(self, linear: nn.Linear, chunk_tokens: int, terms: tuple = ()):
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight = linear.weight  # the same parameter: ties and checkpoints are untouched
+        self.chunk_tokens, self.terms = chunk_tokens, tuple(terms)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
@@ -54,14 +56,15 @@ class ChunkedLossOutput(nn.Linear):
 
 
 def apply_chunked_loss(model: nn.Module, chunk_tokens: int, terms: tuple = ()) -> None:
-    """Make `model.output` (an nn.Linear, on any device) a ChunkedLossOutput of `chunk_tokens`
-    tokens per chunk computing `terms` too, in place: same parameters, so ties and checkpoints
-    are untouched."""
+    """Replace `model.output` (an nn.Linear without bias, on any device) by a
+    ChunkedLossOutput of `chunk_tokens` tokens per chunk computing `terms` too, over the
+    same weight, so ties and checkpoints are untouched."""
     output = model.output
-    if type(output) is not nn.Linear:
-        raise TypeError(f"training.loss_chunk_tokens needs a plain nn.Linear output, got {output}")
-    output.__class__ = ChunkedLossOutput
-    output.chunk_tokens, output.terms = chunk_tokens, tuple(terms)
+    if type(output) is not nn.Linear or output.bias is not None:
+        raise TypeError(
+            f"training.loss_chunk_tokens needs a plain nn.Linear output without bias, got {output}"
+        )
+    model.output = ChunkedLossOutput(output, chunk_tokens, terms)
 
 
 class ChunkedLossConverter(Converter):

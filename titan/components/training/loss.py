@@ -15,11 +15,7 @@ IGNORE_INDEX = -100
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The summed token cross-entropy of (batch, seq, vocab) logits; a 0-d tensor is that sum
-    already, and a 1-d one starts with it (a chunked loss's output layer computes it, and the
-    objective's terms after it: titan.components.training.chunked_loss)."""
-    if logits.dim() <= 1:
-        return logits if logits.dim() == 0 else logits[0]
+    """The summed token cross-entropy of (batch, seq, vocab) logits."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
 
 

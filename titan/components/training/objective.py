@@ -39,11 +39,15 @@ class Objective:
         tokens_per_rank_step: float,
         cp: int,
         device: torch.device = CPU,
+        output_sums: bool = False,
     ):
         """`tokens_per_rank_step`: the step's counted tokens each rank divides by until
         `count` says the step's own; `cp`: the context-parallel degree (each cp rank holds
-        1/cp of every sequence); `device`: where the step's values and counts live."""
+        1/cp of every sequence); `device`: where the step's values and counts live;
+        `output_sums`: the model's output layer returns the sums [cross-entropy, each term]
+        instead of logits (a chunked loss, titan.components.training.chunked_loss)."""
         self.terms, self.tokens, self.cp, self.device = terms, tokens_per_rank_step, cp, device
+        self.output_sums = output_sums
         self._values: torch.Tensor | None = None  # this step's, detached: loss, then terms
         self._aux: AuxLossCollector | None = None
 
@@ -78,16 +82,24 @@ class Objective:
             "nothing can be learned; raise training.seq_len or check the data"
         )
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def cross_entropy(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token cross-entropy of the model's output (its logits, or its sums)."""
+        return out[0] if self.output_sums else cross_entropy_sum(out, labels)
+
+    def sums(self, out: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """[the cross-entropy, each term] summed over the counted tokens of an output."""
+        if self.output_sums:  # the output layer computed them, chunk by chunk
+            return list(out.unbind())
+        ce = cross_entropy_sum(out, labels)
+        return [ce, *(_like(term.token_sum(out, labels), ce) for term in self.terms.values())]
+
+    def loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """What backward differentiates for one microbatch's output (a pipeline's loss
         function): the cross-entropy plus the weighted terms, over the step's counted tokens."""
-        ce = cross_entropy_sum(logits, labels)
-        total, values = ce, [ce]
-        for i, term in enumerate(self.terms.values(), 1):
-            # a chunked loss's output returns [cross-entropy, each term] summed already
-            v = logits[i] if logits.dim() == 1 else _like(term.token_sum(logits, labels), ce)
+        values = self.sums(out, labels)
+        total = values[0]
+        for term, v in zip(self.terms.values(), values[1:], strict=True):
             total = total + term.weight * v
-            values.append(v)
         if self._values is not None:  # within a step: kept for the log
             self._values += torch.stack([plain(v.detach()).float() for v in values]) / self.tokens
         return total / self.tokens
