@@ -61,6 +61,18 @@ def _ended(failure) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+def _recorded(failure) -> str:
+    """The first line of what a failed worker wrote of its own error (its error file: an
+    exception's message, the watchdog's report), or "" where it wrote none."""
+    if not os.path.isfile(failure.error_file):
+        return ""
+    message = failure.message
+    if isinstance(message, dict):  # torch's @record writes {"message": ..., "extraInfo": ...}
+        message = message.get("message", "")
+    lines = str(message).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def _stopped(failure) -> bool:
     """Whether a worker ended as one that torchrun stopped (SIGTERM), not by its own fault."""
     return failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM)
@@ -145,10 +157,13 @@ def died(failed, reports: str, stopped=None, max_restarts: int = 0) -> str:
     with open(report, "w") as f:
         f.write(failed.format_msg() + "\n")
     spent = f"after {max_restarts} restart(s) (MAX_RESTARTS)" if max_restarts else "MAX_RESTARTS=0"
+    # what a rank recorded of its own failure (its exception, the watchdog's report)
+    causes = [f"titan: rank {rank}: {_recorded(f)}" for rank, f in own if _recorded(f)]
     lines = [
         f"titan: the run ended: {first}"
         + (f" (then {', '.join(then)})" if then else "")
         + f"; {spent}",
+        *causes,
         f"titan: {stopped()}" if stopped is not None else None,
         f"titan: each rank's own error is above; torchrun's report is in {report}",
     ]

@@ -168,11 +168,12 @@ def launch(
             ) from None
         if check and proc.returncode != 0:
             ranks = rank_tails(full_env["PET_LOG_DIR"])
-            summary = "\n".join(re.findall(r"^ *(?:rank|exitcode) +:.*$", proc.stderr, re.M))
+            # the launcher's lines on how the run ended (torchrun's report is in its file)
+            summary = "\n".join(re.findall(r"^titan: .*$", proc.stderr, re.M))
             raise RunFailed(
                 f"{' '.join(cmd)} (NGPU={nproc}) exited {proc.returncode}; "
                 + (
-                    f"last lines of every rank:\n{ranks}\n--- torchrun's summary ---\n{summary}"
+                    f"last lines of every rank:\n{ranks}\n--- the launcher's summary ---\n{summary}"
                     if ranks
                     else f"no rank started; stderr:\n{proc.stderr[-3000:]}"
                 )
