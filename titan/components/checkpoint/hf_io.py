@@ -141,12 +141,13 @@ def other_family(config: dict, spec: TrainSpec) -> str | None:
     kind = config.get("model_type")
     if not kind or kind in adapter_class(spec).hf_model_types:
         return None
-    other = reader_of(config)
+    readers = _readers()
+    other = next((spec for spec, kinds in readers.values() if kind in kinds), None)
     if other is not None:
         return (
             f"it holds a {kind!r} model, which titan trains as model.name = {other.name!r}: set it"
         )
-    known = "; ".join(f"{name}: {', '.join(kinds)}" for name, (_, kinds) in _readers().items())
+    known = "; ".join(f"{name}: {', '.join(kinds)}" for name, (_, kinds) in readers.items())
     return f"it holds a {kind!r} model, which no titan family reads (the types each reads: {known})"
 
 

@@ -65,8 +65,9 @@ class StepGuard:
 
 class StepFigures:
     """The step's `loss` and objective terms (an Objective's `names`, `loss` first, summed
-    over the run), its gradient norm and its count of labels, on the device; `read()` copies
-    them (and the guard's record, raising its error) to the host in one read, once."""
+    over the run) and its gradient norm, on the device, with its count of labels (for a
+    replay and the guard); `read()` copies the figures (and the guard's record, raising its
+    error) to the host in one read, once."""
 
     def __init__(
         self,
@@ -83,13 +84,11 @@ class StepFigures:
     def read(self) -> list[float]:
         if self._host is None:
             parts = [self.values.double(), self.norm.double().reshape(1)]
-            parts.append(self.counted.double().reshape(1))
             if self.guard is not None:
                 parts.append(self.guard.record)
             self._host = torch.cat([p.to(self.values.device) for p in parts]).tolist()
-        n = len(self.names) + 2
         if self.guard is not None:
-            StepGuard.raise_for(self._host[n:])
+            StepGuard.raise_for(self._host[len(self.names) + 1 :])
         return self._host
 
     @property
@@ -108,7 +107,3 @@ class StepFigures:
     @property
     def finite(self) -> bool:
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
-
-    @property
-    def nothing_counted(self) -> bool:
-        return self.read()[len(self.names) + 1] == 0
