@@ -2,7 +2,7 @@
 
 It proves the model contract: nothing in titan is edited for it. It also uses what the
 contract offers beyond a plain decoder: an auxiliary loss, a post-optimizer-step hook and a
-config section of its own ([gelu_llama], its TrainSpec's family_options). Everything a
+config section of its own ([gelu_llama], its TrainSpec's options). Everything a
 family provides is here (args, model, TP plan, state-dict adapter, one TrainSpec), built only from
 titan/models/common: its attention, decoder, pipeline split, HF renaming and parallelize
 policy, the latter with this family's MLP plan.
@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
+from titan.config import extensions
 from titan.config.job_config import opt
 from titan.models.args_base import ModelArgsBase
 from titan.models.common.attention import Attention
@@ -26,7 +27,7 @@ from titan.models.common.hf_adapter import DecoderHFAdapter
 from titan.models.common.init import normal
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.common.rope import inverse_frequencies, rope_table
-from titan.models.spec import TrainSpec, register_train_spec, unregister_train_spec
+from titan.models.spec import TrainSpec, unregister_train_spec
 
 NAME = "gelu_llama"
 
@@ -200,7 +201,7 @@ FLAVORS = {"tiny": GeluLlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2)}
 
 
 def register() -> None:
-    register_train_spec(
+    extensions.register(
         TrainSpec(
             name=NAME,
             model_cls=GeluLlama,
@@ -209,7 +210,7 @@ def register() -> None:
             pipelining_fn=pipeline_decoder,
             state_dict_adapter=GeluLlamaAdapter,
             post_optimizer_hooks=(count_optimizer_steps,),
-            family_options=GeluLlamaOptions,
+            options=GeluLlamaOptions,
         )
     )
 

@@ -100,17 +100,14 @@ def test_a_schedule_the_layout_cannot_divide_is_refused(flags, message):
 
 def test_streamed_data_cannot_ramp():
     from titan.config import ConfigError, parse_args
-    from titan.plan.run_plan import plan_run
 
-    job = parse_args([*BASE, *RAMP, "--training.dataset_streaming"])
+    # the config alone refuses it, before any plan
     with pytest.raises(ConfigError, match="needs a local dataset without"):
-        plan_run(job, 1)
+        parse_args([*BASE, *RAMP, "--training.dataset_streaming"])
 
 
 def test_lr_scaling_without_a_schedule_is_refused():
     from titan.config import ConfigError, parse_args
-    from titan.plan.run_plan import plan_run
 
-    job = parse_args([*BASE, "--training.batch_lr_scaling", "sqrt"])
     with pytest.raises(ConfigError, match="training.global_batch_schedule is empty"):
-        plan_run(job, 1)
+        parse_args([*BASE, "--training.batch_lr_scaling", "sqrt"])

@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from tests.conftest import TOKENIZER_PATH
+from titan.components.data.content_check import check_content
 from titan.components.data.token_shards import META, ShardWriter
 from titan.components.data.tokenizer import Tokenizer
-from titan.config import parse_args
+from titan.config import ConfigError, parse_args
 from titan.launcher import launch
-from titan.launcher.content_check import check_content
 from titan.plan.run_plan import plan_run
 
 
@@ -214,3 +214,31 @@ def test_good_files_pass(tmp_path):
     corpus.write_text("".join(f'{{"text": "verse {i}"}}\n' for i in range(20)) + "garbage\n")
     job = parse_args(["--training.dataset_path", str(corpus), "--validation.enable"])
     check_content(job, plan_run(job, world_size=1).tokenizer)
+
+
+def test_the_trainers_own_entry_refuses_what_the_launcher_does(monkeypatch, capsys, tmp_path):
+    """`python -m titan.trainer` (no launcher) makes the same plan checks of what the run
+    reads, on rank 0, with the same line; a worker the launcher started skips them (made
+    once per launch), as does any rank but 0."""
+    from titan.runtime.inputs_checked import INPUTS_CHECKED
+    from titan.trainer import train
+
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_text("not json\n")
+    args = ["--training.dataset_path", str(corpus)]
+    launched = launcher_refuses(monkeypatch, capsys, tmp_path, *args)
+    dump = tmp_path / "own"
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*args, "--job.dump_folder", str(dump)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and launched in err, (launched, err)
+    assert not dump.exists()
+    job = parse_args(args)
+    plan_run(job, world_size=1)  # a plan only weighed reads no file
+    for env, value in ((INPUTS_CHECKED, "1"), ("RANK", "1")):
+        with monkeypatch.context() as m:
+            m.setenv(env, value)
+            plan_run(job, world_size=1, starting=True)
+    with pytest.raises(ConfigError, match="bad.jsonl"):
+        plan_run(job, world_size=1, starting=True)

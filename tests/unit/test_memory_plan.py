@@ -388,16 +388,15 @@ def test_launcher_refuses_states_that_cannot_fit():
 
 def _suggest_in_child(rank, world_size, argv):
     """The suggestions, each put through the launcher's own checks (parse, every world
-    size's plan, the memory check against 0.25 GiB)."""
-    from titan.launcher.launch import check_memory, validate_world_sizes
+    size's plan with its plan checks, the memory check against 0.25 GiB among them)."""
+    from titan.launcher.launch import validate_world_sizes
     from titan.planner.layout_search import Hardware, suggest
 
     job = parse_args(argv)
     found = suggest(job, plan_run(job, 4), 256 * 2**20, Hardware(gpus_per_node=4), top=3)
     for c in found:
         job = parse_args([*argv, *c.overrides(), "--memory.device_memory_gib", "0.25"])
-        plan = validate_world_sizes(job, 1, 1, 4)
-        check_memory(job, plan)  # raises ConfigError if the launcher would refuse it
+        validate_world_sizes(job, 1, 1, 4)  # raises ConfigError if the launcher would refuse it
     return found
 
 

@@ -233,8 +233,8 @@ def test_data_read_from_the_bucket_trains_as_the_local_files(s3, tmp_path, monke
         return [r["loss"] for r in rows], [json.loads(v)["val_loss"] for v in val]
 
     # the launcher's checks read the bucket's files as they read local ones
+    from titan.components.data.content_check import check_content
     from titan.config import parse_args
-    from titan.launcher.content_check import check_content
     from titan.plan.run_plan import plan_run
 
     job = parse_args([*tiny_run(1), "--training.dataset_path", f"s3://{BUCKET}/data/corpus"])

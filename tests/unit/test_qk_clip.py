@@ -4,6 +4,7 @@ largest logit on the same inputs to tau by the formula (MHA, GQA with biases, ML
 without a query bottleneck), and every layout clipping as 1 rank does."""
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -157,7 +158,7 @@ def test_a_model_with_q_k_norms_is_refused():
     job = parse_args(["--model.name", "qwen3", "--optimizer.qk_clip_threshold", "50"])
     spec = get_train_spec("qwen3")
     with pytest.raises(ConfigError, match="q/k RMSNorm"):
-        plan_check(job, spec, spec.flavors["debugmodel"], "cpu")
+        plan_check(job, SimpleNamespace(spec=spec, model_args=spec.flavors["debugmodel"]))
 
 
 # the debug model's largest logits start near 0.5 and grow: a tau they pass every step

@@ -44,17 +44,13 @@ def _planner(rank, world_size, argv):
 
 def _launcher_checks(rank, world_size, argv, dump):
     from titan.config import parse_args
-    from titan.launcher.checkpoint_check import check_checkpoints
-    from titan.launcher.content_check import check_content
-    from titan.launcher.launch import check_memory, validate_world_sizes
+    from titan.launcher.launch import validate_world_sizes
 
     counts = _count_plan_work()
     job = parse_args([*argv, "--job.dump_folder", dump])
-    # the launcher's main, up to torchrun
-    plan = validate_world_sizes(job, 1, 1, 2)
-    check_content(job, plan.tokenizer)
-    check_checkpoints(job, plan)
-    check_memory(job, plan)
+    # the launcher's main, up to torchrun: its plan checks read the data, the checkpoints and
+    # the memory plan
+    validate_world_sizes(job, 1, 1, 2)
     return dict(counts)
 
 

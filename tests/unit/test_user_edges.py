@@ -291,7 +291,7 @@ def trained_folder(tmp_path):
 
 
 def launcher_check(*argv):
-    from titan.launcher.checkpoint_check import check_checkpoints
+    from titan.assembly.checkpoint_check import check_checkpoints
 
     job = parse_args(list(argv))
     check_checkpoints(job, plan_run(job, world_size=1))

@@ -1,17 +1,32 @@
-"""titan's own registrations, loaded like a plugin's (titan.config.extensions imports this on
-first use): each module registers its entries, sections and checks when imported, in the
+"""titan's own registrations, loaded the way a plugin's are (titan.config.extensions
+.import_plugin, by module name or by file): each registers its entries when imported, in the
 order below, which is --help's order of their sections and the order their checks run.
-Converters apply by their spec's order, not by the order here."""
+Converters apply by their spec's order, not by the order here. A new component or family adds
+its line here."""
 
-import importlib
+from pathlib import Path
 
-from titan.config.family_options import register_titan_families
+from titan.config.entry import Entry, register
+from titan.config.extensions import import_plugin
 
-# the data's plan checks first: a dataset's problem is named before what it makes fail later
-importlib.import_module("titan.components.data.checks")
-# the families' sections ([llama3], ...) right after the core's
-register_titan_families()
-for module in (
+_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+# the data's checks first (after the core's, titan.config.entry.BUILTIN): a dataset's problem
+# is named before what it makes fail later
+MODULES = (
+    "titan.components.data.checks",
+    # the families' sections ([llama3], ...): files, not their packages (which import torch)
+    *(
+        str(_MODELS / family / "options.py")
+        for family in (
+            "deepseek_v3",
+            "gpt_oss",
+            "llama3",
+            "qwen3",
+            "qwen3_5",
+            "qwen3_next",
+        )
+    ),
     "titan.components.optim.optimizer_spec",
     "titan.components.optim.lr_scheduler_spec",
     "titan.parallelisms.sections",
@@ -38,5 +53,12 @@ for module in (
     "titan.components.training.terms",
     "titan.components.training.z_loss_spec",
     "titan.components.fault_tolerance.injection_spec",
-):
-    importlib.import_module(module)
+    "titan.components.converters",
+)
+for module in MODULES:
+    import_plugin(module)
+
+# the enabled converters built together, after each one's own plan check
+from titan.components.converters import check_names, check_together  # noqa: E402
+
+register(Entry("converters", check=check_names, plan_check=check_together))

@@ -11,27 +11,51 @@ is checked before torch is imported. The run assembles the enabled converters in
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from titan.config import extensions
+from titan.config.entry import Entry
 
 
 @dataclass(frozen=True)
-class ConverterSpec:
-    name: str
-    # "module:function"; function(job) -> Converter
-    build: str
+class ConverterSpec(Entry):
+    """A model converter; build: "module:function", function(job) -> Converter. Its checks
+    run when it is enabled."""
+
+    kind: ClassVar[str] = "converter"
     # enabled(job): whether a run uses it by its own switch (lora.rank); model.converters
     # naming it always enables it
     enabled: Callable[[Any], bool] | None = None
-    check: Callable | None = None  # check(job) of an enabled one: the config alone, no torch
-    # plan_check(job, train_spec, model_args, device) of an enabled one, once the model is known
-    plan_check: Callable | None = None
-    section: str | None = None  # its own config section, if any
-    options: type | None = None
     # where it applies among the enabled ones, lowest first (titan's: float8 10, the chunked
     # loss 20, LoRA 30); ties in registration order. Fixed here, not by import order
     order: int = 100
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.plan_check is not None and _takes_four(self.plan_check):
+            # the spelling of earlier docs: plan_check(job, train_spec, model_args, device)
+            old = self.plan_check
+            extensions.said_once(
+                "ConverterSpec.plan_check(job, train_spec, model_args, device)",
+                "plan_check(job, plan) (plan.spec, plan.model_args, plan.device)",
+            )
+            object.__setattr__(
+                self,
+                "plan_check",
+                lambda job, plan: old(job, plan.spec, plan.model_args, plan.device),
+            )
+
+    def unused(self, job) -> str | None:
+        return None if _is_enabled(self, job) else f"the {self.name} converter is off"
+
+
+def _takes_four(fn: Callable) -> bool:
+    import inspect
+
+    try:
+        return len(inspect.signature(fn).parameters) == 4
+    except (TypeError, ValueError):
+        return False
 
 
 class Converter:
@@ -89,9 +113,13 @@ class Converter:
         return {}
 
 
-_CONVERTERS = extensions.Registry("converter")
-register_converter = _CONVERTERS.add
+_CONVERTERS = extensions.Registry(ConverterSpec.kind)
 unregister_converter = _CONVERTERS.remove
+
+
+def register_converter(spec: ConverterSpec) -> None:
+    extensions.said_once("register_converter(spec)", "titan.config.extensions.register(spec)")
+    extensions.register(spec)
 
 
 def _is_enabled(spec: ConverterSpec, job) -> bool:
@@ -104,33 +132,20 @@ def enabled_specs(job) -> list[ConverterSpec]:
     return sorted(on, key=lambda s: s.order)  # stable: ties keep registration order
 
 
-extensions.register_ignored(
-    lambda job: _CONVERTERS.unused_sections(
-        job,
-        used=lambda spec: _is_enabled(spec, job),
-        why=lambda spec: f"the {spec.name} converter is off",
-    )
-)
-
-
 def names() -> list[str]:
     return list(_CONVERTERS.entries)
 
 
-def _check(job) -> None:
+def check_names(job) -> None:
     from titan.config.manager import require
 
     unknown = [c for c in job.model.converters if c not in _CONVERTERS.entries]
     require(job, not unknown, "model.converters", f"unknown {unknown}; titan has {names()}")
-    _CONVERTERS.check(job, enabled_specs(job))
 
 
-def plan_checks(job, plan) -> None:
-    """The checks the enabled converters make once the model and the device are known, and
-    theirs together (built here, so a conflict stops the launch, not the ranks)."""
-    for spec in enabled_specs(job):
-        if spec.plan_check:
-            spec.plan_check(job, plan.spec, plan.model_args, plan.device)
+def check_together(job, plan) -> None:
+    """The enabled converters built together, after each one's own plan check, so a conflict
+    stops the launch, not the ranks."""
     Converters(job)
 
 
@@ -218,7 +233,3 @@ class Converters:
                 e(folder)
 
         return export
-
-
-extensions.register_check(_check)
-extensions.register_plan_check(plan_checks)

@@ -1,108 +1,33 @@
-"""What is added to titan without editing it: config sections, config checks (of the config
-alone, and of the planned run), and the modules that register them (titan's own components'
-and plugins').
-
-A module registers here when imported; titan's own are imported by the module BUILTIN names
-(titan.components.builtin) on first use, a plugin's by `--job.custom_import` (imported by the
-launcher and by every worker before the config is parsed, so its sections appear in `--help`
-and are checked like titan's own).
+"""What is added to titan without editing it, and the modules that add it: each registers
+its entries (titan.config.entry: `register(Entry(...))`, the one door) when imported. titan's
+own are imported by the module BUILTIN names (titan.components.builtin) on first use, a
+plugin's by `--job.custom_import` (imported by the launcher and by every worker before the
+config is parsed, so its sections appear in `--help` and are checked like titan's own).
 Everything here is torch-free: a config is checked before torch is imported.
 """
 
-import dataclasses
 import importlib
 import importlib.util
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-# titan's own registrations (its components' sections, checks and entries; its families'
-# sections), loaded like plugins are
-BUILTIN = ("titan.components.builtin",)
-
-_SECTIONS: dict[str, type] = {}
-_CHECKS: list[Callable] = []
-_loaded = False
-
-
-def register_section(name: str, options_cls: type) -> None:
-    """`[name]` in TOML and `--name.key` on the command line, from a dataclass whose fields
-    are made with `titan.config.job_config.opt` (their docs are --help's lines)."""
-    if not dataclasses.is_dataclass(options_cls):
-        raise TypeError(f"section {name!r} must be a dataclass, got {options_cls!r}")
-    _SECTIONS[name] = options_cls
-
-
-def unregister_section(name: str) -> None:
-    _SECTIONS.pop(name, None)
-
-
-def section_class(name: str) -> type | None:
-    return _SECTIONS.get(name)
-
-
-def registered_sections() -> list[str]:
-    return list(_SECTIONS)
-
-
-def register_check(check: Callable) -> None:
-    """`check(cfg)` runs after titan's own config checks; it raises ConfigError (through
-    titan.config.manager.require, which names the key and where its value came from)."""
-    if check not in _CHECKS:
-        _CHECKS.append(check)
-
-
-def unregister_check(check: Callable) -> None:
-    if check in _CHECKS:
-        _CHECKS.remove(check)
-
-
-_PLAN_CHECKS: list[Callable] = []
-
-
-def register_plan_check(check: Callable) -> None:
-    """`check(job, plan)` runs when the run is planned (titan.plan.run_plan.plan_run), once the
-    model, the layout, the tokenizer and the device are known (`plan`: the RunPlan); it
-    raises ConfigError, so a launch stops before any rank starts."""
-    if check not in _PLAN_CHECKS:
-        _PLAN_CHECKS.append(check)
-
-
-_WEIGHT_COPIES: list[Callable] = []
-
-
-def register_weight_copies(count: Callable) -> None:
-    """`count(sections)` (a job's added sections by name) -> how many float32 copies of each
-    trained weight a component keeps beside the optimizer's state (an average of the
-    weights, say): the memory planner and the checkpoints' disk check count them."""
-    if count not in _WEIGHT_COPIES:
-        _WEIGHT_COPIES.append(count)
-
-
-def weight_copies(sections: dict) -> int:
-    _load_builtin()
-    return sum(count(sections) for count in _WEIGHT_COPIES)
-
-
-_IGNORED: list[Callable] = []
-
-
-def register_ignored(find: Callable) -> None:
-    """`find(job)` -> {key: why} for options the config sets that this run does not use (a
-    family's section when another family trains, a switched-off feature's settings given on
-    the command line: `changed_keys`, `ignored_when`); the launcher names them all in one
-    warning."""
-    if find not in _IGNORED:
-        _IGNORED.append(find)
-
-
-def ignored_options(job) -> dict[str, str]:
-    """Every option the config sets that the run ignores, with why."""
-    _load_builtin()
-    out: dict[str, str] = {}
-    for find in _IGNORED:
-        out.update(find(job))
-    return out
+from titan.config.entry import (  # noqa: F401  the one door, and what reads the entries
+    BUILTIN,
+    Entry,
+    changed_keys,
+    check_job,
+    check_plan,
+    entries,
+    ignored_options,
+    load_builtin,
+    register,
+    section_owner,
+    sections,
+    unregister,
+    weight_copies,
+)
 
 
 def ignored_warning(job) -> str | None:
@@ -117,20 +42,6 @@ def ignored_warning(job) -> str | None:
     )
 
 
-def changed_keys(job, section: str, typed: bool = False) -> list[str]:
-    """The `section.key`s the config sets (TOML or command line; `typed`: the command line
-    only) to other than the default."""
-    obj = job.extensions.get(section) if section in job.extensions else getattr(job, section)
-    default = type(obj)()
-    return [
-        key
-        for key, source in job.sources.items()
-        if key.startswith(section + ".")
-        and (not typed or source.startswith("command line"))
-        and getattr(obj, key.split(".", 1)[1], None) != getattr(default, key.split(".", 1)[1], None)
-    ]
-
-
 def ignored_when(job, section: str, off: bool, why: str, switch: str | None = None) -> dict:
     """{key: why} for the keys of `section` (but its `switch`) the command line sets when `off`:
     a config file's settings of a feature it switches off are a template to switch it on."""
@@ -139,75 +50,78 @@ def ignored_when(job, section: str, off: bool, why: str, switch: str | None = No
     return {k: why for k in changed_keys(job, section, typed=True) if k != f"{section}.{switch}"}
 
 
-def plan_checks() -> list[Callable]:
-    _load_builtin()
-    return list(_PLAN_CHECKS)
-
-
-def _load_builtin() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILTIN:
-            importlib.import_module(module)
-
-
-def sections() -> dict[str, object]:
-    """A fresh instance of every registered section, by name."""
-    _load_builtin()
-    return {name: cls() for name, cls in _SECTIONS.items()}
-
-
-def checks() -> list[Callable]:
-    _load_builtin()
-    return list(_CHECKS)
-
-
 class Registry:
-    """Named entries (optimizers, metrics writers), each with a `name` and optionally its own
-    config section (`section`, the name; `options`, its dataclass), registered with it."""
+    """The entries of one kind, by name, as its owner asks for them."""
 
     def __init__(self, kind: str):
         self.kind = kind
-        self.entries: dict = {}
 
-    def add(self, spec) -> None:
-        if spec.name in self.entries:
-            article = "an" if self.kind[0] in "aeiou" else "a"
-            raise ValueError(
-                f"{article} {self.kind} named {spec.name!r} is already registered; register "
-                "it under another name"
-            )
-        if (spec.section is None) != (spec.options is None):
-            raise ValueError(f"{self.kind} {spec.name!r}: section and options come together")
-        self.entries[spec.name] = spec
-        if spec.section:
-            register_section(spec.section, spec.options)
+    @property
+    def entries(self) -> dict[str, Entry]:
+        return entries(self.kind)
+
+    def add(self, spec: Entry) -> None:
+        register(spec)
 
     def remove(self, name: str) -> None:
-        spec = self.entries.pop(name, None)
-        if spec and spec.section:
-            unregister_section(spec.section)
+        unregister(self.kind, name)
 
-    def check(self, job, specs=None) -> None:
-        """Each entry's own check on `job`, of `specs` (default: every entry)."""
-        for spec in self.entries.values() if specs is None else specs:
-            if spec.check:
-                spec.check(job)
+    def options_of(self, spec: Entry, added: dict):
+        return spec.options_in(added)
 
-    def unused_sections(self, job, used: Callable, why: Callable) -> dict[str, str]:
-        """{key: why(spec)} for the options of each entry's own section that the command line
-        sets while `used(spec)` is false (for `register_ignored`)."""
-        return {
-            key: why(spec)
-            for spec in self.entries.values()
-            if spec.section and not used(spec)
-            for key in changed_keys(job, spec.section, typed=True)
-        }
 
-    def options_of(self, spec, sections: dict):
-        """The entry's own section among a job's added sections (None without one)."""
-        return sections[spec.section] if spec.section else None
+# today's spellings of the one door, kept for plugins written against earlier docs: each
+# registers an Entry and says once what it is called now
+_said: set[str] = set()
+
+
+def said_once(old: str, new: str) -> None:
+    if old not in _said:
+        _said.add(old)
+        warnings.warn(f"{old} is now {new}", FutureWarning, stacklevel=3)
+
+
+def _named(kind: str, fn: Callable) -> str:
+    return f"{kind}:{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def register_section(name: str, options_cls: type) -> None:
+    said_once("register_section(name, cls)", "register(Entry(name, section=name, options=cls))")
+    register(Entry(name, section=name, options=options_cls))
+
+
+def unregister_section(name: str) -> None:
+    owner = section_owner(name)
+    if owner is not None:
+        unregister(owner.kind, owner.name)
+
+
+def register_check(check: Callable) -> None:
+    said_once("register_check(check)", "register(Entry(name, check=check))")
+    register(Entry(_named("check", check), check=check))
+
+
+def unregister_check(check: Callable) -> None:
+    unregister(Entry.kind, _named("check", check))
+
+
+def register_plan_check(check: Callable) -> None:
+    said_once("register_plan_check(check)", "register(Entry(name, plan_check=check))")
+    register(Entry(_named("plan_check", check), plan_check=check))
+
+
+def unregister_plan_check(check: Callable) -> None:
+    unregister(Entry.kind, _named("plan_check", check))
+
+
+def register_weight_copies(count: Callable) -> None:
+    said_once("register_weight_copies(count)", "register(Entry(name, weight_copies=count))")
+    register(Entry(_named("weight_copies", count), weight_copies=count))
+
+
+def register_ignored(find: Callable) -> None:
+    said_once("register_ignored(find)", "register(Entry(name, ignored=find))")
+    register(Entry(_named("ignored", find), ignored=find))
 
 
 def load(path: str) -> Callable:
@@ -230,7 +144,7 @@ def import_plugin(name: str):
                 f"job.custom_import {name!r}: no such file; pass a .py file or a dotted module "
                 "on PYTHONPATH"
             )
-        module_name = f"titan_plugin_{path.stem}"
+        module_name = _module_name(path)
         if module_name in sys.modules:
             return sys.modules[module_name]
         spec = importlib.util.spec_from_file_location(module_name, path)
@@ -253,6 +167,15 @@ def import_plugin(name: str):
         raise PluginImportError(_failed(name, e)) from None
     except Exception as e:  # noqa: BLE001
         raise PluginImportError(_failed(name, e)) from None
+
+
+def _module_name(path: Path) -> str:
+    """A file's module name: titan's own by where they sit in titan/ (its families' options.py
+    files share a stem), a plugin's by its stem."""
+    own = Path(__file__).resolve().parents[1]
+    if path.is_relative_to(own):
+        return "_titan_" + "_".join(path.relative_to(own).with_suffix("").parts)
+    return f"titan_plugin_{path.stem}"
 
 
 def _failed(name: str, e: Exception) -> str:

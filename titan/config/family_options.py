@@ -1,69 +1,68 @@
 """Config sections a model family owns: `[<family>]` in TOML, `--<family>.key` on the command
-line, checked, sourced and listed by `--help` like every other section: they are sections of
-titan.config.extensions, named after the family.
+line, checked, sourced and listed by `--help` like every other section.
 
-A family in titan/models/<family>/ declares them in `options.py`, a torch-free module holding
-one dataclass `Options`; it is loaded on its own, by path, without the family's package
-(which imports torch), with titan's own registrations (`register_titan_families`). A family
-defined elsewhere (a plugin, a test) calls `register_family_options`. An option named like a
-field of the family's ModelArgs, when set, overrides the flavor's value (titan.plan.run_plan).
+A family in titan/models/<family>/ declares its section in `options.py`, a torch-free module
+that registers a `FamilySection` (its dataclass `Options`); titan.components.builtin loads it
+by path, as it would a plugin's file, without the family's package (which imports torch). A
+family defined elsewhere (a plugin, a test) gives its TrainSpec `options`. An option named
+like a field of the family's ModelArgs, when set, overrides the flavor's value
+(titan.plan.run_plan). The section of a family the run does not train is ignored, named so.
 """
 
-import importlib.util
-from pathlib import Path
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
 
 from titan.config import extensions
+from titan.config.entry import Entry, changed_keys, register, section_owner, unregister
 
-_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+@dataclass(frozen=True)
+class FamilySection(Entry):
+    """A family's own section, named after it (`options`: its dataclass); its checks run when
+    the run trains the family."""
+
+    kind: ClassVar[str] = "family section"
+
+    def __post_init__(self) -> None:
+        if self.options is not None and self.section is None:
+            object.__setattr__(self, "section", self.name)
+        super().__post_init__()
+
+    def unused(self, job) -> str | None:
+        return None if job.model.name == self.name else f"this run trains {job.model.name}"
+
+    def ignored_settings(self, job) -> dict[str, str]:
+        # a config file's settings of another family count too: they cannot apply
+        why = self.unused(job)
+        keys = changed_keys(job, self.section) if why and self.section else []
+        return {**super().ignored_settings(job), **{key: why for key in keys}}
 
 
 def register_family_options(family: str, options_cls: type) -> None:
-    """`[family]`: a section like any other (a dataclass of `opt` fields)."""
-    if family in extensions.registered_sections() and family not in _families:
-        raise ValueError(f"a config section named {family!r} is already registered")
-    extensions.register_section(family, options_cls)
-    _families.add(family)
+    """Today's `register(FamilySection(family, options=options_cls))`."""
+    extensions.said_once(
+        "register_family_options(family, cls)",
+        "titan.config.extensions.register(FamilySection(family, options=cls))",
+    )
+    register(FamilySection(family, options=options_cls))
 
 
 def unregister_family_options(family: str) -> None:
-    extensions.unregister_section(family)
-    _families.discard(family)
+    unregister(FamilySection.kind, family)
+
+
+def _family_section(family: str) -> Entry | None:
+    owner = section_owner(family)
+    return owner if isinstance(owner, FamilySection) and owner.name == family else None
 
 
 def options_of(job, family: str):
     """The job's `[family]` section, or None where the family declares none."""
-    return job.extensions.get(family) if family in _families else None
-
-
-_families: set[str] = set()
+    return job.extensions.get(family) if _family_section(family) else None
 
 
 def option_names(family: str) -> set[str]:
     """The keys of the family's section (empty where it declares none)."""
-    import dataclasses
-
-    cls = extensions.section_class(family) if family in _families else None
-    return {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
-
-
-def _other_families(job) -> dict[str, str]:
-    return {
-        key: f"this run trains {job.model.name}"
-        for family in sorted(_families - {job.model.name})
-        for key in extensions.changed_keys(job, family)
-    }
-
-
-extensions.register_ignored(_other_families)
-
-
-def register_titan_families() -> None:
-    """titan's own families' sections (titan/components/builtin.py calls it, in --help's
-    order)."""
-    for path in sorted(_MODELS.glob("*/options.py")):
-        spec = importlib.util.spec_from_file_location(
-            f"_titan_family_options_{path.parent.name}", path
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        register_family_options(path.parent.name, module.Options)
+    owner = _family_section(family)
+    return {f.name for f in dataclasses.fields(owner.options)} if owner else set()

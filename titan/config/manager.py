@@ -344,50 +344,9 @@ def require_all(cfg: JobConfig, checks) -> None:
 
 
 def validate(cfg: JobConfig) -> None:
-    """Checks that need only the config itself (model/world-size checks come later): the
-    core sections' here, every component's own after them (titan.config.extensions)."""
-    t, c = cfg.training, cfg.comm
-    checks = [
-        (cfg.job.dump_sync_interval_s > 0, "job.dump_sync_interval_s", "must be > 0 seconds"),
-        (t.steps >= 1, "training.steps", "must be >= 1"),
-        (t.seq_len >= 1, "training.seq_len", "must be >= 1"),
-        (t.local_batch_size >= 1, "training.local_batch_size", "must be >= 1"),
-        (
-            t.global_batch_size == -1 or t.global_batch_size >= 1,
-            "training.global_batch_size",
-            "must be -1 (local x dp) or >= 1",
-        ),
-        (t.max_norm >= 0, "training.max_norm", "must be >= 0 (0 disables clipping)"),
-        (t.gc_freq >= 1, "training.gc_freq", "must be >= 1"),
-        (t.dataloader_num_workers >= 0, "training.dataloader_num_workers", "must be >= 0"),
-        (t.dataloader_prefetch_factor >= 1, "training.dataloader_prefetch_factor", "must be >= 1"),
-        (
-            not cfg.model.document_positions or cfg.model.attn_mask_type == "block_causal",
-            "model.document_positions",
-            'needs model.attn_mask_type = "block_causal" (with a '
-            "causal mask across documents, positions run through the window)",
-        ),
-        (c.init_timeout_seconds >= 1, "comm.init_timeout_seconds", "must be >= 1"),
-        (c.train_timeout_seconds >= 1, "comm.train_timeout_seconds", "must be >= 1"),
-        (
-            c.trace_buf_size >= 0,
-            "comm.trace_buf_size",
-            "the flight recorder keeps that many collectives: 0 (off) or more",
-        ),
-        (
-            cfg.memory.device_memory_gib >= 0,
-            "memory.device_memory_gib",
-            "must be > 0 (a device's memory in GiB), or 0 for the visible GPU's own",
-        ),
-        (
-            t.exit_at_step == -1 or t.exit_at_step >= 1,
-            "training.exit_at_step",
-            "must be -1 (never) or >= 1",
-        ),
-    ]
-    require_all(cfg, checks)
-    for check in extensions.checks():
-        check(cfg)
+    """Checks that need only the config itself (model/world-size checks come later): every
+    entry's own (titan.config.entry), the core sections' first."""
+    extensions.check_job(cfg)
 
 
 # fault injection for titan's own tests: listed apart, after the options of real runs
@@ -508,32 +467,3 @@ def to_toml(cfg: JobConfig) -> str:
         if lines or section not in TEST_HOOK_SECTIONS:
             out += [f"[{section}]", *lines, ""]
     return "\n".join(out)
-
-
-def _ignored_parallelism(job: JobConfig) -> dict[str, str]:
-    """The [parallelism] options of a parallelism the run does not use."""
-    p, out = job.parallelism, {}
-    unused = {
-        "context_parallel_": p.context_parallel_degree == 1,
-        "pipeline_parallel_": p.pipeline_parallel_degree == 1,
-    }
-    # typed on the command line: a config file's are a template for the other degrees
-    typed = extensions.changed_keys(job, "parallelism", typed=True)
-    for key in typed:
-        name = key.split(".", 1)[1]
-        for prefix, off in unused.items():
-            if off and name.startswith(prefix) and name != prefix + "degree":
-                out[key] = f"parallelism.{prefix}degree is 1"
-        if p.tensor_parallel_degree == 1 and name in (
-            "enable_sequence_parallel",
-            "disable_loss_parallel",
-        ):
-            out[key] = "parallelism.tensor_parallel_degree is 1"
-    if p.context_parallel_degree > 1 and p.context_parallel_type != "hybrid":
-        key = "parallelism.context_parallel_alltoall_degree"
-        if key in typed:
-            out[key] = f"parallelism.context_parallel_type is {p.context_parallel_type}"
-    return out
-
-
-extensions.register_ignored(_ignored_parallelism)

@@ -5,10 +5,11 @@ in one process, so a bad config fails in a second with exit code 2 and one messa
 before torchrun starts workers or anything is written to disk. It uses the real world size:
 nodes x ranks per node, for every node count an elastic job (`--nnodes MIN:MAX`) may run on.
 
-It also reads a little of the data and weight files (content_check.py: empty or garbled
-files, token shards of another tokenizer or cut short, HF folders missing a shard), and runs
-torchrun so that an error a restart would meet again stops the job with one line
-(final_error.py).
+Its plan checks read a little of the data and weight files (titan/components/data/
+content_check.py: empty or garbled files, token shards of another tokenizer or cut short, HF
+folders missing a shard), the checkpoint folders and the memory plan, once: the workers skip
+them (titan.runtime.inputs_checked). It runs torchrun so that an error a restart would meet
+again stops the job with one line (final_error.py).
 
 With `DRY_RUN=1` it prints the torchrun command line this node would run, and exits.
 """
@@ -22,6 +23,7 @@ from titan.config import ConfigError, extensions, help_text, parse_args, to_toml
 from titan.launcher import dump_mirror
 from titan.runtime.console import plural, print_out
 from titan.runtime.final_error import run_torchrun
+from titan.runtime.inputs_checked import INPUTS_CHECKED
 from titan.runtime.paths import is_remote
 
 
@@ -48,8 +50,13 @@ def validate_world_sizes(job, min_nodes: int, max_nodes: int, nproc: int):
     plan = None
     for nodes in range(max_nodes, min_nodes - 1, -1):
         try:
+            # the fewest nodes hold the most each: the run's data, checkpoints and memory are
+            # checked at that plan
             plan = plan_run(
-                job, world_size=nodes * nproc, tokenizer=plan.tokenizer if plan else None
+                job,
+                world_size=nodes * nproc,
+                tokenizer=plan.tokenizer if plan else None,
+                starting=nodes == min_nodes,
             )
         except ConfigError as e:
             if not elastic:
@@ -124,19 +131,6 @@ def dry_run(text: str) -> bool:
     raise ConfigError(f"DRY_RUN={text!r}: use DRY_RUN=1 to only print the command, or unset it")
 
 
-def check_memory(job, plan) -> None:
-    """States that cannot fit the device fail here, not as an out-of-memory at step 1.
-    `plan`: the job's RunPlan at the fewest ranks it may run on (they hold the most each)."""
-    from titan.planner.memory import check_fits
-
-    problem = check_fits(job, plan)
-    if problem is None:
-        return
-    if job.memory.check == "error":
-        raise ConfigError(f'{problem}. memory.check = "warn" launches anyway')
-    print(f"titan: warning: {problem}", file=sys.stderr, flush=True)
-
-
 def main() -> None:
     argv = sys.argv[1:]
     sep = argv.index("--") if "--" in argv else len(argv)
@@ -159,13 +153,6 @@ def main() -> None:
         nproc = ranks_per_node(ta.nproc_per_node)
         check_log_ranks(ta.local_ranks_filter, nproc)
         plan = validate_world_sizes(job, min_nodes, max_nodes, nproc)
-        from titan.launcher.content_check import check_content
-
-        check_content(job, plan.tokenizer)
-        from titan.launcher.checkpoint_check import check_checkpoints
-
-        check_checkpoints(job, plan)
-        check_memory(job, plan)  # validate_world_sizes' last plan: the fewest nodes
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -191,6 +178,15 @@ def main() -> None:
 
     stopped = lambda: interrupts.status(job.checkpoint, job.job.dump_folder)  # noqa: E731
     reports = job.job.dump_folder  # a URL's local mirror, which is uploaded
+    os.environ[INPUTS_CHECKED] = "1"  # the workers' plans skip what was read here
+    try:
+        supervise(command, mirror, stopped, reports, dump_url)
+    finally:
+        os.environ.pop(INPUTS_CHECKED, None)  # main() runs in tests' own process too
+
+
+def supervise(command: list[str], mirror, stopped, reports: str, dump_url: str) -> None:
+    """torchrun with `command`, the dump folder's mirror (if any) uploaded while it runs."""
     if mirror is None:
         run_torchrun(command, stopped=stopped, reports=reports)
         return

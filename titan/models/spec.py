@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from titan.config import extensions
-from titan.config.family_options import register_family_options, unregister_family_options
+from titan.config.family_options import FamilySection
 from titan.models.args_base import OPTIONAL_MEMBERS
 
 if TYPE_CHECKING:
@@ -168,8 +168,12 @@ class _NoRandomInitOnMeta(TorchFunctionMode):
 
 
 @dataclass(frozen=True)
-class TrainSpec:
-    name: str
+class TrainSpec(FamilySection):
+    """A model family: `model.name` names it. Its own [<name>] section, for a family outside
+    titan/models (titan's own declare theirs in options.py), is `options`; its checks of the
+    planned run (`plan_check`), beside its args' `problems()`, run when the run trains it."""
+
+    kind: ClassVar[str] = "train spec"
     model_cls: type[nn.Module]  # model_cls(args) builds a Model
     flavors: Mapping[str, ModelArgs]
     parallelize_fn: ParallelizeFn
@@ -178,14 +182,14 @@ class TrainSpec:
     # each makes, from the built model parts and the job, a callable run after every step
     # (or None: nothing to do in this run), e.g. an MoE's router-bias update
     post_optimizer_hooks: tuple[PostOptimizerHook, ...] = ()
-    # the family's own [<name>] section (a dataclass of titan.config.job_config.opt fields),
-    # for a family outside titan/models (titan's own declare theirs in options.py)
+    # earlier docs' name of `options`
     family_options: type | None = None
-    # what every entry of the one registry (titan.config.extensions.Registry) has; a family's
-    # section is `family_options`
-    section = None
-    options = None
-    check = None
+
+    def __post_init__(self) -> None:
+        if self.family_options is not None and self.options is None:
+            object.__setattr__(self, "options", self.family_options)
+        super().__post_init__()
+        _check_protocols(self)
 
     def build_meta(self, args: ModelArgs) -> nn.Module:
         """The model with parameters on the meta device: shapes, no memory."""
@@ -216,13 +220,8 @@ class TrainSpec:
         return None
 
 
-_FAMILIES = extensions.Registry("train spec")
-_REGISTRY: dict[str, TrainSpec] = _FAMILIES.entries
-
-
-def register_train_spec(spec: TrainSpec) -> None:
-    if spec.name in _REGISTRY:
-        raise ValueError(f"a train spec named {spec.name!r} is already registered")
+def _check_protocols(spec: TrainSpec) -> None:
+    """TypeError for a family that lacks what titan asks of every one."""
     missing = [
         m
         for m in ("init_weights", "cp_buffers", "tied_parameters")
@@ -249,31 +248,37 @@ def register_train_spec(spec: TrainSpec) -> None:
             f"{adapter.__name__} lacks export_problems: inherit "
             "titan.models.common.hf_adapter.DecoderHFAdapter or define it"
         )
-    _FAMILIES.add(spec)
-    if spec.family_options is not None:
-        register_family_options(spec.name, spec.family_options)
+
+
+_FAMILIES = extensions.Registry(TrainSpec.kind)
+
+
+def _registry() -> dict[str, TrainSpec]:
+    return _FAMILIES.entries
+
+
+def register_train_spec(spec: TrainSpec) -> None:
+    extensions.said_once("register_train_spec(spec)", "titan.config.extensions.register(spec)")
+    extensions.register(spec)
 
 
 def unregister_train_spec(name: str) -> None:
-    spec = _REGISTRY.get(name)
     _FAMILIES.remove(name)
-    if spec is not None and spec.family_options is not None:
-        unregister_family_options(name)
 
 
 def get_train_spec(name: str) -> TrainSpec:
     import titan.models  # noqa: F401  registers the built-in families
 
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown model.name {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    if name not in _registry():
+        raise KeyError(f"unknown model.name {name!r}; registered: {', '.join(sorted(_registry()))}")
+    return _registry()[name]
 
 
 def family_of_hf_config(config: dict) -> str | None:
     """The registered family whose adapter reads this HF config.json's model_type."""
     import titan.models  # noqa: F401
 
-    for name, spec in sorted(_REGISTRY.items()):
+    for name, spec in sorted(_registry().items()):
         adapter = spec.state_dict_adapter
         if adapter is not None and config.get("model_type") in getattr(
             adapter, "hf_model_types", ()
@@ -285,4 +290,4 @@ def family_of_hf_config(config: dict) -> str | None:
 def registered_names() -> list[str]:
     import titan.models  # noqa: F401
 
-    return sorted(_REGISTRY)
+    return sorted(_registry())

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from titan.config import extensions
+from titan.config.entry import Entry, register
 from titan.config.job_config import opt
 
 
@@ -42,25 +43,24 @@ def check(job) -> None:
     )
 
 
-extensions.register_section("activation_checkpoint", ActivationCheckpoint)
-extensions.register_section("compile", Compile)
-extensions.register_check(check)
+def _ignored_ac(job) -> dict[str, str]:
+    off = job.activation_checkpoint.mode == "none"
+    why = "activation_checkpoint.mode is none"
+    return extensions.ignored_when(job, "activation_checkpoint", off, why, "mode")
 
 
-def _ignored(job) -> dict[str, str]:
-    ac, compiled = job.activation_checkpoint, job.compile
-    return {
-        **extensions.ignored_when(
-            job,
-            "activation_checkpoint",
-            ac.mode == "none",
-            "activation_checkpoint.mode is none",
-            "mode",
-        ),
-        **extensions.ignored_when(
-            job, "compile", not compiled.enable, "compile.enable is false", "enable"
-        ),
-    }
+def _ignored_compile(job) -> dict[str, str]:
+    off = not job.compile.enable
+    return extensions.ignored_when(job, "compile", off, "compile.enable is false", "enable")
 
 
-extensions.register_ignored(_ignored)
+register(
+    Entry(
+        "activation_checkpoint",
+        section="activation_checkpoint",
+        options=ActivationCheckpoint,
+        check=check,
+        ignored=_ignored_ac,
+    )
+)
+register(Entry("compile", section="compile", options=Compile, ignored=_ignored_compile))

@@ -8,7 +8,7 @@ by other launchers.
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 
 from titan.components.data.tokenizer import Tokenizer, TokenizerError
 from titan.config import ConfigError, JobConfig, extensions
@@ -18,15 +18,12 @@ from titan.models.spec import ModelArgs, TrainSpec, get_train_spec, registered_n
 from titan.parallelisms.parallel_dims import (
     ParallelDims,
     ParallelismError,
-    heads_group_size,
-    validate_against_model,
 )
 from titan.parallelisms.pipeline import PipelineConfigError, PipelinePlan, plan_pipelines
 from titan.plan.batch_schedule import BatchSchedule, parse_schedule
 from titan.plan.seq_len_schedule import (
     SeqLenSchedule,
     StepShape,
-    change_steps,
     parse_seq_len_schedule,
 )
 from titan.runtime.paths import resolve
@@ -45,11 +42,6 @@ class RunPlan:
     # data-parallel replicas in all: the mesh's dp times torchft replica groups
     data_parallel_size: int
     device: str  # "cuda" or "cpu"
-    # every pipeline rank's stages (index: pp rank), for training batches and for validation
-    # batches (same stages, as many microbatches as a validation batch holds); empty without
-    # pipelining, and validation's without validation
-    pipelines: tuple[PipelinePlan, ...] = ()
-    validation_pipelines: tuple[PipelinePlan, ...] = ()
     # sequences per validation batch over all dp ranks, and per forward on one rank
     validation_global_batch: int = 0
     validation_local_batch: int = 0
@@ -58,6 +50,33 @@ class RunPlan:
     seq_len: int = 0  # training.seq_len
     # training.seq_len_schedule resolved (None: every step seq_len)
     seq_len_schedule: SeqLenSchedule | None = None
+    # a run about to start (its data, checkpoints and memory are checked), not a plan only
+    # weighed
+    starting: bool = False
+    job: JobConfig | None = field(default=None, repr=False, compare=False)
+    # the splits made, kept across dataclasses.replace (keyed by what they depend on)
+    splits: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def pipelines(self) -> tuple[PipelinePlan, ...]:
+        """Every pipeline rank's stages (index: pp rank) for training batches; empty without
+        pipelining. Split when first asked, after the layout's checks."""
+        return self._split(validation=False)
+
+    @property
+    def validation_pipelines(self) -> tuple[PipelinePlan, ...]:
+        """The same stages for validation batches, as many microbatches as a validation
+        forward holds; empty without pipelining or validation."""
+        return self._split(validation=True)
+
+    def _split(self, validation: bool) -> tuple[PipelinePlan, ...]:
+        if not self.dims.pp_enabled or (validation and not self.validation_local_batch):
+            return ()
+        batch = self.validation_local_batch if validation else 0
+        key = (batch, self.model_args.n_layers, tuple(self.model_args.layer_costs() or ()))
+        if key not in self.splits:
+            self.splits[key] = pipeline_plans(self.job, self.model_args, batch)
+        return self.splits[key]
 
     def global_batch_at(self, step: int) -> int:
         """The global batch size of (1-based) step `step`."""
@@ -94,13 +113,19 @@ class RunPlan:
 
 
 def plan_run(
-    job: JobConfig, world_size: int | None = None, tokenizer: Tokenizer | None = None
+    job: JobConfig,
+    world_size: int | None = None,
+    tokenizer: Tokenizer | None = None,
+    starting: bool = False,
 ) -> RunPlan:
-    """Resolve model, tokenizer and parallel layout; raise ConfigError on any problem.
+    """Resolve model, tokenizer and parallel layout, then run every entry's plan check
+    (titan.config.entry.check_plan); raise ConfigError on any problem.
 
     Once per process and job: every part of a run reads the plan, not the config again.
     `tokenizer`: the job's, when the caller has read it already (the same job at another
-    world size or layout); read here otherwise."""
+    world size or layout); read here otherwise. `starting`: the plan of a run about to start
+    (the launcher's, a worker's), whose checks read its data, checkpoints and memory too;
+    otherwise a plan only weighed (the planner's, a tool's, the layout search's)."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     m, t = job.model, job.training
     try:
@@ -123,262 +148,39 @@ def plan_run(
     model_args = resolve_model_args(job, spec, tokenizer)
     try:
         dims = ParallelDims.from_config(job, world_size)
-        ft = job.fault_tolerance
-        dp_size = dims.dp * (ft.group_size if ft.enable else 1)
-        global_batch = (
-            t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_size
-        )
-        validate_against_model(
-            dims,
-            model_args,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            global_batch_size=global_batch,
-            dp_size=dp_size,
-            cp_load_balance=job.parallelism.context_parallel_load_balance,
-        )
     except ParallelismError as e:
         raise ConfigError(f"parallelism: {e}") from None
-    cp_type = job.parallelism.context_parallel_type
-    if dims.cp_enabled and cp_type == "hybrid":
-        a = job.parallelism.context_parallel_alltoall_degree
-        require(
-            job,
-            1 < a < dims.cp and dims.cp % a == 0,
-            "parallelism.context_parallel_alltoall_degree",
-            f"{a}: the hybrid's all-to-all groups must split cp {dims.cp} into groups of "
-            "more than 1 rank and fewer than cp (cp itself is 'alltoall', 1 is 'ring')",
-        )
-    a = heads_group_size(job.parallelism, dims.cp)
-    if dims.cp_enabled and a:
-        heads = {"heads": model_args.n_heads, "kv heads": getattr(model_args, "n_kv_heads", None)}
-        for name, n in heads.items():
-            require(
-                job,
-                not n or n % (dims.tp * a) == 0,
-                "parallelism.context_parallel_type",
-                f"{cp_type!r} splits each TP rank's {name} over {a} ranks: model {m.name} "
-                f"{m.flavor} has {n} {name}, which tp {dims.tp} x {a} does not divide; "
-                "use 'ring', or a cp (and tp) that divides them",
-            )
-    problems = model_args.layout_problems(dims)
-    if problems:
-        raise ConfigError(f"parallelism: model {m.name} {m.flavor}: {'; '.join(problems)}")
-    if dims.cp_enabled:
-        from titan.parallelisms.context_parallel import check_torch_version
-
-        try:
-            check_torch_version(device)
-        except RuntimeError as e:
-            raise ConfigError(f"parallelism.context_parallel_degree = {dims.cp}: {e}") from None
-    pipelines = validation_pipelines = ()
-    val_global, val_local = validation_batches(job, dp_size) if job.validation.enable else (0, 0)
-    if dims.pp_enabled:
-        require(
-            job,
-            spec.pipelining_fn is not None,
-            "parallelism.pipeline_parallel_degree",
-            f"model {m.name} registers no pipeline split function",
-        )
-        pipelines = pipeline_plans(job, model_args)
-        if job.validation.enable:
-            validation_pipelines = pipeline_plans(job, model_args, validation_batch=val_local)
-    grad_accum = global_batch // (t.local_batch_size * dp_size)
-    check_moe(job, spec, model_args, dims, grad_accum)
-    schedule = None
-    require(
-        job,
-        t.batch_lr_scaling == "none" or bool(t.global_batch_schedule),
-        "training.batch_lr_scaling",
-        "scales the lr of scheduled batch sizes, and training.global_batch_schedule is empty: "
-        "set the schedule, or leave batch_lr_scaling = 'none'",
+    ft = job.fault_tolerance
+    dp_size = dims.dp * (ft.group_size if ft.enable else 1)
+    global_batch = (
+        t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_size
     )
+    val_global, val_local = validation_batches(job, dp_size) if job.validation.enable else (0, 0)
+    schedule = lengths = None
     if t.global_batch_schedule:
         schedule = parse_schedule(job, global_batch, t.local_batch_size * dp_size)
-        for size in schedule.sizes():
-            check_moe(job, spec, model_args, dims, size // (t.local_batch_size * dp_size))
-        require(
-            job,
-            not job.fault_tolerance.enable,
-            "training.global_batch_schedule",
-            "is not yet supported with fault_tolerance.enable (a heal seeks steps of one size)",
-        )
-        require(
-            job,
-            not t.dataset_streaming,
-            "training.global_batch_schedule",
-            "needs a local dataset without training.dataset_streaming (a streamed one cannot "
-            "regroup its batches)",
-        )
-    lengths = None
     if t.seq_len_schedule:
         lengths = parse_seq_len_schedule(job)
-        check_seq_len_schedule(job, lengths, schedule, dims, model_args, global_batch, dp_size)
-    if job.training.enable_cpu_offload and not dims.fsdp_enabled:
-        raise ConfigError("training.enable_cpu_offload needs FSDP (data_parallel_shard_degree > 1)")
     plan = RunPlan(
         spec,
         model_args,
         dims,
         tokenizer,
         global_batch,
-        grad_accum,
+        global_batch // (t.local_batch_size * dp_size),
         dp_size,
         device,
-        pipelines,
-        validation_pipelines,
-        val_global,
-        val_local,
+        validation_global_batch=val_global,
+        validation_local_batch=val_local,
         batch_schedule=schedule,
         seq_len=t.seq_len,
         seq_len_schedule=lengths,
+        starting=starting,
+        job=job,
     )
-    # the components' own: data, checkpoints, converters, torchft, profiling, ...
-    for check in extensions.plan_checks():
-        check(job, plan)
+    extensions.check_plan(job, plan)
+    plan.pipelines, plan.validation_pipelines  # noqa: B018  a bad split is refused here
     return plan
-
-
-def check_seq_len_schedule(
-    job: JobConfig,
-    lengths: SeqLenSchedule,
-    batches: BatchSchedule | None,
-    dims: ParallelDims,
-    model_args: ModelArgs,
-    global_batch: int,
-    dp_size: int,
-) -> None:
-    """Each step's shape under training.seq_len_schedule fits the layout and the data."""
-    t, key = job.training, "training.seq_len_schedule"
-    require(
-        job,
-        t.dataset_format == "text" and not t.dataset_streaming,
-        key,
-        "needs packed text read indexed (training.dataset_format = 'text' without "
-        "dataset_streaming): a shorter window is a piece of a training.seq_len window",
-    )
-    require(
-        job,
-        not job.fault_tolerance.enable,
-        key,
-        "is not yet supported with fault_tolerance.enable (a heal seeks steps of one shape)",
-    )
-    for step in change_steps(lengths, batches):
-        size = batches.size_at(step) if batches else global_batch
-        length = lengths.length_at(step)
-        n = t.seq_len // length
-        require(
-            job,
-            lengths.keeps == "tokens" or size % n == 0,
-            key,
-            f"step {step} trains {size} sequences of {length} tokens with "
-            "seq_len_schedule_keeps = 'sequences', which is not a whole number of "
-            f"training.seq_len = {t.seq_len} windows ({size} x {length} / {t.seq_len}); use a "
-            f"global batch size a multiple of {n}, or seq_len_schedule_keeps = 'tokens'",
-        )
-        local = t.local_batch_size * (n if lengths.keeps == "tokens" else 1)
-        try:
-            validate_against_model(
-                dims,
-                model_args,
-                seq_len=length,
-                local_batch_size=local,
-                global_batch_size=local * dp_size,
-                dp_size=dp_size,
-                cp_load_balance=job.parallelism.context_parallel_load_balance,
-            )
-        except ParallelismError as e:
-            raise ConfigError(f"{key}: step {step} at {length} tokens: {e}") from None
-
-
-def check_moe(
-    job: JobConfig, spec: TrainSpec, args: ModelArgs, dims: ParallelDims, grad_accum: int
-) -> None:
-    """What an MoE model cannot combine with, named before launch."""
-    moe = args.moe_args()
-    require(
-        job,
-        moe is not None or not dims.ep_enabled,
-        "parallelism.expert_parallel_degree",
-        f"expert parallelism splits an MoE's routed experts, but {spec.name} "
-        f"{job.model.flavor} has none: set it to 1",
-    )
-    if moe is None:
-        return
-    if dims.ep_enabled:
-        check_expert_parallel(job, moe, dims)
-    ck = job.checkpoint
-    adapter = spec.state_dict_adapter
-    if ck.last_save_in_hf and adapter is not None:
-        problems = adapter.export_problems(args)
-        require(job, not problems, "checkpoint.last_save_in_hf", "; ".join(problems))
-    require(
-        job,
-        not (job.compile.enable and dims.tp_enabled),
-        "compile.enable",
-        "an MoE model under tensor parallelism runs eagerly: its router and routed "
-        "experts swap in local weights per forward, which torch.compile does not trace. "
-        "Disable compile or tensor parallelism",
-    )
-    if moe.aux_loss != "none" and moe.aux_loss_coeff and moe.aux_loss_scope == "global_batch":
-        check_global_batch_scope(job, spec.name, dims, grad_accum)
-    rate = moe.bias_update_rate
-    require(
-        job,
-        not (rate and job.fault_tolerance.enable),
-        "fault_tolerance.enable",
-        f"the routing-bias update ({spec.name}.moe_bias_update_rate = {rate}) sums expert "
-        "loads over this replica group only, so groups would route differently: set the "
-        "rate to 0 under torchft",
-    )
-
-
-def check_global_batch_scope(
-    job: JobConfig, family: str, dims: ParallelDims, grad_accum: int
-) -> None:
-    """A balancing loss over the whole global batch needs every expert's count of the batch
-    before any backward: each rank's step must be one forward."""
-    key = f"{family}.moe_aux_loss_scope"
-    why = "one loss term over the whole global batch needs each rank's step in one forward, but "
-    require(
-        job,
-        grad_accum == 1,
-        key,
-        why + f"gradient accumulation splits it into "
-        f"{grad_accum} (training.global_batch_size / (local_batch_size x dp)): set "
-        f"training.local_batch_size = global_batch_size / dp, or {key} = 'sequence'",
-    )
-    require(
-        job,
-        not dims.pp_enabled,
-        key,
-        why + "pipeline parallelism splits it into "
-        f"microbatches: use {key} = 'sequence' with pipeline parallelism",
-    )
-    require(
-        job,
-        not job.fault_tolerance.enable,
-        key,
-        why + "torchft's replica groups hold "
-        f"parts of it outside the job's process group: use {key} = 'sequence' under torchft",
-    )
-
-
-def check_expert_parallel(job: JobConfig, moe, dims: ParallelDims) -> None:
-    field = "parallelism.expert_parallel_degree"
-    require(
-        job,
-        moe.n_experts % dims.ep == 0,
-        field,
-        f"the {moe.n_experts} routed experts do not split evenly over {dims.ep} ranks: "
-        "pick a degree that divides them",
-    )
-    require(
-        job,
-        not job.fault_tolerance.enable,
-        "fault_tolerance.enable",
-        "torchft with expert parallelism is not supported: set expert_parallel_degree 1",
-    )
 
 
 def load_tokenizer(job: JobConfig) -> Tokenizer | None:
@@ -528,27 +330,14 @@ def device_type(job: JobConfig) -> str:
 
 
 def validation_batches(job: JobConfig, dp: int) -> tuple[int, int]:
-    """(sequences per validation batch over all dp ranks, per forward on one rank)."""
+    """(sequences per validation batch over all dp ranks, per forward on one rank); whether
+    they split evenly is validation's plan check."""
     v = job.validation
     if v.global_batch_size == -1:
         local = 8 if v.local_batch_size == -1 else v.local_batch_size
         return local * dp, local
-    require(
-        job,
-        v.global_batch_size % dp == 0,
-        "validation.global_batch_size",
-        f"must split evenly over the {dp} data-parallel ranks: pick a multiple of {dp}",
-    )
     share = v.global_batch_size // dp
-    local = share if v.local_batch_size == -1 else v.local_batch_size
-    require(
-        job,
-        share % local == 0,
-        "validation.local_batch_size",
-        f"must divide each rank's share of a validation batch, global_batch_size / dp = "
-        f"{v.global_batch_size} / {dp} = {share}",
-    )
-    return v.global_batch_size, local
+    return v.global_batch_size, share if v.local_batch_size == -1 else v.local_batch_size
 
 
 def pipeline_plans(

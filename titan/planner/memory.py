@@ -10,6 +10,7 @@ Keys match `<dump_folder>/memory_measured.json`, which the trainer writes at its
 import contextlib
 import copy
 import dataclasses
+import sys
 import warnings
 
 import torch
@@ -323,3 +324,17 @@ def check_fits(job: JobConfig, plan: RunPlan) -> str | None:
                 "check, and a model that should trace is worth reporting"
             )
     return unknown
+
+
+def plan_check(job: JobConfig, plan: RunPlan) -> None:
+    """The [memory] section's plan check, of a run about to start: states that cannot fit the
+    device fail before launch, not as an out-of-memory at step 1 (memory.check = "warn"
+    prints the problem and starts)."""
+    problem = check_fits(job, plan)
+    if problem is None:
+        return
+    if job.memory.check == "error":
+        from titan.config import ConfigError
+
+        raise ConfigError(f'{problem}. memory.check = "warn" launches anyway')
+    print(f"titan: warning: {problem}", file=sys.stderr, flush=True)

@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)
         # run_train.sh names a config; without one, this entry trains what run_train.sh would
         job = parse_args(with_config_file(argv))
-        plan = plan_run(job)
+        plan = plan_run(job, starting=True)
     except ConfigError as e:
         print(f"titan: config error: {e}", file=sys.stderr)
         final_error.record("config error", e, 2)

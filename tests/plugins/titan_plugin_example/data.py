@@ -3,7 +3,8 @@ the plugin's family reads: `positions`, each token's position within its documen
 from the BOS that opens it), as packed-sequence trainers pass HF models their position ids.
 The family lists the field in `batch_fields`; its RoPE angles follow it."""
 
-from titan.components.data.dataset import DatasetSpec, register_dataset
+from titan.components.data.dataset import DatasetSpec
+from titan.config.extensions import register
 
 
 def document_positions(tokenizer):
@@ -20,4 +21,4 @@ def document_positions(tokenizer):
 SPEC = DatasetSpec(
     "plugin_corpus", "assets/corpus/kjv_train.jsonl", fields=f"{__name__}:document_positions"
 )
-register_dataset(SPEC)
+register(SPEC)

@@ -5,7 +5,8 @@ layer) keep their initial weights while the rest trains, with its own [freeze] s
 import logging
 from dataclasses import dataclass
 
-from titan.components.converters import Converter, ConverterSpec, register_converter
+from titan.components.converters import Converter, ConverterSpec
+from titan.config.extensions import register
 from titan.config.job_config import opt
 
 logger = logging.getLogger(__name__)
@@ -42,4 +43,4 @@ def _check(job):
 SPEC = ConverterSpec(
     "freeze", build=f"{__name__}:Freeze", check=_check, section="freeze", options=FreezeOptions
 )
-register_converter(SPEC)
+register(SPEC)

@@ -3,7 +3,8 @@ keeps the logits small), with its [logit_l2] section; logged as `logit_l2`."""
 
 from dataclasses import dataclass
 
-from titan.components.training.terms import Term, TermSpec, register_term
+from titan.components.training.terms import Term, TermSpec
+from titan.config.extensions import register
 from titan.config.job_config import opt
 
 
@@ -41,4 +42,4 @@ def _check(job):
 SPEC = TermSpec(
     "logit_l2", build=f"{__name__}:build", check=_check, section="logit_l2", options=LogitL2Options
 )
-register_term(SPEC)
+register(SPEC)

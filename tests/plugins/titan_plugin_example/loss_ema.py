@@ -5,7 +5,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from titan.components.training.callbacks import Callback, CallbackSpec, register_callback
+from titan.components.training.callbacks import Callback, CallbackSpec
+from titan.config.extensions import register
 from titan.config.job_config import opt
 
 
@@ -68,4 +69,4 @@ def _check(job):
 SPEC = CallbackSpec(
     "loss_ema", build=f"{__name__}:build", check=_check, section="loss_ema", options=LossEmaOptions
 )
-register_callback(SPEC)
+register(SPEC)

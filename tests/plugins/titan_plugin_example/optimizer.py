@@ -2,7 +2,8 @@
 
 from dataclasses import dataclass
 
-from titan.components.optim.registry import OptimizerSpec, register_optimizer
+from titan.components.optim.registry import OptimizerSpec
+from titan.config.extensions import register
 from titan.config.job_config import opt
 
 
@@ -33,7 +34,7 @@ def check(job) -> None:
     )
 
 
-register_optimizer(
+register(
     OptimizerSpec(
         "SGD",
         build=f"{__name__}:build",

@@ -4,7 +4,8 @@ import csv
 import os
 from dataclasses import dataclass
 
-from titan.components.observability.writers import WriterSpec, register_writer
+from titan.components.observability.writers import WriterSpec
+from titan.config.extensions import register
 from titan.config.job_config import opt
 
 
@@ -45,7 +46,7 @@ class CsvWriter:
         self.file.close()
 
 
-register_writer(
+register(
     WriterSpec(
         "csv",
         build=f"{__name__}:CsvWriter",

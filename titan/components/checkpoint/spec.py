@@ -5,7 +5,7 @@ is checkpointer.py)."""
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.config import extensions
+from titan.config.entry import Entry, register
 from titan.config.job_config import opt
 
 
@@ -192,6 +192,8 @@ def _probe_write(folder) -> str | None:
     return None
 
 
-extensions.register_section("checkpoint", Checkpoint)
-extensions.register_check(check)
-extensions.register_plan_check(check_plan)
+register(
+    Entry(
+        "checkpoint", section="checkpoint", options=Checkpoint, check=check, plan_check=check_plan
+    )
+)

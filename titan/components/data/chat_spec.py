@@ -4,7 +4,7 @@ every component's are; torch-free (the data are titan.components.data.chat)."""
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.config import extensions
+from titan.config.entry import Entry, register
 from titan.config.job_config import opt
 
 
@@ -86,7 +86,9 @@ def check_model(job, plan) -> None:
         raise ConfigError(f"training.dataset_format = 'chat' with {job.model.name} {why}")
 
 
-extensions.register_section("chat", Chat)
-extensions.register_plan_check(lambda job, plan: check_template(job, plan.tokenizer))
-extensions.register_plan_check(check_model)
-extensions.register_check(check)
+def plan_check(job, plan) -> None:
+    check_template(job, plan.tokenizer)
+    check_model(job, plan)
+
+
+register(Entry("chat", section="chat", options=Chat, check=check, plan_check=plan_check))

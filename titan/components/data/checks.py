@@ -2,7 +2,7 @@
 streams are not combined with what needs a global index (worker processes, torchft healing).
 Registered with titan.config.extensions, as every component's are."""
 
-from titan.config import extensions
+from titan.config.entry import Entry, register
 
 
 def check_datasets(job, plan=None) -> None:
@@ -97,4 +97,11 @@ def check_mix(job) -> None:
         )
 
 
-extensions.register_plan_check(check_datasets)
+register(Entry("datasets", plan_check=check_datasets))
+register(
+    Entry(
+        "data content",
+        plan_check="titan.components.data.content_check:plan_check",
+        reads_inputs=True,
+    )
+)

@@ -13,54 +13,48 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from titan.components.data.token_shards import is_shard_folder
 from titan.config import extensions
+from titan.config.entry import Entry, register
 from titan.runtime.paths import resolve
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DatasetSpec:
+class DatasetSpec(Entry):
     """A name for training.dataset and validation.dataset: `location` is a local file or
     folder (absolute, or relative to the repo), or a hub dataset (`org/name`,
     `org/name:subset`). `fields`: "module:function", function(tokenizer) -> a function of
     one sample (the mapping of titan.components.data.batch) returning the batch fields the
     dataset adds to it (a family reads those it lists in `batch_fields`)."""
 
-    name: str
+    kind: ClassVar[str] = "dataset"
     location: str
     fields: str | None = None
-    check: Callable | None = None  # check(job) raises ConfigError
-    section: str | None = None
-    options: type | None = None
 
 
 # titan's bundled corpus, and what plugins add
-_DATASETS = extensions.Registry("dataset")
+_DATASETS = extensions.Registry(DatasetSpec.kind)
 for _name, _location in (
     ("kjv", "assets/corpus/kjv_train.jsonl"),
     ("kjv_valid", "assets/corpus/kjv_valid.jsonl"),
     ("chat", "assets/corpus/chat_train.jsonl"),
     ("chat_valid", "assets/corpus/chat_valid.jsonl"),
 ):
-    _DATASETS.add(DatasetSpec(_name, _location))
-extensions.register_check(_DATASETS.check)
+    register(DatasetSpec(_name, _location))
 unregister_dataset = _DATASETS.remove
 
 
 def register_dataset(spec: DatasetSpec | str, location: str | None = None) -> None:
-    """Register a dataset name (`register_dataset(name, location)` makes its spec). The same
-    spec registered again is a no-op: a plugin may be imported twice."""
-    if not isinstance(spec, DatasetSpec):
-        spec = DatasetSpec(spec, location)
-    taken = _DATASETS.entries.get(spec.name)
-    if taken == spec:
-        return
-    if taken is not None:
-        raise ValueError(f"a dataset named {spec.name!r} is already registered ({taken.location})")
-    _DATASETS.add(spec)
+    """`register_dataset(name, location)` or `register_dataset(spec)`: today's
+    `register(DatasetSpec(name, location))`."""
+    extensions.said_once(
+        "register_dataset(...)", "titan.config.extensions.register(DatasetSpec(name, location))"
+    )
+    register(spec if isinstance(spec, DatasetSpec) else DatasetSpec(spec, location))
 
 
 def dataset_spec(name: str) -> DatasetSpec | None:

@@ -4,8 +4,9 @@ and after the last; torch-free (the callback is titan.components.evaluation.in_l
 import importlib.util
 from dataclasses import dataclass
 
-from titan.components.training.callbacks import CallbackSpec, register_callback
+from titan.components.training.callbacks import CallbackSpec
 from titan.config import extensions
+from titan.config.entry import register
 from titan.config.job_config import opt
 
 
@@ -68,14 +69,14 @@ def _ignored(job) -> dict:
     return extensions.ignored_when(job, "eval", off, "eval.tasks is empty", switch="tasks")
 
 
-register_callback(
+register(
     CallbackSpec(
         "eval",
         build="titan.components.evaluation.in_loop:build_callback",
         check=check,
         section="eval",
         options=Eval,
+        plan_check=check_tasks,
+        ignored=_ignored,
     )
 )
-extensions.register_ignored(_ignored)
-extensions.register_plan_check(check_tasks)

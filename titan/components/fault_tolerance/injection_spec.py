@@ -5,7 +5,7 @@ slow, hung or killed ranks), listed by --help apart from the options of real run
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.config import extensions
+from titan.config.entry import Entry, register
 from titan.config.job_config import opt
 
 
@@ -53,4 +53,4 @@ class Debug:
     kill_rank: int = opt(0, "Test hook: the rank killed by debug.kill_in_checkpoint_step")
 
 
-extensions.register_section("debug", Debug)
+register(Entry("debug", section="debug", options=Debug))

@@ -3,7 +3,7 @@ torchft_groups.py)."""
 
 from dataclasses import dataclass
 
-from titan.config import extensions
+from titan.config.entry import Entry, register
 from titan.config.job_config import opt
 
 
@@ -75,6 +75,12 @@ def check_plan(job, plan) -> None:
         )
 
 
-extensions.register_section("fault_tolerance", FaultTolerance)
-extensions.register_check(check)
-extensions.register_plan_check(check_plan)
+register(
+    Entry(
+        "fault_tolerance",
+        section="fault_tolerance",
+        options=FaultTolerance,
+        check=check,
+        plan_check=check_plan,
+    )
+)

@@ -4,7 +4,8 @@ converter is titan.components.lora.training.LoraConverter)."""
 import re
 from dataclasses import dataclass
 
-from titan.components.converters import ConverterSpec, register_converter
+from titan.components.converters import ConverterSpec
+from titan.config.entry import register
 from titan.config.job_config import opt
 
 
@@ -55,10 +56,12 @@ def check(job) -> None:
             require(job, False, "lora.target_modules", f"{pattern!r} is not a regex ({e})")
 
 
-def plan_check(job, train_spec, model_args, device: str) -> None:
+def plan_check(job, plan) -> None:
     """Targets that name plain linear layers or routed experts' weights of this model."""
     from titan.components.lora.adapters import apply_lora
     from titan.config import ConfigError
+
+    train_spec, model_args = plan.spec, plan.model_args
 
     try:
         apply_lora(train_spec.build_meta(model_args), job.lora)
@@ -66,7 +69,7 @@ def plan_check(job, train_spec, model_args, device: str) -> None:
         raise ConfigError(str(e)) from None
 
 
-register_converter(
+register(
     ConverterSpec(
         "lora",
         build="titan.components.lora.training:LoraConverter",

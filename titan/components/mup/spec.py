@@ -3,7 +3,8 @@ converter is titan.components.mup.converter.MupConverter)."""
 
 from dataclasses import dataclass
 
-from titan.components.converters import ConverterSpec, register_converter
+from titan.components.converters import ConverterSpec
+from titan.config.entry import register
 from titan.config.job_config import opt
 
 # dense families whose parameters the width rules know (titan.components.mup.rules)
@@ -54,9 +55,11 @@ def check(job) -> None:
     )
 
 
-def plan_check(job, train_spec, model_args, device: str) -> None:
+def plan_check(job, plan) -> None:
     """A dense family the rules cover, and a base head width."""
     from titan.config.manager import require
+
+    model_args = plan.model_args
 
     dense = not any(model_args.is_moe_layer(i) for i in range(model_args.n_layers))
     require(
@@ -87,7 +90,7 @@ def plan_check(job, train_spec, model_args, device: str) -> None:
     )
 
 
-register_converter(
+register(
     ConverterSpec(
         "mup",
         build="titan.components.mup.converter:build",

@@ -4,7 +4,7 @@ torch-free (metrics.py, writers.py, rank_times.py)."""
 
 from dataclasses import dataclass
 
-from titan.config import extensions
+from titan.config.entry import Entry, register
 from titan.config.job_config import opt
 
 
@@ -66,5 +66,4 @@ def check(job) -> None:
     )
 
 
-extensions.register_section("metrics", Metrics)
-extensions.register_check(check)
+register(Entry("metrics", section="metrics", options=Metrics, check=check))

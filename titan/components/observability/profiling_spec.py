@@ -4,8 +4,8 @@ memory_snapshot.py)."""
 
 from dataclasses import dataclass
 
-from titan.components.training.callbacks import CallbackSpec, register_callback
-from titan.config import extensions
+from titan.components.training.callbacks import CallbackSpec
+from titan.config.entry import register
 from titan.config.job_config import opt
 
 
@@ -70,14 +70,14 @@ def check_device(job, plan) -> None:
 
 
 _OWN = "titan.components.observability"
-register_callback(
+register(
     CallbackSpec(
         "profiler",
         build=f"{_OWN}.profiling:build_callback",
         check=check,
         section="profiling",
         options=Profiling,
+        plan_check=check_device,
     )
 )
-register_callback(CallbackSpec("memory_snapshot", build=f"{_OWN}.memory_snapshot:build_callback"))
-extensions.register_plan_check(check_device)
+register(CallbackSpec("memory_snapshot", build=f"{_OWN}.memory_snapshot:build_callback"))

@@ -12,10 +12,11 @@ Torch-free: a writer's builder is named by module path and imported when a run s
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from titan.components.training.callbacks import Callback
 from titan.config import extensions
+from titan.config.entry import Entry, register
 
 
 class MetricsWriter(Protocol):
@@ -37,21 +38,30 @@ class WriterContext:
 
 
 @dataclass(frozen=True)
-class WriterSpec:
-    name: str
-    # "module:function"; function(metrics_cfg, options, context) -> MetricsWriter
-    build: str
+class WriterSpec(Entry):
+    """A metrics writer; build: "module:function", function(metrics_cfg, options, context) ->
+    MetricsWriter."""
+
+    kind: ClassVar[str] = "metrics writer"
     # enabled(metrics_cfg, options) -> whether this run writes to it
     enabled: Callable[..., bool]
-    check: Callable | None = None  # check(job_config) raises ConfigError
-    section: str | None = None  # its own config section, if any
-    options: type | None = None
+
+    def unused(self, job) -> str | None:
+        on = self.enabled(job.metrics, self.options_in(job.extensions))
+        return None if on else f"the {self.name} writer is off"
 
 
-_WRITERS = extensions.Registry("metrics writer")
-register_writer = _WRITERS.add
+_WRITERS = extensions.Registry(WriterSpec.kind)
 unregister_writer = _WRITERS.remove
-_options = _WRITERS.options_of
+
+
+def _options(spec: WriterSpec, sections: dict):
+    return spec.options_in(sections)
+
+
+def register_writer(spec: WriterSpec) -> None:
+    extensions.said_once("register_writer(spec)", "titan.config.extensions.register(spec)")
+    extensions.register(spec)
 
 
 def enabled_writers(cfg, sections: dict) -> list[WriterSpec]:
@@ -123,10 +133,6 @@ def build_callback(run, options) -> MetricsWriters:
     return MetricsWriters(job.metrics, job.extensions, as_dict(job))
 
 
-def _check(job) -> None:
-    _WRITERS.check(job, enabled_writers(job.metrics, job.extensions))
-
-
 def _check_wandb(job) -> None:
     # looked up, not imported: the config is checked before any heavy import
     if importlib.util.find_spec("wandb") is None:
@@ -137,17 +143,17 @@ def _check_wandb(job) -> None:
 
 
 _OWN = "titan.components.observability"
-register_writer(
+register(
     WriterSpec("jsonl", build=f"{_OWN}.jsonl_writer:JsonlWriter", enabled=lambda cfg, options: True)
 )
-register_writer(
+register(
     WriterSpec(
         "tensorboard",
         build=f"{_OWN}.tensorboard_writer:TensorBoardWriter",
         enabled=lambda cfg, options: cfg.enable_tensorboard,
     )
 )
-register_writer(
+register(
     WriterSpec(
         "wandb",
         build=f"{_OWN}.wandb_writer:WandbWriter",
@@ -155,4 +161,3 @@ register_writer(
         check=_check_wandb,
     )
 )
-extensions.register_check(_check)

@@ -1,7 +1,8 @@
 """Adam and AdamW in the optimizer registry (torch-free; the builder is titan.components.optim
 .adam)."""
 
-from titan.components.optim.registry import OptimizerSpec, register_optimizer
+from titan.components.optim.registry import OptimizerSpec
+from titan.config.entry import register
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
@@ -21,7 +22,7 @@ def check_adam(job) -> None:
 
 
 for _name in ("AdamW", "Adam"):
-    register_optimizer(
+    register(
         OptimizerSpec(
             _name,
             build="titan.components.optim.adam:build",

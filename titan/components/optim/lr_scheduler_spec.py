@@ -4,7 +4,7 @@ torch-free (the schedule is lr_scheduler.py)."""
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.config import extensions
+from titan.config.entry import Entry, register
 from titan.config.job_config import opt
 
 
@@ -36,5 +36,4 @@ def check(job) -> None:
     )
 
 
-extensions.register_section("lr_scheduler", LRScheduler)
-extensions.register_check(check)
+register(Entry("lr_scheduler", section="lr_scheduler", options=LRScheduler, check=check))

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from titan.components.optim.adam_spec import adam_state_bytes, check_adam
-from titan.components.optim.registry import OptimizerSpec, register_optimizer
+from titan.components.optim.registry import OptimizerSpec
+from titan.config.entry import register
 from titan.config.job_config import opt
 
 
@@ -56,7 +57,7 @@ def check_muon(job) -> None:
     )
 
 
-register_optimizer(
+register(
     OptimizerSpec(
         "Muon",
         build="titan.components.optim.muon:build",

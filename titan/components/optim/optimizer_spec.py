@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.config import extensions
+from titan.components.optim.registry import check_name
+from titan.config.entry import Entry, register
 from titan.config.job_config import opt
 
 
@@ -84,6 +85,7 @@ def check(job) -> None:
             ),
         ),
     )
+    check_name(job)
 
 
 def check_param_groups(job, plan) -> None:
@@ -118,6 +120,12 @@ def check_param_groups(job, plan) -> None:
         )
 
 
-extensions.register_section("optimizer", Optimizer)
-extensions.register_check(check)
-extensions.register_plan_check(check_param_groups)
+register(
+    Entry(
+        "optimizer",
+        section="optimizer",
+        options=Optimizer,
+        check=check,
+        plan_check=check_param_groups,
+    )
+)

@@ -1,7 +1,8 @@
 """QK-clip's converter entry: on when `optimizer.qk_clip_threshold` > 0; torch-free (the
 converter is titan.components.optim.qk_clip)."""
 
-from titan.components.converters import ConverterSpec, register_converter
+from titan.components.converters import ConverterSpec
+from titan.config.entry import register
 
 KEY = "optimizer.qk_clip_threshold"
 
@@ -31,10 +32,12 @@ def check(job) -> None:
     )
 
 
-def plan_check(job, train_spec, model_args, device: str) -> None:
+def plan_check(job, plan) -> None:
     """A model whose attention can be clipped: QK-clip's rows to rescale exist, and no q/k
     norm undoes them (Qwen3 normalizes each head's query and key after the projection)."""
     from titan.config.manager import require
+
+    train_spec, model_args = plan.spec, plan.model_args
 
     model = train_spec.build_meta(model_args)
     attention = [m for m in model.modules() if hasattr(m, "qk_clip_scales")]
@@ -48,7 +51,7 @@ def plan_check(job, train_spec, model_args, device: str) -> None:
     )
 
 
-register_converter(
+register(
     ConverterSpec(
         "qk_clip",
         build="titan.components.optim.qk_clip:QKClipConverter",

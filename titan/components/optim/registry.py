@@ -11,8 +11,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
+from typing import ClassVar
 
 from titan.config import extensions
+from titan.config.entry import Entry
 
 # a wrapper's name in a parameter's path (activation checkpointing, torch.compile), which
 # names seen by optimizers and param_groups regexes leave out, as checkpoints do
@@ -24,25 +26,33 @@ def clean_name(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class OptimizerSpec:
-    name: str  # optimizer.name
-    # "module:function"; function(param_groups, cfg, options) -> torch.optim.Optimizer, where
-    # each group holds params, param_names, lr and weight_decay, cfg is the [optimizer]
-    # section and options the entry's own section (None without one)
-    build: str
+class OptimizerSpec(Entry):
+    """An optimizer.name. build: "module:function"; function(param_groups, cfg, options) ->
+    torch.optim.Optimizer, where each group holds params, param_names, lr and weight_decay, cfg
+    is the [optimizer] section and options the entry's own section (None without one)."""
+
+    kind: ClassVar[str] = "optimizer"
     # state_bytes(name, shape, elements, cfg, options): bytes of one parameter's optimizer
     # state when a rank holds `elements` of its `shape`
     state_bytes: Callable[..., int]
-    # check(job_config) raises ConfigError for settings this optimizer cannot take
-    check: Callable | None = None
-    section: str | None = None  # name of its own config section, if any
-    options: type | None = None  # that section's dataclass
+
+    def unused(self, job) -> str | None:
+        return (
+            None if job.optimizer.name == self.name else f"optimizer.name is {job.optimizer.name}"
+        )
 
 
-_OPTIMIZERS = extensions.Registry("optimizer")
-register_optimizer = _OPTIMIZERS.add
+_OPTIMIZERS = extensions.Registry(OptimizerSpec.kind)
 unregister_optimizer = _OPTIMIZERS.remove
-options_of = _OPTIMIZERS.options_of
+
+
+def register_optimizer(spec: OptimizerSpec) -> None:
+    extensions.said_once("register_optimizer(spec)", "titan.config.extensions.register(spec)")
+    extensions.register(spec)
+
+
+def options_of(spec: OptimizerSpec, sections: dict):
+    return spec.options_in(sections)
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
@@ -63,7 +73,8 @@ def save_state_bytes(named_shapes, cfg, sections: dict) -> int:
     return sum(state_bytes(spec, n, s, prod(s), cfg, sections) for n, s in named_shapes)
 
 
-def _check(job) -> None:
+def check_name(job) -> None:
+    """optimizer.name names a registered optimizer (the [optimizer] section's check)."""
     from titan.config.manager import did_you_mean, require
 
     name, names = job.optimizer.name, list(_OPTIMIZERS.entries)
@@ -73,16 +84,3 @@ def _check(job) -> None:
         "optimizer.name",
         f"no such optimizer; registered: {', '.join(names)}{did_you_mean(name, names)}",
     )
-    _OPTIMIZERS.check(job, [_OPTIMIZERS.entries[name]])
-
-
-extensions.register_check(_check)
-
-
-extensions.register_ignored(
-    lambda job: _OPTIMIZERS.unused_sections(
-        job,
-        used=lambda spec: spec.name == job.optimizer.name,
-        why=lambda spec: f"optimizer.name is {job.optimizer.name}",
-    )
-)

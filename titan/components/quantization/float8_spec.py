@@ -4,7 +4,8 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.components.converters import ConverterSpec, register_converter
+from titan.components.converters import ConverterSpec
+from titan.config.entry import register
 from titan.config.job_config import opt
 
 
@@ -46,10 +47,12 @@ def check(job) -> None:
     )
 
 
-def plan_check(job, train_spec, model_args, device: str) -> None:
+def plan_check(job, plan) -> None:
     """torchao installed, and a device that has float8 matmuls (or emulation)."""
     from titan.config import ConfigError
     from titan.config.manager import require
+
+    device = plan.device
 
     try:
         import torchao.float8  # noqa: F401
@@ -76,7 +79,7 @@ def plan_check(job, train_spec, model_args, device: str) -> None:
         )
 
 
-register_converter(
+register(
     ConverterSpec(
         "float8",
         build="titan.components.quantization.float8:Float8Converter",

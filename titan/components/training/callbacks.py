@@ -10,7 +10,7 @@ requests (`run.request_stop`, `run.request_save`) are made alike on every rank. 
 `state_dict()` (tensors) is saved in every training checkpoint and given back on resume, so a
 resumed run's callbacks continue exactly.
 
-A callback is registered with its spec: `register_callback(CallbackSpec("name", build=
+A callback is registered with its spec: `register(CallbackSpec("name", build=
 "module:function", section=..., options=...))`, titan's own in BUILTIN below, a plugin's
 through --job.custom_import. `function(run, options)` returns the callback, or None where
 this run does not use it (its section off). Torch-free: specs are read before torch loads.
@@ -19,11 +19,11 @@ this run does not use it (its section off). Torch-free: specs are read before to
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from titan.config import extensions
+from titan.config.entry import Entry, register
 
 logger = logging.getLogger("titan")
 
@@ -124,18 +124,19 @@ class Callback:
 
 
 @dataclass(frozen=True)
-class CallbackSpec:
-    name: str
-    # "module:function"; function(run, options) -> Callback | None
-    build: str
-    check: Callable | None = None  # check(job_config) raises ConfigError
-    section: str | None = None  # its own config section, if any
-    options: type | None = None
+class CallbackSpec(Entry):
+    """A callback; build: "module:function", function(run, options) -> Callback | None."""
+
+    kind: ClassVar[str] = "callback"
 
 
-_CALLBACKS = extensions.Registry("callback")
-register_callback = _CALLBACKS.add
+_CALLBACKS = extensions.Registry(CallbackSpec.kind)
 unregister_callback = _CALLBACKS.remove
+
+
+def register_callback(spec: CallbackSpec) -> None:
+    extensions.said_once("register_callback(spec)", "titan.config.extensions.register(spec)")
+    extensions.register(spec)
 
 
 class Callbacks(dict):
@@ -238,14 +239,9 @@ _OWN = "titan.components"
 # the figures' callbacks first: the metrics writers then see a validation's figures, and every
 # later callback the step's whole record; validation's and profiling's own are registered with
 # their sections (training/validation_spec.py, observability/profiling_spec.py), after these
-register_callback(
+register(
     CallbackSpec("memory_measured", build=f"{_OWN}.observability.memory_measure:build_callback")
 )
-register_callback(CallbackSpec("gc", build=f"{_OWN}.training.gc:build_callback"))
-register_callback(
-    CallbackSpec("rank_times", build=f"{_OWN}.observability.rank_times:build_callback")
-)
-register_callback(
-    CallbackSpec("metrics_writers", build=f"{_OWN}.observability.writers:build_callback")
-)
-extensions.register_check(_CALLBACKS.check)
+register(CallbackSpec("gc", build=f"{_OWN}.training.gc:build_callback"))
+register(CallbackSpec("rank_times", build=f"{_OWN}.observability.rank_times:build_callback"))
+register(CallbackSpec("metrics_writers", build=f"{_OWN}.observability.writers:build_callback"))

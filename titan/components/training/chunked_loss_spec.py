@@ -2,7 +2,8 @@
 model.converters names "chunked_loss"); torch-free (the converter is
 titan.components.training.chunked_loss)."""
 
-from titan.components.converters import ConverterSpec, register_converter
+from titan.components.converters import ConverterSpec
+from titan.config.entry import register
 
 
 def check(job) -> None:
@@ -31,7 +32,7 @@ def check(job) -> None:
     )
 
 
-register_converter(
+register(
     ConverterSpec(
         "chunked_loss",
         build="titan.components.training.chunked_loss:ChunkedLossConverter",

@@ -3,8 +3,9 @@ callback's registration; torch-free (the callback is titan.components.training.e
 
 from dataclasses import dataclass
 
-from titan.components.training.callbacks import CallbackSpec, register_callback
+from titan.components.training.callbacks import CallbackSpec
 from titan.config import extensions
+from titan.config.entry import register
 from titan.config.job_config import opt
 
 
@@ -51,18 +52,16 @@ def _copies(sections: dict) -> int:
     return 1 if ema is not None and ema.enable else 0
 
 
-register_callback(
+register(
     CallbackSpec(
         "ema",
         build="titan.components.training.ema:build_callback",
         check=check,
         section="ema",
         options=EMA,
-    )
-)
-extensions.register_weight_copies(_copies)
-extensions.register_ignored(
-    lambda job: extensions.ignored_when(
-        job, "ema", not job.ema.enable, "ema.enable is false", "enable"
+        weight_copies=_copies,
+        ignored=lambda job: extensions.ignored_when(
+            job, "ema", not job.ema.enable, "ema.enable is false", "enable"
+        ),
     )
 )

@@ -4,8 +4,9 @@ the steps before, logged, skipped or stopped at; torch-free (the callback is sta
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.components.training.callbacks import CallbackSpec, register_callback
+from titan.components.training.callbacks import CallbackSpec
 from titan.config import extensions
+from titan.config.entry import register
 from titan.config.job_config import opt
 
 METRICS = ("loss", "grad_norm")
@@ -69,13 +70,13 @@ def _ignored(job) -> dict:
     return extensions.ignored_when(job, "stability", off, why, switch="spike_window")
 
 
-register_callback(
+register(
     CallbackSpec(
         "stability",
         build="titan.components.training.stability:build_callback",
         check=check,
         section="stability",
         options=Stability,
+        ignored=_ignored,
     )
 )
-extensions.register_ignored(_ignored)

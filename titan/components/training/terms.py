@@ -2,21 +2,19 @@
 the output logits, say), each with its own config section; torch-free, as every registry's
 entries are (titan.components.training.objective computes them)."""
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from titan.config import extensions
+from titan.config.entry import Entry
 
 
 @dataclass(frozen=True)
-class TermSpec:
-    # the key it is logged under, and the term's name in errors
-    name: str
-    # "module:function"; function(job) -> Term, or None where the run does not use it
-    build: str
-    check: Callable | None = None  # check(job) raises ConfigError
-    section: str | None = None
-    options: type | None = None
+class TermSpec(Entry):
+    """A term: `name` is the key it is logged under, and its name in errors; build:
+    "module:function", function(job) -> Term, or None where the run does not use it."""
+
+    kind: ClassVar[str] = "objective term"
 
 
 class Term:
@@ -31,15 +29,16 @@ class Term:
         raise NotImplementedError
 
 
-_TERMS = extensions.Registry("objective term")
-register_term = _TERMS.add
+_TERMS = extensions.Registry(TermSpec.kind)
 unregister_term = _TERMS.remove
+
+
+def register_term(spec: TermSpec) -> None:
+    extensions.said_once("register_term(spec)", "titan.config.extensions.register(spec)")
+    extensions.register(spec)
 
 
 def build_terms(job) -> dict[str, Term]:
     """This run's terms by name, in registration order."""
     made = {spec.name: extensions.load(spec.build)(job) for spec in _TERMS.entries.values()}
     return {name: term for name, term in made.items() if term is not None}
-
-
-extensions.register_check(_TERMS.check)

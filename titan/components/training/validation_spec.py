@@ -3,8 +3,9 @@
 
 from dataclasses import dataclass
 
-from titan.components.training.callbacks import CallbackSpec, register_callback
+from titan.components.training.callbacks import CallbackSpec
 from titan.config import extensions
+from titan.config.entry import register
 from titan.config.job_config import opt
 
 
@@ -53,17 +54,39 @@ def check(job) -> None:
     )
 
 
-extensions.register_ignored(
-    lambda job: extensions.ignored_when(
-        job, "validation", not job.validation.enable, "validation.enable is false", "enable"
+def check_batches(job, plan) -> None:
+    """A validation batch splits evenly over the data-parallel ranks and their forwards."""
+    from titan.config.manager import require
+
+    v, dp = job.validation, plan.data_parallel_size
+    if not v.enable or v.global_batch_size == -1:
+        return
+    require(
+        job,
+        v.global_batch_size % dp == 0,
+        "validation.global_batch_size",
+        f"must split evenly over the {dp} data-parallel ranks: pick a multiple of {dp}",
     )
-)
-register_callback(
+    share = v.global_batch_size // dp
+    require(
+        job,
+        v.local_batch_size == -1 or share % v.local_batch_size == 0,
+        "validation.local_batch_size",
+        f"must divide each rank's share of a validation batch, global_batch_size / dp = "
+        f"{v.global_batch_size} / {dp} = {share}",
+    )
+
+
+register(
     CallbackSpec(
         "validation",
         build="titan.components.training.validate:build_callback",
         check=check,
         section="validation",
         options=Validation,
+        plan_check=check_batches,
+        ignored=lambda job: extensions.ignored_when(
+            job, "validation", not job.validation.enable, "validation.enable is false", "enable"
+        ),
     )
 )

@@ -1,9 +1,10 @@
+from titan.config.entry import register
 from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from titan.models.deepseek_v3.model import DeepSeekV3
 from titan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
-from titan.models.spec import TrainSpec, register_train_spec
+from titan.models.spec import TrainSpec
 
 
 def parallelize_deepseek_v3(model, dims, job):
@@ -24,7 +25,7 @@ def pipeline_deepseek_v3(whole, stage_id, plan):
     return stage
 
 
-register_train_spec(
+register(
     TrainSpec(
         name="deepseek_v3",
         model_cls=DeepSeekV3,

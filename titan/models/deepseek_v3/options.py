@@ -5,6 +5,8 @@ context extension and multi-token prediction. Torch-free: the config parser load
 from dataclasses import dataclass
 from typing import Literal
 
+from titan.config.entry import register
+from titan.config.family_options import FamilySection
 from titan.config.job_config import opt
 from titan.config.moe_options import MoEOptions
 
@@ -43,3 +45,6 @@ class Options(MoEOptions):
         "weight of the multi-token-prediction loss, the mean of its depths' (logged as "
         "mtp_loss; DeepSeek-V3: 0.3, then 0.1 for the last 2.5T tokens)",
     )
+
+
+register(FamilySection("deepseek_v3", options=Options))

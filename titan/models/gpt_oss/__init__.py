@@ -1,9 +1,10 @@
+from titan.config.entry import register
 from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.gpt_oss.args import GPT_OSS_FLAVORS, GptOssArgs
 from titan.models.gpt_oss.model import GptOss
 from titan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
-from titan.models.spec import TrainSpec, register_train_spec
+from titan.models.spec import TrainSpec
 
 
 def parallelize_gpt_oss(model, dims, job):
@@ -15,7 +16,7 @@ def parallelize_gpt_oss(model, dims, job):
     return parallelize_decoder(model, dims, job, attention_plan=sink_attention_plan)
 
 
-register_train_spec(
+register(
     TrainSpec(
         name="gpt_oss",
         model_cls=GptOss,

@@ -4,6 +4,8 @@ stretch. Torch-free: the config parser loads it (titan.config.family_options).""
 from dataclasses import dataclass
 from typing import Literal
 
+from titan.config.entry import register
+from titan.config.family_options import FamilySection
 from titan.config.job_config import opt
 from titan.config.moe_options import MoEOptions
 
@@ -26,3 +28,6 @@ class Options(MoEOptions):
         "YaRN: stretch RoPE by this factor over rope_original_max_len positions (released: "
         "32 over 4096); None: plain RoPE; unset: the flavor's",
     )
+
+
+register(FamilySection("gpt_oss", options=Options))

@@ -1,8 +1,9 @@
+from titan.config.entry import register
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 from titan.models.llama3.model import Transformer
 from titan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-from titan.models.spec import TrainSpec, register_train_spec
+from titan.models.spec import TrainSpec
 
 
 def parallelize_llama(model, dims, job):
@@ -13,7 +14,7 @@ def parallelize_llama(model, dims, job):
     return parallelize_decoder(model, dims, job)
 
 
-register_train_spec(
+register(
     TrainSpec(
         name="llama3",
         model_cls=Transformer,

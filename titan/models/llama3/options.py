@@ -6,6 +6,8 @@ loads it (titan.config.family_options)."""
 
 from dataclasses import dataclass
 
+from titan.config.entry import register
+from titan.config.family_options import FamilySection
 from titan.config.job_config import opt
 
 
@@ -26,3 +28,6 @@ class Options:
     rope_original_max_len: int = opt(
         8192, "Llama 3.1 scaling: the context the model was trained at before the extension"
     )
+
+
+register(FamilySection("llama3", options=Options))

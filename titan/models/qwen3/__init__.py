@@ -1,9 +1,10 @@
+from titan.config.entry import register
 from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from titan.models.qwen3.model import Qwen3
 from titan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-from titan.models.spec import TrainSpec, register_train_spec
+from titan.models.spec import TrainSpec
 
 
 def parallelize_qwen3(model, dims, job):
@@ -14,7 +15,7 @@ def parallelize_qwen3(model, dims, job):
     return parallelize_decoder(model, dims, job)
 
 
-register_train_spec(
+register(
     TrainSpec(
         name="qwen3",
         model_cls=Qwen3,

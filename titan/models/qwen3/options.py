@@ -4,6 +4,8 @@ the MoE flavors. Torch-free: the config parser loads it (titan.config.family_opt
 
 from dataclasses import dataclass
 
+from titan.config.entry import register
+from titan.config.family_options import FamilySection
 from titan.config.job_config import opt
 from titan.config.moe_options import BalancedMoEOptions
 
@@ -16,3 +18,6 @@ class Options(BalancedMoEOptions):
     rope_original_max_len: int = opt(
         32768, "YaRN: the context the model was trained at before the extension"
     )
+
+
+register(FamilySection("qwen3", options=Options))

@@ -3,9 +3,14 @@ the config parser loads it (titan.config.family_options)."""
 
 from dataclasses import dataclass
 
+from titan.config.entry import register
+from titan.config.family_options import FamilySection
 from titan.config.moe_options import BalancedMoEOptions
 
 
 @dataclass
 class Options(BalancedMoEOptions):
     pass
+
+
+register(FamilySection("qwen3_5", options=Options))

@@ -1,21 +1,18 @@
 """Qwen3-Next: the hybrid linear-attention decoder (titan.models.common.hybrid_decoder) with
 Qwen3-Next's flavors and hub layout."""
 
-from titan.config import extensions
+from titan.config.entry import register
 from titan.models.common.hybrid_args import check_context_parallel_type
 from titan.models.common.hybrid_decoder import HybridDecoder
 from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.qwen3_next.args import QWEN3_NEXT_FLAVORS
 from titan.models.qwen3_next.state_dict_adapter import Qwen3NextStateDictAdapter
-from titan.models.spec import TrainSpec, register_train_spec
+from titan.models.spec import TrainSpec
 
 
 class Qwen3Next(HybridDecoder):
     pass
-
-
-extensions.register_plan_check(check_context_parallel_type)
 
 
 def parallelize_qwen3_next(model, dims, job):
@@ -26,13 +23,14 @@ def parallelize_qwen3_next(model, dims, job):
     return parallelize_hybrid(model, dims, job)
 
 
-register_train_spec(
+register(
     TrainSpec(
         name="qwen3_next",
         model_cls=Qwen3Next,
         flavors=QWEN3_NEXT_FLAVORS,
         parallelize_fn=parallelize_qwen3_next,
         pipelining_fn=pipeline_decoder,
+        plan_check=check_context_parallel_type,
         state_dict_adapter=Qwen3NextStateDictAdapter,
         post_optimizer_hooks=(moe_balance_hook,),
     )

@@ -1,11 +1,12 @@
-"""What the data and weight files hold, checked once by the launcher before torchrun starts.
+"""What the data and weight files hold: a plan check of a run about to start, made once per
+launch (by the launcher, or by rank 0 of a run started without it: titan.runtime
+.inputs_checked).
 
-plan_run checks that the files exist; this reads a little of them: sizes, token-shard
-indexes, safetensors headers and the first lines of jsonl files, never a whole dataset (a
-worker would otherwise find a bad file N times over, as a traceback per rank, and again on
-every restart). Only the launcher runs it: on a thousand ranks, each reading the heads of
-every file would be a load on shared storage. What only a full read finds (a bad record in
-the middle of a file) is the workers' to report (titan/runtime/final_error.py).
+The data's other plan check finds that the files exist; this reads a little of them: sizes,
+token-shard indexes, safetensors headers and the first lines of jsonl files, never a whole
+dataset (a worker would otherwise find a bad file N times over, as a traceback per rank, and
+again on every restart). What only a full read finds (a bad record in the middle of a file)
+is the workers' to report (titan/runtime/final_error.py).
 """
 
 import io
@@ -27,6 +28,10 @@ from titan.runtime.paths import resolve
 # enough to catch a file of the wrong kind, a wrong text field or a broken writer
 FIRST_LINES = 8
 LINE_LIMIT = 1 << 22  # a document per line may be long; longer first lines go unchecked
+
+
+def plan_check(job: JobConfig, plan) -> None:
+    check_content(job, plan.tokenizer)
 
 
 def check_content(job: JobConfig, tokenizer: Tokenizer) -> None:

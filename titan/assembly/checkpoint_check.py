@@ -1,11 +1,12 @@
-"""What the checkpoint folders hold and have room for, checked once by the launcher.
+"""What the checkpoint folders hold and have room for: a plan check of a run about to start
+(the [checkpoint] folders' entry, titan.config.core_checks), made once per launch: by the
+launcher, or by rank 0 of a run started without it.
 
 A resume of another model, a `load_step` that names no checkpoint, a folder of damaged saves
 only, or a disk too small for one more save would each stop every worker after torchrun
 started them; here they stop the launch with one line, before anything is written. The
-workers check the same again (`Checkpointer`), against the checksums too, which they read
-together: the launcher compares sizes only, so that a large checkpoint is read once, not
-once here and once there.
+workers' `Checkpointer` reads the checksums when it loads: this compares sizes only, so that a
+large checkpoint is read once, not once here and once there.
 """
 
 from pathlib import Path
