@@ -88,7 +88,6 @@ def test_the_plan_holds_one_chunk_of_logits(tmp_path):
     "flags,why",
     [
         (["--parallelism.tensor_parallel_degree", "2"], "vocabulary-parallel"),
-        (["--model.converters", "float8", "--float8.filter_fqns", "wq"], "float8"),
         (["--training.loss_chunk_tokens", "-1"], "must be >= 0"),
     ],
 )
@@ -96,3 +95,20 @@ def test_refused_where_it_does_not_apply(flags, why):
     with pytest.raises(ConfigError, match="training.loss_chunk_tokens") as e:
         parse_args([*CHUNK, *flags])
     assert why in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "fqns, refused", [("wq", True), ("wq,output", False)], ids=["output_converted", "left_out"]
+)
+def test_an_output_layer_an_earlier_converter_rewrote_is_refused_when_planned(fqns, refused):
+    """What the converters before it made of the output layer, not their names, decides."""
+    pytest.importorskip("torchao.float8")
+    from titan.plan.run_plan import plan_run
+
+    flags = ["--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns", fqns]
+    job = parse_args([*CHUNK, *flags])
+    if not refused:
+        plan_run(job, 1)
+        return
+    with pytest.raises(ConfigError, match="the float8 converter made a Float8Linear"):
+        plan_run(job, 1)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.forked import free_port, run_trainer, run_workers, tiny_run
+from tests.layouts import layouts, one_rank_run
 from tests.moe_checks import (
     check_layout_like_one_process,
     check_resume_is_bitwise,
@@ -199,44 +200,18 @@ def test_generation_with_the_cache_equals_the_full_forward():
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("one")
-    records = run_trainer(tmp, 1, [*COMMON, *BIAS, *CKPT])
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    return records, tmp / "dump" / "checkpoint"
+one_rank = one_rank_run(*COMMON, *BIAS, *CKPT, steps=STEPS)
 
 
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "hsdp2x2": (
-        4,
-        [
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
-    ),
+    # tp2:
     # MLA's heads split, its latents whole on every rank, the shared key's gradient summed;
     # routed experts on each rank's half of the sequence, the shared experts split (without
     # sequence parallelism too: tests/unit/test_qwen3_moe.py runs that path for the MoE, and
     # MLA's plan does not depend on it)
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    # cp2:
     # ring attention over values padded to the query/key width
-    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "fsdp2_tp2": (
-        4,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
-        ],
-    ),
+    **layouts("fsdp2", "hsdp2x2", "tp2", "pp2", "cp2", "fsdp2_tp2"),
 }
 
 

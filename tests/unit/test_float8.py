@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
+from tests.layouts import layouts
 from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
 from titan.config import ConfigError, parse_args
@@ -66,7 +67,7 @@ def relative_diffs(a: list[dict], b: list[dict]) -> list[float]:
 
 
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    **layouts("fsdp2", "fsdp2_tp2"),
     "fsdp2_float8_all_gather": (
         2,
         [
@@ -74,15 +75,6 @@ LAYOUTS = {
             "2",
             "--float8.enable_fsdp_float8_all_gather",
             "--float8.precompute_float8_dynamic_scale_for_fsdp",
-        ],
-    ),
-    "fsdp2_tp2": (
-        4,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
         ],
     ),
 }

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
+from tests.layouts import layouts, one_rank_run
 from tests.moe_checks import check_resume_is_bitwise, check_run_like_one_process
 from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import folders as checkpoint
@@ -274,51 +275,16 @@ def test_a_save_pretrained_folder_starts_training_at_transformers_loss(tmp_path)
     )
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("one")
-    records = run_trainer(tmp, 1, [*COMMON, *CKPT])
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    return records, tmp / "dump" / "checkpoint"
+one_rank = one_rank_run(*COMMON, *CKPT, steps=STEPS)
 
 
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "hsdp2x2": (
-        4,
-        [
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
-    ),
+    # tp2:
     # heads, their biases and their sinks split over the ranks
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
-    "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
+    # cp2:
     # each rank's queries against every rank's keys (gathered), masked by position: the
     # window crosses the chunks, each row's softmax has its sink once
-    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "cp2_no_load_balance": (
-        2,
-        [
-            "--parallelism.context_parallel_degree",
-            "2",
-            "--parallelism.no_context_parallel_load_balance",
-        ],
-    ),
-    "fsdp2_tp2": (
-        4,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
-        ],
-    ),
+    **layouts("fsdp2", "hsdp2x2", "tp2", "pp2", "ep2", "cp2", "cp2_no_load_balance", "fsdp2_tp2"),
 }
 
 

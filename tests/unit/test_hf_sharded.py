@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.forked import build_trainer, free_port, run_trainer, run_workers
+from tests.layouts import layouts
 from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
 from titan.models.llama3.args import Llama3Args
@@ -189,19 +190,9 @@ def round_trip(rank, world_size, port, argv, out_dir, dtype):
 
 
 LAYOUTS = {
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    **layouts("tp2", "pp2", "fsdp2_tp2"),
     # 16 heads over 3 shards: shards cut through heads, so the q/k permutation gathers
     "fsdp3": (3, ["--parallelism.data_parallel_shard_degree", "3"]),
-    "fsdp2_tp2": (
-        4,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
-        ],
-    ),
 }
 
 

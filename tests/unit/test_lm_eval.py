@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.forked import free_port, run_trainer, run_workers, tiny_run
+from tests.layouts import layouts
 from titan.components.data.tokenizer import Tokenizer
 from titan.runtime.paths import REPO_ROOT
 
@@ -289,9 +290,7 @@ def test_the_loop_scores_as_the_command_on_its_checkpoint(in_loop, tmp_path):
 
 
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),  # the requests split
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),  # positions gathered back
+    **layouts("fsdp2", "tp2", "cp2"),
     # the last stage's scores sent to the first; the two pipelines' FSDP all-gathers in
     # lockstep, their shapes agreed (a stage's first batch of a shape infers it collectively)
     "pp2_fsdp2": (

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.forked import run_trainer, tiny_run
+from tests.layouts import layouts
 from titan.models.common.aux_loss import AuxLossCollector
 from titan.models.common.init import normal, seeded_init_all
 from titan.models.common.moe import MoE, MoEArgs
@@ -186,8 +187,7 @@ ARGV = [
 # the routing group (each sequence) is the same on all of these; tensor parallelism without
 # sequence parallelism gives each tp rank whole sequences too
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    **layouts("fsdp2", "pp2"),
     "tp2_ep2_no_sp": (
         4,
         [

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
+from tests.layouts import layouts, one_rank_run
 from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
 from titan.models.common.aux_loss import AuxLossCollector
@@ -119,21 +120,15 @@ def test_sizes_count_the_depths():
     assert (extra + shared) / 1e9 == pytest.approx(14.0, abs=0.6)
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("one")
-    records = run_trainer(tmp, 1, [*COMMON, *DEPTH, *CKPT])
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    return records, tmp / "dump" / "checkpoint"
+one_rank = one_rank_run(*COMMON, *DEPTH, *CKPT, steps=STEPS)
 
 
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    # tp2:
     # the depths' norms sequence-split, their projection whole on each rank's tokens
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    # pp2:
     # the depths on the last stage with their own copy of the embedding
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
-    "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
+    **layouts("fsdp2", "tp2", "pp2", "ep2"),
 }
 
 

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.forked import run_trainer, tiny_run
+from tests.layouts import layouts
 from titan.components.checkpoint import disk_space
 from titan.components.optim import muon as muon_module
 from titan.components.optim.muon import Muon, newton_schulz
@@ -134,13 +135,12 @@ def test_muon_settings_are_checked():
 
 COMMON = [*tiny_run(10), *MUON, *FP32_NS]
 LAYOUTS = {
+    **layouts("tp2", "pp2"),
     "fsdp2": (2, []),
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
     "hsdp2x2": (
         4,
         ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"],
     ),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
 }
 

@@ -9,6 +9,7 @@ import torch
 
 from tests.example_plugin import registered
 from tests.forked import run_trainer, tiny_run
+from tests.layouts import layouts
 from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.components.training.objective import Objective
 from titan.components.training.terms import build_terms, register_term, unregister_term
@@ -66,9 +67,8 @@ def test_a_term_is_checked_and_off_at_weight_zero(logit_l2):
 
 
 LAYOUTS = {
+    **layouts("tp2", "pp2"),
     "fsdp2": (2, []),
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     # the output layer computes the term beside the cross-entropy, 24 tokens at a time
     "chunked": (1, ["--training.loss_chunk_tokens", "24"]),
 }

@@ -143,12 +143,21 @@ def test_only_a_training_steps_forward_is_recorded():
             ["--optimizer.qk_clip_threshold", "50", "--parallelism.context_parallel_degree", "2"],
             "context_parallel_degree = 1",
         ),
-        (["--optimizer.qk_clip_threshold", "50", "--lora.rank", "4"], "which LoRA freezes"),
     ],
 )
 def test_bad_settings_are_config_errors(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(flags)
+
+
+def test_a_converter_that_freezes_the_weights_it_rescales_is_refused_when_planned():
+    """Found by what the other converter does (it trains only its own parameters), not by its
+    name."""
+    from titan.plan.run_plan import plan_run
+
+    job = parse_args(["--optimizer.qk_clip_threshold", "50", "--lora.rank", "4"])
+    with pytest.raises(ConfigError, match=r"only its own parameters \(LoraConverter\) freezes"):
+        plan_run(job, 1)
 
 
 def test_a_model_with_q_k_norms_is_refused():

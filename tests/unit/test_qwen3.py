@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.forked import build_trainer, free_port, run_trainer, run_workers, tiny_run
+from tests.layouts import layouts
 from titan.components.checkpoint import hf_io
 from titan.models.qwen3.state_dict_adapter import qwen3_args_from_hf_config
 from titan.models.spec import family_of_hf_config, get_train_spec
@@ -140,31 +141,9 @@ def one_rank(tmp_path_factory):
 
 
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "hsdp2x2": (
-        4,
-        [
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
-    ),
+    # tp2:
     # q_norm / k_norm see each rank's heads only: their gradients are summed over the ranks
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
-    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "fsdp2_tp2": (
-        4,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
-        ],
-    ),
+    **layouts("fsdp2", "hsdp2x2", "tp2", "pp2", "cp2", "fsdp2_tp2"),
 }
 
 

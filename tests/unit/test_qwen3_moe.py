@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.forked import free_port, run_trainer, run_workers, tiny_run
+from tests.layouts import layouts, one_rank_run
 from tests.moe_checks import check_layout_like_one_process, check_resume_is_bitwise
 from tests.unit.test_hf_sharded import round_trip
 from tests.unit.test_qwen3 import check_save_pretrained_start
@@ -129,45 +130,19 @@ def test_logits_and_both_hf_directions_match_transformers(tmp_path):
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("one")
-    records = run_trainer(tmp, 1, [*COMMON, *BIAS, *CKPT])
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    return records, tmp / "dump" / "checkpoint"
+one_rank = one_rank_run(*COMMON, *BIAS, *CKPT, steps=STEPS)
 
 
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "hsdp2x2": (
-        4,
-        [
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
-    ),
+    # tp2:
     # router and routed experts on each rank's half of every sequence, gradients summed
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    # tp2_no_sp:
     # ... and without sequence parallelism, every rank on every token
-    "tp2_no_sp": (
-        2,
-        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.no_enable_sequence_parallel"],
-    ),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
-    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "fsdp2_tp2": (
-        4,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
-        ],
-    ),
+    # compile:
+    # blocks compiled around the host-side split sizes (fullgraph off)
+    # ep2:
+    # experts split over 2 ranks, tokens dispatched by all-to-all (softmax routing)
+    **layouts("fsdp2", "hsdp2x2", "tp2", "tp2_no_sp", "pp2", "cp2", "fsdp2_tp2", "compile", "ep2"),
     # the routing and grouped GEMM saved, the rest recomputed (counted twice: same ratios)
     "fsdp2_selective_ac": (
         2,
@@ -178,10 +153,6 @@ LAYOUTS = {
             "selective",
         ],
     ),
-    # blocks compiled around the host-side split sizes (fullgraph off)
-    "compile": (1, ["--compile.enable"]),
-    # experts split over 2 ranks, tokens dispatched by all-to-all (softmax routing)
-    "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
+from tests.layouts import layouts, one_rank_run
 from tests.moe_checks import check_layout_like_one_process, check_resume_is_bitwise
 from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import hf_io
@@ -133,34 +134,15 @@ def test_a_padded_batch_decodes_as_each_prompt_alone():
     assert together == alone
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("one")
-    records = run_trainer(tmp, 1, [*COMMON, *BIAS, *CKPT])
-    return records, tmp / "dump" / "checkpoint"
+one_rank = one_rank_run(*COMMON, *BIAS, *CKPT)
 
 
 # 3 MoE layers (layer 0 is dense); the expert loads, balancing loss and biases of every layout
 # equal one process's
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "tp2_sp": (
-        2,
-        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"],
-    ),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    # cp2:
     # the linear layers exchange heads for whole sequences; the attention layer is a ring
-    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "cp2_alltoall": (
-        2,
-        [
-            "--parallelism.context_parallel_degree",
-            "2",
-            "--parallelism.context_parallel_type",
-            "alltoall",
-        ],
-    ),
+    **layouts("fsdp2", "tp2", "tp2_sp", "pp2", "cp2", "cp2_alltoall"),
     "ep2": (
         2,
         [

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
+from tests.layouts import layouts
 from titan.components.checkpoint import hf_io
 from titan.models.spec import get_train_spec
 
@@ -46,20 +47,11 @@ def one_rank(tmp_path_factory):
 
 
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    # fsdp2_tp2:
     # TP shards both roles on the vocabulary dim, and FSDP then shards that one DTensor
-    "fsdp2_tp2": (
-        4,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
-        ],
-    ),
+    # pp2:
     # first and last stage on two ranks: the copies' gradients are all-reduced
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    **layouts("fsdp2", "tp2", "fsdp2_tp2", "pp2"),
     # a V schedule puts both on rank 0: the copies' gradients add locally
     "pp2_zbv": (
         2,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, run_workers, tiny_run
+from tests.layouts import layouts
 from titan.components.training.chunked_loss import apply_chunked_loss
 from titan.components.training.loss import IGNORE_INDEX, z_loss_sum
 from titan.components.training.objective import Objective
@@ -108,9 +109,7 @@ def test_a_negative_weight_is_a_config_error():
 
 Z = ["--training.z_loss_weight", "1e-3"]
 LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),  # loss parallel
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    **layouts("fsdp2", "tp2", "pp2"),
     "chunked": (1, ["--training.loss_chunk_tokens", "24"]),
 }
 

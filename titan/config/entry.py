@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import ClassVar
 
+from titan.config.plugins import import_plugin
+
 # titan's own registrations, imported on first use the way a plugin's are by
 # --job.custom_import: the core sections' entries, the planned run's core checks, then the
 # components' and the families' sections
@@ -186,7 +188,5 @@ def load_builtin() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from titan.config.extensions import import_plugin
-
         for module in BUILTIN:
             import_plugin(module)

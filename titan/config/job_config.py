@@ -11,7 +11,7 @@ must not import torch: the launcher validates configs before any heavy import.
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from titan.config import extensions
+import titan.config.extensions as extensions
 
 
 def opt(default, doc: str):

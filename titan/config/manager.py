@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-from titan.config import extensions
+import titan.config.extensions as extensions
 from titan.config.job_config import JobConfig
 from titan.runtime.paths import resolve
 

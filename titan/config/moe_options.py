@@ -8,6 +8,18 @@ from typing import Literal
 
 from titan.config.job_config import opt
 
+AuxLossScope = Literal["sequence", "global_batch"]
+
+
+def aux_loss_scope():
+    """The `moe_aux_loss_scope` option, alike in every family that has a balancing loss."""
+    return opt(
+        "sequence",
+        "the tokens each balancing-loss term is computed from: every sequence "
+        "(their mean is the loss), or the whole global batch (needs one forward per step: no "
+        "gradient accumulation, no pipeline); any layout computes the same loss",
+    )
+
 
 @dataclass
 class MoEOptions:
@@ -43,12 +55,7 @@ class BalancedMoEOptions(MoEOptions):
         "weight of the load-balancing loss (logged as moe_aux_loss; 0: off; unset: the "
         "flavor's, 0.001 as Qwen publishes)",
     )
-    moe_aux_loss_scope: Literal["sequence", "global_batch"] = opt(
-        "sequence",
-        "the tokens each balancing-loss term is computed from: every sequence "
-        "(their mean is the loss), or the whole global batch (needs one forward per step: no "
-        "gradient accumulation, no pipeline); any layout computes the same loss",
-    )
+    moe_aux_loss_scope: AuxLossScope = aux_loss_scope()
     moe_bias_update_rate: float = opt(
         0.0,
         "move each expert's routing bias by this rate towards the mean load after every step "

@@ -10,6 +10,7 @@ attributes; its own config section, if any, is `titan/models/<family>/options.py
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -266,8 +267,14 @@ def unregister_train_spec(name: str) -> None:
     _FAMILIES.remove(name)
 
 
+def _load_families() -> None:
+    """titan's own families register when their package is imported (by name: the registry
+    sits below the families that fill it)."""
+    importlib.import_module("titan.models")
+
+
 def get_train_spec(name: str) -> TrainSpec:
-    import titan.models  # noqa: F401  registers the built-in families
+    _load_families()
 
     if name not in _registry():
         raise KeyError(f"unknown model.name {name!r}; registered: {', '.join(sorted(_registry()))}")
@@ -276,7 +283,7 @@ def get_train_spec(name: str) -> TrainSpec:
 
 def family_of_hf_config(config: dict) -> str | None:
     """The registered family whose adapter reads this HF config.json's model_type."""
-    import titan.models  # noqa: F401
+    _load_families()
 
     for name, spec in sorted(_registry().items()):
         adapter = spec.state_dict_adapter
@@ -288,6 +295,6 @@ def family_of_hf_config(config: dict) -> str | None:
 
 
 def registered_names() -> list[str]:
-    import titan.models  # noqa: F401
+    _load_families()
 
     return sorted(_registry())

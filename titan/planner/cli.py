@@ -118,7 +118,7 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m titan.planner",
         description=__doc__,
@@ -167,32 +167,39 @@ def main(argv: list[str] | None = None) -> int:
         default=hw.inter_node_bw / 1e9,
         help="--suggest: GB/s per GPU across nodes",
     )
-    args, rest = ap.parse_known_args(argv)
+    return ap
+
+
+def _check_flags(args) -> None:
+    """ConfigError for a planner flag out of its range."""
+    for flag, value in (("--ngpu", args.ngpu), ("--nnodes", args.nnodes)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1 ({flag} 1 plans one process)")
+    if args.ngpu * args.nnodes > MAX_RANKS:
+        raise ConfigError(
+            f"--ngpu {args.ngpu} x --nnodes {args.nnodes} = "
+            f"{args.ngpu * args.nnodes} ranks: the planner plans up to "
+            f"{MAX_RANKS} ranks; pass the sizes of a real cluster"
+        )
+    if args.device_memory is not None and args.device_memory <= 0:
+        raise ConfigError(f"--device-memory {args.device_memory} bytes: must be > 0 (e.g. 80GiB)")
+    for flag, ok, why in (
+        ("--top", args.top >= 1, "must be >= 1 (layouts to show)"),
+        ("--margin", 0 <= args.margin < 1, "must be in [0, 1) (a share of device memory)"),
+        ("--peak-tflops", args.peak_tflops > 0, "must be > 0 (e.g. 989 for an H100's bf16)"),
+        ("--efficiency", 0 < args.efficiency <= 1, "must be in (0, 1] (a share of peak)"),
+        ("--intra-node-gbps", args.intra_node_gbps > 0, "must be > 0"),
+        ("--inter-node-gbps", args.inter_node_gbps > 0, "must be > 0"),
+    ):
+        if not ok:
+            raise ConfigError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: {why}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = _parser().parse_known_args(argv)
     rest = with_config_file(rest)
     try:
-        for flag, value in (("--ngpu", args.ngpu), ("--nnodes", args.nnodes)):
-            if value < 1:
-                raise ConfigError(f"{flag} {value}: must be >= 1 ({flag} 1 plans one process)")
-        if args.ngpu * args.nnodes > MAX_RANKS:
-            raise ConfigError(
-                f"--ngpu {args.ngpu} x --nnodes {args.nnodes} = "
-                f"{args.ngpu * args.nnodes} ranks: the planner plans up to "
-                f"{MAX_RANKS} ranks; pass the sizes of a real cluster"
-            )
-        if args.device_memory is not None and args.device_memory <= 0:
-            raise ConfigError(
-                f"--device-memory {args.device_memory} bytes: must be > 0 (e.g. 80GiB)"
-            )
-        for flag, ok, why in (
-            ("--top", args.top >= 1, "must be >= 1 (layouts to show)"),
-            ("--margin", 0 <= args.margin < 1, "must be in [0, 1) (a share of device memory)"),
-            ("--peak-tflops", args.peak_tflops > 0, "must be > 0 (e.g. 989 for an H100's bf16)"),
-            ("--efficiency", 0 < args.efficiency <= 1, "must be in (0, 1] (a share of peak)"),
-            ("--intra-node-gbps", args.intra_node_gbps > 0, "must be > 0"),
-            ("--inter-node-gbps", args.inter_node_gbps > 0, "must be > 0"),
-        ):
-            if not ok:
-                raise ConfigError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: {why}")
+        _check_flags(args)
         job = parse_args(rest)
         job.plan_only = True
         from titan.plan.run_plan import plan_run, vocabulary_note

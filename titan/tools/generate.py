@@ -369,7 +369,7 @@ def open_checkpoint(checkpoint: str, overrides: list[str]):
     return job, path, spec, tokenizer
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m titan.tools.generate",
         description=__doc__,
@@ -403,7 +403,11 @@ def main(argv: list[str] | None = None) -> None:
         "--chat", action="store_true", help="each prompt is a user turn of the chat template"
     )
     ap.add_argument("--system", default=None, help="with --chat: a system prompt before it")
-    opts, overrides = ap.parse_known_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts, overrides = _parser().parse_known_args(argv)
     try:
         check_options(opts)
     except GenerateError as e:

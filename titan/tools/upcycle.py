@@ -128,7 +128,7 @@ def tokenizer_for(path: Path, job):
         return None
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -155,7 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--overwrite", action="store_true", help="replace an HF model already in --output"
     )
-    opts, overrides = ap.parse_known_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts, overrides = _parser().parse_known_args(argv)
 
     from titan.components.checkpoint import hf_io
     from titan.components.checkpoint.folders import CheckpointError

@@ -316,6 +316,30 @@ def _check_divisible(global_batch_size: int, shard: DataShard) -> None:
         )
 
 
+def _packed(sources, files, tokenizer, text_field: str, seq_len: int, skip_documents: str):
+    """Each source's documents packed into windows, read indexed, less skip_documents'."""
+    for (name, _), f in zip(sources, files):
+        if f is None:
+            raise DataError(
+                f"training.dataset_mix source {name!r} is not a local file, folder "
+                "or bundled name: mixed sources are read indexed; pretokenize a hub "
+                "dataset first (scripts/pretokenize.py)"
+            )
+    windows = [
+        PackedWindows(open_tokens(f, tokenizer, text_field), seq_len, name, tokenizer.bos_id)
+        for (name, _), f in zip(sources, files)
+    ]
+    if skip_documents:
+        skipped = read_skip_file(skip_documents, {w.name: (w.tokens, w.bos) for w in windows})
+        for w in windows:
+            w.skip(skipped.get(w.name, []))
+        logger.info(
+            "leaving out %s (training.skip_documents)",
+            ", ".join(f"{len(d)} document(s) of {n}" for n, d in skipped.items()) or "nothing",
+        )
+    return windows
+
+
 def build_text_dataloader(
     *,
     dataset: str,
@@ -371,25 +395,7 @@ def build_text_dataloader(
             key=f"{section}.dataset",
         )
         return StreamLoader(ds, local_batch_size, fields)
-    for (name, _), f in zip(sources, files):
-        if f is None:
-            raise DataError(
-                f"training.dataset_mix source {name!r} is not a local file, folder "
-                "or bundled name: mixed sources are read indexed; pretokenize a hub "
-                "dataset first (scripts/pretokenize.py)"
-            )
-    windows = [
-        PackedWindows(open_tokens(f, tokenizer, text_field), seq_len, name, tokenizer.bos_id)
-        for (name, _), f in zip(sources, files)
-    ]
-    if skip_documents:
-        skipped = read_skip_file(skip_documents, {w.name: (w.tokens, w.bos) for w in windows})
-        for w in windows:
-            w.skip(skipped.get(w.name, []))
-        logger.info(
-            "leaving out %s (training.skip_documents)",
-            ", ".join(f"{len(d)} document(s) of {n}" for n, d in skipped.items()) or "nothing",
-        )
+    windows = _packed(sources, files, tokenizer, text_field, seq_len, skip_documents)
     order = GlobalOrder(
         [len(w) for w in windows],
         [w for _, w in sources],

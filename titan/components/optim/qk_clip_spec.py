@@ -22,12 +22,6 @@ def check(job) -> None:
                 "parallelism splits; set parallelism.context_parallel_degree = 1 or turn "
                 "QK-clip off (0)",
             ),
-            (
-                job.lora.rank == 0,
-                KEY,
-                "rescales the query/key weights, which LoRA freezes; turn one of them off "
-                "(lora.rank = 0 or 0 here)",
-            ),
         ),
     )
 
@@ -48,6 +42,16 @@ def plan_check(job, plan) -> None:
         KEY,
         "the model normalizes each head's query and key after their projections (q/k "
         "RMSNorm), which undoes a rescaled projection (and bounds the logits itself); set 0",
+    )
+    from titan.components.converters import Converters
+
+    keeps_own = Converters(job).partial
+    require(
+        job,
+        keeps_own is None,
+        KEY,
+        "rescales the query/key weights, which a converter that trains only its own "
+        f"parameters ({type(keeps_own).__name__}) freezes; turn one of them off (0 here)",
     )
 
 

@@ -24,12 +24,30 @@ def check(job) -> None:
         "is for layouts without tensor parallelism: under TP the loss is already "
         "vocabulary-parallel (each rank holds 1/tp of the logits); set it to 0",
     )
-    require(
-        job,
-        "float8" not in job.model.converters or "output" in job.float8.filter_fqns,
-        "training.loss_chunk_tokens",
-        "needs the output layer left out of float8 (float8.filter_fqns with 'output')",
-    )
+
+
+def plan_check(job, plan) -> None:
+    """The output layer is still a plain linear layer where the chunked loss applies: no
+    converter before it (in their order) rewrote it."""
+    from torch import nn
+
+    from titan.components.converters import enabled_specs
+    from titan.config import extensions
+    from titan.config.manager import require
+
+    model = plan.spec.build_meta(plan.model_args)
+    for spec in enabled_specs(job):
+        if spec.name == "chunked_loss":
+            break
+        extensions.load(spec.build)(job).convert(model)
+        output = getattr(model, "output", None)
+        require(
+            job,
+            output is None or type(output) is nn.Linear,
+            "training.loss_chunk_tokens",
+            f"needs the output layer a plain linear layer, which the {spec.name} converter "
+            f"made a {type(output).__name__}: leave the output layer out of it",
+        )
 
 
 register(
@@ -38,6 +56,7 @@ register(
         build="titan.components.training.chunked_loss:ChunkedLossConverter",
         enabled=lambda job: job.training.loss_chunk_tokens != 0,
         check=check,
+        plan_check=plan_check,
         order=20,
     )
 )

@@ -19,7 +19,6 @@ from titan.models.common.hybrid_decoder import GatedSharedExpert, LinearAttentio
 from titan.models.common.parallelize import (
     attention_plan,
     moe_plan,
-    parallelize_decoder,
     swiglu_ffn_plan,
 )
 from titan.parallelisms.tensor_parallel import LocalTokens, local_in_forward
@@ -103,9 +102,3 @@ def part_plan(model: nn.Module, between) -> dict:
 
 
 __all__ = ["mixer_plan", "moe_plan", "part_plan", "swiglu_ffn_plan"]
-
-
-def parallelize_hybrid(model, dims, job):
-    """The hybrid decoder's parallelisms: the common decoder's, with the linear-attention
-    mixers' and gated shared experts' plans."""
-    return parallelize_decoder(model, dims, job, attention_plan=mixer_plan, part_plan=part_plan)

@@ -1,19 +1,11 @@
 from titan.config.entry import register
-from titan.models.common.moe_balance import moe_balance_hook
+from titan.models.common.family import DecoderParallelize, decoder_family
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from titan.models.deepseek_v3.model import DeepSeekV3
 from titan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
-from titan.models.spec import TrainSpec
 
-
-def parallelize_deepseek_v3(model, dims, job):
-    # imported when a model is parallelized: the launcher's config check registers every
-    # family and needs none of DTensor/FSDP
-    from titan.models.common.parallelize import parallelize_decoder
-    from titan.models.deepseek_v3.parallelize import mla_plan, mtp_plan
-
-    return parallelize_decoder(model, dims, job, attention_plan=mla_plan, part_plan=mtp_plan)
+_PLANS = "titan.models.deepseek_v3.parallelize"
 
 
 def pipeline_deepseek_v3(whole, stage_id, plan):
@@ -26,14 +18,13 @@ def pipeline_deepseek_v3(whole, stage_id, plan):
 
 
 register(
-    TrainSpec(
-        name="deepseek_v3",
-        model_cls=DeepSeekV3,
-        flavors=DEEPSEEK_V3_FLAVORS,
-        parallelize_fn=parallelize_deepseek_v3,
+    decoder_family(
+        "deepseek_v3",
+        DeepSeekV3,
+        DEEPSEEK_V3_FLAVORS,
+        DeepSeekV3StateDictAdapter,
+        DecoderParallelize(f"{_PLANS}:mla_plan", f"{_PLANS}:mtp_plan"),
         pipelining_fn=pipeline_deepseek_v3,
-        state_dict_adapter=DeepSeekV3StateDictAdapter,
-        post_optimizer_hooks=(moe_balance_hook,),
     )
 )
 

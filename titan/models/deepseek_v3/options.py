@@ -3,12 +3,11 @@ context extension and multi-token prediction. Torch-free: the config parser load
 (titan.config.family_options)."""
 
 from dataclasses import dataclass
-from typing import Literal
 
 from titan.config.entry import register
 from titan.config.family_options import FamilySection
 from titan.config.job_config import opt
-from titan.config.moe_options import MoEOptions
+from titan.config.moe_options import AuxLossScope, MoEOptions, aux_loss_scope
 
 
 @dataclass
@@ -23,12 +22,7 @@ class Options(MoEOptions):
         "weight of the balance loss (logged as moe_aux_loss; 0: off; "
         "unset: the flavor's, 0.0001 as published)",
     )
-    moe_aux_loss_scope: Literal["sequence", "global_batch"] = opt(
-        "sequence",
-        "the tokens each balancing-loss term is computed from: every sequence "
-        "(their mean is the loss), or the whole global batch (needs one forward per step: no "
-        "gradient accumulation, no pipeline); any layout computes the same loss",
-    )
+    moe_aux_loss_scope: AuxLossScope = aux_loss_scope()
     rope_scaling_factor: float | None = opt(
         None,
         "YaRN: stretch RoPE by this factor (671B's: 40, for 163840 positions); None: "

@@ -138,13 +138,8 @@ class DeepSeekV3StateDictAdapter(DecoderHFAdapter):
         return cfg
 
 
-def deepseek_v3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> DeepSeekV3Args:
-    """Map an HF DeepSeek-V3 config (transformers 4.x or 5.x layout) to DeepSeekV3Args. Raises
-    ValueError naming every field titan's DeepSeek-V3 cannot express.
-
-    `max_seq_len` (titan's RoPE table length) defaults to max_position_embeddings. The balancing
-    settings are not in the hub layout: the flavor's defaults (DeepSeek-V3's) apply."""
-    c = dict(config)
+def _unsupported(c: dict) -> list[str]:
+    """The settings of an HF DeepSeek-V3 config titan's cannot express, each named."""
     problems = []
     model_type, archs = c.get("model_type"), c.get("architectures") or []
     if (
@@ -174,49 +169,67 @@ def deepseek_v3_args_from_hf_config(config: dict, max_seq_len: int | None = None
             f"moe_layer_freq={c['moe_layer_freq']} (every layer after "
             "first_k_dense_replace is an MoE layer)"
         )
-    rope_theta, rope_type, rope, rope_problems = rope_settings(c)
-    problems += rope_problems
-    yarn = {}
-    if rope_type == "yarn":
-        if rope.get("attention_factor") is not None:
-            problems.append(
-                "YaRN attention_factor (titan derives it from mscale and mscale_all_dim)"
-            )
-        yarn = {
-            "rope_scaling_factor": float(rope["factor"]),
-            "rope_original_max_len": int(
-                rope.get("original_max_position_embeddings") or c.get("max_position_embeddings")
-            ),
-            "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
-            "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
-            "rope_mscale": float(rope.get("mscale") or 0.0),
-            "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
-        }
-    elif rope_type != "default":
-        problems.append(
-            f"rope type {rope_type!r} (titan's DeepSeek-V3 implements plain RoPE and YaRN)"
-        )
-    n_layers = int(c["num_hidden_layers"])
+    return problems
+
+
+def _yarn(c: dict, rope_type: str, rope: dict) -> tuple[dict, list[str]]:
+    """The YaRN fields of DeepSeekV3Args ({} for plain RoPE), and what cannot be expressed."""
+    if rope_type == "default":
+        return {}, []
+    if rope_type != "yarn":
+        return {}, [f"rope type {rope_type!r} (titan's DeepSeek-V3 implements plain RoPE and YaRN)"]
+    problems = []
+    if rope.get("attention_factor") is not None:
+        problems.append("YaRN attention_factor (titan derives it from mscale and mscale_all_dim)")
+    yarn = {
+        "rope_scaling_factor": float(rope["factor"]),
+        "rope_original_max_len": int(
+            rope.get("original_max_position_embeddings") or c.get("max_position_embeddings")
+        ),
+        "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "rope_mscale": float(rope.get("mscale") or 0.0),
+        "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+    }
+    return yarn, problems
+
+
+def _routing(c: dict, n_layers: int) -> tuple[MoEArgs | None, list[str]]:
+    """The routed experts (None: a dense model), and what cannot be expressed of them."""
     n_experts = int(c.get("n_routed_experts") or c.get("num_local_experts") or 0)
+    if not n_experts or int(c.get("first_k_dense_replace") or 0) >= n_layers:
+        return None, []
+    moe = MoEArgs(
+        n_experts=n_experts,
+        top_k=int(c.get("num_experts_per_tok") or 1),
+        hidden_dim=int(c["moe_intermediate_size"]),
+        score_func="sigmoid",
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        n_groups=int(c.get("n_group") or 1),
+        topk_groups=int(c.get("topk_group") or 1),
+        route_scale=float(c.get("routed_scaling_factor") or 1.0),
+        score_bias=True,
+        n_shared_experts=int(c.get("n_shared_experts") or 0),
+    )
+    what = "(n_routed_experts / num_experts_per_tok / n_group / topk_group)"
+    return moe, [f"{p} {what}" for p in moe.problems()]
+
+
+def deepseek_v3_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> DeepSeekV3Args:
+    """Map an HF DeepSeek-V3 config (transformers 4.x or 5.x layout) to DeepSeekV3Args. Raises
+    ValueError naming every field titan's DeepSeek-V3 cannot express.
+
+    `max_seq_len` (titan's RoPE table length) defaults to max_position_embeddings. The balancing
+    settings are not in the hub layout: the flavor's defaults (DeepSeek-V3's) apply."""
+    c = dict(config)
+    problems = _unsupported(c)
+    rope_theta, rope_type, rope, rope_problems = rope_settings(c)
+    yarn, yarn_problems = _yarn(c, rope_type, rope)
+    n_layers = int(c["num_hidden_layers"])
+    moe, moe_problems = _routing(c, n_layers)
+    problems += rope_problems + yarn_problems + moe_problems
+    n_heads = int(c["num_attention_heads"])
     dense = int(c.get("first_k_dense_replace") or 0)
-    moe = None
-    if n_experts and dense < n_layers:
-        moe = MoEArgs(
-            n_experts=n_experts,
-            top_k=int(c.get("num_experts_per_tok") or 1),
-            hidden_dim=int(c["moe_intermediate_size"]),
-            score_func="sigmoid",
-            norm_topk_prob=bool(c.get("norm_topk_prob", True)),
-            n_groups=int(c.get("n_group") or 1),
-            topk_groups=int(c.get("topk_group") or 1),
-            route_scale=float(c.get("routed_scaling_factor") or 1.0),
-            score_bias=True,
-            n_shared_experts=int(c.get("n_shared_experts") or 0),
-        )
-        problems += [
-            f"{p} (n_routed_experts / num_experts_per_tok / n_group / topk_group)"
-            for p in moe.problems()
-        ]
     seq_len = int(max_seq_len or c.get("max_position_embeddings", 4096))
     context = c.get("max_position_embeddings")
     args = DeepSeekV3Args(
