@@ -209,3 +209,12 @@ def run_trainer(
 def rank_logs(tmp_path, world_size) -> str:
     """The consoles of `run_trainer`'s ranks, rank 0's first."""
     return "".join((tmp_path / f"rank{r}.log").read_text() for r in range(world_size))
+
+
+def built_model(spec, args, seed: int = 0, eval: bool = True):
+    """The model of a family's `spec` from `args` on the CPU, initialized as a run does with
+    `seed` (in eval mode unless `eval` is False)."""
+    model = spec.build_meta(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model.eval() if eval else model

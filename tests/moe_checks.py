@@ -59,3 +59,29 @@ def check_resume_is_bitwise(one_rank, tmp_path, argv: list[str], steps: int, at:
     ]
     want, back = biases(saved / f"step-{steps}"), biases(dump / f"step-{steps}")
     assert all(torch.equal(back[k], want[k]) for k in want)
+
+
+def check_hf_round_trip(tmp_path, world: int, argv: list[str], spec, expected: dict) -> list:
+    """Each rank of this layout writes the model it holds to one HF folder and reads it back:
+    the state read back (rank 0's) and the folder read by one process (as HF tooling would)
+    equal `expected`, the one-process model's. Returns each rank's (bytes read, state)."""
+    from tests.forked import free_port, run_workers
+    from tests.unit.test_hf_sharded import round_trip
+    from titan.components.checkpoint import hf_io
+
+    argv = [*argv, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
+    ranks = run_workers(
+        round_trip,
+        world,
+        tmp_path,
+        free_port(),
+        argv,
+        tmp_path / "hf",
+        "float32",
+        init_pg=False,
+        deadline_s=120,
+    )
+    assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())  # read back
+    from_folder = hf_io.load_hf(tmp_path / "hf", spec)
+    assert all(torch.equal(from_folder[k], v) for k, v in expected.items())
+    return ranks

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests import workers
+from tests.forked import free_port
 from titan.tools import loss_compare
 from titan.tools.loss_compare import (  # noqa: F401  re-exported for the tests
     RunFailed,
@@ -167,14 +168,6 @@ def assert_token_counts(records, nproc, global_batch=GLOBAL_BATCH, seq_len=SEQ_L
 
 
 # ----------------------------------------------------------------------------- several nodes
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_tree(pid: int) -> list[int]:

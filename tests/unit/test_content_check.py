@@ -166,6 +166,15 @@ def test_truncated_token_shard_is_refused(monkeypatch, capsys, tmp_path):
     assert "scripts/pretokenize.py" in err
 
 
+def test_a_stream_of_token_shards_is_refused_when_planned(tmp_path):
+    """Token shards are read indexed: the data's plan check says so (the loader checks it no
+    more), naming the section's key."""
+    folder = _shards(tmp_path / "shards", Tokenizer(str(TOKENIZER_PATH)))
+    job = parse_args(["--training.dataset_path", str(folder), "--training.dataset_streaming"])
+    with pytest.raises(ConfigError, match=r"training.dataset_streaming with .*holds token shards"):
+        plan_run(job, world_size=1)
+
+
 def test_shards_of_another_tokenizer_are_refused(monkeypatch, capsys, tmp_path):
     other = tmp_path / "tok"
     other.mkdir()

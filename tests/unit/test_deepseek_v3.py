@@ -10,14 +10,14 @@ import warnings
 import pytest
 import torch
 
-from tests.forked import free_port, run_trainer, run_workers, tiny_run
-from tests.layouts import layouts, one_rank_run
+from tests.forked import built_model, run_trainer, tiny_run
+from tests.layouts import degrees, layouts, one_rank_run
 from tests.moe_checks import (
+    check_hf_round_trip,
     check_layout_like_one_process,
     check_resume_is_bitwise,
     check_run_like_one_process,
 )
-from tests.unit.test_hf_sharded import round_trip
 from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import hf_io
 from titan.models.deepseek_v3.state_dict_adapter import deepseek_v3_args_from_hf_config
@@ -41,9 +41,7 @@ PUBLISHED = {"671B": (671.0, 37.0, 0.6), "16B": (16.0, 3.0, 0.1)}
 
 
 def built(args, seed=0, bias_seed=None):
-    model = DEEPSEEK.build_meta(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
+    model = built_model(DEEPSEEK, args, seed, eval=False)
     if bias_seed is not None:  # a routing bias that changes the choice of some tokens
         gen = torch.Generator().manual_seed(bias_seed)
         for name, b in model.named_buffers():
@@ -245,52 +243,28 @@ def skewed(tmp_path_factory):
 # expert parallelism: routed experts split over ep ranks, tokens sent by all-to-all, from the
 # skewed start (one ep rank computes every row; the other sends all and receives none)
 EP_LAYOUTS = {
-    "ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
+    "ep2": (2, degrees(expert_parallel=2)),
     # ep from the context-parallel ranks
-    "ep2_cp2": (
-        2,
-        ["--parallelism.expert_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"],
-    ),
+    "ep2_cp2": (2, degrees(expert_parallel=2, context_parallel=2)),
     # each expert also FSDP-sharded over the 2 ranks holding it (efsdp 2), replicated on the
     # tp ranks, each tp rank dispatching its half of the sequence
     "ep2_fsdp4_tp2": (
         8,
-        [
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
+        [*degrees(expert_parallel=2, tensor_parallel=2), "--training.local_batch_size", "2"],
     ),
     # without sequence parallelism, both tp ranks dispatch the same tokens
     "ep2_tp2_no_sp": (
         4,
         [
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
+            *degrees(expert_parallel=2, tensor_parallel=2),
             "--parallelism.no_enable_sequence_parallel",
         ],
     ),
-    "ep2_pp2": (
-        4,
-        [
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-        ],
-    ),
+    "ep2_pp2": (4, degrees(expert_parallel=2, pipeline_parallel=2)),
     "ep2_hsdp2x2": (
         4,
         [
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
+            *degrees(expert_parallel=2, data_parallel_replicate=2),
             "--training.local_batch_size",
             "2",
         ],
@@ -442,22 +416,8 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
     ep 2 x efsdp 2 each rank holds a quarter of the experts (FSDP's strided shard of its ep
     rank's half)."""
     world, flags = {**LAYOUTS, **EP_LAYOUTS}[layout]
-    argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
-    ranks = run_workers(
-        round_trip,
-        world,
-        tmp_path,
-        free_port(),
-        argv,
-        tmp_path / "hf",
-        "float32",
-        init_pg=False,
-        deadline_s=120,
-    )
     expected = built(DEBUG.with_updates(max_seq_len=32)).state_dict()
-    assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())  # read back
-    from_folder = hf_io.load_hf(tmp_path / "hf", DEEPSEEK)
-    assert all(torch.equal(from_folder[k], v) for k, v in expected.items())
+    check_hf_round_trip(tmp_path, world, [*COMMON, *flags], DEEPSEEK, expected)
 
 
 @pytest.mark.parametrize(

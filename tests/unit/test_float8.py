@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
-from tests.layouts import layouts
+from tests.layouts import degrees, layouts
 from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
 from titan.config import ConfigError, parse_args
@@ -71,8 +71,7 @@ LAYOUTS = {
     "fsdp2_float8_all_gather": (
         2,
         [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
+            *degrees(data_parallel_shard=2),
             "--float8.enable_fsdp_float8_all_gather",
             "--float8.precompute_float8_dynamic_scale_for_fsdp",
         ],

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from tests.forked import run_trainer, tiny_run
+from tests.forked import built_model, run_trainer, tiny_run
 from tests.layouts import layouts, one_rank_run
 from tests.moe_checks import check_resume_is_bitwise, check_run_like_one_process
 from tests.unit.test_qwen3 import check_save_pretrained_start
@@ -36,9 +36,7 @@ PUBLISHED = {"20b": (20.9, 3.6, 0.05), "120b": (116.8, 5.1, 0.05)}
 def built(args, seed=0, perturb: bool = False):
     """The model, with (`perturb`) its sinks and every bias random instead of zero, as a
     trained model's are: what makes them count in a comparison."""
-    model = GPT_OSS.build_meta(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
+    model = built_model(GPT_OSS, args, seed, eval=False)
     if perturb:
         g = torch.Generator().manual_seed(seed + 100)
         with torch.no_grad():
@@ -351,26 +349,11 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
     """Each rank writes and reads its rows of the fused expert tensors (FSDP, EP: whole
     experts) and its heads' sinks (TP); the folder and the reloaded model equal the
     one-process model."""
-    from tests.forked import free_port, run_workers
-    from tests.unit.test_hf_sharded import round_trip
+    from tests.moe_checks import check_hf_round_trip
 
     world, flags = LAYOUTS[layout]
-    argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
-    ranks = run_workers(
-        round_trip,
-        world,
-        tmp_path,
-        free_port(),
-        argv,
-        tmp_path / "hf",
-        "float32",
-        init_pg=False,
-        deadline_s=120,
-    )
     expected = built(DEBUG.with_updates(max_seq_len=32)).state_dict()
-    assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())
-    from_folder = hf_io.load_hf(tmp_path / "hf", GPT_OSS)
-    assert all(torch.equal(from_folder[k], v) for k, v in expected.items())
+    check_hf_round_trip(tmp_path, world, [*COMMON, *flags], GPT_OSS, expected)
 
 
 @pytest.mark.needs("transformers")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.forked import build_trainer, free_port, run_trainer, run_workers
-from tests.layouts import layouts
+from tests.layouts import degrees, layouts
 from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
 from titan.models.llama3.args import Llama3Args
@@ -192,7 +192,7 @@ def round_trip(rank, world_size, port, argv, out_dir, dtype):
 LAYOUTS = {
     **layouts("tp2", "pp2", "fsdp2_tp2"),
     # 16 heads over 3 shards: shards cut through heads, so the q/k permutation gathers
-    "fsdp3": (3, ["--parallelism.data_parallel_shard_degree", "3"]),
+    "fsdp3": (3, degrees(data_parallel_shard=3)),
 }
 
 

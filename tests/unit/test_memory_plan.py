@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.forked import run_trainer, run_workers, tiny_run
+from tests.layouts import degrees
 from titan.config import parse_args
 from titan.plan.run_plan import plan_run
 from titan.planner.memory import rank_bytes
@@ -19,32 +20,17 @@ LAYOUTS = {
     "fsdp2_full_ac": (2, ["--activation_checkpoint.mode", "full"]),
     "fsdp2_tp2_selective_ac": (
         4,
-        ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective"],
+        [*degrees(tensor_parallel=2), "--activation_checkpoint.mode", "selective"],
     ),
     # TP without FSDP: each gradient in its weight's sharding (the embedding's came whole)
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "hsdp2x2": (
-        4,
-        ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"],
-    ),
-    "cp2": (
-        2,
-        [
-            "--parallelism.context_parallel_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "1",
-        ],
-    ),
-    "pp2_1f1b_tied": (
-        2,
-        ["--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "debugmodel_tied"],
-    ),
+    "tp2": (2, degrees(tensor_parallel=2)),
+    "hsdp2x2": (4, [*degrees(data_parallel_replicate=2), "--training.local_batch_size", "2"]),
+    "cp2": (2, degrees(context_parallel=2, data_parallel_shard=1)),
+    "pp2_1f1b_tied": (2, [*degrees(pipeline_parallel=2), "--model.flavor", "debugmodel_tied"]),
     "pp2_interleaved": (
         2,
         [
-            "--parallelism.pipeline_parallel_degree",
-            "2",
+            *degrees(pipeline_parallel=2),
             "--parallelism.pipeline_parallel_schedule",
             "Interleaved1F1B",
             "--parallelism.pipeline_parallel_layers_per_stage",

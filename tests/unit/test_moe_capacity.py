@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.forked import run_trainer, tiny_run
-from tests.layouts import layouts
+from tests.layouts import degrees, layouts
 from titan.models.common.aux_loss import AuxLossCollector
 from titan.models.common.init import normal, seeded_init_all
 from titan.models.common.moe import MoE, MoEArgs
@@ -191,10 +191,7 @@ LAYOUTS = {
     "tp2_ep2_no_sp": (
         4,
         [
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--parallelism.expert_parallel_degree",
-            "2",
+            *degrees(tensor_parallel=2, expert_parallel=2),
             "--parallelism.no_enable_sequence_parallel",
         ],
     ),

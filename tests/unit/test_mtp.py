@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from tests.forked import run_trainer, tiny_run
+from tests.forked import built_model, run_trainer, tiny_run
 from tests.layouts import layouts, one_rank_run
 from titan.components.checkpoint import folders as checkpoint
 from titan.components.checkpoint import hf_io
@@ -30,10 +30,7 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
 
 def built(args, seed=0):
-    model = DEEPSEEK.build_meta(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model
+    return built_model(DEEPSEEK, args, seed, eval=False)
 
 
 def row(batch=2, seed=1):

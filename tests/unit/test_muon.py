@@ -9,7 +9,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.forked import run_trainer, tiny_run
-from tests.layouts import layouts
+from tests.layouts import degrees, layouts
 from titan.components.checkpoint import disk_space
 from titan.components.optim import muon as muon_module
 from titan.components.optim.muon import Muon, newton_schulz
@@ -137,11 +137,8 @@ COMMON = [*tiny_run(10), *MUON, *FP32_NS]
 LAYOUTS = {
     **layouts("tp2", "pp2"),
     "fsdp2": (2, []),
-    "hsdp2x2": (
-        4,
-        ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"],
-    ),
-    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "hsdp2x2": (4, [*degrees(data_parallel_replicate=2), "--training.local_batch_size", "2"]),
+    "fsdp2_tp2": (4, degrees(tensor_parallel=2)),
 }
 
 

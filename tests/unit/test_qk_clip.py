@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.forked import run_trainer, tiny_run
+from tests.layouts import degrees
 from titan.components.optim.qk_clip import scale_rows_
 from titan.config import ConfigError, parse_args
 from titan.models.common import logit_max
@@ -194,7 +195,7 @@ FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 LAYOUTS = {  # name: (ranks, flags)
     "fsdp2": (2, FSDP2),
     "tp2": (2, TP2),
-    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "pp2": (2, degrees(pipeline_parallel=2)),
     "fsdp2_tp2": (4, [*FSDP2, *TP2]),  # the query rows sharded twice (FSDP's strided shards)
     "full_ac_compiled": (1, ["--activation_checkpoint.mode", "full", "--compile.enable"]),
 }

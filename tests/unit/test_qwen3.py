@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.forked import build_trainer, free_port, run_trainer, run_workers, tiny_run
+from tests.forked import build_trainer, built_model, free_port, run_trainer, run_workers, tiny_run
 from tests.layouts import layouts
 from titan.components.checkpoint import hf_io
 from titan.models.qwen3.state_dict_adapter import qwen3_args_from_hf_config
@@ -39,10 +39,7 @@ PUBLISHED = {
 
 
 def built(args, seed=0):
-    model = QWEN3.build_meta(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model.eval()
+    return built_model(QWEN3, args, seed)
 
 
 def tokens(args, seed=1):

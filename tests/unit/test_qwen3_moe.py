@@ -9,10 +9,13 @@ import warnings
 import pytest
 import torch
 
-from tests.forked import free_port, run_trainer, run_workers, tiny_run
-from tests.layouts import layouts, one_rank_run
-from tests.moe_checks import check_layout_like_one_process, check_resume_is_bitwise
-from tests.unit.test_hf_sharded import round_trip
+from tests.forked import built_model, run_trainer, tiny_run
+from tests.layouts import degrees, layouts, one_rank_run
+from tests.moe_checks import (
+    check_hf_round_trip,
+    check_layout_like_one_process,
+    check_resume_is_bitwise,
+)
 from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import hf_io
 from titan.models.qwen3.state_dict_adapter import qwen3_args_from_hf_config
@@ -36,10 +39,7 @@ PUBLISHED = {"30B-A3B": (30.5, 3.3, 0.1), "235B-A22B": (235.0, 22.0, 0.5)}
 
 
 def built(args, seed=0):
-    model = QWEN3.build_meta(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model.eval()
+    return built_model(QWEN3, args, seed)
 
 
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
@@ -146,12 +146,7 @@ LAYOUTS = {
     # the routing and grouped GEMM saved, the rest recomputed (counted twice: same ratios)
     "fsdp2_selective_ac": (
         2,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--activation_checkpoint.mode",
-            "selective",
-        ],
+        [*degrees(data_parallel_shard=2), "--activation_checkpoint.mode", "selective"],
     ),
 }
 
@@ -196,19 +191,9 @@ def test_load_balancing_loss_is_logged_apart_and_trained(one_rank, tmp_path):
 # the loss over the whole global batch: one forward per rank (local batch = global / dp)
 GLOBAL = [*COMMON, "--qwen3.moe_aux_loss_scope", "global_batch", "--training.steps", "5"]
 GLOBAL_LAYOUTS = {
-    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
-    "fsdp2_tp2_ep2": (
-        4,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--parallelism.expert_parallel_degree",
-            "2",
-        ],
-    ),
+    "fsdp2": (2, degrees(data_parallel_shard=2)),
+    "cp2": (2, degrees(context_parallel=2)),
+    "fsdp2_tp2_ep2": (4, degrees(data_parallel_shard=2, tensor_parallel=2, expert_parallel=2)),
 }
 
 
@@ -245,22 +230,8 @@ def test_hf_export_and_load_from_sharded_layouts(layout, tmp_path):
     """Each rank writes and reads the experts it holds (FSDP: 4 of the 8 of every layer),
     one tensor per expert; the folder and the reloaded model equal the one-process model."""
     world, flags = LAYOUTS[layout]
-    argv = [*COMMON, *flags, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "d")]
-    ranks = run_workers(
-        round_trip,
-        world,
-        tmp_path,
-        free_port(),
-        argv,
-        tmp_path / "hf",
-        "float32",
-        init_pg=False,
-        deadline_s=120,
-    )
     expected = built(DEBUG.with_updates(max_seq_len=32)).state_dict()
-    assert all(torch.equal(ranks[0][1][k], v) for k, v in expected.items())  # read back
-    from_folder = hf_io.load_hf(tmp_path / "hf", QWEN3)
-    assert all(torch.equal(from_folder[k], v) for k, v in expected.items())
+    ranks = check_hf_round_trip(tmp_path, world, [*COMMON, *flags], QWEN3, expected)
     if layout == "fsdp2":  # half the experts each, and half of everything else
         experts = sum(v.numel() * 4 for k, v in expected.items() if ".experts." in k)
         total = sum(v.numel() * 4 for v in expected.values())

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from tests.forked import run_trainer, tiny_run
-from tests.layouts import layouts, one_rank_run
+from tests.forked import built_model, run_trainer, tiny_run
+from tests.layouts import degrees, layouts, one_rank_run
 from tests.moe_checks import check_layout_like_one_process, check_resume_is_bitwise
 from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import hf_io
@@ -28,10 +28,7 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 
 
 def built(args, seed=0, spec=NEXT):
-    model = spec.build_meta(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model.eval()
+    return built_model(spec, args, seed)
 
 
 def tokens(args, rows=2, seed=1):
@@ -143,15 +140,7 @@ LAYOUTS = {
     # cp2:
     # the linear layers exchange heads for whole sequences; the attention layer is a ring
     **layouts("fsdp2", "tp2", "tp2_sp", "pp2", "cp2", "cp2_alltoall"),
-    "ep2": (
-        2,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.expert_parallel_degree",
-            "2",
-        ],
-    ),
+    "ep2": (2, degrees(data_parallel_shard=2, expert_parallel=2)),
 }
 
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from tests.forked import run_trainer, tiny_run
-from tests.layouts import layouts
+from tests.forked import built_model, run_trainer, tiny_run
+from tests.layouts import degrees, layouts
 from titan.components.checkpoint import hf_io
 from titan.models.spec import get_train_spec
 
@@ -23,10 +23,7 @@ COMMON = ["--model.flavor", "debugmodel_tied", *tiny_run(STEPS)]
 
 
 def built(args, seed=0):
-    model = LLAMA.build_meta(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model
+    return built_model(LLAMA, args, seed, eval=False)
 
 
 def test_one_parameter_counted_once():
@@ -56,32 +53,15 @@ LAYOUTS = {
     "pp2_zbv": (
         2,
         [
-            "--parallelism.pipeline_parallel_degree",
-            "2",
+            *degrees(pipeline_parallel=2),
             "--parallelism.pipeline_parallel_schedule",
             "ZBVZeroBubble",
         ],
     ),
-    "fsdp2_pp2": (
-        4,
-        [
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-        ],
-    ),
+    "fsdp2_pp2": (4, degrees(data_parallel_shard=2, pipeline_parallel=2)),
     # TP's embedding backward makes a whole (Replicate) gradient, the output copy's is
     # sharded: resharded like the weight, the pair sums alike shards (it once aborted)
-    "tp2_pp2": (
-        4,
-        [
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-        ],
-    ),
+    "tp2_pp2": (4, degrees(tensor_parallel=2, pipeline_parallel=2)),
 }
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.forked import run_trainer, tiny_run
+from tests.forked import built_model, run_trainer, tiny_run
 from titan.components.checkpoint import folders, hf_io
 from titan.components.checkpoint.identity import model_identity
 from titan.components.checkpoint.train_state import ModelState
@@ -21,11 +21,7 @@ QWEN3 = get_train_spec("qwen3")
 SEQ = 64
 
 
-def built(spec, args, seed=0):
-    model = spec.build_meta(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model.eval()
+built = built_model
 
 
 def saved(tmp_path, family: str, flavor: str, seed: int = 0):

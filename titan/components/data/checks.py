@@ -27,6 +27,11 @@ def check_datasets(job, plan=None) -> None:
                 str(e) if str(e).startswith(section) else f"{section}.dataset: {e}"
             ) from None
         streamed = files is None or cfg.dataset_streaming
+        if cfg.dataset_streaming and files is not None and len(files) == 1 and files[0].is_dir():
+            raise ConfigError(
+                f"{section}.dataset_streaming with {files[0]}, which holds token shards: they "
+                "are read indexed; unset dataset_streaming"
+            )
         if section == "training" and streamed and cfg.dataloader_num_workers:
             raise ConfigError(
                 f"training.dataloader_num_workers = {cfg.dataloader_num_workers} with the "

@@ -27,7 +27,7 @@ from titan.components.data.dataset import (
     parse_mix,
     sample_fields,
 )
-from titan.components.data.document_index import DocSpan, read_skip_file, skip_refusal
+from titan.components.data.document_index import DocSpan, read_skip_file
 from titan.components.data.packed import MixedWindows, PackedWindows, open_tokens, with_fields
 from titan.components.data.streaming import StreamingPackedDataset
 from titan.components.data.tokenizer import Tokenizer
@@ -308,23 +308,8 @@ class StreamLoader:
         )
 
 
-def _check_divisible(global_batch_size: int, shard: DataShard) -> None:
-    if global_batch_size % shard.dp_world_size:
-        raise DataError(
-            f"global batch {global_batch_size} is not divisible by the dp degree "
-            f"{shard.dp_world_size}"
-        )
-
-
 def _packed(sources, files, tokenizer, text_field: str, seq_len: int, skip_documents: str):
     """Each source's documents packed into windows, read indexed, less skip_documents'."""
-    for (name, _), f in zip(sources, files):
-        if f is None:
-            raise DataError(
-                f"training.dataset_mix source {name!r} is not a local file, folder "
-                "or bundled name: mixed sources are read indexed; pretokenize a hub "
-                "dataset first (scripts/pretokenize.py)"
-            )
     windows = [
         PackedWindows(open_tokens(f, tokenizer, text_field), seq_len, name, tokenizer.bos_id)
         for (name, _), f in zip(sources, files)
@@ -363,7 +348,6 @@ def build_text_dataloader(
     """A restored loader yields exactly the batch an uninterrupted one would have yielded.
     `mix`: (source, weight) pairs read instead of dataset/dataset_path. `section`: the config
     section whose dataset this is, for the errors that name its keys."""
-    _check_divisible(global_batch_size, shard)
     sources = mix or [(dataset, 1.0)]
     check_same_fields([name for name, _ in sources])
     fields = sample_fields(sources[0][0], tokenizer)
@@ -375,13 +359,9 @@ def build_text_dataloader(
         )
         for name, _ in sources
     ]
+    # what the data's plan checks refused is not checked again here (titan.components.data
+    # .checks: a stream of token shards, documents skipped from a stream, a mix of hub sources)
     if not mix and (files[0] is None or streaming):
-        if skip_documents:
-            raise DataError(skip_refusal(False, True, skip_documents))
-        if files[0] is not None and len(files[0]) == 1 and files[0][0].is_dir():
-            raise DataError(
-                f"{files[0][0]} holds token shards, which are read indexed: unset dataset_streaming"
-            )
         ds = StreamingPackedDataset(
             dataset,
             files[0],
@@ -428,7 +408,6 @@ def build_chat_dataloader(
 ):
     """Conversations (`chat`: the chat section) as windows of (inputs, labels, doc_ids),
     read in a global order as packed text is: resumes exactly, on any dp degree."""
-    _check_divisible(global_batch_size, shard)
     template = ChatTemplate.load(tokenizer, chat.template)
     opts = ChatOptions(
         seq_len=seq_len,
@@ -473,8 +452,6 @@ def build_dataloader(
         workers=Workers(cfg.dataloader_num_workers, cfg.dataloader_prefetch_factor),
     )
     if cfg.dataset_format == "chat":
-        if cfg.skip_documents:
-            raise DataError(skip_refusal(True, False, cfg.skip_documents))
         return build_chat_dataloader(**common, chat=sections["chat"])
     return build_text_dataloader(
         **common,
