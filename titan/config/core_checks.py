@@ -126,11 +126,6 @@ register(Entry("schedules", check=check_schedules))
 register(Entry("parallelism", ignored=ignored_parallelism))
 # of a run about to start: its checkpoint folders and the memory its plan needs (their
 # modules sit above this layer, named by path)
-register(
-    Entry(
-        "checkpoint folders",
-        plan_check="titan.assembly.checkpoint_check:check_checkpoints",
-        reads_inputs=True,
-    )
-)
+_FOLDERS = "titan.assembly.checkpoint_check:check_checkpoints"
+register(Entry("checkpoint folders", plan_check=_FOLDERS, reads_inputs=True))
 register(Entry("memory", plan_check="titan.planner.memory:plan_check", reads_inputs=True))

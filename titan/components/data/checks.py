@@ -103,10 +103,6 @@ def check_mix(job) -> None:
 
 
 register(Entry("datasets", plan_check=check_datasets))
-register(
-    Entry(
-        "data content",
-        plan_check="titan.components.data.content_check:plan_check",
-        reads_inputs=True,
-    )
-)
+# what the files hold, read when a run is about to start (titan.components.data.content_check)
+_CONTENT = "titan.components.data.content_check:plan_check"
+register(Entry("data content", plan_check=_CONTENT, reads_inputs=True))
