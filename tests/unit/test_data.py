@@ -324,10 +324,24 @@ def test_dp_sharding_with_grad_accumulation(tokenizer):
         assert torch.equal(x, single[s][0]) and torch.equal(y, single[s][1])
 
 
-def test_global_batch_not_divisible_by_dp(tokenizer, tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
-    with pytest.raises(DataError, match="not divisible"):
-        loader(tokenizer, 2, 5, rank=0, dp=2, dataset="d", path=str(path), seq_len=8)
+def test_global_batch_not_divisible_by_dp_is_refused_when_planned():
+    """The layout's plan check refuses it, before any loader is built (the loader checks it
+    no more: nothing is checked twice)."""
+    from titan.config import ConfigError, parse_args
+    from titan.plan.run_plan import plan_run
+
+    job = parse_args(
+        [
+            "--training.global_batch_size",
+            "5",
+            "--training.local_batch_size",
+            "1",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ]
+    )
+    with pytest.raises(ConfigError, match="global_batch_size 5 must be a multiple of"):
+        plan_run(job, world_size=2)
 
 
 # ----------------------------------------------------------------------------- epochs
