@@ -38,6 +38,7 @@ class ConverterSpec(Entry):
             extensions.said_once(
                 "ConverterSpec.plan_check(job, train_spec, model_args, device)",
                 "plan_check(job, plan) (plan.spec, plan.model_args, plan.device)",
+                stacklevel=4,  # past __post_init__ and the dataclass's __init__: the plugin's line
             )
             object.__setattr__(
                 self,

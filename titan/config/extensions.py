@@ -78,10 +78,11 @@ class Registry:
 _said: set[str] = set()
 
 
-def said_once(old: str, new: str) -> None:
+def said_once(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn once that `old` is now `new`, at the line of the caller's caller (the plugin's)."""
     if old not in _said:
         _said.add(old)
-        warnings.warn(f"{old} is now {new}", FutureWarning, stacklevel=3)
+        warnings.warn(f"{old} is now {new}", FutureWarning, stacklevel=stacklevel)
 
 
 def _named(kind: str, fn: Callable) -> str:
