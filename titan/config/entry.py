@@ -14,12 +14,11 @@ Torch-free: a config is checked before torch is imported.
 """
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import ClassVar
 
-from titan.config.plugins import import_plugin
+from titan.config.plugins import import_plugin, load
 
 # titan's own registrations, imported on first use the way a plugin's are by
 # --job.custom_import: the core sections' entries, the planned run's core checks, then the
@@ -30,6 +29,9 @@ BUILTIN = ("titan.config.core_checks", "titan.plan.checks", "titan.components.bu
 @dataclass(frozen=True)
 class Entry:
     kind: ClassVar[str] = "component"
+    # an unused entry's section settings are ignored when typed on the command line (a config
+    # file's are a template for runs that use it); False: from the config file too
+    typed_only: ClassVar[bool] = True
     name: str
     _: KW_ONLY
     # "module:function" making what the entry adds (its kind says the signature)
@@ -46,7 +48,7 @@ class Entry:
     plan_check: Callable | str | None = None
     # its plan check reads what the run reads or holds (the data files' heads, the checkpoint
     # folders, the memory plan): made once per launch, of a run about to start, after every
-    # other entry's (titan.runtime.inputs_checked)
+    # other entry's and the pipeline split (check_inputs; titan.runtime.inputs_checked)
     reads_inputs: bool = False
     # ignored(job) -> {key: why} for settings the config sets that this run does not use
     ignored: Callable | None = None
@@ -72,20 +74,18 @@ class Entry:
         out = dict(self.ignored(job)) if self.ignored else {}
         why = self.unused(job) if self.section else None
         if why:
-            out.update({key: why for key in changed_keys(job, self.section, typed=True)})
+            keys = changed_keys(job, self.section, typed=self.typed_only)
+            out.update({key: why for key in keys})
         return out
 
 
-_BY_KIND: dict[str, dict[str, Entry]] = {}
 _ALL: dict[tuple[str, str], Entry] = {}  # every entry by (kind, name), in registration order
-_SECTIONS: dict[str, Entry] = {}  # section name -> the entry that declares it
 _loaded = False
 
 
 def register(entry: Entry) -> None:
     """Add `entry`; the same entry again is a no-op (a plugin may be imported twice)."""
-    entries = _BY_KIND.setdefault(entry.kind, {})
-    taken = entries.get(entry.name)
+    taken = _ALL.get((entry.kind, entry.name))
     if taken == entry:
         return
     if taken is not None:
@@ -94,42 +94,36 @@ def register(entry: Entry) -> None:
             f"{article} {entry.kind} named {entry.name!r} is already registered; register it "
             "under another name"
         )
-    owner = _SECTIONS.get(entry.section) if entry.section else None
+    owner = section_owner(entry.section) if entry.section else None
     if owner is not None:
         raise ValueError(
             f"a config section named {entry.section!r} is already registered (by the "
             f"{owner.kind} {owner.name!r}); name the section otherwise"
         )
-    entries[entry.name] = entry
     _ALL[entry.kind, entry.name] = entry
-    if entry.section:
-        _SECTIONS[entry.section] = entry
 
 
 def unregister(kind: str, name: str) -> None:
-    entry = _BY_KIND.get(kind, {}).pop(name, None)
     _ALL.pop((kind, name), None)
-    if entry is not None and entry.section:
-        _SECTIONS.pop(entry.section, None)
 
 
 def entries(kind: str | None = None) -> dict[str, Entry] | list[Entry]:
-    """The live entries of `kind` by name, in registration order; every entry (a list) when
+    """The entries of `kind` by name, in registration order; every entry (a list) when
     `kind` is None."""
     load_builtin()
     if kind is not None:
-        return _BY_KIND.setdefault(kind, {})
+        return {name: e for (k, name), e in _ALL.items() if k == kind}
     return list(_ALL.values())
 
 
 def section_owner(section: str) -> Entry | None:
-    return _SECTIONS.get(section)
+    return next((e for e in _ALL.values() if e.section == section), None)
 
 
 def sections() -> dict[str, object]:
     """A fresh instance of every registered section, by name, in registration order."""
     load_builtin()
-    return {name: entry.options() for name, entry in _SECTIONS.items()}
+    return {e.section: e.options() for e in _ALL.values() if e.section}
 
 
 def check_job(job) -> None:
@@ -140,22 +134,28 @@ def check_job(job) -> None:
 
 
 def check_plan(job, plan) -> None:
-    """Every entry's plan check the job uses, in registration order; those that read the
-    run's inputs last, where this process makes them."""
+    """Every entry's plan check the job uses, in registration order, but those that read the
+    run's inputs (`check_inputs`)."""
+    _plan_checks(job, plan, reads_inputs=False)
+
+
+def check_inputs(job, plan) -> None:
+    """The plan checks that read what a run about to start reads or holds, where this process
+    makes them (titan.runtime.inputs_checked)."""
     from titan.runtime.inputs_checked import checks_inputs
 
-    used = [e for e in entries() if e.plan_check and e.unused(job) is None]
-    inputs = plan.starting and checks_inputs()
-    for entry in [e for e in used if not e.reads_inputs] + [e for e in used if e.reads_inputs]:
-        if inputs or not entry.reads_inputs:
+    if checks_inputs():
+        _plan_checks(job, plan, reads_inputs=True)
+
+
+def _plan_checks(job, plan, reads_inputs: bool) -> None:
+    for entry in entries():
+        if entry.plan_check and entry.reads_inputs == reads_inputs and entry.unused(job) is None:
             _loaded_fn(entry.plan_check)(job, plan)
 
 
 def _loaded_fn(fn: Callable | str) -> Callable:
-    if isinstance(fn, str):
-        module, _, name = fn.partition(":")
-        return getattr(importlib.import_module(module), name)
-    return fn
+    return load(fn) if isinstance(fn, str) else fn
 
 
 def weight_copies(sections: dict) -> int:

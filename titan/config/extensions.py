@@ -13,6 +13,7 @@ from titan.config.entry import (  # noqa: F401  the one door, and what reads the
     BUILTIN,
     Entry,
     changed_keys,
+    check_inputs,
     check_job,
     check_plan,
     entries,
@@ -68,9 +69,6 @@ class Registry:
 
     def remove(self, name: str) -> None:
         unregister(self.kind, name)
-
-    def options_of(self, spec: Entry, added: dict):
-        return spec.options_in(added)
 
 
 # today's spellings of the one door, kept for plugins written against earlier docs: each

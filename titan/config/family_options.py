@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from titan.config import extensions
-from titan.config.entry import Entry, changed_keys, register, section_owner, unregister
+from titan.config.entry import Entry, register, section_owner, unregister
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class FamilySection(Entry):
     the run trains the family."""
 
     kind: ClassVar[str] = "family section"
+    # another family's settings cannot apply, from a config file either
+    typed_only: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.options is not None and self.section is None:
@@ -31,12 +33,6 @@ class FamilySection(Entry):
 
     def unused(self, job) -> str | None:
         return None if job.model.name == self.name else f"this run trains {job.model.name}"
-
-    def ignored_settings(self, job) -> dict[str, str]:
-        # a config file's settings of another family count too: they cannot apply
-        why = self.unused(job)
-        keys = changed_keys(job, self.section) if why and self.section else []
-        return {**super().ignored_settings(job), **{key: why for key in keys}}
 
 
 def register_family_options(family: str, options_cls: type) -> None:

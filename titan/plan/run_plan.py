@@ -8,7 +8,7 @@ by other launchers.
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 
 from titan.components.data.tokenizer import Tokenizer, TokenizerError
 from titan.config import ConfigError, JobConfig, extensions
@@ -42,6 +42,11 @@ class RunPlan:
     # data-parallel replicas in all: the mesh's dp times torchft replica groups
     data_parallel_size: int
     device: str  # "cuda" or "cpu"
+    # every pipeline rank's stages (index: pp rank), for training batches and for validation
+    # batches (same stages, as many microbatches as a validation batch holds); empty without
+    # pipelining, and validation's without validation
+    pipelines: tuple[PipelinePlan, ...] = ()
+    validation_pipelines: tuple[PipelinePlan, ...] = ()
     # sequences per validation batch over all dp ranks, and per forward on one rank
     validation_global_batch: int = 0
     validation_local_batch: int = 0
@@ -50,33 +55,6 @@ class RunPlan:
     seq_len: int = 0  # training.seq_len
     # training.seq_len_schedule resolved (None: every step seq_len)
     seq_len_schedule: SeqLenSchedule | None = None
-    # a run about to start (its data, checkpoints and memory are checked), not a plan only
-    # weighed
-    starting: bool = False
-    job: JobConfig | None = field(default=None, repr=False, compare=False)
-    # the splits made, kept across dataclasses.replace (keyed by what they depend on)
-    splits: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def pipelines(self) -> tuple[PipelinePlan, ...]:
-        """Every pipeline rank's stages (index: pp rank) for training batches; empty without
-        pipelining. Split when first asked, after the layout's checks."""
-        return self._split(validation=False)
-
-    @property
-    def validation_pipelines(self) -> tuple[PipelinePlan, ...]:
-        """The same stages for validation batches, as many microbatches as a validation
-        forward holds; empty without pipelining or validation."""
-        return self._split(validation=True)
-
-    def _split(self, validation: bool) -> tuple[PipelinePlan, ...]:
-        if not self.dims.pp_enabled or (validation and not self.validation_local_batch):
-            return ()
-        batch = self.validation_local_batch if validation else 0
-        key = (batch, self.model_args.n_layers, tuple(self.model_args.layer_costs() or ()))
-        if key not in self.splits:
-            self.splits[key] = pipeline_plans(self.job, self.model_args, batch)
-        return self.splits[key]
 
     def global_batch_at(self, step: int) -> int:
         """The global batch size of (1-based) step `step`."""
@@ -175,11 +153,15 @@ def plan_run(
         batch_schedule=schedule,
         seq_len=t.seq_len,
         seq_len_schedule=lengths,
-        starting=starting,
-        job=job,
     )
     extensions.check_plan(job, plan)
-    plan.pipelines, plan.validation_pipelines  # noqa: B018  a bad split is refused here
+    # split once the layout's checks passed; the memory plan (a check of the inputs) reads it
+    if dims.pp_enabled:
+        plan.pipelines = pipeline_plans(job, model_args)
+        if job.validation.enable:
+            plan.validation_pipelines = pipeline_plans(job, model_args, validation_batch=val_local)
+    if starting:
+        extensions.check_inputs(job, plan)
     return plan
 
 

@@ -55,23 +55,19 @@ _WRITERS = extensions.Registry(WriterSpec.kind)
 unregister_writer = _WRITERS.remove
 
 
-def _options(spec: WriterSpec, sections: dict):
-    return spec.options_in(sections)
-
-
 def register_writer(spec: WriterSpec) -> None:
     extensions.said_once("register_writer(spec)", "titan.config.extensions.register(spec)")
     extensions.register(spec)
 
 
 def enabled_writers(cfg, sections: dict) -> list[WriterSpec]:
-    return [s for s in _WRITERS.entries.values() if s.enabled(cfg, _options(s, sections))]
+    return [s for s in _WRITERS.entries.values() if s.enabled(cfg, s.options_in(sections))]
 
 
 def build_writers(cfg, sections: dict, context: WriterContext) -> list[MetricsWriter]:
     """The writers this run enables, in registration order (titan's own first)."""
     return [
-        extensions.load(spec.build)(cfg, _options(spec, sections), context)
+        extensions.load(spec.build)(cfg, spec.options_in(sections), context)
         for spec in enabled_writers(cfg, sections)
     ]
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan.components.checkpoint.tied_state import saved_form, saved_key, tied_names
-from titan.components.optim.registry import clean_name, optimizer_spec, options_of
+from titan.components.optim.registry import clean_name, optimizer_spec
 from titan.config import ConfigError, extensions
 
 logger = logging.getLogger("titan")
@@ -80,7 +80,7 @@ class OptimizersContainer:
 
     def __init__(self, model_parts: list[nn.Module], cfg, sections: dict, lr_scale=None):
         spec = optimizer_spec(cfg.name)
-        build, options = extensions.load(spec.build), options_of(spec, sections)
+        build, options = extensions.load(spec.build), spec.options_in(sections)
         if not _any_rank_trains(model_parts):
             raise ConfigError(
                 "no parameter of the model trains: model.converters froze every one, so "

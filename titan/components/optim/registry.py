@@ -51,10 +51,6 @@ def register_optimizer(spec: OptimizerSpec) -> None:
     extensions.register(spec)
 
 
-def options_of(spec: OptimizerSpec, sections: dict):
-    return spec.options_in(sections)
-
-
 def optimizer_spec(name: str) -> OptimizerSpec:
     return _OPTIMIZERS.entries[name]
 
@@ -63,7 +59,7 @@ def state_bytes(
     spec: OptimizerSpec, name: str, shape: tuple[int, ...], elements: int, cfg, sections: dict
 ) -> int:
     return spec.state_bytes(
-        clean_name(name), tuple(shape), elements, cfg, options_of(spec, sections)
+        clean_name(name), tuple(shape), elements, cfg, spec.options_in(sections)
     )
 
 

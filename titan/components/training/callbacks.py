@@ -199,7 +199,7 @@ def build_callbacks(run, sections: dict) -> Callbacks:
     whose method the trainer cannot call as `Callback` declares it is refused (ConfigError)
     before any step."""
     made = {
-        spec.name: extensions.load(spec.build)(run, _CALLBACKS.options_of(spec, sections))
+        spec.name: extensions.load(spec.build)(run, spec.options_in(sections))
         for spec in _CALLBACKS.entries.values()
     }
     callbacks = Callbacks({name: cb for name, cb in made.items() if cb is not None})

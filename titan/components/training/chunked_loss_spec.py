@@ -31,15 +31,14 @@ def plan_check(job, plan) -> None:
     converter before it (in their order) rewrote it."""
     from torch import nn
 
-    from titan.components.converters import enabled_specs
-    from titan.config import extensions
+    from titan.components.converters import Converters, enabled_specs
     from titan.config.manager import require
 
     model = plan.spec.build_meta(plan.model_args)
-    for spec in enabled_specs(job):
+    for spec, converter in zip(enabled_specs(job), Converters(job).items, strict=True):
         if spec.name == "chunked_loss":
             break
-        extensions.load(spec.build)(job).convert(model)
+        converter.convert(model)
         output = getattr(model, "output", None)
         require(
             job,

@@ -1,8 +1,7 @@
 """The TrainSpec of a family built on the common decoder: one call per family instead of a
 parallelize wrapper and a registration block each."""
 
-import importlib
-
+from titan.config.plugins import load
 from titan.models.common.moe_balance import moe_balance_hook
 from titan.models.common.pipeline import pipeline_decoder
 from titan.models.spec import TrainSpec
@@ -20,7 +19,7 @@ class DecoderParallelize:
         from titan.models.common.parallelize import parallelize_decoder
 
         plans = {
-            key: _named(path)
+            key: load(path)
             for key, path in (
                 ("attention_plan", self.attention_plan),
                 ("part_plan", self.part_plan),
@@ -28,11 +27,6 @@ class DecoderParallelize:
             if path
         }
         return parallelize_decoder(model, dims, job, **plans)
-
-
-def _named(path: str):
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 # the hybrid decoder's linear-attention mixers and gated shared experts
