@@ -97,12 +97,12 @@ def test_refused_where_it_does_not_apply(flags, why):
     assert why in str(e.value)
 
 
+@pytest.mark.needs("torchao")
 @pytest.mark.parametrize(
     "fqns, refused", [("wq", True), ("wq,output", False)], ids=["output_converted", "left_out"]
 )
 def test_an_output_layer_an_earlier_converter_rewrote_is_refused_when_planned(fqns, refused):
     """What the converters before it made of the output layer, not their names, decides."""
-    pytest.importorskip("torchao.float8")
     from titan.plan.run_plan import plan_run
 
     flags = ["--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns", fqns]
