@@ -166,20 +166,20 @@ class ForwardBackward:
             out.setdefault("positions", positions)
         return out
 
-    def forward_loss(self, batch: Batch, kwargs: dict | None = None) -> torch.Tensor:
+    def forward_loss(self, batch: Batch, kwargs: dict, target: torch.Tensor) -> torch.Tensor:
         """The loss of one microbatch, ready for backward; call inside cp_ctx and
-        loss_parallel_ctx. `kwargs`: model_kwargs of the batch, made before cp_ctx shards it."""
-        if kwargs is None:
-            kwargs = self.model_kwargs(batch)
+        loss_parallel_ctx. `kwargs` and `target`: the batch's model_kwargs and its objective's
+        target, made before cp_ctx shards them."""
         with self.amp():
             logits = self.parts[0](batch[INPUT_IDS], **kwargs)
-        return self.objective.loss(logits, batch[LABELS])
+        return self.objective.loss(logits, target)
 
     def forward_backward(self, batch: Batch) -> None:
         """Forward and backward of one microbatch (its terms go to `objective`)."""
         kwargs = self.model_kwargs(batch)  # documents of the whole sequences
-        with self.cp_ctx(batch[INPUT_IDS], batch[LABELS], kwargs=kwargs), self.loss_parallel_ctx():
-            self.forward_loss(batch, kwargs).backward()
+        target = self.objective.target(batch)
+        with self.cp_ctx(batch[INPUT_IDS], target, kwargs=kwargs), self.loss_parallel_ctx():
+            self.forward_loss(batch, kwargs, target).backward()
 
     def run_pipeline(self, schedule, batch: Batch, train: bool = True) -> torch.Tensor:
         """Run `schedule` over one batch; the loss sum is nonzero only where the last stage is."""
@@ -189,11 +189,12 @@ class ForwardBackward:
         run = schedule.step if train else schedule.eval
         kwargs = self.model_kwargs(batch)  # every stage's attention needs them
         inputs = batch[INPUT_IDS] if has_first else None
-        labels = batch[LABELS] if has_last else None
-        with self.cp_ctx(inputs, labels, kwargs=kwargs), self.loss_parallel_ctx():
+        # validation's loss is the cross-entropy alone: the labels
+        target = (self.objective.target(batch) if train else batch[LABELS]) if has_last else None
+        with self.cp_ctx(inputs, target, kwargs=kwargs), self.loss_parallel_ctx():
             run(
                 *((inputs,) if has_first else ()),
-                target=labels,
+                target=target,
                 losses=losses,
                 # the losses come back through `losses`: no stage keeps its outputs for a
                 # merge nothing reads (the last stage's logits are freed after its loss)

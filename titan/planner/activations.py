@@ -103,19 +103,21 @@ def _forward_held(
     tracker = ActivationTracker(parts)
     # as in a training step: auxiliary losses (an MoE's balancing, multi-token prediction)
     # ride on the activations and keep their graphs for backward
-    kwargs = fb.model_kwargs(sample(tokens, labels))
+    # the fields the objective's terms read ride with the labels: zeros stand for them
+    mb = sample(tokens, labels, **{f: torch.zeros_like(labels) for f in fb.objective.fields})
+    kwargs, target = fb.model_kwargs(mb), fb.objective.target(mb)
     with (
         tracker,
         AuxLossCollector(1.0),
-        fb.cp_ctx(tokens, labels, kwargs=kwargs),
+        fb.cp_ctx(tokens, target, kwargs=kwargs),
         fb.loss_parallel_ctx(),
     ):
         if fb.pp_plan is None:
-            out = loss = fb.forward_loss(sample(tokens, labels), kwargs)
+            out = loss = fb.forward_loss(mb, kwargs, target)
         else:
             out = part(tokens if hidden is None else hidden, **kwargs)
             # the schedule keeps each loss (and so its graph) until the step ends
-            loss = fb.objective.loss(out, labels) if part.output is not None else None
+            loss = fb.objective.loss(out, target) if part.output is not None else None
         held = tracker.held_bytes()
         out_bytes = sum(s.nbytes() for s in storages(out))
         split_bytes = (0, 0)

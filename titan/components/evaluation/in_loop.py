@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from titan.components.training.callbacks import Callback, StepEnd
-from titan.components.training.ema import swapped_if
 from titan.runtime.rng import rng_kept
 
 logger = logging.getLogger("titan")
@@ -125,7 +124,7 @@ class EvalCallback(Callback):
             with (
                 rng_kept(run.device),
                 torch.no_grad(),
-                swapped_if(run, self.cfg.use_ema),
+                run.callbacks.around_scoring(run, "eval"),
                 quiet_lm_eval(),
             ):
                 results = simple_evaluate(

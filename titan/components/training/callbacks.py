@@ -102,6 +102,13 @@ class Callback:
         weights, say); it must leave the model as it found it."""
         return None
 
+    def around_scoring(self, run, scorer: str):
+        """A context manager the model is scored inside by `scorer` ("validation", or "eval":
+        a downstream evaluation), or None: what it enters is the model they score (an
+        average of the weights, say), and the value it gives names that in their log ("the
+        EMA weights"); it must leave the model as it found it."""
+        return None
+
     def on_checkpoint_saved(self, run, step: int, path: str) -> None:
         """A checkpoint of `step` is written, or being written (an async save)."""
 
@@ -161,6 +168,18 @@ class Callbacks(dict):
     def around_export(self, run, export: bool) -> contextlib.ExitStack:
         """The contexts an export is written in (none where `export` is False)."""
         return self._entered(lambda cb: cb.around_export(run) if export else None)
+
+    @contextlib.contextmanager
+    def around_scoring(self, run, scorer: str):
+        """The contexts `scorer` scores the model in; gives the names of what they put in the
+        model (empty: the trained weights)."""
+        with contextlib.ExitStack() as stack:
+            named = []
+            for callback in self.values():
+                context = callback.around_scoring(run, scorer)
+                if context is not None:
+                    named.append(stack.enter_context(context))
+            yield [name for name in named if name]
 
     def _entered(self, context_of) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()

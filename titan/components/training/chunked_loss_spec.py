@@ -27,12 +27,23 @@ def check(job) -> None:
 
 
 def plan_check(job, plan) -> None:
-    """The output layer is still a plain linear layer where the chunked loss applies: no
+    """No term of the objective reads batch fields (the output layer gets the labels alone),
+    and the output layer is still a plain linear layer where the chunked loss applies: no
     converter before it (in their order) rewrote it."""
     from torch import nn
 
     from titan.components.converters import Converters, enabled_specs
+    from titan.components.training.terms import build_terms
     from titan.config.manager import require
+
+    reading = {name: list(t.fields) for name, t in build_terms(job).items() if t.fields}
+    require(
+        job,
+        not reading,
+        "training.loss_chunk_tokens",
+        f"computes the objective's terms in the output layer, which gets the labels alone; "
+        f"the term(s) {reading} read batch fields: set it to 0, or turn those terms off",
+    )
 
     model = plan.spec.build_meta(plan.model_args)
     for spec, converter in zip(enabled_specs(job), Converters(job).items, strict=True):

@@ -1,8 +1,9 @@
 """An exponential moving average of the trained weights ([ema]): kept in float32 beside each
 parameter, sharded as it is (FSDP, TP, EP shards; each pipeline stage its own), updated after
 each optimizer step, saved in every checkpoint (DTensors: a resume onto another layout
-reshards it) and swapped into the model where asked (validation.use_ema, eval.use_ema, and
-checkpoint.export_ema for the final export).
+reshards it) and swapped into the model where asked: validation.use_ema and eval.use_ema (the
+callbacks' around_scoring, which validation and evaluation enter without naming this one),
+and checkpoint.export_ema for the final export (around_export).
 
 Before ema.start_step the average is the weights themselves; from it, every ema.every steps,
 avg <- decay x avg + (1 - decay) x weights (a step whose update was skipped changes nothing).
@@ -64,16 +65,21 @@ class EMACallback(Callback):
             weights = [w.float() for w in self._weights]  # no copy for float32 weights
             torch._foreach_lerp_(self._averages, weights, 1 - c.decay)
 
+    def around_scoring(self, run, scorer: str):
+        use = {"validation": run.job.validation.use_ema, "eval": run.job.eval.use_ema}
+        return self.swapped() if use.get(scorer) else None
+
     @contextlib.contextmanager
     def swapped(self):
-        """The model holds the average within (its own weights kept aside, put back after)."""
+        """The model holds the average within (its own weights kept aside, put back after);
+        gives its name in a log."""
         weights = self._weights
         with torch.no_grad():
             kept = [w.clone() for w in weights]
             torch._foreach_copy_(weights, self._averages)
         self._reshard()
         try:
-            yield
+            yield "the EMA weights"
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(weights, kept)
@@ -105,8 +111,3 @@ class EMACallback(Callback):
 
 def build_callback(run, options) -> EMACallback | None:
     return EMACallback(options, run) if options.enable else None
-
-
-def swapped_if(run, use: bool):
-    """The average in the model within, when `use` (the run's EMA; checked at launch)."""
-    return run.callbacks["ema"].swapped() if use else contextlib.nullcontext()

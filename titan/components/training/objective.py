@@ -8,7 +8,10 @@
 - Terms on the output logits that a run registers (titan.components.training.terms: PaLM's
   z-loss, `training.z_loss_weight`, or a plugin's), weighted in what backward
   differentiates, logged unweighted under their names. Under the chunked loss the output
-  layer computes them chunk by chunk beside the cross-entropy and returns every sum.
+  layer computes them chunk by chunk beside the cross-entropy and returns every sum. A term
+  that reads batch fields gets them with the labels: `target` stacks them behind the labels,
+  so that a pipeline's schedule splits them into its microbatches and context parallelism
+  shards them, as it does the labels.
 - The model's own terms (an MoE's balancing loss, multi-token prediction), which it computes
   inside forward and attaches to activations (titan.models.common.aux_loss), weighted by the
   family's settings. The objective opens the collector around a step, hands it the layout's
@@ -22,6 +25,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from titan.components.data.batch import LABELS, Batch
 from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum, plain, reduce_loss
 from titan.components.training.terms import Term
 from titan.models.common import aux_loss
@@ -48,6 +52,9 @@ class Objective:
         instead of logits (a chunked loss, titan.components.training.chunked_loss)."""
         self.terms, self.tokens, self.cp, self.device = terms, tokens_per_rank_step, cp, device
         self.output_sums = output_sums
+        # the batch fields the terms read, in a stable order, and each one's kind
+        self.fields = tuple(dict.fromkeys(f for term in terms.values() for f in term.fields))
+        self._kinds: dict[str, torch.dtype] = {}
         self._values: torch.Tensor | None = None  # this step's, detached: loss, then terms
         self._aux: AuxLossCollector | None = None
 
@@ -86,17 +93,45 @@ class Objective:
         """The summed token cross-entropy of the model's output (its logits, or its sums)."""
         return out[0] if self.output_sums else cross_entropy_sum(out, labels)
 
-    def sums(self, out: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def target(self, batch: Batch) -> torch.Tensor:
+        """What `loss` takes beside the model's output: the labels, and behind them (a last
+        dimension, in float64: exact for labels, ids and float32 values) the fields the terms
+        read. One tensor, as a pipeline's loss function gets one."""
+        if not self.fields:
+            return batch[LABELS]
+        missing = [f for f in self.fields if f not in batch]
+        if missing:
+            from titan.components.data.dataset import DataError
+
+            readers = [n for n, t in self.terms.items() if set(t.fields) & set(missing)]
+            raise DataError(
+                f"the objective's term(s) {readers} read the batch field(s) {missing}, which "
+                f"the training data does not yield (it has {sorted(batch)}): train on a "
+                "dataset that adds them (DatasetSpec(fields=...)) or turn the term off"
+            )
+        self._kinds = {f: batch[f].dtype for f in self.fields}
+        parts = [batch[LABELS], *(batch[f] for f in self.fields)]
+        return torch.stack([p.double() for p in parts], dim=-1)
+
+    def _labels_and_fields(self, target: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if not self.fields:
+            return target, {}
+        labels = target[..., 0].long()
+        return labels, {f: target[..., i + 1].to(self._kinds[f]) for i, f in enumerate(self.fields)}
+
+    def sums(self, out: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
         """[the cross-entropy, each term] summed over the counted tokens of an output."""
         if self.output_sums:  # the output layer computed them, chunk by chunk
             return list(out.unbind())
+        labels, fields = self._labels_and_fields(target)
         ce = cross_entropy_sum(out, labels)
-        return [ce, *(_like(term.token_sum(out, labels), ce) for term in self.terms.values())]
+        return [ce, *(_like(_token_sum(t, out, labels, fields), ce) for t in self.terms.values())]
 
-    def loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What backward differentiates for one microbatch's output (a pipeline's loss
-        function): the cross-entropy plus the weighted terms, over the step's counted tokens."""
-        values = self.sums(out, labels)
+        function): the cross-entropy plus the weighted terms, over the step's counted tokens.
+        `target`: the microbatch's `target`."""
+        values = self.sums(out, target)
         total = values[0]
         for term, v in zip(self.terms.values(), values[1:], strict=True):
             total = total + term.weight * v
@@ -141,6 +176,12 @@ class Objective:
         """The model's own terms of the last step, summed over all ranks (collective: every
         rank calls it, when the step is logged)."""
         return reduce_aux_losses(self._aux.floats()) if self._aux is not None else {}
+
+
+def _token_sum(term: Term, logits, labels, fields: dict) -> torch.Tensor:
+    if not term.fields:  # a term of the earlier docs takes (logits, labels) alone
+        return term.token_sum(logits, labels)
+    return term.token_sum(logits, labels, {f: fields[f] for f in term.fields})
 
 
 def _like(value: torch.Tensor, ce: torch.Tensor) -> torch.Tensor:

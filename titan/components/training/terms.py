@@ -21,11 +21,15 @@ class Term:
     """A term on the output logits: `token_sum` is its sum over the tokens the loss counts
     (labels not IGNORE_INDEX), which the objective turns into a mean over the step's counted
     tokens, as it does the cross-entropy; `weight` scales it in what backward differentiates
-    (the logged value is unweighted)."""
+    (the logged value is unweighted). `fields` names the batch's fields it reads beside the
+    labels (a per-token weight, an advantage): `token_sum` gets them as a mapping, this
+    microbatch's, cut as the labels are on every layout (pipeline microbatches, sequence
+    shards)."""
 
     weight: float = 1.0
+    fields: tuple[str, ...] = ()
 
-    def token_sum(self, logits, labels):
+    def token_sum(self, logits, labels, fields=None):
         raise NotImplementedError
 
 

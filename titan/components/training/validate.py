@@ -29,7 +29,6 @@ from titan.components.data.dataloader import (
 from titan.components.data.dataset import DataError
 from titan.components.data.tokenizer import Tokenizer
 from titan.components.training.callbacks import Callback, StepEnd
-from titan.components.training.ema import swapped_if
 from titan.components.training.loss import sum_over
 
 logger = logging.getLogger(__name__)
@@ -138,10 +137,9 @@ class ValidationCallback(Callback):
         if not self.validator.due(end.step, self.last_step):
             return
         t0 = time.perf_counter()
-        with swapped_if(run, run.job.validation.use_ema):
+        with run.callbacks.around_scoring(run, "validation") as named:
             loss, batches = self.validator.run()
-        what = "the EMA weights" if run.job.validation.use_ema else None
-        run.metrics.log_validation(end.step, loss, batches, of=what)
+        run.metrics.log_validation(end.step, loss, batches, of=", ".join(named) or None)
         run.exclude_time(time.perf_counter() - t0)
         run.notify("on_validation_end", end.step, loss, batches)
 

@@ -6,20 +6,12 @@ shared expert; norms zero-centred (scale 1 + w, w decayed towards 0). Defaults: 
 Qwen3-Next-80B-A3B's."""
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
-
-from titan.models.common.moe_args import (
-    BALANCING_KNOBS,
-    TRAINING_KNOBS,
-    MoEArgs,
-    MoETraining,
-    SparseStepMoE,
-)
+from titan.models.common.moe_args import SparseStepMoE
 from titan.models.common.param_count import DecoderParamCount
 
 
 @dataclass(frozen=True)
-class HybridArgs(SparseStepMoE, DecoderParamCount, MoETraining):
+class HybridArgs(SparseStepMoE, DecoderParamCount):
     dim: int = 2048
     n_layers: int = 48
     # gated full attention (every full_attention_interval-th layer)
@@ -42,16 +34,9 @@ class HybridArgs(SparseStepMoE, DecoderParamCount, MoETraining):
     # the context the model was published for (HF max_position_embeddings); None: max_seq_len
     context_len: int | None = None
     tie_word_embeddings: bool = False
-    # routed experts beside a shared SwiGLU of shared_expert_dim whose output a sigmoid gates,
-    # in every decoder_sparse_step-th layer not in mlp_only_layers
-    moe: MoEArgs | None = None
+    # SparseStepMoE's routed experts sit beside a shared SwiGLU of this width, whose output a
+    # sigmoid gates
     shared_expert_dim: int = 512
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    moe_aux_loss_coeff: float = 0.0
-    moe_bias_update_rate: float = 0.0
-    moe_aux_loss_scope: str = "sequence"
-    training_knobs: ClassVar[tuple[str, ...]] = (*BALANCING_KNOBS, *TRAINING_KNOBS)
 
     def with_updates(self, **kw) -> "HybridArgs":
         return replace(self, **kw)

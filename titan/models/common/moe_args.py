@@ -150,11 +150,25 @@ class MoETraining:
         }
 
 
-class SparseStepMoE:
-    """Qwen's MoE layers (Qwen3-MoE, Qwen3-Next): routed experts in every decoder_sparse_step-th
-    layer that is not in mlp_only_layers, balanced by the load-balancing loss (or the routing
-    bias), for args with `moe`, `decoder_sparse_step`, `mlp_only_layers`, the balancing knobs
-    and MoETraining's settings. A base class listed before the args' param-count base."""
+@dataclass(frozen=True)
+class SparseStepMoE(MoETraining):
+    """Qwen's MoE layers (Qwen3-MoE, Qwen3-Next, Qwen3.5): routed experts in every
+    decoder_sparse_step-th layer that is not in mlp_only_layers, balanced by the
+    load-balancing loss (or the routing bias): their fields, once, for the args of those
+    families (a base class listed before the args' param-count base). A dense flavor has no
+    `moe`."""
+
+    moe: MoEArgs | None = None
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # the [family] options of the same names: Qwen's load-balancing loss coefficient (HF
+    # router_aux_loss_coef), DeepSeek-V3's bias update rate (0: off), and the tokens of one
+    # loss term (MoEArgs.aux_loss_scope)
+    moe_aux_loss_coeff: float = 0.0
+    moe_bias_update_rate: float = 0.0
+    moe_aux_loss_scope: str = "sequence"
+    # what a run may change without changing the model (titan.components.checkpoint.identity)
+    training_knobs: ClassVar[tuple[str, ...]] = (*BALANCING_KNOBS, *TRAINING_KNOBS)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """transformers' rule for Qwen3MoeDecoderLayer and Qwen3NextDecoderLayer."""

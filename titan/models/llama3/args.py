@@ -72,63 +72,30 @@ _LLAMA31_ROPE = dict(
 )
 _LLAMA32 = dict(_LLAMA31_ROPE, rope_scaling_factor=32.0, tie_word_embeddings=True)
 
+_DEBUG = Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048)
+
+
+def _released(dim, n_layers, n_heads, ffn_dim_multiplier, multiple_of, rope) -> Llama3Args:
+    # every released size has 8 key-value heads
+    return Llama3Args(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        ffn_dim_multiplier=ffn_dim_multiplier,
+        multiple_of=multiple_of,
+        **rope,
+    )
+
+
 LLAMA3_FLAVORS: dict[str, Llama3Args] = {
-    "debugmodel": Llama3Args(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, multiple_of=256
-    ),
+    "debugmodel": _DEBUG,
     # the debug model with Llama 3.2's tied embedding, to try that path on a laptop
-    "debugmodel_tied": Llama3Args(
-        dim=256,
-        n_layers=6,
-        n_heads=16,
-        n_kv_heads=8,
-        vocab_size=2048,
-        multiple_of=256,
-        tie_word_embeddings=True,
-    ),
-    "1B": Llama3Args(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.5,
-        multiple_of=256,
-        **_LLAMA32,
-    ),
-    "3B": Llama3Args(
-        dim=3072,
-        n_layers=28,
-        n_heads=24,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.0,
-        multiple_of=256,
-        **_LLAMA32,
-    ),
-    "8B": Llama3Args(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        **_LLAMA31_ROPE,
-    ),
-    "70B": Llama3Args(
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=4096,
-        **_LLAMA31_ROPE,
-    ),
-    "405B": Llama3Args(
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.2,
-        multiple_of=4096,
-        **_LLAMA31_ROPE,
-    ),
+    "debugmodel_tied": replace(_DEBUG, tie_word_embeddings=True),
+    # dim, layers, heads, FFN multiplier, multiple_of, RoPE scaling (Llama 3.2 / 3.1)
+    "1B": _released(2048, 16, 32, 1.5, 256, _LLAMA32),
+    "3B": _released(3072, 28, 24, 1.0, 256, _LLAMA32),
+    "8B": _released(4096, 32, 32, 1.3, 1024, _LLAMA31_ROPE),
+    "70B": _released(8192, 80, 64, 1.3, 4096, _LLAMA31_ROPE),
+    "405B": _released(16384, 126, 128, 1.2, 4096, _LLAMA31_ROPE),
 }

@@ -4,20 +4,12 @@ dim / n_heads is; the FFN width given outright; tied embeddings up to 4B; the Mo
 each token to 8 of 128 experts in every layer."""
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
-
-from titan.models.common.moe_args import (
-    BALANCING_KNOBS,
-    TRAINING_KNOBS,
-    MoEArgs,
-    MoETraining,
-    SparseStepMoE,
-)
+from titan.models.common.moe_args import MoEArgs, SparseStepMoE
 from titan.models.common.param_count import DecoderParamCount
 
 
 @dataclass(frozen=True)
-class Qwen3Args(SparseStepMoE, DecoderParamCount, MoETraining):
+class Qwen3Args(SparseStepMoE, DecoderParamCount):
     dim: int = 4096
     n_layers: int = 36
     n_heads: int = 32
@@ -36,18 +28,8 @@ class Qwen3Args(SparseStepMoE, DecoderParamCount, MoETraining):
     # the context the model was published for (HF max_position_embeddings); None: max_seq_len
     context_len: int | None = None
     tie_word_embeddings: bool = False
-    # Qwen3-MoE: routed experts instead of the FFN in every decoder_sparse_step-th layer that
-    # is not in mlp_only_layers (ffn_hidden_dim is then the width of those dense layers)
-    moe: MoEArgs | None = None
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    # balancing (the [qwen3] options of the same names): Qwen3-MoE's load-balancing loss
-    # coefficient (HF router_aux_loss_coef), and DeepSeek-V3's bias update rate (0: off)
-    moe_aux_loss_coeff: float = 0.0
-    moe_bias_update_rate: float = 0.0
-    moe_aux_loss_scope: str = "sequence"  # the tokens of one loss term (MoEArgs.aux_loss_scope)
-    # what a run may change without changing the model (titan.components.checkpoint.identity)
-    training_knobs: ClassVar[tuple[str, ...]] = (*BALANCING_KNOBS, *TRAINING_KNOBS)
+    # Qwen3-MoE: SparseStepMoE's experts replace the FFN of its layers (ffn_hidden_dim is
+    # then the width of the dense ones)
 
     def with_updates(self, **kw) -> "Qwen3Args":
         return replace(self, **kw)
@@ -84,70 +66,57 @@ class Qwen3Args(SparseStepMoE, DecoderParamCount, MoETraining):
         )
 
 
-_TIED = dict(tie_word_embeddings=True, context_len=40960)
-_UNTIED = dict(context_len=40960)
+# CPU-sized, with head_dim (32) twice dim / n_heads, as the real sizes have it too
+_DEBUG = Qwen3Args(
+    dim=256,
+    n_layers=4,
+    n_heads=16,
+    n_kv_heads=8,
+    head_dim=32,
+    ffn_hidden_dim=768,
+    vocab_size=2048,
+    tie_word_embeddings=True,
+)
+
+
+def _released(dim, n_layers, n_heads, n_kv_heads, ffn_hidden_dim, **rest) -> Qwen3Args:
+    # every released size was published for 40,960 positions
+    return Qwen3Args(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_hidden_dim=ffn_hidden_dim,
+        context_len=40960,
+        **rest,
+    )
+
+
+def _moe(hidden_dim: int) -> dict:
+    # Qwen3-MoE: 8 of 128 experts in every layer, balanced at Qwen's coefficient
+    return dict(moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=hidden_dim), moe_aux_loss_coeff=0.001)
+
 
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {
-    # CPU-sized, with head_dim (32) twice dim / n_heads, as the real sizes have it too
-    "debugmodel": Qwen3Args(
-        dim=256,
-        n_layers=4,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=32,
-        ffn_hidden_dim=768,
-        vocab_size=2048,
-        tie_word_embeddings=True,
-    ),
-    "0.6B": Qwen3Args(
-        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=3072, **_TIED
-    ),
-    "1.7B": Qwen3Args(
-        dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=6144, **_TIED
-    ),
-    "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=9728, **_TIED),
-    "8B": Qwen3Args(
-        dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=12288, **_UNTIED
-    ),
-    "14B": Qwen3Args(
-        dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden_dim=17408, **_UNTIED
-    ),
-    "32B": Qwen3Args(
-        dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_hidden_dim=25600, **_UNTIED
-    ),
+    "debugmodel": _DEBUG,
+    # dim, layers, heads, key-value heads, FFN width; tied embeddings up to 4B
+    "0.6B": _released(1024, 28, 16, 8, 3072, tie_word_embeddings=True),
+    "1.7B": _released(2048, 28, 16, 8, 6144, tie_word_embeddings=True),
+    "4B": _released(2560, 36, 32, 8, 9728, tie_word_embeddings=True),
+    "8B": _released(4096, 36, 32, 8, 12288),
+    "14B": _released(5120, 40, 40, 8, 17408),
+    "32B": _released(5120, 64, 64, 8, 25600),
     # Qwen3-MoE. The debug model keeps a dense first layer (mlp_only_layers) to exercise both
     # kinds of block; the load-balancing loss is on at Qwen's coefficient, as in the released
     # configs' router_aux_loss_coef
-    "debugmodel_moe": Qwen3Args(
-        dim=256,
-        n_layers=4,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=32,
-        ffn_hidden_dim=768,
-        vocab_size=2048,
+    "debugmodel_moe": replace(
+        _DEBUG,
+        tie_word_embeddings=False,
         moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=128),
         mlp_only_layers=(0,),
         moe_aux_loss_coeff=0.001,
     ),
-    "30B-A3B": Qwen3Args(
-        dim=2048,
-        n_layers=48,
-        n_heads=32,
-        n_kv_heads=4,
-        ffn_hidden_dim=6144,
-        moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768),
-        moe_aux_loss_coeff=0.001,
-        **_UNTIED,
-    ),
-    "235B-A22B": Qwen3Args(
-        dim=4096,
-        n_layers=94,
-        n_heads=64,
-        n_kv_heads=4,
-        ffn_hidden_dim=12288,
-        moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=1536),
-        moe_aux_loss_coeff=0.001,
-        **_UNTIED,
-    ),
+    # the same, then the experts' width
+    "30B-A3B": _released(2048, 48, 32, 4, 6144, **_moe(768)),
+    "235B-A22B": _released(4096, 94, 64, 4, 12288, **_moe(1536)),
 }

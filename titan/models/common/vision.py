@@ -1,0 +1,170 @@
+"""The vision tower of Qwen3-VL and Qwen3.5 (titan.models.common.vision_args): image patches in,
+one token for the text model per merge_size x merge_size patches out.
+
+A batch's images (and video frames) arrive as the processor makes them: `pixel_values`, every
+patch of every image flattened to channels x frames x pixels, in merge-block order (the
+patches one text token merges stand together), and `grid_thw`, each image's grid of
+(frames / temporal_patch_size, rows, columns) of patches. The tower embeds each patch
+(transformers' Conv3d, whose stride is its kernel, as the one matmul it is), adds the learned
+position table resampled (bilinear) to the image's grid, and runs pre-norm blocks whose
+attention stays within each frame of each image, with 2D rotary positions (half of each head
+turns with the patch's row, half with its column). The merger then joins each block of
+merge_size^2 patches into one token of the text model's width; Qwen3-VL's DeepStack mergers
+do the same to the output of some blocks, whose tokens its first decoder layers add to
+their hidden states. Parameter names are transformers' (under `model.visual.`).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan.models.common.init import normal, ones, seeded_init_, zeros
+from titan.models.common.vision_args import VisionArgs
+
+
+def grid_positions(grid_thw: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
+    """(patches, 2): each patch's (row, column) in its image, in merge-block order."""
+    out = []
+    for t, h, w in grid_thw:
+        rows = torch.arange(h)[:, None].expand(h, w)
+        cols = torch.arange(w)[None, :].expand(h, w)
+        rc = torch.stack([rows, cols], dim=-1)
+        rc = rc.reshape(h // merge, merge, w // merge, merge, 2).transpose(1, 2).reshape(-1, 2)
+        out.append(rc.repeat(t, 1))
+    return torch.cat(out)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.qkv = nn.Linear(args.dim, 3 * args.dim)
+        self.proj = nn.Linear(args.dim, args.dim)
+
+    def forward(self, x: torch.Tensor, cos, sin, spans: list[int]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.n_heads, -1).unbind(1)  # (patches, heads, hd)
+        kind = q.dtype
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(kind)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(kind)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (heads, patches, hd)
+        # each frame of each image attends within itself
+        out = [
+            F.scaled_dot_product_attention(qs, ks, vs)
+            for qs, ks, vs in zip(*(t.split(spans, dim=1) for t in (q, k, v)), strict=True)
+        ]
+        return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(args.dim, args.ffn_dim)
+        self.linear_fc2 = nn.Linear(args.ffn_dim, args.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.norm2 = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.attn = VisionAttention(args)
+        self.mlp = VisionMLP(args)
+
+    def forward(self, x: torch.Tensor, cos, sin, spans: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, spans)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """merge_size^2 neighbouring patches -> one token of `out_dim`; the norm runs on each patch
+    (the main merger) or on the merged block (`after_merge`: DeepStack's)."""
+
+    def __init__(self, args: VisionArgs, after_merge: bool = False):
+        super().__init__()
+        self.merged = args.dim * args.merge_size**2
+        self.after_merge = after_merge
+        self.norm = nn.LayerNorm(self.merged if after_merge else args.dim, eps=args.norm_eps)
+        self.linear_fc1 = nn.Linear(self.merged, self.merged)
+        self.linear_fc2 = nn.Linear(self.merged, args.out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.merged)) if self.after_merge else self.norm(x)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x.view(-1, self.merged))))
+
+
+class VisionTower(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.args = args
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Linear(args.patch_values, args.dim)
+        self.pos_embed = nn.Embedding(args.num_position_embeddings, args.dim)
+        self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
+        self.merger = PatchMerger(args)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(args, after_merge=True) for _ in args.deepstack_layers
+        )
+        quarter = args.head_dim // 4
+        inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, 2 * quarter, 2).float() / (2 * quarter))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(the text model's tokens of every image, in order: patches / merge_size^2 of
+        `out_dim`; the DeepStack features, one such tensor per deepstack layer)."""
+        a = self.args
+        grids = [tuple(g) for g in grid_thw.tolist()]  # shapes: the host needs them
+        x = self.patch_embed.proj(pixel_values.view(-1, a.patch_values).to(self.pos_embed.weight))
+        x = x + self._positions(grids).to(x.dtype)
+        cos, sin = self._rotary(grids, x.device)
+        spans = [h * w for t, h, w in grids for _ in range(t)]
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, spans)
+            if i in a.deepstack_layers:
+                deepstack.append(self.deepstack_merger_list[a.deepstack_layers.index(i)](x))
+        return self.merger(x), deepstack
+
+    def _positions(self, grids) -> torch.Tensor:
+        """The learned position table, resampled to each image's grid (bilinear, corners
+        aligned), in merge-block order."""
+        side, m, dim = self.args.position_side, self.args.merge_size, self.args.dim
+        table = self.pos_embed.weight.view(side, side, dim).permute(2, 0, 1)[None]
+        out = []
+        for t, h, w in grids:
+            grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]
+            grid = grid.permute(1, 2, 0).reshape(h // m, m, w // m, m, dim).transpose(1, 2)
+            out.append(grid.reshape(h * w, dim).repeat(t, 1))
+        return torch.cat(out)
+
+    def _rotary(self, grids, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every patch, (patches, 1, head_dim): rows turn the first quarter of
+        the frequencies, columns the second, each half of a head repeating them."""
+        rc = grid_positions(grids, self.args.merge_size).to(device)
+        angles = (rc[..., None].float() * self.inv_freq.float()).flatten(1)  # (patches, hd/2)
+        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        return angles.cos(), angles.sin()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, prefix: str = "visual") -> None:
+        """Every weight from (seed, its name), as the text model's are (0.02, biases 0)."""
+        for name, p in self.named_parameters():
+            if isinstance(self.get_submodule(name.rpartition(".")[0]), nn.LayerNorm):
+                fill = ones if name.endswith("weight") else zeros
+            else:
+                fill = normal(0.02) if name.endswith("weight") else zeros
+            seeded_init_(p, f"{prefix}.{name}", seed, fill)
+        quarter = self.args.head_dim // 4
+        self.inv_freq = 1.0 / self.args.rope_theta ** (
+            torch.arange(0, 2 * quarter, 2, device=self.inv_freq.device).float() / (2 * quarter)
+        )

@@ -1,0 +1,78 @@
+"""Hyper-parameters of the vision tower (titan.models.common.vision) of Qwen3-VL and Qwen3.5,
+torch-free. Defaults: the released towers' (27 blocks of width 1152, 16-pixel patches over 2
+frames, 2x2 patches merged into one text token); `out_dim` is the text model's width and
+`deepstack_layers` the blocks whose features Qwen3-VL also adds to its first decoder layers
+(none in Qwen3.5)."""
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class VisionArgs:
+    depth: int = 27
+    dim: int = 1152
+    ffn_dim: int = 4304
+    n_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2  # an image is its frame twice (the processor's rule)
+    merge_size: int = 2  # merge_size x merge_size patches become one token of the text model
+    out_dim: int = 3584
+    # a square table of learned positions, resampled (bilinear) to each image's grid
+    num_position_embeddings: int = 2304
+    deepstack_layers: tuple[int, ...] = ()
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+
+    def with_updates(self, **kw) -> "VisionArgs":
+        return replace(self, **kw)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def patch_values(self) -> int:
+        """The values of one patch as the processor flattens it: channels x frames x pixels."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def position_side(self) -> int:
+        return int(round(self.num_position_embeddings**0.5))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.dim % self.n_heads or self.head_dim % 4:
+            out.append(
+                f"vision dim {self.dim} must split into n_heads {self.n_heads} heads of a "
+                "multiple of 4 dims (2D rotary positions: half for rows, half for columns)"
+            )
+        if self.position_side**2 != self.num_position_embeddings:
+            out.append(
+                f"vision num_position_embeddings {self.num_position_embeddings} is not a square"
+            )
+        bad = [i for i in self.deepstack_layers if not 0 <= i < self.depth]
+        if bad:
+            out.append(f"vision deepstack_layers {bad} are not blocks of a {self.depth}-block tower")
+        return out
+
+    def num_params(self) -> int:
+        d, f, merged = self.dim, self.ffn_dim, self.dim * self.merge_size**2
+        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (2 * d * f + f + d)
+        merger_in = 2 * d  # its norm, before the patches are merged
+        merger = merged * merged + merged + merged * self.out_dim + self.out_dim
+        deepstack = len(self.deepstack_layers) * (2 * merged + merger)
+        embed = self.patch_values * d + d + self.num_position_embeddings * d
+        return embed + self.depth * block + merger_in + merger + deepstack
+
+
+# CPU-sized: 2 blocks of width 64, 8-pixel patches; out_dim set to the text model's width
+VISION_DEBUG = VisionArgs(
+    depth=2,
+    dim=64,
+    ffn_dim=128,
+    n_heads=4,
+    patch_size=8,
+    out_dim=256,
+    num_position_embeddings=64,
+)
