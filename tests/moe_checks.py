@@ -4,6 +4,7 @@ alike, and a resume is bitwise, the bias included. `one_rank` is (rank 0's metri
 the checkpoint folder) of the family's 1-rank run of `argv`."""
 
 import shutil
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +47,25 @@ def check_run_like_one_process(
     got = biases(dump / "checkpoint" / f"step-{steps}")
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want), layout
+
+
+@dataclass(frozen=True)
+class BalancedRun:
+    """A MoE family's run that every layout reproduces and a resume continues bitwise: `argv`
+    (checkpoints every steps // 2) over `steps`, with `moe_layers` layers of routed experts
+    (0: their biases not compared). `one_rank` is its 1-rank run (tests.layouts.one_rank_run)."""
+
+    argv: list[str]
+    steps: int
+    moe_layers: int = 3
+
+    def check_layout(self, one_rank, tmp_path, layout: str, world: int, flags: list[str]):
+        check_layout_like_one_process(
+            one_rank, tmp_path, world, [*self.argv, *flags], self.steps, self.moe_layers, layout
+        )
+
+    def check_resume(self, one_rank, tmp_path) -> None:
+        check_resume_is_bitwise(one_rank, tmp_path, self.argv, self.steps, at=self.steps // 2)
 
 
 def check_resume_is_bitwise(one_rank, tmp_path, argv: list[str], steps: int, at: int) -> None:

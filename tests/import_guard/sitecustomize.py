@@ -33,6 +33,7 @@ OPTIONAL = {
     "moto": "test",
     "s3fs": "s3",
     "upath": "s3",
+    "PIL": "vision",
 }
 # importers whose imports count as the project's own (libraries' imports of each other are
 # theirs to guard)

@@ -13,9 +13,9 @@ import torch
 from tests.forked import built_model, run_trainer, tiny_run
 from tests.layouts import degrees, layouts, one_rank_run
 from tests.moe_checks import (
+    BalancedRun,
     check_hf_round_trip,
     check_layout_like_one_process,
-    check_resume_is_bitwise,
     check_run_like_one_process,
 )
 from tests.unit.test_qwen3 import check_save_pretrained_start
@@ -33,6 +33,7 @@ STEPS = 10
 BIAS = ["--deepseek_v3.moe_bias_update_rate", "0.01"]
 COMMON = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *tiny_run(STEPS)]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+RUN = BalancedRun([*COMMON, *BIAS, *CKPT], STEPS)
 
 # (total, active) parameters in billions as published, and how close titan's count must be:
 # DeepSeek-V3 671B / 37B (without its 14B multi-token-prediction module; titan: 671.03 /
@@ -198,7 +199,7 @@ def test_generation_with_the_cache_equals_the_full_forward():
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 
-one_rank = one_rank_run(*COMMON, *BIAS, *CKPT, steps=STEPS)
+one_rank = one_rank_run(*RUN.argv, steps=STEPS)
 
 
 LAYOUTS = {
@@ -318,20 +319,11 @@ def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
     agrees with one process while no token's k-th and (k+1)-th choices are closer than the
     layouts' rounding differences (~1e-8 in the scores). Over these 10 steps (the balance loss
     and the bias update on) the closest experts are 4.6e-6 apart and the closest groups 8.3e-6."""
-    world, flags = LAYOUTS[layout]
-    check_layout_like_one_process(
-        one_rank,
-        tmp_path,
-        world,
-        [*COMMON, *BIAS, *CKPT, *flags],
-        STEPS,
-        moe_layers=3,
-        layout=layout,
-    )
+    RUN.check_layout(one_rank, tmp_path, layout, *LAYOUTS[layout])
 
 
 def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
-    check_resume_is_bitwise(one_rank, tmp_path, [*COMMON, *BIAS, *CKPT], STEPS, at=5)
+    RUN.check_resume(one_rank, tmp_path)
 
 
 def test_other_balancing_settings_load_the_checkpoint(one_rank, tmp_path, caplog):

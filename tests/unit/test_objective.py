@@ -12,12 +12,17 @@ import torch
 from tests.example_plugin import FOLDER, registered
 from tests.forked import run_trainer, tiny_run
 from tests.layouts import layouts
-from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum
-from titan.components.training.objective import Objective
 from titan.components.data import dataset as dataset_mod
 from titan.components.data.dataset import DataError
-from titan.components.training.terms import Term, TermSpec, build_terms, unregister_term
-from titan.components.training.terms import register_term
+from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum
+from titan.components.training.objective import Objective
+from titan.components.training.terms import (
+    Term,
+    TermSpec,
+    build_terms,
+    register_term,
+    unregister_term,
+)
 from titan.config import ConfigError, extensions, parse_args
 from titan.parallelisms.token_split import TokenSplit
 
@@ -141,7 +146,8 @@ def test_a_term_reads_the_fields_it_names_and_a_batch_without_them_is_refused(fi
     got = objective.named(objective.reduce(None, None))["position_l2"]
     want = PositionWeightedL2().token_sum(logits, labels, {"positions": positions}) / 10
     assert got == pytest.approx(want.item(), rel=1e-6) and got > 0
-    with pytest.raises(DataError, match=r"\['position_l2'\] read the batch field\(s\) \['positions'\]"):
+    why = r"\['position_l2'\] read the batch field\(s\) \['positions'\]"
+    with pytest.raises(DataError, match=why):
         objective.target({"input_ids": labels, "labels": labels})
 
 

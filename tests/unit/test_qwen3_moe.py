@@ -12,9 +12,8 @@ import torch
 from tests.forked import built_model, run_trainer, tiny_run
 from tests.layouts import degrees, layouts, one_rank_run
 from tests.moe_checks import (
+    BalancedRun,
     check_hf_round_trip,
-    check_layout_like_one_process,
-    check_resume_is_bitwise,
 )
 from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import hf_io
@@ -31,6 +30,7 @@ STEPS = 10
 BIAS = ["--qwen3.moe_bias_update_rate", "0.01"]
 COMMON = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", *tiny_run(STEPS)]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+RUN = BalancedRun([*COMMON, *BIAS, *CKPT], STEPS)
 
 # (total, active) parameters in billions as the Qwen3-MoE model cards give them, and how close
 # titan's count must be: the cards round to 0.1B and to 1B (titan: 30.53 / 3.35 and
@@ -130,7 +130,7 @@ def test_logits_and_both_hf_directions_match_transformers(tmp_path):
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
-one_rank = one_rank_run(*COMMON, *BIAS, *CKPT, steps=STEPS)
+one_rank = one_rank_run(*RUN.argv, steps=STEPS)
 
 
 LAYOUTS = {
@@ -159,20 +159,11 @@ def test_layouts_train_and_balance_like_one_process(layout, one_rank, tmp_path):
     steps (the balancing loss and the bias update on) the closest pair is 3.2e-6 apart; layouts
     differ by ~1e-8 in the scores (losses by 1.2e-7 relative, under 1 and 2 threads), and
     another CPU moves the gaps by as little."""
-    world, flags = LAYOUTS[layout]
-    check_layout_like_one_process(
-        one_rank,
-        tmp_path,
-        world,
-        [*COMMON, *BIAS, *CKPT, *flags],
-        STEPS,
-        moe_layers=3,
-        layout=layout,
-    )
+    RUN.check_layout(one_rank, tmp_path, layout, *LAYOUTS[layout])
 
 
 def test_resume_is_bitwise_with_the_bias(one_rank, tmp_path):
-    check_resume_is_bitwise(one_rank, tmp_path, [*COMMON, *BIAS, *CKPT], STEPS, at=5)
+    RUN.check_resume(one_rank, tmp_path)
 
 
 def test_load_balancing_loss_is_logged_apart_and_trained(one_rank, tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from tests.forked import built_model, run_trainer, tiny_run
 from tests.layouts import degrees, layouts, one_rank_run
-from tests.moe_checks import check_layout_like_one_process, check_resume_is_bitwise
+from tests.moe_checks import BalancedRun
 from tests.unit.test_qwen3 import check_save_pretrained_start
 from titan.components.checkpoint import hf_io
 from titan.models.common.generation import generate
@@ -25,6 +25,7 @@ STEPS = 10
 BIAS = ["--qwen3_next.moe_bias_update_rate", "0.01"]
 COMMON = ["--model.name", "qwen3_next", "--model.flavor", "debugmodel", *tiny_run(STEPS)]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+RUN = BalancedRun([*COMMON, *BIAS, *CKPT], STEPS)
 
 
 def built(args, seed=0, spec=NEXT):
@@ -131,7 +132,7 @@ def test_a_padded_batch_decodes_as_each_prompt_alone():
     assert together == alone
 
 
-one_rank = one_rank_run(*COMMON, *BIAS, *CKPT)
+one_rank = one_rank_run(*RUN.argv, steps=STEPS)
 
 
 # 3 MoE layers (layer 0 is dense); the expert loads, balancing loss and biases of every layout
@@ -147,20 +148,11 @@ LAYOUTS = {
 @pytest.mark.slow("a 2-rank training of 10 steps")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_trains_like_one_process(one_rank, tmp_path, layout):
-    world, flags = LAYOUTS[layout]
-    check_layout_like_one_process(
-        one_rank,
-        tmp_path,
-        world,
-        [*COMMON, *BIAS, *CKPT, *flags],
-        STEPS,
-        moe_layers=3,
-        layout=layout,
-    )
+    RUN.check_layout(one_rank, tmp_path, layout, *LAYOUTS[layout])
 
 
 def test_resume_is_bitwise(one_rank, tmp_path):
-    check_resume_is_bitwise(one_rank, tmp_path, [*COMMON, *BIAS, *CKPT], STEPS, at=5)
+    RUN.check_resume(one_rank, tmp_path)
 
 
 def test_documents_train_alike_on_tp2(tmp_path):

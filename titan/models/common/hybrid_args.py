@@ -6,6 +6,7 @@ shared expert; norms zero-centred (scale 1 + w, w decayed towards 0). Defaults: 
 Qwen3-Next-80B-A3B's."""
 
 from dataclasses import dataclass, replace
+
 from titan.models.common.moe_args import SparseStepMoE
 from titan.models.common.param_count import DecoderParamCount
 

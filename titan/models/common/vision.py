@@ -113,9 +113,7 @@ class VisionTower(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(args, after_merge=True) for _ in args.deepstack_layers
         )
-        quarter = args.head_dim // 4
-        inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, 2 * quarter, 2).float() / (2 * quarter))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", _inv_freq(args), persistent=False)
 
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
@@ -164,7 +162,10 @@ class VisionTower(nn.Module):
             else:
                 fill = normal(0.02) if name.endswith("weight") else zeros
             seeded_init_(p, f"{prefix}.{name}", seed, fill)
-        quarter = self.args.head_dim // 4
-        self.inv_freq = 1.0 / self.args.rope_theta ** (
-            torch.arange(0, 2 * quarter, 2, device=self.inv_freq.device).float() / (2 * quarter)
-        )
+        self.inv_freq = _inv_freq(self.args, self.inv_freq.device)
+
+
+def _inv_freq(args: VisionArgs, device=None) -> torch.Tensor:
+    """A quarter of a head's dims of rotary frequencies: rows and columns use the same."""
+    half = args.head_dim // 2
+    return 1.0 / args.rope_theta ** (torch.arange(0, half, 2, device=device).float() / half)

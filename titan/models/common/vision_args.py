@@ -53,7 +53,7 @@ class VisionArgs:
             )
         bad = [i for i in self.deepstack_layers if not 0 <= i < self.depth]
         if bad:
-            out.append(f"vision deepstack_layers {bad} are not blocks of a {self.depth}-block tower")
+            out.append(f"vision deepstack_layers {bad}: not blocks of a {self.depth}-block tower")
         return out
 
     def num_params(self) -> int:

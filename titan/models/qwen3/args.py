@@ -4,6 +4,7 @@ dim / n_heads is; the FFN width given outright; tied embeddings up to 4B; the Mo
 each token to 8 of 128 experts in every layer."""
 
 from dataclasses import dataclass, replace
+
 from titan.models.common.moe_args import MoEArgs, SparseStepMoE
 from titan.models.common.param_count import DecoderParamCount
 
@@ -94,7 +95,8 @@ def _released(dim, n_layers, n_heads, n_kv_heads, ffn_hidden_dim, **rest) -> Qwe
 
 def _moe(hidden_dim: int) -> dict:
     # Qwen3-MoE: 8 of 128 experts in every layer, balanced at Qwen's coefficient
-    return dict(moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=hidden_dim), moe_aux_loss_coeff=0.001)
+    experts = MoEArgs(n_experts=128, top_k=8, hidden_dim=hidden_dim)
+    return dict(moe=experts, moe_aux_loss_coeff=0.001)
 
 
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {
