@@ -73,19 +73,12 @@ _LLAMA31_ROPE = dict(
 _LLAMA32 = dict(_LLAMA31_ROPE, rope_scaling_factor=32.0, tie_word_embeddings=True)
 
 _DEBUG = Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048)
+# the columns of a released size's row below (every one has 8 key-value heads)
+_SHAPE = ("dim", "n_layers", "n_heads", "ffn_dim_multiplier", "multiple_of")
 
 
-def _released(dim, n_layers, n_heads, ffn_dim_multiplier, multiple_of, rope) -> Llama3Args:
-    # every released size has 8 key-value heads
-    return Llama3Args(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=8,
-        ffn_dim_multiplier=ffn_dim_multiplier,
-        multiple_of=multiple_of,
-        **rope,
-    )
+def _released(*shape, rope: dict) -> Llama3Args:
+    return Llama3Args(**dict(zip(_SHAPE, shape, strict=True)), n_kv_heads=8, **rope)
 
 
 LLAMA3_FLAVORS: dict[str, Llama3Args] = {
@@ -93,9 +86,9 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
     # the debug model with Llama 3.2's tied embedding, to try that path on a laptop
     "debugmodel_tied": replace(_DEBUG, tie_word_embeddings=True),
     # dim, layers, heads, FFN multiplier, multiple_of, RoPE scaling (Llama 3.2 / 3.1)
-    "1B": _released(2048, 16, 32, 1.5, 256, _LLAMA32),
-    "3B": _released(3072, 28, 24, 1.0, 256, _LLAMA32),
-    "8B": _released(4096, 32, 32, 1.3, 1024, _LLAMA31_ROPE),
-    "70B": _released(8192, 80, 64, 1.3, 4096, _LLAMA31_ROPE),
-    "405B": _released(16384, 126, 128, 1.2, 4096, _LLAMA31_ROPE),
+    "1B": _released(2048, 16, 32, 1.5, 256, rope=_LLAMA32),
+    "3B": _released(3072, 28, 24, 1.0, 256, rope=_LLAMA32),
+    "8B": _released(4096, 32, 32, 1.3, 1024, rope=_LLAMA31_ROPE),
+    "70B": _released(8192, 80, 64, 1.3, 4096, rope=_LLAMA31_ROPE),
+    "405B": _released(16384, 126, 128, 1.2, 4096, rope=_LLAMA31_ROPE),
 }

@@ -67,30 +67,18 @@ class Qwen3Args(SparseStepMoE, DecoderParamCount):
         )
 
 
+# the columns of a size's row below
+_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim")
+# every released size was published for 40,960 positions
+_RELEASED = dict(context_len=40960)
+
+
+def _size(*shape: int, **rest) -> Qwen3Args:
+    return Qwen3Args(**dict(zip(_SHAPE, shape, strict=True)), **rest)
+
+
 # CPU-sized, with head_dim (32) twice dim / n_heads, as the real sizes have it too
-_DEBUG = Qwen3Args(
-    dim=256,
-    n_layers=4,
-    n_heads=16,
-    n_kv_heads=8,
-    head_dim=32,
-    ffn_hidden_dim=768,
-    vocab_size=2048,
-    tie_word_embeddings=True,
-)
-
-
-def _released(dim, n_layers, n_heads, n_kv_heads, ffn_hidden_dim, **rest) -> Qwen3Args:
-    # every released size was published for 40,960 positions
-    return Qwen3Args(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        ffn_hidden_dim=ffn_hidden_dim,
-        context_len=40960,
-        **rest,
-    )
+_DEBUG = _size(256, 4, 16, 8, 768, head_dim=32, vocab_size=2048, tie_word_embeddings=True)
 
 
 def _moe(hidden_dim: int) -> dict:
@@ -102,12 +90,12 @@ def _moe(hidden_dim: int) -> dict:
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {
     "debugmodel": _DEBUG,
     # dim, layers, heads, key-value heads, FFN width; tied embeddings up to 4B
-    "0.6B": _released(1024, 28, 16, 8, 3072, tie_word_embeddings=True),
-    "1.7B": _released(2048, 28, 16, 8, 6144, tie_word_embeddings=True),
-    "4B": _released(2560, 36, 32, 8, 9728, tie_word_embeddings=True),
-    "8B": _released(4096, 36, 32, 8, 12288),
-    "14B": _released(5120, 40, 40, 8, 17408),
-    "32B": _released(5120, 64, 64, 8, 25600),
+    "0.6B": _size(1024, 28, 16, 8, 3072, tie_word_embeddings=True, **_RELEASED),
+    "1.7B": _size(2048, 28, 16, 8, 6144, tie_word_embeddings=True, **_RELEASED),
+    "4B": _size(2560, 36, 32, 8, 9728, tie_word_embeddings=True, **_RELEASED),
+    "8B": _size(4096, 36, 32, 8, 12288, **_RELEASED),
+    "14B": _size(5120, 40, 40, 8, 17408, **_RELEASED),
+    "32B": _size(5120, 64, 64, 8, 25600, **_RELEASED),
     # Qwen3-MoE. The debug model keeps a dense first layer (mlp_only_layers) to exercise both
     # kinds of block; the load-balancing loss is on at Qwen's coefficient, as in the released
     # configs' router_aux_loss_coef
@@ -119,6 +107,6 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
         moe_aux_loss_coeff=0.001,
     ),
     # the same, then the experts' width
-    "30B-A3B": _released(2048, 48, 32, 4, 6144, **_moe(768)),
-    "235B-A22B": _released(4096, 94, 64, 4, 12288, **_moe(1536)),
+    "30B-A3B": _size(2048, 48, 32, 4, 6144, **_moe(768), **_RELEASED),
+    "235B-A22B": _size(4096, 94, 64, 4, 12288, **_moe(1536), **_RELEASED),
 }
