@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan.models.common.init import normal, ones, seeded_init_, zeros
+from titan.models.common.rope import apply_rope, inverse_frequencies
 from titan.models.common.vision_args import VisionArgs
 
 
@@ -34,11 +35,6 @@ def grid_positions(grid_thw: list[tuple[int, int, int]], merge: int) -> torch.Te
     return torch.cat(out)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
 class VisionAttention(nn.Module):
     def __init__(self, args: VisionArgs):
         super().__init__()
@@ -46,13 +42,12 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.dim, 3 * args.dim)
         self.proj = nn.Linear(args.dim, args.dim)
 
-    def forward(self, x: torch.Tensor, cos, sin, spans: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, spans: list[int]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.n_heads, -1).unbind(1)  # (patches, heads, hd)
-        kind = q.dtype
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(kind)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(kind)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (heads, patches, hd)
+        q, k, v = self.qkv(x).view(1, n, 3, self.n_heads, -1).unbind(2)  # (1, patches, heads, hd)
+        # transformers' rotate_half layout: pair i is (i, i + head_dim / 2)
+        q, k = (apply_rope(t, rope, interleaved=False) for t in (q, k))
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (heads, patches, hd)
         # each frame of each image attends within itself
         out = [
             F.scaled_dot_product_attention(qs, ks, vs)
@@ -79,8 +74,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(args)
         self.mlp = VisionMLP(args)
 
-    def forward(self, x: torch.Tensor, cos, sin, spans: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, spans)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, spans: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, spans)
         return x + self.mlp(self.norm2(x))
 
 
@@ -124,11 +119,11 @@ class VisionTower(nn.Module):
         grids = [tuple(g) for g in grid_thw.tolist()]  # shapes: the host needs them
         x = self.patch_embed.proj(pixel_values.view(-1, a.patch_values).to(self.pos_embed.weight))
         x = x + self._positions(grids).to(x.dtype)
-        cos, sin = self._rotary(grids, x.device)
+        rope = self._rope(grids, x.device)
         spans = [h * w for t, h, w in grids for _ in range(t)]
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, spans)
+            x = block(x, rope, spans)
             if i in a.deepstack_layers:
                 deepstack.append(self.deepstack_merger_list[a.deepstack_layers.index(i)](x))
         return self.merger(x), deepstack
@@ -145,13 +140,13 @@ class VisionTower(nn.Module):
             out.append(grid.reshape(h * w, dim).repeat(t, 1))
         return torch.cat(out)
 
-    def _rotary(self, grids, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every patch, (patches, 1, head_dim): rows turn the first quarter of
-        the frequencies, columns the second, each half of a head repeating them."""
+    def _rope(self, grids, device) -> torch.Tensor:
+        """The rotation of every patch, (1, patches, head_dim / 2, (cos, sin)) as
+        titan.models.common.rope.apply_rope takes it: rows turn the first half of the pairs,
+        columns the second, at the same frequencies."""
         rc = grid_positions(grids, self.args.merge_size).to(device)
         angles = (rc[..., None].float() * self.inv_freq.float()).flatten(1)  # (patches, hd/2)
-        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
-        return angles.cos(), angles.sin()
+        return torch.stack([angles.cos(), angles.sin()], dim=-1)[None]
 
     @torch.no_grad()
     def init_weights(self, seed: int, prefix: str = "visual") -> None:
@@ -167,5 +162,4 @@ class VisionTower(nn.Module):
 
 def _inv_freq(args: VisionArgs, device=None) -> torch.Tensor:
     """A quarter of a head's dims of rotary frequencies: rows and columns use the same."""
-    half = args.head_dim // 2
-    return 1.0 / args.rope_theta ** (torch.arange(0, half, 2, device=device).float() / half)
+    return inverse_frequencies(args.head_dim // 2, args.rope_theta).float().to(device)
