@@ -84,7 +84,9 @@ _loaded = False
 
 
 def register(entry: Entry) -> None:
-    """Add `entry`; the same entry again is a no-op (a plugin may be imported twice)."""
+    """Add `entry`; the same entry again is a no-op (a plugin may be imported twice). titan's
+    own are added first, whoever registers first: a run meets them before a plugin's."""
+    load_builtin()
     taken = _ALL.get((entry.kind, entry.name))
     if taken == entry:
         return

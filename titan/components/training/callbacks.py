@@ -173,20 +173,20 @@ class Callbacks(dict):
     def around_scoring(self, run, scorer: str):
         """The contexts `scorer` scores the model in; gives the names of what they put in the
         model (empty: the trained weights)."""
-        with contextlib.ExitStack() as stack:
-            named = []
-            for callback in self.values():
-                context = callback.around_scoring(run, scorer)
-                if context is not None:
-                    named.append(stack.enter_context(context))
-            yield [name for name in named if name]
+        given: list = []
+        with self._entered(lambda cb: cb.around_scoring(run, scorer), given):
+            yield [name for name in given if name]
 
-    def _entered(self, context_of) -> contextlib.ExitStack:
+    def _entered(self, context_of, given: list | None = None) -> contextlib.ExitStack:
+        """Every callback's context (where it has one) entered, in order; what each gives on
+        entering is appended to `given`."""
         stack = contextlib.ExitStack()
         for callback in self.values():
             context = context_of(callback)
             if context is not None:
-                stack.enter_context(context)
+                value = stack.enter_context(context)
+                if given is not None:
+                    given.append(value)
         return stack
 
     @property
