@@ -44,7 +44,7 @@ def test_an_image_already_fitted_is_its_normalized_pixels_in_merge_blocks():
 
 
 @pytest.mark.needs("transformers", "PIL")
-@pytest.mark.parametrize("size", [(100, 70), (500, 300), (30, 20), (64, 64)])
+@pytest.mark.parametrize("size", [(100, 70), (500, 300), (30, 20), (64, 64), (2000, 10)])
 def test_pixels_and_grid_equal_transformers_processor(size):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,

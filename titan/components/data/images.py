@@ -39,7 +39,7 @@ def fitted_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
             f"an image of {width}x{height} pixels: its sides differ more than 200-fold, which "
             "the vision tower's processor does not take; crop or pad it"
         )
-    h, w = max(f, round(height / f) * f), max(f, round(width / f) * f)
+    h, w = round(height / f) * f, round(width / f) * f  # 0 for a side under f / 2: grown below
     if h * w > rule.max_pixels:
         shrink = math.sqrt(height * width / rule.max_pixels)
         h = max(f, math.floor(height / shrink / f) * f)
