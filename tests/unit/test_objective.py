@@ -9,11 +9,10 @@ import sys
 import pytest
 import torch
 
-from tests.example_plugin import FOLDER, registered
+from tests.example_plugin import registered
 from tests.forked import run_trainer, tiny_run
 from tests.layouts import layouts
-from titan.components.data import dataset as dataset_mod
-from titan.components.data.dataset import DataError
+from titan.components.data.dataset import DataError, unregister_dataset
 from titan.components.training.loss import IGNORE_INDEX, cross_entropy_sum
 from titan.components.training.objective import Objective
 from titan.components.training.terms import (
@@ -123,12 +122,10 @@ def position_l2(job):
 @pytest.fixture
 def fielded():
     """The term above and the example's dataset whose samples carry `positions`."""
-    data = extensions.import_plugin(str(FOLDER / "data.py"))
-    if dataset_mod.dataset_spec(data.SPEC.name) is None:  # an earlier test removed it
-        extensions.register(data.SPEC)
     extensions.register(TermSpec("position_l2", build=f"{__name__}:position_l2"))
     try:
-        yield
+        with registered("data.py", "plugin_corpus", extensions.register, unregister_dataset):
+            yield
     finally:
         unregister_term("position_l2")
 
