@@ -5,6 +5,7 @@ and padding, so titan and transformers' AutoTokenizer read the same folder.
 
     python scripts/chat_tokenizer.py                       # assets/tokenizer_chat (Llama 3 format)
     python scripts/chat_tokenizer.py --format qwen3 --out /tmp/qwen3_chat
+    python scripts/chat_tokenizer.py --format qwen3_vl --out assets/tokenizer_vlm
 
 The added tokens take the ids after the base vocabulary (the bundled one's 2048).
 """
@@ -28,6 +29,12 @@ FORMATS = {
         "<|eot_id|>",
     ),
     "qwen3": (["<|im_start|>", "<|im_end|>", "<think>", "</think>"], None, "<|im_end|>"),
+    # a vision-language model's: ChatML and the vision tokens (assets/tokenizer_vlm)
+    "qwen3_vl": (
+        ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"],
+        "<|begin_of_text|>",
+        "<|im_end|>",
+    ),
     "deepseek_v3": (
         ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
         "<｜begin▁of▁sentence｜>",

@@ -1,7 +1,7 @@
 """Qwen3.5's text model (model.name = qwen3_5, dense and MoE): released sizes; logits, both HF
 directions and greedy generation against transformers' Qwen3_5ForCausalLM and
-Qwen3_5MoeForCausalLM; the released vision-language checkpoints' language model read (its
-vision tower and MTP layer left); such a folder loads alike on FSDP, TP and EP (the projections
+Qwen3_5MoeForCausalLM; the released vision-language checkpoints read with their vision tower
+(the MTP layer left; tests/unit/test_vision_language.py checks the tower); such a folder loads alike on FSDP, TP and EP (the projections
 whose rows Qwen3.5 orders otherwise than titan gathered and resharded) and trains like one
 process; a folder transformers wrote starts training at its step-1 loss. The model itself is
 Qwen3-Next's (tests/unit/test_qwen3_next.py: documents, decoding, every layout, resume)."""
@@ -102,7 +102,9 @@ def vision_language_folder(folder, args) -> None:
 
 @pytest.mark.needs("transformers")
 @pytest.mark.parametrize("kind", list(FLAVORS))
-def test_a_vision_language_checkpoint_gives_its_language_model(tmp_path, kind):
+def test_a_vision_language_checkpoint_gives_its_model_with_the_tower(tmp_path, kind):
+    from titan.models.common.vision_args import VisionArgs
+
     args = FLAVORS[kind]
     hf_model = vision_language_folder(tmp_path / "vl", args)
     config = json.loads((tmp_path / "vl" / "config.json").read_text())
@@ -110,8 +112,12 @@ def test_a_vision_language_checkpoint_gives_its_language_model(tmp_path, kind):
     names = hf_io.load_hf_state(tmp_path / "vl")
     assert any(n.startswith("model.visual.") for n in names)
     assert any(n.startswith("model.language_model.layers.") for n in names)
+    tower = VisionArgs(
+        depth=1, dim=32, ffn_dim=64, n_heads=2, patch_size=4, num_position_embeddings=16
+    )
+    args = args.with_updates(vision=tower.with_updates(out_dim=args.dim))
     assert hf_io.args_from_hf(tmp_path / "vl", SPEC, args.max_seq_len) == args
-    model = built(args)
+    model = built(args)  # the tower's weights read too (the MTP layer's left)
     model.load_state_dict(hf_io.load_hf(tmp_path / "vl", SPEC))
     x = tokens(args)
     with torch.no_grad():

@@ -87,6 +87,6 @@ def test_init_is_seeded_by_name():
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert torch.equal(a.merger.norm.weight, torch.ones_like(a.merger.norm.weight))
-    assert a.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.2)
+    assert a.blocks["0"].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.2)
     for args in (VISION_DEBUG, VISION_DEBUG.with_updates(deepstack_layers=(1,))):
         assert args.num_params() == sum(p.numel() for p in VisionTower(args).parameters())

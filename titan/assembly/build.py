@@ -278,6 +278,7 @@ def dataloader(job: JobConfig, plan: RunPlan, shard: DataShard):
         shard=shard,
         global_batch_size=plan.global_batch_size,
         sections=job.extensions,
+        model_args=plan.model_args,
     )
 
 

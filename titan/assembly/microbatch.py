@@ -123,7 +123,9 @@ class ForwardBackward:
             return contextlib.nullcontext()
         par = self.job.parallelism
         batch = [b for b in batch if b is not None]
-        kwargs = kwargs or {}
+        # a row field (a row's images) stays whole: the ranks of a CP group see the same rows
+        rows = getattr(self.parts[0], "row_fields", ())
+        kwargs = {k: v for k, v in (kwargs or {}).items() if k not in rows}
         batch += [t for t in kwargs.values() if all(t is not b for b in batch)]
         buffers = (
             []
@@ -157,7 +159,8 @@ class ForwardBackward:
             out[LABELS] = batch[LABELS]
         if m.attn_mask_type == "block_causal":
             bos = self.plan.tokenizer.bos_id
-            out.update(document_kwargs(batch, m.document_positions, bos))
+            for name, t in document_kwargs(batch, m.document_positions, bos).items():
+                out.setdefault(name, t)  # the batch's own positions (images') stand
         rows, width = batch[INPUT_IDS].shape
         if self.plan.dims.cp_enabled and width < self.job.training.seq_len:
             # context parallelism shards the RoPE table by place, as long as training.seq_len:

@@ -25,6 +25,7 @@ MODULES = (
             "qwen3",
             "qwen3_5",
             "qwen3_next",
+            "qwen3_vl",
         )
     ),
     "titan.components.optim.optimizer_spec",
@@ -44,6 +45,7 @@ MODULES = (
     "titan.components.evaluation.eval_spec",
     "titan.components.fault_tolerance.spec",
     "titan.components.data.chat_spec",
+    "titan.components.data.images_spec",
     "titan.components.lora.spec",
     "titan.components.mup.spec",
     "titan.components.optim.builtin",

@@ -77,11 +77,12 @@ class Training:
     )
     dataset_path: str | None = opt(None, "Local path that overrides where `dataset` is read from")
     dataset_text_field: str = opt("text", "Column holding the document text")
-    dataset_format: Literal["text", "chat"] = opt(
+    dataset_format: Literal["text", "chat", "images"] = opt(
         "text",
         "text: documents packed into windows, every token trained; chat: conversations "
         "(a `messages` column) rendered with the chat template, the loss on assistant "
-        "tokens only (see [chat])",
+        "tokens only (see [chat]); images: image-text records for a vision-language model, "
+        "the loss on the text after the images (see [images])",
     )
     dataset_mix: list[str] = opt(
         [],

@@ -84,6 +84,9 @@ class Model(Protocol):
     # takes as keyword arguments of the same names (a family's positions, images, ...);
     # the documents of a block-causal mask are passed apart, as doc_ids
     batch_fields: tuple[str, ...]
+    # those of batch_fields that are per row, (rows, ...), not per token (a row's images):
+    # pipelines split them by rows, context parallelism leaves them whole
+    row_fields: tuple[str, ...]
 
     def forward(self, tokens: torch.Tensor, cache: DecodeCache | None = None) -> torch.Tensor:
         """Logits; with a cache (generation), `tokens` continue the cached ones. Auxiliary

@@ -29,13 +29,12 @@ import torch.distributed.checkpoint as dcp
 
 from titan.components.checkpoint.integrity import file_problem
 from titan.components.checkpoint.storage import as_path, dcp_reader, is_remote, write_whole
+from titan.runtime.names import canonical_name
 
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = ".complete"
 MODEL_KEY = "model"
-# wrapper fragments torch.compile / activation checkpointing / FSDP1 can leave in names
-_WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 class CheckpointError(RuntimeError):
@@ -344,13 +343,6 @@ def _quiet_no_dist():
             yield
     finally:
         consolidation.removeFilter(_not_single_process_note)
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name without the wrappers compile, activation checkpointing and FSDP add."""
-    for frag in _WRAPPER_FRAGMENTS:
-        name = name.replace(frag, "")
-    return name
 
 
 def dcp_model_metadata(path: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:

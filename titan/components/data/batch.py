@@ -26,3 +26,16 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 def extra_fields(batch: Batch) -> Batch:
     """The fields beside the tokens and the labels."""
     return {k: v for k, v in batch.items() if k not in (INPUT_IDS, LABELS)}
+
+
+def collate(samples: list[Batch]) -> Batch:
+    """Samples stacked by name; a row field whose rows differ in length (a row's images'
+    patches) padded with zeros to the longest (a grid of zeros is no image)."""
+    out = {}
+    for name in samples[0]:
+        rows = [s[name] for s in samples]
+        longest = max(r.shape[0] for r in rows)
+        if any(r.shape[0] != longest for r in rows):
+            rows = [torch.cat([r, r.new_zeros(longest - r.shape[0], *r.shape[1:])]) for r in rows]
+        out[name] = torch.stack(rows)
+    return out

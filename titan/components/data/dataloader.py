@@ -15,7 +15,7 @@ import numpy as np
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan.components.data.batch import INPUT_IDS
+from titan.components.data.batch import INPUT_IDS, collate
 from titan.components.data.chat import ChatOptions, chat_windows
 from titan.components.data.chat_template import ChatTemplate
 from titan.components.data.data_order import GlobalOrder
@@ -55,6 +55,7 @@ def _loader(dataset, batch_size: int, workers: Workers, sampler=None) -> Statefu
             dataset,
             batch_size=batch_size,
             sampler=sampler,
+            collate_fn=collate,
             num_workers=workers.num_workers,
             **extra,
         )
@@ -390,6 +391,34 @@ def build_text_dataloader(
     return IndexedLoader(MixedWindows(windows, fields), order, local_batch_size, workers)
 
 
+def _indexed(
+    windows,
+    name: str,
+    local_batch_size: int,
+    global_batch_size: int,
+    shard,
+    seed: int,
+    shuffle: bool,
+    infinite: bool,
+    workers: Workers,
+    fields=None,
+):
+    """One indexed source's windows read in a global order: resumes exactly, on any dp
+    degree."""
+    order = GlobalOrder(
+        [len(windows)],
+        [1.0],
+        dp_rank=shard.dp_rank,
+        dp_world_size=shard.dp_world_size,
+        global_batch_size=global_batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        infinite=infinite,
+        names=[name],
+    )
+    return IndexedLoader(MixedWindows([windows], fields), order, local_batch_size, workers)
+
+
 def build_chat_dataloader(
     *,
     dataset: str,
@@ -418,27 +447,80 @@ def build_chat_dataloader(
     )
     files = local_files(dataset, dataset_path, key=f"{section}.dataset_path")
     windows = chat_windows(files or dataset, template, opts, tokenizer.pad_id, dataset)
-    order = GlobalOrder(
-        [len(windows)],
-        [1.0],
-        dp_rank=shard.dp_rank,
-        dp_world_size=shard.dp_world_size,
-        global_batch_size=global_batch_size,
-        seed=seed,
-        shuffle=shuffle,
-        infinite=infinite,
-        names=[dataset],
-    )
     fields = sample_fields(dataset, tokenizer)
-    return IndexedLoader(MixedWindows([windows], fields), order, local_batch_size, workers)
+    return _indexed(
+        windows,
+        dataset,
+        local_batch_size,
+        global_batch_size,
+        shard,
+        seed,
+        shuffle,
+        infinite,
+        workers,
+        fields,
+    )
+
+
+def build_image_dataloader(
+    *,
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer: Tokenizer,
+    images,
+    vision,
+    seq_len: int,
+    local_batch_size: int,
+    global_batch_size: int,
+    shard: DataShard,
+    seed: int,
+    text_field: str = "text",
+    shuffle: bool = True,
+    infinite: bool = True,
+    workers: Workers = Workers(),
+    section: str = "training",
+):
+    """Image-text records (`images`: the images section; `vision`: the model's VisionArgs,
+    whose patches the processor's rule makes) as packed windows with their images."""
+    from titan.components.data.image_sources import open_image_source
+    from titan.components.data.image_text import image_text_windows
+    from titan.components.data.images import ImageRule
+
+    rule = ImageRule(
+        patch_size=vision.patch_size,
+        merge_size=vision.merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        min_pixels=images.min_pixels,
+        max_pixels=images.max_pixels,
+    )
+    key = f"{section}.dataset_path"
+    source = open_image_source(dataset, dataset_path, images.image_field, text_field, key)
+    windows = image_text_windows(source, rule, tokenizer, seq_len, dataset)
+    return _indexed(
+        windows,
+        dataset,
+        local_batch_size,
+        global_batch_size,
+        shard,
+        seed,
+        shuffle,
+        infinite,
+        workers,
+    )
 
 
 def build_dataloader(
-    cfg, *, tokenizer: Tokenizer, shard: DataShard, global_batch_size: int, sections: dict
+    cfg,
+    *,
+    tokenizer: Tokenizer,
+    shard: DataShard,
+    global_batch_size: int,
+    sections: dict,
+    model_args=None,
 ):
     """The training loader of `cfg` (the training section; `sections`: the job's registered
-    sections, of which the data format's own, [chat], is read): infinite, shuffled per
-    epoch."""
+    sections, of which the data format's own, [chat] or [images], is read; `model_args`: the
+    model's, whose vision tower image data are cut for): infinite, shuffled per epoch."""
     common = dict(
         dataset=cfg.dataset,
         dataset_path=cfg.dataset_path,
@@ -453,6 +535,13 @@ def build_dataloader(
     )
     if cfg.dataset_format == "chat":
         return build_chat_dataloader(**common, chat=sections["chat"])
+    if cfg.dataset_format == "images":
+        return build_image_dataloader(
+            **common,
+            images=sections["images"],
+            vision=model_args.vision,
+            text_field=cfg.dataset_text_field,
+        )
     return build_text_dataloader(
         **common,
         text_field=cfg.dataset_text_field,

@@ -43,6 +43,9 @@ for _name, _location in (
     ("kjv_valid", "assets/corpus/kjv_valid.jsonl"),
     ("chat", "assets/corpus/chat_train.jsonl"),
     ("chat_valid", "assets/corpus/chat_valid.jsonl"),
+    # pictures of shapes with their captions (training.dataset_format = "images")
+    ("shapes", "assets/images/shapes/train.jsonl"),
+    ("shapes_valid", "assets/images/shapes/valid.jsonl"),
 ):
     register(DatasetSpec(_name, _location))
 unregister_dataset = _DATASETS.remove

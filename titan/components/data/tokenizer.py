@@ -118,6 +118,10 @@ class Tokenizer:
                 return idx
         raise TokenizerError(f"{self.path} defines none of {names} for its {key}")
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (a special token's), None where it has none."""
+        return self._tok.token_to_id(token)
+
     def encode(self, text: str, bos: bool = True, eos: bool = True):
         """BOS + the text's ids + EOS: a list, or for a text longer than PIECE_CHARS an int32
         array encoded piece by piece."""

@@ -25,9 +25,7 @@ from titan.models.common.grouped_mm import grouped_mm
 from titan.models.common.init import seeded_init_
 from titan.models.common.moe import GroupedExperts
 from titan.parallelisms.activation_checkpoint import recomputed_in_backward
-
-# wrappers the parallelisms put between a model and its blocks: not part of a canonical name
-_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+from titan.runtime.names import canonical_name
 
 
 class LoRALinear(nn.Linear):
@@ -163,8 +161,7 @@ def is_adapter(name: str) -> bool:
     return name.rpartition(".")[2].startswith(("lora_a", "lora_b"))
 
 
-def canonical(name: str) -> str:
-    return _WRAPPERS.sub("", name)
+canonical = canonical_name  # wrappers the parallelisms add are not part of a name
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ An optimizer is added by a module that calls `register_optimizer` (titan's own a
 by titan/components/optim/builtin.py; a plugin's by --job.custom_import).
 """
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
@@ -15,14 +14,10 @@ from typing import ClassVar
 
 from titan.config import extensions
 from titan.config.entry import Entry
+from titan.runtime.names import canonical_name
 
-# a wrapper's name in a parameter's path (activation checkpointing, torch.compile), which
-# names seen by optimizers and param_groups regexes leave out, as checkpoints do
-_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
-
-
-def clean_name(name: str) -> str:
-    return _WRAPPERS.sub("", name).lstrip(".")
+# names seen by optimizers and param_groups regexes leave the wrappers out, as checkpoints do
+clean_name = canonical_name
 
 
 @dataclass(frozen=True)

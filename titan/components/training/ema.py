@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from titan.components.checkpoint.folders import canonical_name
+from titan.runtime.names import canonical_name
 from titan.components.observability.memory_measure import local as _local
 from titan.components.training.callbacks import Callback, StepEnd
 

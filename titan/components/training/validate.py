@@ -24,6 +24,7 @@ from titan.components.data.batch import to_device
 from titan.components.data.dataloader import (
     DataShard,
     build_chat_dataloader,
+    build_image_dataloader,
     build_text_dataloader,
 )
 from titan.components.data.dataset import DataError
@@ -55,18 +56,28 @@ class Validator:
         sum_groups: list[dist.ProcessGroup | None],
         device: torch.device,
         chat=None,
+        images=None,
+        vision=None,
     ):
         """`cfg`: the validation section; the batch sizes as the run plan resolved them.
         `sum_groups`: the process groups over which the loss sums and token counts add up
         (pipeline stages, dp x cp ranks). `chat`: the chat section, when the data are
-        conversations (as the training data's)."""
+        conversations (as the training data's); `images` and `vision`: the images section and
+        the model's tower, when the data are image-text records."""
         self.cfg = cfg
         self.model_parts, self.loss_sum = model_parts, loss_sum
         self.sum_groups, self.device = sum_groups, device
         self.local_batch_size = local_batch_size
         # a rank's forwards per validation batch
         self.forwards = global_batch_size // (local_batch_size * shard.dp_world_size)
-        build = build_text_dataloader if chat is None else build_chat_dataloader
+        if chat is not None:
+            build, own = build_chat_dataloader, {"chat": chat}
+        elif images is not None:
+            build = build_image_dataloader
+            own = {"images": images, "vision": vision, "text_field": text_field}
+        else:
+            build = build_text_dataloader
+            own = {"text_field": text_field, "streaming": cfg.dataset_streaming}
         self.loader = build(
             dataset=cfg.dataset,
             dataset_path=cfg.dataset_path,
@@ -79,11 +90,7 @@ class Validator:
             shuffle=False,
             infinite=False,
             section="validation",
-            **(
-                {"text_field": text_field, "streaming": cfg.dataset_streaming}
-                if chat is None
-                else {"chat": chat}
-            ),
+            **own,
         )
         self.streamed = not self.loader.global_index
 
@@ -163,5 +170,7 @@ def build_callback(run, options) -> ValidationCallback | None:
         sum_groups=run.loss_groups,
         device=run.device,
         chat=job.chat if t.dataset_format == "chat" else None,
+        images=job.images if t.dataset_format == "images" else None,
+        vision=getattr(run.plan.model_args, "vision", None),
     )
     return ValidationCallback(validator, t.steps)

@@ -108,11 +108,16 @@ class Decoder(nn.Module):
     # (muP's 1/width output multiplier)
     output_scale = 1.0
 
+    # what only the first pipeline stage holds: what `embed` reads
+    input_parts: tuple[str, ...] = ("tok_embeddings",)
+
     # whether forward takes the step's `labels` (the trainer passes them then): a family that
     # trains on targets inside forward (DeepSeek-V3's multi-token prediction) sets it
     takes_labels = False
     # batch fields forward takes by name (see titan.models.spec.ModelProtocol)
     batch_fields: tuple[str, ...] = ()
+    # those of them that are per row, not per token (a row's images): CP leaves them whole
+    row_fields: tuple[str, ...] = ()
 
     def forward(
         self,
@@ -121,23 +126,26 @@ class Decoder(nn.Module):
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        **fields: torch.Tensor,
     ) -> torch.Tensor:
         """Logits of every position; with `cache`, `tokens` continue the cached ones.
 
         `doc_ids` (batch, seq): attend only within each document (block-causal);
         `positions` (batch, seq): each token's RoPE position, when not 0, 1, 2, ...;
-        `labels` (batch, seq): the targets, when `takes_labels`."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope if positions is None else self.rope[positions]
+        `labels` (batch, seq): the targets, when `takes_labels`; `fields`: the other batch
+        fields the family lists in `batch_fields`, for its `embed`."""
+        h, extra = self.embed(tokens, **fields)
+        rope = self.rope_at(positions)
         masks = {}
         if cache is not None:
-            for _, layer in self.trunk():
-                h = layer(h, rope, cache=cache)
+            for i, layer in self.trunk():
+                h = self.after_layer(i, layer(h, rope, cache=cache), extra)
         else:
             masks = self._masks(doc_ids)
             for i, layer in self.trunk():
                 mask = masks.get(self.sliding_windows[i])
                 h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
+                h = self.after_layer(i, h, extra)
         h = self.norm(h) if self.norm is not None else h
         if self.output is not None and self.output_scale != 1.0:
             h = h * self.output_scale
@@ -147,6 +155,29 @@ class Decoder(nn.Module):
         if self.output is None:
             return h
         return self.head(h, rope, masks.get(None), labels)
+
+    def embed(self, tokens: torch.Tensor, **fields: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """The input hidden states (a later pipeline stage's `tokens` are already hidden
+        states) and what the family's `after_layer` needs of the inputs (None here); a family
+        that embeds more than tokens (images) takes its batch fields here."""
+        if fields:
+            raise TypeError(f"{type(self).__name__} takes no batch fields {sorted(fields)}")
+        return (self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens), None
+
+    def side_blocks(self) -> list[nn.ModuleDict]:
+        """Stacks of blocks beside the decoder's (a vision tower's), which activation
+        checkpointing, compile and FSDP wrap block by block as they do the decoder's."""
+        return []
+
+    def after_layer(self, layer_id: int, h: torch.Tensor, extra: object) -> torch.Tensor:
+        """The hidden states after block `layer_id` as the next block reads them (as they
+        are here; Qwen3-VL adds image features to its first blocks' outputs)."""
+        return h
+
+    def rope_at(self, positions: torch.Tensor | None) -> torch.Tensor:
+        """The rotation of each position: the table's rows in order, or those `positions`
+        (batch, seq) pick."""
+        return self.rope if positions is None else self.rope[positions]
 
     def trunk(self) -> list[tuple[int, nn.Module]]:
         """(index, block) of the main stack's blocks this part holds, in order: layers 0 ..

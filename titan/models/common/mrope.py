@@ -46,15 +46,31 @@ def multimodal_positions(
     return torch.cat(out, dim=1)
 
 
+def mrope_axes(sections: tuple[int, int, int], pairs: int, device=None) -> torch.Tensor:
+    """(pairs,): the position (0 time, 1 row, 2 column) each rotated pair turns with: the row
+    where i % 3 == 1 and i < 3 x sections[1], the column where i % 3 == 2 and i < 3 x
+    sections[2], time otherwise."""
+    i = torch.arange(pairs, device=device)
+    axis = torch.zeros_like(i)
+    for a in (1, 2):
+        axis = torch.where((i % 3 == a) & (i < 3 * sections[a]), a, axis)
+    return axis
+
+
 def mrope_angles(
     positions: torch.Tensor, inv_freq: torch.Tensor, sections: tuple[int, int, int]
 ) -> torch.Tensor:
     """Angles (..., pairs) of `positions` (3, ...) for the rotated pairs of `inv_freq`
-    (pairs,): pair i turns with the row where i % 3 == 1 and i < 3 x sections[1], with the
-    column where i % 3 == 2 and i < 3 x sections[2], with time otherwise."""
+    (pairs,), each pair's from the position `mrope_axes` gives it."""
     angles = positions[..., None].float() * inv_freq.float()  # (3, ..., pairs)
-    pairs = torch.arange(inv_freq.shape[0], device=inv_freq.device)
-    axis = torch.zeros_like(pairs)
-    for a in (1, 2):
-        axis = torch.where((pairs % 3 == a) & (pairs < 3 * sections[a]), a, axis)
+    axis = mrope_axes(sections, inv_freq.shape[0], inv_freq.device)
     return angles.gather(0, axis.expand_as(angles[:1])).squeeze(0)
+
+
+def mrope_rows(table: torch.Tensor, positions: torch.Tensor, sections) -> torch.Tensor:
+    """The rotation (batch, seq, pairs, 2) of tokens at `positions` (batch, seq, 3) from a
+    plain RoPE `table` (max_seq_len, pairs, 2): each pair's row is its axis's position."""
+    pairs = table.shape[1]
+    axis = mrope_axes(sections, pairs, positions.device)
+    rows = positions.gather(-1, axis.expand(*positions.shape[:-1], pairs))
+    return table[rows, torch.arange(pairs, device=positions.device)]

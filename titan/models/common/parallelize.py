@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan.models.common.moe import MoE
+from titan.models.common.vision_parallelize import tower_tp
 from titan.parallelisms.activation_checkpoint import apply_ac
 from titan.parallelisms.compile import compile_blocks, compile_whole
 from titan.parallelisms.data_parallel import apply_ddp, apply_fsdp, reshard_after_forward
@@ -117,6 +118,7 @@ def apply_tp(
 ) -> None:
     """Megatron-style TP: heads and FFN width split, norms (and residuals) sequence-split."""
     between = Shard(1) if sequence_parallel else Replicate()
+    tied = _tied(model)
     top = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
@@ -130,6 +132,11 @@ def apply_tp(
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if tied:
+        # each style made its own Shard(0) parameter: one matrix again before FSDP, which
+        # would otherwise hold it in two units (one all-gathering a stale copy where a rank's
+        # shard is padded: a vocabulary the ranks do not divide)
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         ffn = (
             moe_plan(between, block.feed_forward, expert_parallel=expert_parallel)
@@ -144,6 +151,7 @@ def apply_tp(
     extra = part_plan(model, between) if part_plan is not None else {}
     if extra:
         parallelize_module(model, tp_mesh, extra)
+    tower_tp(model, tp_mesh, sequence_parallel)
     place_low_rank_factors(model, tp_mesh)  # adapters beside the weights they update
     if not sequence_parallel:  # the norms not split above
         replicate_modules(
@@ -211,7 +219,9 @@ def parallelize_decoder(
     for name, p in model.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
-    apply_ac(model.layers, job.activation_checkpoint)
+    side = model.side_blocks()
+    for stack in (model.layers, *side):
+        apply_ac(stack, job.activation_checkpoint)
     if job.compile.enable:
         # per-block compile + TP breaks in backward on CPU (torch 2.13): compile the whole model
         if dims.tp_enabled and dims.device_type == "cpu":
@@ -219,6 +229,8 @@ def parallelize_decoder(
         else:
             moe = any(isinstance(b.feed_forward, MoE) for b in model.layers.values())
             compile_blocks(model.layers, job.compile.backend, fullgraph=not moe)
+            for stack in side:
+                compile_blocks(stack, job.compile.backend, fullgraph=False, dynamic=True)
     # torchft averages gradients across replica groups in FSDP's all-reduce hook
     if dims.fsdp_enabled or job.fault_tolerance.enable:
         mesh_dims = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
@@ -229,7 +241,11 @@ def parallelize_decoder(
         apply_fsdp(
             model,
             dims[mesh_dims],
-            units=[m for m in (first, *model.layers.values()) if m is not None],
+            units=[
+                m
+                for m in (first, *(b for s in side for b in s.values()), *model.layers.values())
+                if m is not None
+            ],
             final_unit=head,
             param_dtype=to_dtype(training.mixed_precision_param),
             reduce_dtype=to_dtype(training.mixed_precision_reduce),

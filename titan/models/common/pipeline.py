@@ -22,7 +22,8 @@ def pipeline_decoder(whole: nn.Module, stage_id: int, plan: PipelinePlan) -> nn.
         if name not in keep and not (last and int(name) >= whole.args.n_layers):
             del stage.layers[name]
     if stage_id != 0:
-        stage.tok_embeddings = None
+        for name in stage.input_parts:
+            setattr(stage, name, None)
     if not last:
         stage.norm = None
         stage.output = None

@@ -21,6 +21,8 @@ from torch import nn
 from titan.models.common.init import normal, ones, seeded_init_, zeros
 from titan.models.common.rope import apply_rope, inverse_frequencies
 from titan.models.common.vision_args import VisionArgs
+from titan.parallelisms.sequence_shard import plain_sdpa
+from titan.runtime.names import canonical_name
 
 
 def grid_positions(grid_thw: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
@@ -49,8 +51,10 @@ class VisionAttention(nn.Module):
         q, k = (apply_rope(t, rope, interleaved=False) for t in (q, k))
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (heads, patches, hd)
         # each frame of each image attends within itself
+        # the kernel itself: a context-parallel region turns F's SDPA into ring attention
+        # over the ranks' parts of the text, and every rank holds these images whole
         out = [
-            F.scaled_dot_product_attention(qs, ks, vs)
+            plain_sdpa(qs, ks, vs)
             for qs, ks, vs in zip(*(t.split(spans, dim=1) for t in (q, k, v)), strict=True)
         ]
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(n, -1))
@@ -96,14 +100,30 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x.view(-1, self.merged))))
 
 
+class PositionTable(nn.Embedding):
+    """The learned position table, a square of side x side, resampled (bilinear, corners
+    aligned) to each image's grid, in merge-block order."""
+
+    def forward(self, grids, merge: int) -> torch.Tensor:
+        side, dim = int(round(self.num_embeddings**0.5)), self.embedding_dim
+        table = self.weight.view(side, side, dim).permute(2, 0, 1)[None]
+        out = []
+        for t, h, w in grids:
+            grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]
+            grid = grid.permute(1, 2, 0).reshape(h // merge, merge, w // merge, merge, dim)
+            out.append(grid.transpose(1, 2).reshape(h * w, dim).repeat(t, 1))
+        return torch.cat(out)
+
+
 class VisionTower(nn.Module):
     def __init__(self, args: VisionArgs):
         super().__init__()
         self.args = args
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Linear(args.patch_values, args.dim)
-        self.pos_embed = nn.Embedding(args.num_position_embeddings, args.dim)
-        self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
+        self.pos_embed = PositionTable(args.num_position_embeddings, args.dim)
+        # by index as the hub names them; a dict so that AC and compile wrap them in place
+        self.blocks = nn.ModuleDict({str(i): VisionBlock(args) for i in range(args.depth)})
         self.merger = PatchMerger(args)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(args, after_merge=True) for _ in args.deepstack_layers
@@ -111,34 +131,23 @@ class VisionTower(nn.Module):
         self.register_buffer("inv_freq", _inv_freq(args), persistent=False)
 
     def forward(
-        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list[tuple[int, int, int]]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(the text model's tokens of every image, in order: patches / merge_size^2 of
-        `out_dim`; the DeepStack features, one such tensor per deepstack layer)."""
+        `out_dim`; the DeepStack features, one such tensor per deepstack layer). The grids
+        are shapes, read on the host (given as a list, they are not read again)."""
         a = self.args
-        grids = [tuple(g) for g in grid_thw.tolist()]  # shapes: the host needs them
+        grids = [tuple(g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
         x = self.patch_embed.proj(pixel_values.view(-1, a.patch_values).to(self.pos_embed.weight))
-        x = x + self._positions(grids).to(x.dtype)
+        x = x + self.pos_embed(grids, a.merge_size).to(x.dtype)
         rope = self._rope(grids, x.device)
         spans = [h * w for t, h, w in grids for _ in range(t)]
         deepstack = []
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks.values()):
             x = block(x, rope, spans)
             if i in a.deepstack_layers:
                 deepstack.append(self.deepstack_merger_list[a.deepstack_layers.index(i)](x))
         return self.merger(x), deepstack
-
-    def _positions(self, grids) -> torch.Tensor:
-        """The learned position table, resampled to each image's grid (bilinear, corners
-        aligned), in merge-block order."""
-        side, m, dim = self.args.position_side, self.args.merge_size, self.args.dim
-        table = self.pos_embed.weight.view(side, side, dim).permute(2, 0, 1)[None]
-        out = []
-        for t, h, w in grids:
-            grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]
-            grid = grid.permute(1, 2, 0).reshape(h // m, m, w // m, m, dim).transpose(1, 2)
-            out.append(grid.reshape(h * w, dim).repeat(t, 1))
-        return torch.cat(out)
 
     def _rope(self, grids, device) -> torch.Tensor:
         """The rotation of every patch, (1, patches, head_dim / 2, (cos, sin)) as
@@ -152,6 +161,8 @@ class VisionTower(nn.Module):
     def init_weights(self, seed: int, prefix: str = "visual") -> None:
         """Every weight from (seed, its name), as the text model's are (0.02, biases 0)."""
         for name, p in self.named_parameters():
+            # seeded by the name alone: activation checkpointing's wrapper left out
+            name = canonical_name(name)
             if isinstance(self.get_submodule(name.rpartition(".")[0]), nn.LayerNorm):
                 fill = ones if name.endswith("weight") else zeros
             else:

@@ -76,3 +76,39 @@ VISION_DEBUG = VisionArgs(
     out_dim=256,
     num_position_embeddings=64,
 )
+
+
+@dataclass(frozen=True)
+class VisionLanguageFields:
+    """What a text family's args gain with a vision tower (`vision` None: text only, as the
+    family's text flavors are). The token ids are the tokenizer's (the hub config's
+    image_token_id, vision_start/end_token_id); the data find them by name."""
+
+    vision: VisionArgs | None = None
+    # how many rotated pairs turn with (time, rows, columns) (titan.models.common.mrope)
+    mrope_section: tuple[int, int, int] = (24, 20, 20)
+    image_token_id: int = 151655
+    vision_start_id: int = 151652
+    vision_end_id: int = 151653
+
+    def vision_problems(self, rotated_pairs: int) -> list[str]:
+        """The tower's problems, and an mrope_section that does not share out the text
+        model's `rotated_pairs`."""
+        if self.vision is None:
+            return []
+        out = list(self.vision.problems())
+        if sum(self.mrope_section) != rotated_pairs:
+            out.append(
+                f"mrope_section {self.mrope_section} must add up to the {rotated_pairs} "
+                "rotated pairs of a head"
+            )
+        if self.vision.out_dim != self.dim:
+            out.append(
+                f"vision out_dim {self.vision.out_dim} must be the text model's dim {self.dim}"
+            )
+        return out
+
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """With the tower's, which no text token uses (`active`: those one text token uses)."""
+        text = super().num_params(include_embedding, active)
+        return text if active or self.vision is None else text + self.vision.num_params()

@@ -3,13 +3,58 @@ Qwen3-Next (titan.models.common.hybrid_args.HybridArgs: Gated DeltaNet in three 
 layers, gated full attention with RoPE on a quarter of each head in the fourth, zero-centred
 norms);
 the MoE sizes route every layer, 8 or 10 experts a token beside a gated shared expert. Sizes
-from the released configs' text_config (the vision tower and the MTP layer are not trained
-here)."""
+from the released configs' text_config (the MTP layer is not trained here). The released
+models are multimodal: each size's `-vision` flavor carries the vision tower (27 blocks of
+width 1152, titan.models.common.vision) and multimodal rotary positions (mrope_section 11,
+11, 10 of the 32 rotated pairs); the plain sizes are the text model alone."""
+
+from dataclasses import dataclass, fields, replace
 
 from titan.models.common.hybrid_args import HYBRID_DEBUG, HybridArgs
 from titan.models.common.moe_args import MoEArgs
+from titan.models.common.vision_args import VISION_DEBUG, VisionArgs, VisionLanguageFields
 
-_RELEASED = HybridArgs(vocab_size=248320, context_len=262144)
+
+@dataclass(frozen=True)
+class Qwen3_5Args(VisionLanguageFields, HybridArgs):
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    image_token_id: int = 248056
+    vision_start_id: int = 248053
+    vision_end_id: int = 248054
+
+    def with_updates(self, **kw) -> "Qwen3_5Args":
+        return replace(self, **kw)
+
+    def problems(self) -> list[str]:
+        return super().problems() + self.vision_problems(self.rotary_dim // 2)
+
+
+def mrope_sections(rotary_dim: int) -> tuple[int, int, int]:
+    """Qwen3.5's split of a head's rotated pairs into (time, rows, columns): a third (rounded
+    down) to columns, the rest halved."""
+    pairs = rotary_dim // 2
+    rest = pairs - pairs // 3
+    return (rest - rest // 2, rest // 2, pairs // 3)
+
+
+TEXT_FIELDS = [f.name for f in fields(HybridArgs)]
+
+
+def _args(base: HybridArgs, **kw) -> Qwen3_5Args:
+    own = {k: getattr(base, k) for k in TEXT_FIELDS}
+    return Qwen3_5Args(**{**own, "mrope_section": mrope_sections(base.rotary_dim), **kw})
+
+
+_RELEASED = _args(HybridArgs(vocab_size=248320, context_len=262144))
+_DEBUG = _args(HYBRID_DEBUG)
+# CPU-sized tower; the ids of assets/tokenizer_vlm's vision tokens
+_DEBUG_VISION = dict(
+    vision=VISION_DEBUG.with_updates(out_dim=HYBRID_DEBUG.dim),
+    vocab_size=2053,  # assets/tokenizer_vlm's
+    vision_start_id=2050,
+    vision_end_id=2051,
+    image_token_id=2052,
+)
 
 
 def _moe(n_experts: int, top_k: int, hidden: int) -> dict:
@@ -22,11 +67,7 @@ def _moe(n_experts: int, top_k: int, hidden: int) -> dict:
     }
 
 
-QWEN3_5_FLAVORS: dict[str, HybridArgs] = {
-    # CPU-sized (4 layers: 3 linear, 1 full), dense
-    "debugmodel": HYBRID_DEBUG,
-    # CPU-sized, MoE in every layer (as the released MoE sizes)
-    "debugmodel_moe": HYBRID_DEBUG.with_updates(**_moe(8, 2, 128)),
+_SIZES: dict[str, Qwen3_5Args] = {
     "27B": _RELEASED.with_updates(
         dim=5120,
         n_layers=64,
@@ -44,4 +85,18 @@ QWEN3_5_FLAVORS: dict[str, HybridArgs] = {
     "397B-A17B": _RELEASED.with_updates(
         dim=4096, n_layers=60, n_heads=32, n_kv_heads=2, linear_v_heads=64, **_moe(512, 10, 1024)
     ),
+}
+
+QWEN3_5_FLAVORS: dict[str, Qwen3_5Args] = {
+    # CPU-sized (4 layers: 3 linear, 1 full), dense
+    "debugmodel": _DEBUG,
+    # CPU-sized, MoE in every layer (as the released MoE sizes)
+    "debugmodel_moe": _DEBUG.with_updates(**_moe(8, 2, 128)),
+    "debugmodel_vision": _DEBUG.with_updates(**_DEBUG_VISION),
+    "debugmodel_moe_vision": _DEBUG.with_updates(**_moe(8, 2, 128), **_DEBUG_VISION),
+    **_SIZES,
+    **{
+        f"{name}-vision": args.with_updates(vision=VisionArgs(out_dim=args.dim))
+        for name, args in _SIZES.items()
+    },
 }

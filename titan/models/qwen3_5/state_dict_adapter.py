@@ -16,13 +16,22 @@ import torch
 from titan.models.common.hf_adapter import FusedExperts, on_whole
 from titan.models.common.hybrid_args import HybridArgs
 from titan.models.common.hybrid_hf import HybridHFAdapter, hybrid_args_from_hf_config
+from titan.models.common.vision_hf import (
+    VisionLanguageHF,
+    mrope_of,
+    vision_fields,
+    vision_language_config,
+)
+from titan.models.qwen3_5.args import TEXT_FIELDS, Qwen3_5Args, mrope_sections
 
 _QKVZ, _BA = "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"
 _QKV, _Z, _B, _A = (f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
 _TEXT, _MOE_TEXT = "qwen3_5_text", "qwen3_5_moe_text"
 
 
-class Qwen3_5StateDictAdapter(HybridHFAdapter):
+class Qwen3_5TextHF(HybridHFAdapter):
+    """The text model's layout (a flavor with a tower: Qwen3_5StateDictAdapter)."""
+
     family = "Qwen3.5"
     section = "qwen3_5"
     hf_model_types = (_TEXT, _MOE_TEXT, "qwen3_5", "qwen3_5_moe")
@@ -83,7 +92,7 @@ class Qwen3_5StateDictAdapter(HybridHFAdapter):
         return super().from_hf(state, hf_config)
 
     @classmethod
-    def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> HybridArgs:
+    def args_from_hf_config(cls, config: dict, max_seq_len: int | None = None) -> Qwen3_5Args:
         return qwen3_5_args_from_hf_config(config, max_seq_len)
 
     def hf_config(self) -> dict:
@@ -99,10 +108,7 @@ class Qwen3_5StateDictAdapter(HybridHFAdapter):
         else:
             for key in [k for k in cfg if "expert" in k or k == "router_aux_loss_coef"]:
                 cfg.pop(key)
-        # text-only positions are equal in mRoPE's three sections: plain RoPE; the sections
-        # split the rotated pairs as Qwen3.5's do (11, 11, 10 of 32)
-        pairs = a.rotary_dim // 2
-        rest = pairs - pairs // 3
+        # text-only positions are equal in mRoPE's three sections: plain RoPE
         cfg.update(
             architectures=["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"],
             model_type=_MOE_TEXT if moe else _TEXT,
@@ -111,11 +117,27 @@ class Qwen3_5StateDictAdapter(HybridHFAdapter):
                 "rope_type": "default",
                 "rope_theta": a.rope_theta,
                 "partial_rotary_factor": a.rotary_dim / a.head_dim,
-                "mrope_section": [rest - rest // 2, rest // 2, pairs // 3],
+                "mrope_section": list(a.mrope_section),
                 "mrope_interleaved": True,
             },
         )
         return cfg
+
+
+class Qwen3_5StateDictAdapter(VisionLanguageHF, Qwen3_5TextHF):
+    """Qwen3.5's hub layouts: the text model's (`Qwen3_5ForCausalLM`), or with the vision
+    tower `Qwen3_5ForConditionalGeneration`'s (titan.models.common.vision_hf)."""
+
+    def hf_config(self) -> dict:
+        text = super().hf_config()
+        a = self.args
+        if a.vision is None:
+            return text
+        kind = "qwen3_5_moe" if a.moe is not None else "qwen3_5"
+        architecture = (
+            "Qwen3_5MoeForConditionalGeneration" if a.moe else "Qwen3_5ForConditionalGeneration"
+        )
+        return vision_language_config(a, architecture, kind, text, f"{kind}_vision")
 
 
 def _rows(w, order: torch.Tensor, sizes: list[int] | None):
@@ -130,9 +152,10 @@ def _rows(w, order: torch.Tensor, sizes: list[int] | None):
     return on_whole(take, *pieces)
 
 
-def qwen3_5_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> HybridArgs:
+def qwen3_5_args_from_hf_config(config: dict, max_seq_len: int | None = None) -> Qwen3_5Args:
     """Map an HF Qwen3.5 config (the text model's, or a vision-language model's with its
-    text_config) to HybridArgs; ValueError naming every field titan cannot express."""
+    text_config and vision_config) to Qwen3_5Args; ValueError naming every field titan
+    cannot express."""
     text = config.get("text_config")
     c = dict(text) if isinstance(text, dict) else dict(config)
     if "tie_word_embeddings" not in c and "tie_word_embeddings" in config:
@@ -146,4 +169,8 @@ def qwen3_5_args_from_hf_config(config: dict, max_seq_len: int | None = None) ->
         c.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     else:
         c["num_experts"] = 0
-    return hybrid_args_from_hf_config(c, max_seq_len, "Qwen3.5", problems)
+    vision = vision_fields(config, c["hidden_size"], problems)
+    base = hybrid_args_from_hf_config(c, max_seq_len, "Qwen3.5", problems)
+    fields = {k: getattr(base, k) for k in TEXT_FIELDS}
+    section = mrope_of(c, mrope_sections(base.rotary_dim))
+    return Qwen3_5Args(**fields, **vision, mrope_section=section)

@@ -1,0 +1,181 @@
+"""Qwen3-VL and Qwen3.5 with their vision towers (dense and MoE debug flavors) give
+transformers' logits on the same weights and the same bundled pictures, cut by titan's image
+data (titan.components.data.image_text) as the model sees them in training; their HF folders
+go both ways bitwise (the tower's Conv3d patch embedding included) and transformers reads them;
+the released sizes hold the parameters their args count."""
+
+import pytest
+import torch
+
+from tests.forked import built_model
+from titan.components.checkpoint import hf_io
+from titan.models.spec import get_train_spec
+
+# family, flavor, transformers' config and model classes
+CASES = {
+    "qwen3_vl": ("qwen3_vl", "debugmodel", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_moe": (
+        "qwen3_vl",
+        "debugmodel_moe",
+        "Qwen3VLMoeConfig",
+        "Qwen3VLMoeForConditionalGeneration",
+    ),
+    "qwen3_5": (
+        "qwen3_5",
+        "debugmodel_vision",
+        "Qwen3_5Config",
+        "Qwen3_5ForConditionalGeneration",
+    ),
+    "qwen3_5_moe": (
+        "qwen3_5",
+        "debugmodel_moe_vision",
+        "Qwen3_5MoeConfig",
+        "Qwen3_5MoeForConditionalGeneration",
+    ),
+}
+PICTURES = ["train/0000.png", "train/0003.png", "valid/0001.png"]  # 64x64, 96x64 or 64x96
+
+
+def case(name, max_seq_len=160):
+    family, flavor, *_ = CASES[name]
+    spec = get_train_spec(family)
+    return spec, spec.flavors[flavor].with_updates(max_seq_len=max_seq_len)
+
+
+def hf_model(name, spec, args):
+    import transformers
+
+    *_, config_cls, model_cls = CASES[name]
+    cfg = spec.state_dict_adapter(args).hf_config()
+    cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")}
+    config = getattr(transformers, config_cls)(**cfg)
+    return getattr(transformers, model_cls)._from_config(config, attn_implementation="sdpa")
+
+
+def one_record(args, pictures=PICTURES, text="a red circle and a blue square."):
+    """The model's inputs for one record of `pictures` and `text` (a batch of one), made as
+    the image data make them, and transformers' mm_token_type_ids."""
+    from PIL import Image
+
+    from titan.components.data.image_text import VisionTokens, record_tokens
+    from titan.components.data.images import ImageRule, image_patches
+    from titan.components.data.tokenizer import Tokenizer
+    from titan.models.common.mrope import IMAGE, multimodal_positions
+
+    tokenizer = Tokenizer("assets/tokenizer_vlm")
+    v = args.vision
+    rule = ImageRule(
+        patch_size=v.patch_size, merge_size=v.merge_size, min_pixels=1, max_pixels=1 << 20
+    )
+    images = [Image.open(f"assets/images/shapes/{p}") for p in pictures]
+    pixels, grids = zip(*(image_patches(im, rule) for im in images), strict=True)
+    vt = VisionTokens.of(tokenizer)
+    ids, _, kinds = record_tokens(
+        [tuple(g.tolist()) for g in grids],
+        tokenizer.encode(text, bos=False, eos=False),
+        vt,
+        v.merge_size,
+        tokenizer.bos_id,
+        tokenizer.eos_id,
+    )
+    kinds = torch.from_numpy(kinds.astype("int64"))
+    is_image = kinds == IMAGE
+    fields = {
+        "positions": multimodal_positions(kinds, [tuple(g.tolist()) for g in grids], 2).T[None],
+        "pixel_values": torch.cat(pixels)[None],
+        "image_grid_thw": torch.stack(grids)[None],
+        "vision_slots": torch.where(is_image, is_image.cumsum(0) - 1, -1)[None],
+    }
+    return torch.from_numpy(ids)[None], fields, kinds[None]
+
+
+@pytest.mark.needs("transformers", "PIL")
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_equal_transformers_on_real_pictures(name):
+    spec, args = case(name)
+    model = built_model(spec, args, seed=3)
+    hf = hf_model(name, spec, args).float().eval()
+    missing, unexpected = hf.load_state_dict(
+        spec.state_dict_adapter(args).to_hf(model.state_dict()), strict=False
+    )
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: the embedding's
+    ids, fields, kinds = one_record(args)
+    with torch.no_grad():
+        ours = model(ids, **fields)
+        theirs = hf(
+            input_ids=ids,
+            pixel_values=fields["pixel_values"][0],
+            image_grid_thw=fields["image_grid_thw"][0],
+            mm_token_type_ids=kinds.int(),
+        ).logits
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+        # the image changes the logits: the tower is in the path
+        assert (ours - model(ids)).abs().max() > 1e-2
+        # text alone: the text model with plain positions, as transformers'
+        text = ids[:, :1]
+        torch.testing.assert_close(model(text), hf(input_ids=text).logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.needs("transformers", "PIL")
+@pytest.mark.parametrize("name", ["qwen3_vl_moe", "qwen3_5"])
+def test_hf_folder_round_trip_is_bitwise_and_transformers_reads_it(tmp_path, name):
+    spec, args = case(name)
+    model = built_model(spec, args, seed=5)
+    state = model.state_dict()
+    hf_io.save_hf(state, spec, args, tmp_path / "hf")
+    names = hf_io.load_hf_state(tmp_path / "hf")
+    weight = names["model.visual.patch_embed.proj.weight"]
+    v = args.vision
+    assert weight.shape == (v.dim, 3, v.temporal_patch_size, v.patch_size, v.patch_size)
+    assert any(n.startswith("model.language_model.layers.") for n in names)
+    assert hf_io.args_from_hf(tmp_path / "hf", spec, args.max_seq_len) == args
+    back = hf_io.load_hf(tmp_path / "hf", spec)
+    assert set(back) == set(state)
+    for k, t in state.items():
+        assert torch.equal(back[k], t), k
+    # transformers loads the folder as its own and answers alike
+    import transformers
+
+    hf = getattr(transformers, CASES[name][3]).from_pretrained(tmp_path / "hf").float().eval()
+    ids, fields, kinds = one_record(args, PICTURES[:1])
+    with torch.no_grad():
+        theirs = hf(
+            input_ids=ids,
+            pixel_values=fields["pixel_values"][0],
+            image_grid_thw=fields["image_grid_thw"][0],
+            mm_token_type_ids=kinds.int(),
+        ).logits
+        torch.testing.assert_close(model.eval()(ids, **fields), theirs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "family, flavor",
+    [("qwen3_vl", f) for f in ("2B", "4B", "8B", "32B", "30B-A3B")] + [("qwen3_5", "27B-vision")],
+)
+def test_released_sizes_hold_the_counted_parameters(family, flavor):
+    """Built on the meta device, a released size holds what its args count; its tower is the
+    released one (under 0.7B beside the text model)."""
+    spec = get_train_spec(family)
+    args = spec.flavors[flavor]
+    assert not args.problems()
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    assert sum(p.numel() for p in model.parameters()) == args.num_params()
+    tower = sum(p.numel() for p in model.visual.parameters())
+    assert tower == args.vision.num_params() and 0.3e9 < tower < 0.7e9
+
+
+def test_debug_towers_hold_the_counted_parameters():
+    for name in CASES:
+        spec, args = case(name)
+        model = built_model(spec, args)
+        assert sum(p.numel() for p in model.parameters()) == args.num_params()
+        assert args.num_params(active=True) < args.num_params() - args.vision.num_params() + 1
+
+
+def test_mismatched_tower_and_sections_are_named():
+    spec, args = case("qwen3_vl")
+    bad = args.with_updates(mrope_section=(8, 8, 8), vision=args.vision.with_updates(out_dim=64))
+    problems = " ".join(bad.problems())
+    assert "mrope_section (8, 8, 8) must add up to the 16 rotated pairs" in problems
+    assert "vision out_dim 64 must be the text model's dim 256" in problems

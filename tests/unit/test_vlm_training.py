@@ -1,0 +1,83 @@
+"""The bundled image-text debug config (train_configs/debug_vlm.toml: Qwen3-VL's debug model,
+its tower trained with the decoder on the pictures of shapes) trains alike on every layout:
+FSDP (the tower's blocks sharded with the decoder's), TP with and without sequence
+parallelism (the tower whole on each rank), PP (the tower on the first stage), CP (each rank
+places its part of the sequence's image tokens) and FSDP x TP; with activation checkpointing
+of the tower's blocks too. Resume is bitwise and the loss falls. Qwen3.5's tower trains alike
+under TP as well."""
+
+import sys
+
+import pytest
+
+from tests.forked import run_trainer
+from tests.layouts import degrees, one_rank_run
+from tests.moe_checks import check_resume_is_bitwise
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="needs fork"),
+    pytest.mark.needs("PIL"),
+]
+
+STEPS = 6
+RUN = [
+    "--job.config_file",
+    "train_configs/debug_vlm.toml",
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "128",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "4",
+    "--training.deterministic",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.no_enable_tensorboard",
+    "--metrics.peak_flops",
+    "1e12",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "3",
+]
+one_rank = one_rank_run(*RUN, steps=STEPS)
+
+LAYOUTS = {
+    "fsdp2": (2, degrees(data_parallel_shard=2)),
+    "tp2_sp": (2, degrees(tensor_parallel=2)),
+    "tp2_no_sp": (2, [*degrees(tensor_parallel=2), "--parallelism.no_enable_sequence_parallel"]),
+    "pp2": (2, degrees(pipeline_parallel=2)),
+    "cp2": (2, degrees(context_parallel=2)),
+    "fsdp2_tp2": (4, degrees(data_parallel_shard=2, tensor_parallel=2)),
+    "fsdp2_full_ac": (2, [*degrees(data_parallel_shard=2), "--activation_checkpoint.mode", "full"]),
+}
+
+
+@pytest.mark.slow("the debug VLM on up to 4 forked ranks")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_trains_like_one_process(one_rank, tmp_path, layout):
+    world, flags = LAYOUTS[layout]
+    records, _ = one_rank
+    got = run_trainer(tmp_path, world, [*RUN, *flags, "--checkpoint.no_enable"], deadline_s=300)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records], rel=1e-5)
+    assert [r["grad_norm"] for r in got] == pytest.approx(
+        [r["grad_norm"] for r in records], rel=1e-5
+    )
+
+
+def test_resume_is_bitwise_and_the_loss_falls(one_rank, tmp_path):
+    records, _ = one_rank
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 1.0
+    check_resume_is_bitwise(one_rank, tmp_path, RUN, STEPS, at=3)
+
+
+def test_qwen3_5s_tower_trains_alike_under_tp(tmp_path):
+    qwen = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_vision"]
+    argv = [*RUN[:-3], *qwen, "--training.steps", "3"]
+    one = run_trainer(tmp_path / "one", 1, argv)
+    two = run_trainer(tmp_path / "two", 2, [*argv, *degrees(tensor_parallel=2)])
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)

@@ -1,0 +1,210 @@
+"""Where image-text records come from, each image read only when a loader worker asks:
+- local JSON lines / JSON / parquet files whose records name their image files (a path, or
+  a list of paths, relative to the file that names them) beside their text;
+- WebDataset-style tar shards (a .tar file, or a folder of them, local or in object storage):
+  the members of one key are one record, its image `KEY.jpg|jpeg|png|webp` and its text
+  `KEY.txt` (or the text field of `KEY.json`);
+- a Hugging Face dataset whose image column is `datasets`' Image feature (a hub name, or
+  local parquet files that hold one): read as the stored bytes, decoded in the workers.
+
+A record is an `ImageRecord`: references to its images, their sizes (read from the image
+headers when the index is built, so that each sample's token count is known before any pixel
+is decoded), its text and where it came from ("FILE: record N"), which every error names.
+"""
+
+import io
+import json
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from titan.components.data.dataset import DataError, local_files, open_local
+from titan.runtime.paths import is_remote, local_copy, resolve
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    images: tuple  # what the source's `read` takes, one per image
+    sizes: tuple[tuple[int, int], ...]  # (height, width) of each
+    text: str
+    where: str
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise ImportError("images in the batch need pillow: pip install 'titan[vision]'") from e
+    return Image
+
+
+def decoded(data, where: str):
+    """The whole RGB image of `data` (a path or bytes); a missing, unreadable or truncated
+    image is one DataError naming it (never half an image)."""
+    Image = _pil()
+    try:
+        with Image.open(data if isinstance(data, (str, Path)) else io.BytesIO(data)) as im:
+            im.load()  # a truncated file raises here, not later
+            return im.convert("RGB")
+    except FileNotFoundError:
+        raise DataError(f"{where}: image {data} does not exist; fix or drop that record") from None
+    except Exception as e:  # noqa: BLE001  PIL raises many types for bad files
+        raise DataError(
+            f"{where}: the image is unreadable or truncated ({type(e).__name__}: {e}); fix or "
+            "drop that record"
+        ) from None
+
+
+def _size(data, where: str) -> tuple[int, int]:
+    """(height, width) from the image's header."""
+    Image = _pil()
+    try:
+        with Image.open(data if isinstance(data, (str, Path)) else io.BytesIO(data)) as im:
+            return im.height, im.width
+    except FileNotFoundError:
+        raise DataError(f"{where}: image {data} does not exist; fix or drop that record") from None
+    except Exception as e:  # noqa: BLE001
+        raise DataError(
+            f"{where}: the image is unreadable ({type(e).__name__}: {e}); fix or drop that record"
+        ) from None
+
+
+class FileImages:
+    """Records of local files naming their images."""
+
+    def __init__(self, files: list[Path], image_field: str, text_field: str):
+        self.files, self.image_field, self.text_field = files, image_field, text_field
+
+    def records(self):
+        for f in self.files:
+            ds, _ = open_local([f])
+            for n, row in enumerate(ds, 1):
+                where = f"{f}: record {n}"
+                paths = row.get(self.image_field)
+                paths = [paths] if isinstance(paths, str) else paths
+                if not paths or not all(isinstance(p, str) for p in paths):
+                    raise DataError(
+                        f"{where} has no image path in field '{self.image_field}' (a path or "
+                        "a list of paths); fix or drop that record, or set images.image_field"
+                    )
+                full = tuple(str(f.parent / p) for p in paths)
+                yield ImageRecord(
+                    full,
+                    tuple(_size(p, where) for p in full),
+                    _text(row, self.text_field, where),
+                    where,
+                )
+
+    def read(self, path: str, where: str):
+        return decoded(path, where)
+
+
+class TarImages:
+    """Records of WebDataset-style tar shards; an image is read at its offset in its shard."""
+
+    def __init__(self, shards: list[Path], text_field: str):
+        self.shards, self.text_field = shards, text_field
+
+    def records(self):
+        for shard in self.shards:
+            with tarfile.open(shard) as tar:
+                groups: dict[str, dict[str, tarfile.TarInfo]] = {}
+                for m in tar.getmembers():
+                    if m.isfile():
+                        key, _, ext = m.name.partition(".")
+                        groups.setdefault(key, {})[ext.lower()] = m
+                for key, members in groups.items():
+                    where = f"{shard}: record {key}"
+                    image = next((members[e[1:]] for e in IMAGE_SUFFIXES if e[1:] in members), None)
+                    if image is None:
+                        raise DataError(
+                            f"{where} has no image ({', '.join(IMAGE_SUFFIXES)}): fix the shard"
+                        )
+                    text = self._text(tar, members, where)
+                    ref = (str(shard), image.offset_data, image.size)
+                    head = tar.extractfile(image).read()
+                    yield ImageRecord((ref,), (_size(head, where),), text, where)
+
+    def _text(self, tar, members, where) -> str:
+        if "txt" in members:
+            return tar.extractfile(members["txt"]).read().decode("utf-8")
+        if "json" in members:
+            return _text(
+                json.loads(tar.extractfile(members["json"]).read()), self.text_field, where
+            )
+        raise DataError(f"{where} has no text (KEY.txt or KEY.json): fix the shard")
+
+    def read(self, ref, where: str):
+        path, offset, size = ref
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return decoded(f.read(size), where)
+
+
+class DatasetImages:
+    """Records of an HF dataset whose image column is `datasets`' Image feature, as bytes."""
+
+    def __init__(self, dataset, name: str, image_field: str, text_field: str):
+        from datasets import Image
+
+        for field, key in (
+            (image_field, "images.image_field"),
+            (text_field, "training.dataset_text_field"),
+        ):
+            if field not in dataset.column_names:
+                raise DataError(
+                    f"dataset {name} has no column '{field}' (columns: {dataset.column_names}); "
+                    f"set {key}"
+                )
+        self.dataset = dataset.cast_column(image_field, Image(decode=False))
+        self.name, self.image_field, self.text_field = name, image_field, text_field
+
+    def records(self):
+        for n, row in enumerate(self.dataset):
+            where = f"{self.name}: record {n + 1}"
+            data = self._bytes(row[self.image_field], where)
+            yield ImageRecord(
+                (n,), (_size(data, where),), _text(row, self.text_field, where), where
+            )
+
+    def _bytes(self, image, where):
+        if not image or not (image.get("bytes") or image.get("path")):
+            raise DataError(f"{where} has no image; fix or drop that record")
+        return image["bytes"] or image["path"]
+
+    def read(self, row: int, where: str):
+        return decoded(self._bytes(self.dataset[row][self.image_field], where), where)
+
+
+def _text(row: dict, field: str, where: str) -> str:
+    text = row.get(field)
+    if not isinstance(text, str):
+        raise DataError(
+            f"{where} has no text in field '{field}'; fix or drop that record, or set "
+            "training.dataset_text_field"
+        )
+    return text
+
+
+def open_image_source(name: str, path: str | None, image_field: str, text_field: str, key: str):
+    """The source of training.dataset / dataset_path: tar shards, local files, or a hub
+    dataset."""
+    p = resolve(path or name)
+    if is_remote(p) or p.suffix == ".tar" or (p.is_dir() and any(p.glob("*.tar"))):
+        shards = [p] if p.suffix == ".tar" else sorted(p.glob("*.tar"))
+        if is_remote(p):
+            shards = [local_copy([s], f"tar-{abs(hash(str(s)))}") / s.name for s in shards]
+        return TarImages(shards, text_field)
+    files = local_files(name, path, key=key)
+    if files is not None and files[0].suffix != ".parquet":
+        return FileImages(files, image_field, text_field)
+    from datasets import load_dataset
+
+    if files is not None:  # parquet: an Image feature's bytes are in the file
+        ds = load_dataset("parquet", data_files=[str(f) for f in files], split="train")
+    else:
+        repo, _, subset = name.partition(":")
+        ds = load_dataset(repo, subset or None, split="train")
+    return DatasetImages(ds, name, image_field, text_field)

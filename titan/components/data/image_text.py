@@ -1,0 +1,201 @@
+"""Image-text samples packed into windows for a vision-language model
+(titan.models.common.vision_language): each record becomes BOS, each image's tokens between
+<|vision_start|> and <|vision_end|> (one <|image_pad|> per merge_size^2 patches of the image
+as the processor's rule resizes it), its text and EOS; the loss counts the text after the
+images (a caption), nothing that predicts an image's tokens.
+
+Records are packed whole into windows of `seq_len` places in the data's order, as chat data
+is: a record that does not fit the open window starts the next one, so an image is never cut
+by a window edge; a record longer than a window is left out (logged, with the first such).
+The window's images are decoded, resized and cut into patches when a loader worker fetches
+it (titan.components.data.images), with its batch fields:
+pixel_values (patches, values) and image_grid_thw (images, 3), row fields the collate pads;
+vision_slots and positions (multimodal, each record's from 0), per token; doc_ids (each
+record its own document, the padding another).
+"""
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from titan.components.data.batch import Batch, sample
+from titan.components.data.dataset import DataError, with_progress
+from titan.components.data.images import ImageRule, fitted_size, image_patches
+from titan.components.training.loss import IGNORE_INDEX
+from titan.models.common.mrope import IMAGE, TEXT, multimodal_positions
+
+logger = logging.getLogger(__name__)
+
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    start: int
+    end: int
+    pad: int
+
+    @classmethod
+    def of(cls, tokenizer) -> "VisionTokens":
+        """The tokenizer's vision tokens; a DataError naming those it lacks."""
+        ids = {t: tokenizer.token_id(t) for t in (VISION_START, VISION_END, IMAGE_PAD)}
+        missing = [t for t, i in ids.items() if i is None]
+        if missing:
+            raise DataError(
+                f"the tokenizer has no {', '.join(missing)}: image data needs a tokenizer with "
+                "the vision tokens (the model's own, or assets/tokenizer_vlm)"
+            )
+        return cls(*ids.values())
+
+
+def grid_of(size: tuple[int, int], rule: ImageRule) -> tuple[int, int, int]:
+    """(frames, rows, columns) of patches of an image of `size` (height, width)."""
+    h, w = fitted_size(*size, rule)
+    return 1, h // rule.patch_size, w // rule.patch_size
+
+
+def record_tokens(grids, text_ids: list[int], vt: VisionTokens, merge: int, bos: int, eos: int):
+    """(ids, labels, kinds) of one record: int arrays of its places."""
+    ids, kinds = [bos], [TEXT]
+    for t, h, w in grids:
+        n = t * h * w // merge**2
+        ids += [vt.start, *[vt.pad] * n, vt.end]
+        kinds += [TEXT, *[IMAGE] * n, TEXT]
+    first_text = len(ids)
+    ids += [*text_ids, eos]
+    kinds += [TEXT] * (len(text_ids) + 1)
+    ids = np.asarray(ids, np.int64)
+    labels = np.full(len(ids), IGNORE_INDEX, np.int64)
+    # the place before each text token predicts it; the last place predicts nothing
+    labels[first_text - 1 : -1] = ids[first_text:]
+    return ids, labels, np.asarray(kinds, np.int8)
+
+
+@dataclass
+class Packed:
+    """Where a record sits: its window, its first place, its length and grids."""
+
+    record: int
+    window: int
+    start: int
+    length: int
+    grids: tuple
+
+
+class ImageTextWindows(Dataset):
+    def __init__(
+        self, source, records, rule: ImageRule, vt: VisionTokens, tokenizer, seq_len: int, name: str
+    ):
+        self.source, self.records, self.rule, self.seq_len, self.name = (
+            source,
+            records,
+            rule,
+            seq_len,
+            name,
+        )
+        self.pad_id = tokenizer.pad_id
+        merge = rule.merge_size
+        self.placed: list[list[Packed]] = []
+        self.tokens: list[tuple] = []
+        fill, dropped = seq_len, []
+        texts = tokenizer.encode_batch([r.text for r in records], bos=False, eos=False)
+        for i, (record, text_ids) in enumerate(zip(records, texts, strict=True)):
+            grids = tuple(grid_of(s, rule) for s in record.sizes)
+            ids, labels, kinds = record_tokens(
+                grids, list(text_ids), vt, merge, tokenizer.bos_id, tokenizer.eos_id
+            )
+            if len(ids) > seq_len:
+                dropped.append(record.where)
+                self.tokens.append(None)
+                continue
+            if fill + len(ids) > seq_len:
+                self.placed.append([])
+                fill = 0
+            self.placed[-1].append(Packed(i, len(self.placed) - 1, fill, len(ids), grids))
+            self.tokens.append((ids, labels, kinds))
+            fill += len(ids)
+        if dropped:
+            logger.warning(
+                "%s: %d record(s) longer than training.seq_len %d left out (the first: %s); "
+                "raise training.seq_len or lower images.max_pixels to keep them",
+                name,
+                len(dropped),
+                seq_len,
+                dropped[0],
+            )
+        if not self.placed:
+            raise DataError(
+                f"{name}: no record fits training.seq_len {seq_len} (the first: {dropped[0]} "
+                "needs more places for its image and text); raise training.seq_len or lower "
+                "images.max_pixels"
+            )
+
+    def __len__(self) -> int:
+        return len(self.placed)
+
+    def __getitem__(self, w: int) -> Batch:
+        L = self.seq_len
+        inputs = torch.full((L,), self.pad_id, dtype=torch.long)
+        labels = torch.full((L,), IGNORE_INDEX, dtype=torch.long)
+        docs = torch.full((L,), len(self.placed[w]), dtype=torch.int32)
+        positions = torch.zeros((L, 3), dtype=torch.long)
+        slots = torch.full((L,), -1, dtype=torch.long)
+        pixels, grids, seen = [], [], 0
+        for doc, p in enumerate(self.placed[w]):
+            ids, lab, kinds = self.tokens[p.record]
+            span = slice(p.start, p.start + p.length)
+            inputs[span], labels[span], docs[span] = (
+                torch.from_numpy(ids),
+                torch.from_numpy(lab),
+                doc,
+            )
+            kinds = torch.from_numpy(kinds.astype(np.int64))
+            positions[span] = multimodal_positions(kinds, list(p.grids), self.rule.merge_size).T
+            images = kinds == IMAGE
+            slots[span][images] = torch.arange(seen, seen + int(images.sum()))
+            seen += int(images.sum())
+            record = self.records[p.record]
+            for ref, grid in zip(record.images, p.grids, strict=True):
+                values, got = image_patches(self.source.read(ref, record.where), self.rule)
+                if tuple(got.tolist()) != grid:  # the header said another size than the pixels
+                    raise DataError(f"{record.where}: the image's size changed since indexing")
+                pixels.append(values)
+                grids.append(got)
+        return sample(
+            inputs,
+            labels,
+            doc_ids=docs,
+            positions=positions,
+            vision_slots=slots,
+            pixel_values=torch.cat(pixels),
+            image_grid_thw=torch.stack(grids),
+        )
+
+
+def image_text_windows(
+    source, rule: ImageRule, tokenizer, seq_len: int, name: str
+) -> ImageTextWindows:
+    vt = VisionTokens.of(tokenizer)
+    counted = []
+    records = list(
+        with_progress(
+            (counted.append(1) or r for r in source.records()),
+            lambda s: f"indexing image data: {len(counted)} records so far ({s:.0f}s)",
+        )
+    )
+    if not records:
+        raise DataError(f"{name} holds no image-text records")
+    windows = ImageTextWindows(source, records, rule, vt, tokenizer, seq_len, name)
+    images = sum(len(p.grids) for w in windows.placed for p in w)
+    logger.info(
+        "image data %s: %d records, %d images in %d windows of %d places",
+        name,
+        sum(len(w) for w in windows.placed),
+        images,
+        len(windows),
+        seq_len,
+    )
+    return windows
