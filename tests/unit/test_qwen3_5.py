@@ -189,7 +189,9 @@ def test_a_released_layout_folder_trains_alike_on_every_layout(
     # weights at ~1e-5 after 4 steps; a row out of place would differ at the weights' 0.1
     two_export = exported(tmp_path)
     assert set(two_export) == set(one_export)
-    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in two_export
+    # the released layout: the text model under model.language_model, the tower beside it
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in two_export
+    assert "model.visual.patch_embed.proj.weight" in two_export
     for name, t in one_export.items():
         torch.testing.assert_close(two_export[name], t, rtol=0, atol=1e-4, msg=name)
 

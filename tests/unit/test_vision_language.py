@@ -179,3 +179,17 @@ def test_mismatched_tower_and_sections_are_named():
     problems = " ".join(bad.problems())
     assert "mrope_section (8, 8, 8) must add up to the 16 rotated pairs" in problems
     assert "vision out_dim 64 must be the text model's dim 256" in problems
+
+
+def test_a_pipeline_keeps_deepstacks_layers_with_the_tower():
+    """DeepStack's features (debugmodel: into layers 0 and 1) cannot cross a stage edge."""
+    from titan.config import ConfigError, parse_args
+    from titan.plan.run_plan import plan_run
+
+    argv = ["--job.config_file", "train_configs/debug_vlm.toml"]
+    pp = ["--parallelism.pipeline_parallel_degree"]
+    assert plan_run(parse_args([*argv, *pp, "2"]), world_size=2).pipelines[0].layer_ranges[
+        0
+    ] == range(0, 2)
+    with pytest.raises(ConfigError, match=r"DeepStack features enter layers 0..1"):
+        plan_run(parse_args([*argv, *pp, "4"]), world_size=4)

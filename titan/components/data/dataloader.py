@@ -394,13 +394,14 @@ def build_text_dataloader(
 def _indexed(
     windows,
     name: str,
+    *,
     local_batch_size: int,
     global_batch_size: int,
-    shard,
+    shard: DataShard,
     seed: int,
-    shuffle: bool,
-    infinite: bool,
-    workers: Workers,
+    shuffle: bool = True,
+    infinite: bool = True,
+    workers: Workers = Workers(),
     fields=None,
 ):
     """One indexed source's windows read in a global order: resumes exactly, on any dp
@@ -447,19 +448,9 @@ def build_chat_dataloader(
     )
     files = local_files(dataset, dataset_path, key=f"{section}.dataset_path")
     windows = chat_windows(files or dataset, template, opts, tokenizer.pad_id, dataset)
-    fields = sample_fields(dataset, tokenizer)
-    return _indexed(
-        windows,
-        dataset,
-        local_batch_size,
-        global_batch_size,
-        shard,
-        seed,
-        shuffle,
-        infinite,
-        workers,
-        fields,
-    )
+    reading = dict(local_batch_size=local_batch_size, global_batch_size=global_batch_size)
+    reading.update(shard=shard, seed=seed, shuffle=shuffle, infinite=infinite, workers=workers)
+    return _indexed(windows, dataset, fields=sample_fields(dataset, tokenizer), **reading)
 
 
 def build_image_dataloader(
@@ -470,18 +461,13 @@ def build_image_dataloader(
     images,
     vision,
     seq_len: int,
-    local_batch_size: int,
-    global_batch_size: int,
-    shard: DataShard,
-    seed: int,
     text_field: str = "text",
-    shuffle: bool = True,
-    infinite: bool = True,
-    workers: Workers = Workers(),
     section: str = "training",
+    **reading,
 ):
     """Image-text records (`images`: the images section; `vision`: the model's VisionArgs,
-    whose patches the processor's rule makes) as packed windows with their images."""
+    whose patches the processor's rule makes) as packed windows with their images; `reading`:
+    the batch sizes, shard, seed, order and workers, as the other loaders take them."""
     from titan.components.data.image_sources import open_image_source
     from titan.components.data.image_text import image_text_windows
     from titan.components.data.images import ImageRule
@@ -496,17 +482,7 @@ def build_image_dataloader(
     key = f"{section}.dataset_path"
     source = open_image_source(dataset, dataset_path, images.image_field, text_field, key)
     windows = image_text_windows(source, rule, tokenizer, seq_len, dataset)
-    return _indexed(
-        windows,
-        dataset,
-        local_batch_size,
-        global_batch_size,
-        shard,
-        seed,
-        shuffle,
-        infinite,
-        workers,
-    )
+    return _indexed(windows, dataset, **reading)
 
 
 def build_dataloader(

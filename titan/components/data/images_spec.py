@@ -26,30 +26,25 @@ class Images:
 def check(job) -> None:
     """Image-text records: read whole and indexed from one source, packed under a mask that
     keeps each to itself; resize bounds that hold an image."""
-    from titan.config.manager import require
+    from titan.config.manager import require_all
 
     t = job.training
     if t.dataset_format != "images":
         return
-    for key, ok, why in (
-        ("training.dataset_mix", not t.dataset_mix, "mixes text sources; image data is one source"),
-        (
-            "training.dataset_streaming",
-            not t.dataset_streaming,
-            "image data is indexed whole (each record's image size read once); unset it",
-        ),
-        (
-            "model.attn_mask_type",
-            job.model.attn_mask_type == "block_causal",
-            "packed image-text records would attend to each other: set it to 'block_causal'",
-        ),
-        (
-            "images.min_pixels",
-            0 < job.images.min_pixels <= job.images.max_pixels,
-            "must be positive and at most images.max_pixels",
-        ),
-    ):
-        require(job, ok, key, why)
+    mask = "packed image-text records would attend to each other: set it to 'block_causal'"
+    require_all(
+        job,
+        [
+            (not t.dataset_mix, "training.dataset_mix", "image data is one source"),
+            (not t.dataset_streaming, "training.dataset_streaming", "image data is indexed whole"),
+            (job.model.attn_mask_type == "block_causal", "model.attn_mask_type", mask),
+            (
+                0 < job.images.min_pixels <= job.images.max_pixels,
+                "images.min_pixels",
+                "must be positive and at most images.max_pixels",
+            ),
+        ],
+    )
 
 
 def plan_check(job, plan) -> None:

@@ -14,9 +14,9 @@ import logging
 
 import torch
 
-from titan.runtime.names import canonical_name
 from titan.components.observability.memory_measure import local as _local
 from titan.components.training.callbacks import Callback, StepEnd
+from titan.runtime.names import canonical_name
 
 logger = logging.getLogger("titan")
 

@@ -112,3 +112,25 @@ class VisionLanguageFields:
         """With the tower's, which no text token uses (`active`: those one text token uses)."""
         text = super().num_params(include_embedding, active)
         return text if active or self.vision is None else text + self.vision.num_params()
+
+
+def check_deepstack_stage(job, plan) -> None:
+    """DeepStack's features enter the first decoder layers from the tower, which a pipeline
+    keeps on its first stage: those layers must be there too."""
+    args = plan.model_args
+    deep = len(args.vision.deepstack_layers) if getattr(args, "vision", None) else 0
+    if not deep or not plan.dims.pp_enabled:
+        return
+    from titan.plan.run_plan import pipeline_plans
+
+    first = pipeline_plans(job, args)[0].layer_ranges[0]
+    if deep > len(first):
+        from titan.config import ConfigError
+
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree {plan.dims.pp}: the first stage holds decoder "
+            f"layers {first.start}..{first.stop - 1}, but the vision tower's DeepStack features "
+            f"enter layers 0..{deep - 1} (on the first stage, with the tower); give the first "
+            f"stage at least {deep} layers (parallelism.pipeline_parallel_layers_per_stage or "
+            "pipeline_parallel_split_points)"
+        )
