@@ -1,7 +1,8 @@
 """Qwen3.5's text model (model.name = qwen3_5, dense and MoE): released sizes; logits, both HF
 directions and greedy generation against transformers' Qwen3_5ForCausalLM and
 Qwen3_5MoeForCausalLM; the released vision-language checkpoints read with their vision tower
-(the MTP layer left; tests/unit/test_vision_language.py checks the tower); such a folder loads alike on FSDP, TP and EP (the projections
+(the MTP layer left; tests/unit/test_vision_language.py checks the tower); such a folder loads
+alike on FSDP, TP and EP (the projections
 whose rows Qwen3.5 orders otherwise than titan gathered and resharded) and trains like one
 process; a folder transformers wrote starts training at its step-1 loss. The model itself is
 Qwen3-Next's (tests/unit/test_qwen3_next.py: documents, decoding, every layout, resume)."""
