@@ -89,6 +89,15 @@ def one_record(args, pictures=PICTURES, text="a red circle and a blue square."):
     return torch.from_numpy(ids)[None], fields, kinds[None]
 
 
+def hf_logits(hf, ids, fields, kinds):
+    """transformers' logits of one record (its batch of one) made by `one_record`."""
+    pixels, grids = fields["pixel_values"][0], fields["image_grid_thw"][0]
+    out = hf(
+        input_ids=ids, pixel_values=pixels, image_grid_thw=grids, mm_token_type_ids=kinds.int()
+    )
+    return out.logits
+
+
 @pytest.mark.needs("transformers", "PIL")
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_equal_transformers_on_real_pictures(name):
@@ -102,13 +111,7 @@ def test_logits_equal_transformers_on_real_pictures(name):
     ids, fields, kinds = one_record(args)
     with torch.no_grad():
         ours = model(ids, **fields)
-        theirs = hf(
-            input_ids=ids,
-            pixel_values=fields["pixel_values"][0],
-            image_grid_thw=fields["image_grid_thw"][0],
-            mm_token_type_ids=kinds.int(),
-        ).logits
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+        torch.testing.assert_close(ours, hf_logits(hf, ids, fields, kinds), rtol=0, atol=1e-4)
         # the image changes the logits: the tower is in the path
         assert (ours - model(ids)).abs().max() > 1e-2
         # text alone: the text model with plain positions, as transformers'
@@ -139,12 +142,7 @@ def test_hf_folder_round_trip_is_bitwise_and_transformers_reads_it(tmp_path, nam
     hf = getattr(transformers, CASES[name][3]).from_pretrained(tmp_path / "hf").float().eval()
     ids, fields, kinds = one_record(args, PICTURES[:1])
     with torch.no_grad():
-        theirs = hf(
-            input_ids=ids,
-            pixel_values=fields["pixel_values"][0],
-            image_grid_thw=fields["image_grid_thw"][0],
-            mm_token_type_ids=kinds.int(),
-        ).logits
+        theirs = hf_logits(hf, ids, fields, kinds)
         torch.testing.assert_close(model.eval()(ids, **fields), theirs, rtol=0, atol=1e-4)
 
 
@@ -193,3 +191,29 @@ def test_a_pipeline_keeps_deepstacks_layers_with_the_tower():
     ] == range(0, 2)
     with pytest.raises(ConfigError, match=r"DeepStack features enter layers 0..1"):
         plan_run(parse_args([*argv, *pp, "4"]), world_size=4)
+
+
+@pytest.mark.needs("PIL")
+def test_lora_adapts_the_towers_layers():
+    """lora.target_modules may name the tower's linear layers: their adapters learn from the
+    image (B starts at 0, so A's gradient is 0 at first: B's is not), the rest frozen."""
+    from types import SimpleNamespace
+
+    from titan.components.lora.adapters import apply_lora
+
+    spec, args = case("qwen3_vl")
+    model = built_model(spec, args, seed=3, eval=False)
+    cfg = SimpleNamespace(
+        rank=4, alpha=8.0, dropout=0.0, target_modules=[r"visual\.blocks\.\d+\.attn\.qkv$"]
+    )
+    adapted = apply_lora(model, cfg)
+    assert adapted == [f"visual.blocks.{i}.attn.qkv" for i in range(args.vision.depth)]
+    for name in adapted:
+        qkv = model.get_submodule(name)
+        torch.nn.init.normal_(qkv.lora_a, std=0.02)
+        torch.nn.init.zeros_(qkv.lora_b)
+    ids, fields, _ = one_record(args)
+    model(ids, **fields).float().pow(2).mean().backward()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {f"{n}.{f}" for n in adapted for f in ("lora_a", "lora_b")}
+    assert all(model.get_submodule(n).lora_b.grad.abs().sum() > 0 for n in adapted)

@@ -9,10 +9,12 @@ under TP as well."""
 import sys
 
 import pytest
+import torch
 
-from tests.forked import run_trainer
+from tests.forked import built_model, run_trainer, tiny_run
 from tests.layouts import degrees, one_rank_run
 from tests.moe_checks import check_resume_is_bitwise
+from titan.models.spec import get_train_spec
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="needs fork"),
@@ -23,25 +25,9 @@ STEPS = 6
 RUN = [
     "--job.config_file",
     "train_configs/debug_vlm.toml",
-    "--training.steps",
-    str(STEPS),
-    "--training.seq_len",
-    "128",
-    "--training.local_batch_size",
-    "2",
-    "--training.global_batch_size",
-    "4",
-    "--training.deterministic",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.no_enable_tensorboard",
-    "--metrics.peak_flops",
-    "1e12",
-    "--checkpoint.enable",
-    "--checkpoint.interval",
-    "3",
+    *tiny_run(STEPS),
+    *["--training.seq_len", "128", "--training.local_batch_size", "2"],
+    *["--training.global_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "3"],
 ]
 one_rank = one_rank_run(*RUN, steps=STEPS)
 
@@ -81,3 +67,25 @@ def test_qwen3_5s_tower_trains_alike_under_tp(tmp_path):
     one = run_trainer(tmp_path / "one", 1, argv)
     two = run_trainer(tmp_path / "two", 2, [*argv, *degrees(tensor_parallel=2)])
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+def test_a_frozen_tower_keeps_its_weights_while_the_decoder_trains(one_rank, tmp_path):
+    """freeze.params = ["^visual\\."]: after training, the tower is the one the run started
+    with (the same as the full run's step-0 tower: init is by name) and the decoder moved."""
+    from titan.components.checkpoint import folders as checkpoint
+
+    argv = [*RUN[:-1], str(STEPS), "--freeze.params", r"^visual\."]
+    records = run_trainer(tmp_path, 1, argv)
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    frozen = checkpoint.load_dcp_model_state(tmp_path / "dump" / "checkpoint" / f"step-{STEPS}")
+    _, saved = one_rank
+    trained = checkpoint.load_dcp_model_state(saved / f"step-{STEPS}")
+    first = checkpoint.load_dcp_model_state(saved / "step-3")
+    tower = [k for k in frozen if k.startswith("visual.")]
+    assert tower and all(not torch.equal(trained[k], first[k]) for k in tower[:4])
+    spec = get_train_spec("qwen3_vl")
+    init = built_model(spec, spec.flavors["debugmodel"], seed=42).state_dict()
+    assert all(torch.equal(frozen[k], init[k]) for k in tower)
+    assert not torch.equal(
+        frozen["layers.0.attention.wq.weight"], init["layers.0.attention.wq.weight"]
+    )

@@ -105,6 +105,10 @@ def _forward_held(
     # ride on the activations and keep their graphs for backward
     # the fields the objective's terms read ride with the labels: zeros stand for them
     mb = sample(tokens, labels, **{f: torch.zeros_like(labels) for f in fb.objective.fields})
+    if fb.job.training.dataset_format == "images":  # the heaviest images a window can hold
+        from titan.components.data.image_text import planning_fields
+
+        mb.update(planning_fields(fb.plan.model_args.vision, batch, seq_len))
     kwargs, target = fb.model_kwargs(mb), fb.objective.target(mb)
     with (
         tracker,

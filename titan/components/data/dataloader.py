@@ -427,17 +427,12 @@ def build_chat_dataloader(
     tokenizer: Tokenizer,
     chat,
     seq_len: int,
-    local_batch_size: int,
-    global_batch_size: int,
-    shard: DataShard,
-    seed: int,
-    shuffle: bool = True,
-    infinite: bool = True,
-    workers: Workers = Workers(),
     section: str = "training",
+    **reading,
 ):
     """Conversations (`chat`: the chat section) as windows of (inputs, labels, doc_ids),
-    read in a global order as packed text is: resumes exactly, on any dp degree."""
+    read in a global order as packed text is: resumes exactly, on any dp degree. `reading`:
+    what `_indexed` takes (batch sizes, shard, seed, order, workers)."""
     template = ChatTemplate.load(tokenizer, chat.template)
     opts = ChatOptions(
         seq_len=seq_len,
@@ -448,8 +443,6 @@ def build_chat_dataloader(
     )
     files = local_files(dataset, dataset_path, key=f"{section}.dataset_path")
     windows = chat_windows(files or dataset, template, opts, tokenizer.pad_id, dataset)
-    reading = dict(local_batch_size=local_batch_size, global_batch_size=global_batch_size)
-    reading.update(shard=shard, seed=seed, shuffle=shuffle, infinite=infinite, workers=workers)
     return _indexed(windows, dataset, fields=sample_fields(dataset, tokenizer), **reading)
 
 
@@ -467,7 +460,7 @@ def build_image_dataloader(
 ):
     """Image-text records (`images`: the images section; `vision`: the model's VisionArgs,
     whose patches the processor's rule makes) as packed windows with their images; `reading`:
-    the batch sizes, shard, seed, order and workers, as the other loaders take them."""
+    what `_indexed` takes (batch sizes, shard, seed, order, workers)."""
     from titan.components.data.image_sources import open_image_source
     from titan.components.data.image_text import image_text_windows
     from titan.components.data.images import ImageRule

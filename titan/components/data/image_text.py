@@ -199,3 +199,28 @@ def image_text_windows(
         seq_len,
     )
     return windows
+
+
+def planning_fields(vision, rows: int, seq_len: int) -> dict:
+    """The image fields of the heaviest batch the planner counts (titan.planner.activations):
+    every row one square image filling its window but for its 3 text places (the tower's
+    activations grow with the patches). All but the pixels are small real tensors (the tower
+    reads the grids on the host)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    m = vision.merge_size
+    side = int((seq_len - 3) ** 0.5)  # merged tokens a side
+    tokens = side * side
+    with unset_fake_temporarily():  # small: made real
+        grids = torch.tensor([[[1, side * m, side * m]]] * rows)
+        kinds = torch.full((seq_len,), TEXT, dtype=torch.long)
+        kinds[2 : 2 + tokens] = IMAGE
+        positions = multimodal_positions(kinds, [(1, side * m, side * m)], m).T
+        slots = torch.full((seq_len,), -1, dtype=torch.long)
+        slots[2 : 2 + tokens] = torch.arange(tokens)
+    return {
+        "pixel_values": torch.zeros(rows, tokens * m * m, vision.patch_values),
+        "image_grid_thw": grids,
+        "positions": positions.expand(rows, -1, -1),
+        "vision_slots": slots.expand(rows, -1),
+    }
