@@ -70,11 +70,11 @@ def test_qwen3_5s_tower_trains_alike_under_tp(tmp_path):
 
 
 def test_a_frozen_tower_keeps_its_weights_while_the_decoder_trains(one_rank, tmp_path):
-    """freeze.params = ["^visual\\."]: after training, the tower is the one the run started
+    """frozen.params = ["^visual\\."]: after training, the tower is the one the run started
     with (the same as the full run's step-0 tower: init is by name) and the decoder moved."""
     from titan.components.checkpoint import folders as checkpoint
 
-    argv = [*RUN[:-1], str(STEPS), "--freeze.params", r"^visual\."]
+    argv = [*RUN[:-1], str(STEPS), "--frozen.params", r"^visual\."]
     records = run_trainer(tmp_path, 1, argv)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     frozen = checkpoint.load_dcp_model_state(tmp_path / "dump" / "checkpoint" / f"step-{STEPS}")

@@ -47,7 +47,7 @@ MODULES = (
     "titan.components.data.chat_spec",
     "titan.components.data.images_spec",
     "titan.components.lora.spec",
-    "titan.components.training.freeze_spec",
+    "titan.components.training.frozen_spec",
     "titan.components.mup.spec",
     "titan.components.optim.builtin",
     "titan.components.quantization.float8_spec",

@@ -1,4 +1,4 @@
-"""The freeze converter (titan.components.training.freeze_spec): the matching parameters
+"""The frozen converter (titan.components.training.frozen_spec): the matching parameters
 stop requiring gradients on the meta model, before any parallelism, which keeps them frozen
 (as LoRA's base weights are)."""
 
@@ -16,9 +16,9 @@ def frozen_names(names, patterns: list[str]) -> list[str]:
     return [n for n in names if any(p.search(canonical_name(n)) for p in compiled)]
 
 
-class FreezeConverter(Converter):
+class FrozenConverter(Converter):
     def __init__(self, job):
-        self.patterns = list(job.freeze.params)
+        self.patterns = list(job.frozen.params)
 
     def convert(self, model) -> None:
         names = dict(model.named_parameters())
@@ -29,7 +29,7 @@ class FreezeConverter(Converter):
         params = [p for part in parts for p in part.parameters()]
         frozen = sum(p.numel() for p in params if not p.requires_grad)
         logger.info(
-            "freeze: %.3fM of %.3fM parameters frozen (%s)%s",
+            "frozen: %.3fM of %.3fM parameters frozen (%s)%s",
             frozen / 1e6,
             sum(p.numel() for p in params) / 1e6,
             ", ".join(self.patterns),
@@ -38,4 +38,4 @@ class FreezeConverter(Converter):
 
     def identity(self) -> dict:
         # a resume trains the same parameters (the optimizer state holds those)
-        return {"freeze": self.patterns}
+        return {"frozen": self.patterns}
