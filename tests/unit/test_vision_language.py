@@ -217,3 +217,111 @@ def test_lora_adapts_the_towers_layers():
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained == {f"{n}.{f}" for n in adapted for f in ("lora_a", "lora_b")}
     assert all(model.get_submodule(n).lora_b.grad.abs().sum() > 0 for n in adapted)
+
+
+def vl_folder(folder, spec, args):
+    """An HF folder of `args`' model with weights that say more than one token (an init
+    repeats one), the bundled VLM tokenizer and the processor rule debug_vlm.toml trains at,
+    as an export writes them."""
+    import shutil
+
+    from titan.components.data.image_text import write_processor
+    from titan.components.data.images import ImageRule
+
+    model = built_model(spec, args, seed=7)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen), alpha=0.3)
+    hf_io.save_hf(model.state_dict(), spec, args, folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"assets/tokenizer_vlm/{f}", folder / f)
+    v = args.vision
+    write_processor(folder, ImageRule(patch_size=v.patch_size, min_pixels=4096, max_pixels=16384))
+
+
+@pytest.mark.needs("transformers", "PIL")
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5"])
+def test_generation_about_a_picture_equals_transformers(tmp_path, capsys, name):
+    """python -m titan.tools.generate --checkpoint HF_DIR --image PATH --prompt TEXT: the KV
+    cache's decode steps go on from the prompt's furthest multimodal position, as
+    transformers' rope deltas do: the same greedy tokens as its generate."""
+    import transformers
+
+    from titan.components.data.tokenizer import Tokenizer
+    from titan.tools.generate import main as generate_main
+
+    spec, args = case(name, max_seq_len=128)
+    vl_folder(tmp_path / "hf", spec, args)
+    picture = f"assets/images/shapes/{PICTURES[1]}"
+    new = 12
+    generate_main(
+        ["--checkpoint", str(tmp_path / "hf"), "--image", picture, "--prompt", "a"]
+        + ["--max-new-tokens", str(new)]
+    )
+    ours = capsys.readouterr().out
+    hf = getattr(transformers, CASES[name][3]).from_pretrained(tmp_path / "hf").float().eval()
+    ids, fields, kinds = one_record(args, [PICTURES[1]], text="a")
+    ids, kinds = ids[:, :-1], kinds[:, :-1]  # the prompt: no EOS
+    tokenizer = Tokenizer("assets/tokenizer_vlm")
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=ids,
+            pixel_values=fields["pixel_values"][0],
+            image_grid_thw=fields["image_grid_thw"][0],
+            mm_token_type_ids=kinds.int(),
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_id,
+        )[0, ids.shape[1] :].tolist()
+    theirs = tokenizer.decode(out, skip_special=True)
+    assert len(out) == new  # random weights: no EOS within these tokens
+    assert len(set(out)) > 2
+    assert ours.strip() == ("a" + theirs).strip()
+
+
+def _image_generation(rank, world, port, folder, chat, texts=("a", "what is it?")):
+    """The tool's path on one rank of `world` (tensor parallel above 1): the greedy tokens."""
+    from types import SimpleNamespace
+
+    from tests.forked import torchrun_env
+    from titan.models.common.generation import generate
+    from titan.tools import generate as tool
+
+    job, path, spec, tokenizer = tool.open_checkpoint(str(folder), [])
+    opts = SimpleNamespace(image=[f"assets/images/shapes/{PICTURES[1]}"], chat=chat, system=None)
+    opts.prompt = list(texts)
+    prompts, fields = tool.image_prompts(
+        opts, job, path, tokenizer, tool.model_args(path, job, spec)
+    )
+    dims = None
+    if world > 1:
+        import torch.distributed as dist
+
+        from titan.parallelisms.parallel_dims import ParallelDims
+
+        torchrun_env(rank, world, port)
+        dist.init_process_group("gloo")
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, world_size=world)
+        dims.build_mesh("cpu")
+        job = tool._tp_job(job, world)
+    model, _ = tool.load_model(path, job, spec, 128, torch.device("cpu"), dims)
+    return generate(model, prompts, max_new_tokens=8, eos_id=None, fields=fields)
+
+
+@pytest.mark.needs("PIL")
+@pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
+def test_generation_about_a_picture_is_alike_on_tp2(tmp_path, chat):
+    """Two prompts of other lengths about one picture (left-padded: their positions and image
+    slots with them), plain and as chat turns: the same greedy tokens on TP 2 as on 1 rank."""
+    from tests.forked import free_port, run_workers
+
+    spec, args = case("qwen3_vl", max_seq_len=128)
+    vl_folder(tmp_path / "hf", spec, args)
+    one = _image_generation(0, 1, 0, tmp_path / "hf", chat)
+    assert len({tuple(o) for o in one}) == 2 and all(len(set(o)) > 2 for o in one)
+    two = run_workers(
+        _image_generation, 2, tmp_path, free_port(), tmp_path / "hf", chat, init_pg=False
+    )
+    assert two[0] == two[1] == one

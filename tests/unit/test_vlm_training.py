@@ -89,3 +89,22 @@ def test_a_frozen_tower_keeps_its_weights_while_the_decoder_trains(one_rank, tmp
     assert not torch.equal(
         frozen["layers.0.attention.wq.weight"], init["layers.0.attention.wq.weight"]
     )
+
+
+def test_an_hf_export_carries_its_processor_and_answers_about_a_picture(tmp_path, capsys):
+    """checkpoint.last_save_in_hf writes the released layout with preprocessor_config.json
+    (the [images] bounds the model trained at), which the generate tool reads."""
+    import json
+
+    from titan.tools.generate import main as generate_main
+
+    argv = [*RUN[:-5], "--training.steps", "2", "--checkpoint.enable"]
+    run_trainer(tmp_path, 1, [*argv, "--checkpoint.last_save_in_hf"])
+    export = tmp_path / "dump" / "checkpoint" / "step-2"
+    processor = json.loads((export / "preprocessor_config.json").read_text())
+    assert processor["size"] == {"shortest_edge": 4096, "longest_edge": 16384}
+    assert processor["patch_size"] == 8 and processor["merge_size"] == 2
+    assert json.loads((export / "config.json").read_text())["model_type"] == "qwen3_vl"
+    picture = "assets/images/shapes/valid/0001.png"
+    generate_main(["--checkpoint", str(export), "--image", picture, "--prompt", "a"])
+    assert capsys.readouterr().out.startswith("a")

@@ -191,7 +191,9 @@ def checkpointer(
         identity=run_identity(job, plan, converters),
         save_bytes=training_save_bytes(job, plan, converters),
         states=states,
-        hf=HFModelIO(plan.spec, plan.model_args, plan.tokenizer, hf_source(job))
+        hf=HFModelIO(
+            plan.spec, plan.model_args, plan.tokenizer, hf_source(job), processor_of(job, plan)
+        )
         if plan.spec.state_dict_adapter
         else None,
         on_save_phase=faults.on_checkpoint_phase if faults else None,
@@ -299,6 +301,16 @@ def steady_state(job: JobConfig, watchdog) -> None:
     set_collective_timeout(timeout)
     logger.info("collective timeout now %ds (comm.train_timeout_seconds)", timeout)
     watchdog.start()
+
+
+def processor_of(job: JobConfig, plan: RunPlan):
+    """The image rule a vision-language model trains with (None: a text model)."""
+    vision = getattr(plan.model_args, "vision", None)
+    if vision is None:
+        return None
+    from titan.components.data.image_text import image_rule
+
+    return image_rule(vision, job.extensions.get("images"))
 
 
 def hf_source(job: JobConfig) -> dict | None:

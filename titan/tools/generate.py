@@ -403,7 +403,54 @@ def _parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="each prompt is a user turn of the chat template"
     )
     ap.add_argument("--system", default=None, help="with --chat: a system prompt before it")
+    ap.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="an image every prompt is about (a vision-language model); repeat for several",
+    )
     return ap
+
+
+def image_prompts(opts, job, path: Path, tokenizer, args):
+    """(each prompt's ids, the batch fields of their images) for --image: BOS, the images,
+    the prompt; or with --chat the user turn holding the images then the prompt."""
+    from titan.components.data.image_sources import decoded
+    from titan.components.data.image_text import (
+        VisionTokens,
+        image_fields,
+        image_rule,
+        prompt_batch,
+        prompt_tokens,
+        with_images,
+    )
+    from titan.components.data.images import image_patches
+
+    if getattr(args, "vision", None) is None:
+        raise GenerateError(f"--image: {job.model.name} {job.model.flavor!r} has no vision tower")
+    rule = image_rule(args.vision, job.extensions.get("images"), path if _is_hf(path) else None)
+    cut = [image_patches(decoded(f, f"--image {f}"), rule) for f in opts.image]
+    pixels, grids = [p for p, _ in cut], [tuple(g.tolist()) for _, g in cut]
+    vt, merge = VisionTokens.of(tokenizer), rule.merge_size
+    out = []
+    for text in opts.prompt:
+        if opts.chat:
+            from titan.components.data.chat_template import ChatTemplate
+
+            parts = [*({"type": "image"} for _ in grids), {"type": "text", "text": text}]
+            head = [{"role": "system", "content": opts.system}] if opts.system else []
+            chat = ChatTemplate.load(tokenizer, job.chat.template)
+            rendered = chat.render(
+                [*head, {"role": "user", "content": parts}], add_generation_prompt=True
+            )
+            ids, kinds = with_images(
+                tokenizer.encode(rendered, bos=False, eos=False), grids, vt, merge
+            )
+        else:
+            text_ids = tokenizer.encode(text, bos=False, eos=False)
+            ids, kinds = prompt_tokens(grids, text_ids, vt, merge, tokenizer.bos_id)
+        out.append((ids, image_fields(kinds, grids, pixels, merge)))
+    return [ids for ids, _ in out], prompt_batch(out)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -425,12 +472,14 @@ def main(argv: list[str] | None = None) -> None:
     # every rank checks alike, so with torchrun all of them stop at the same line
     try:
         job, path, spec, tokenizer = open_checkpoint(opts.checkpoint, overrides)
-        prompts = (
-            chat_prompts(tokenizer, opts.prompt, opts.system, job.chat.template)
-            if opts.chat
-            else [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
-        )
-        check_positions(prompts, opts.max_new_tokens, positions(model_args(path, job, spec)))
+        args, fields = model_args(path, job, spec), None
+        if opts.image:
+            prompts, fields = image_prompts(opts, job, path, tokenizer, args)
+        elif opts.chat:
+            prompts = chat_prompts(tokenizer, opts.prompt, opts.system, job.chat.template)
+        else:
+            prompts = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
+        check_positions(prompts, opts.max_new_tokens, positions(args))
     except (ConfigError, CheckpointError, TokenizerError, GenerateError, DataError) as e:
         _fail(e)
     except KeyError as e:  # an unregistered model name
@@ -464,6 +513,7 @@ def main(argv: list[str] | None = None) -> None:
         eos_id=tokenizer.eos_id,
         sampling=Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed),
         on_step=on_step if stream else None,
+        fields=fields,
     )
     if stream:
         print(text_stream.flush())

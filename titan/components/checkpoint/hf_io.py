@@ -567,11 +567,19 @@ class HFModelIO:
     alongside each save, with its BOS/EOS ids in config.json and generation_config.json."""
 
     def __init__(
-        self, spec: TrainSpec, args: ModelArgs, tokenizer=None, source: dict | None = None
+        self,
+        spec: TrainSpec,
+        args: ModelArgs,
+        tokenizer=None,
+        source: dict | None = None,
+        processor=None,
     ):
         """`source`: the config.json of the HF model the run started from, whose fields an
-        export keeps where it does not change them (`exported_config`)."""
+        export keeps where it does not change them (`exported_config`); `processor`: the
+        image rule a vision-language model trained with, written as its
+        preprocessor_config.json."""
         self.spec, self.args, self.tokenizer, self.source = spec, args, tokenizer, source
+        self.processor = processor
 
     def load_into(self, state: dict[str, torch.Tensor], hf_dir: Path) -> tuple[dict, int]:
         return load_hf_into(state, hf_dir, self.spec, self.args)
@@ -587,6 +595,11 @@ class HFModelIO:
         if self.tokenizer is not None and _rank() == 0:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             extra = self.tokenizer.save_hf(out_dir)
+        if self.processor is not None and _rank() == 0:
+            from titan.components.data.image_text import write_processor
+
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            write_processor(out_dir, self.processor)
         return save_hf(
             state,
             self.spec,

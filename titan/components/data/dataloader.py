@@ -462,16 +462,9 @@ def build_image_dataloader(
     whose patches the processor's rule makes) as packed windows with their images; `reading`:
     what `_indexed` takes (batch sizes, shard, seed, order, workers)."""
     from titan.components.data.image_sources import open_image_source
-    from titan.components.data.image_text import image_text_windows
-    from titan.components.data.images import ImageRule
+    from titan.components.data.image_text import image_rule, image_text_windows
 
-    rule = ImageRule(
-        patch_size=vision.patch_size,
-        merge_size=vision.merge_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        min_pixels=images.min_pixels,
-        max_pixels=images.max_pixels,
-    )
+    rule = image_rule(vision, images)
     key = f"{section}.dataset_path"
     source = open_image_source(dataset, dataset_path, images.image_field, text_field, key)
     windows = image_text_windows(source, rule, tokenizer, seq_len, dataset)

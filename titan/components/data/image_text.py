@@ -15,7 +15,7 @@ record its own document, the padding another).
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -57,21 +57,55 @@ def grid_of(size: tuple[int, int], rule: ImageRule) -> tuple[int, int, int]:
     return 1, h // rule.patch_size, w // rule.patch_size
 
 
+def with_images(ids: list[int], grids, vt: VisionTokens, merge: int, where: str = "a sample"):
+    """(ids, kinds) of tokens holding one <|image_pad|> per image (as a chat template writes
+    them), each widened to its image's tokens; a DataError when the placeholders are not one
+    per image."""
+    holes = [i for i, t in enumerate(ids) if t == vt.pad]
+    if len(holes) != len(grids):
+        raise DataError(
+            f"{where} has {len(holes)} image placeholder(s) for {len(grids)} image(s); give "
+            "each image one placeholder ({'type': 'image'} in a message's content)"
+        )
+    out, kinds, last = [], [], 0
+    for at, (t, h, w) in zip(holes, grids, strict=True):
+        n = t * h * w // merge**2
+        out += ids[last:at] + [vt.pad] * n
+        kinds += [TEXT] * (at - last) + [IMAGE] * n
+        last = at + 1
+    out += ids[last:]
+    kinds += [TEXT] * (len(ids) - last)
+    return out, kinds
+
+
+def prompt_tokens(grids, text_ids: list[int], vt: VisionTokens, merge: int, bos: int):
+    """(ids, kinds) of BOS, each image between its vision tokens, then `text_ids`."""
+    ids = [bos, *[t for _ in grids for t in (vt.start, vt.pad, vt.end)], *text_ids]
+    return with_images(ids, grids, vt, merge)
+
+
 def record_tokens(grids, text_ids: list[int], vt: VisionTokens, merge: int, bos: int, eos: int):
     """(ids, labels, kinds) of one record: int arrays of its places."""
-    ids, kinds = [bos], [TEXT]
-    for t, h, w in grids:
-        n = t * h * w // merge**2
-        ids += [vt.start, *[vt.pad] * n, vt.end]
-        kinds += [TEXT, *[IMAGE] * n, TEXT]
-    first_text = len(ids)
-    ids += [*text_ids, eos]
-    kinds += [TEXT] * (len(text_ids) + 1)
+    ids, kinds = prompt_tokens(grids, [*text_ids, eos], vt, merge, bos)
+    first_text = len(ids) - len(text_ids) - 1
     ids = np.asarray(ids, np.int64)
     labels = np.full(len(ids), IGNORE_INDEX, np.int64)
     # the place before each text token predicts it; the last place predicts nothing
     labels[first_text - 1 : -1] = ids[first_text:]
     return ids, labels, np.asarray(kinds, np.int8)
+
+
+def image_fields(kinds, grids, pixels: list[torch.Tensor], merge: int) -> dict:
+    """The batch fields of one sequence of `kinds` (TEXT / IMAGE) whose images have these
+    `grids` and patches: positions, vision_slots, pixel_values, image_grid_thw."""
+    kinds = torch.as_tensor(kinds, dtype=torch.long)
+    images = kinds == IMAGE
+    return {
+        "positions": multimodal_positions(kinds, list(grids), merge).T,
+        "vision_slots": torch.where(images, images.cumsum(0) - 1, -1),
+        "pixel_values": torch.cat(pixels),
+        "image_grid_thw": torch.tensor([list(g) for g in grids]),
+    }
 
 
 @dataclass
@@ -224,3 +258,76 @@ def planning_fields(vision, rows: int, seq_len: int) -> dict:
         "positions": positions.expand(rows, -1, -1),
         "vision_slots": slots.expand(rows, -1),
     }
+
+
+def prompt_batch(prompts: list[tuple[list[int], dict]]) -> dict:
+    """The batch fields of prompts (ids, image_fields) left-padded to the longest, as
+    titan.models.common.generation pads their tokens: positions 0 and no image slot on the
+    padding; each row's images as the collate pads them."""
+    from titan.components.data.batch import collate
+
+    longest = max(len(ids) for ids, _ in prompts)
+    rows = []
+    for ids, f in prompts:
+        pad = longest - len(ids)
+        rows.append(
+            {
+                **f,
+                "positions": torch.cat([f["positions"].new_zeros(pad, 3), f["positions"]]),
+                "vision_slots": torch.cat(
+                    [f["vision_slots"].new_full((pad,), -1), f["vision_slots"]]
+                ),
+            }
+        )
+    return collate(rows)
+
+
+def image_rule(vision, images=None, folder=None) -> ImageRule:
+    """The processor's rule for a tower (`vision`: VisionArgs): its patches, and the area
+    bounds and normalization of an HF folder's preprocessor_config.json where `folder` holds
+    one, else of the [images] section (`images`), else the released processors' defaults."""
+    import json
+    from pathlib import Path
+
+    rule = ImageRule(
+        patch_size=vision.patch_size,
+        merge_size=vision.merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+    )
+    config = Path(folder) / "preprocessor_config.json" if folder is not None else None
+    if config is not None and config.is_file():
+        c = json.loads(config.read_text())
+        size = c.get("size") or {}
+        return replace(
+            rule,
+            min_pixels=int(size.get("shortest_edge", c.get("min_pixels", rule.min_pixels))),
+            max_pixels=int(size.get("longest_edge", c.get("max_pixels", rule.max_pixels))),
+            mean=tuple(c.get("image_mean", rule.mean)),
+            std=tuple(c.get("image_std", rule.std)),
+        )
+    if images is not None:
+        return replace(rule, min_pixels=images.min_pixels, max_pixels=images.max_pixels)
+    return rule
+
+
+def write_processor(folder, rule: ImageRule) -> None:
+    """preprocessor_config.json of an HF export: transformers' Qwen2-VL image processor with
+    the rule the model trained with (what `image_rule` reads back)."""
+    import json
+    from pathlib import Path
+
+    config = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": list(rule.mean),
+        "image_std": list(rule.std),
+        "size": {"shortest_edge": rule.min_pixels, "longest_edge": rule.max_pixels},
+        "patch_size": rule.patch_size,
+        "temporal_patch_size": rule.temporal_patch_size,
+        "merge_size": rule.merge_size,
+    }
+    (Path(folder) / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -153,7 +153,8 @@ class Attention(nn.Module):
         BlockMask (see titan.models.common.documents), which for a layer with a sliding window
         must hold the window already (the decoder builds one per window)."""
         bs, seq, _ = x.shape
-        rows = rope if cache is None else rope[cache.positions(seq)]
+        # with a cache the table's rows are picked here, unless the model gave each token's
+        rows = rope if cache is None or rope.dim() == 4 else rope[cache.positions(seq)]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
         q = self.wq(x).view(bs, seq, -1, self.head_dim * (2 if self.gated else 1))
         gate = None

@@ -17,11 +17,15 @@ class DecodeCache:
     pad: torch.Tensor  # (batch,) int64
     length: int = 0  # tokens fed so far, padding included
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (batch,) added to each sequence's positions after its prompt: a prompt whose positions
+    # were its own (multimodal ones, which grow slower over an image) goes on from its last
+    offset: torch.Tensor | None = None
 
     def positions(self, seq: int) -> torch.Tensor:
         """(batch, seq) positions of the next `seq` tokens of every sequence."""
         idx = torch.arange(self.length, self.length + seq, device=self.pad.device)
-        return (idx[None, :] - self.pad[:, None]).clamp(min=0)
+        out = (idx[None, :] - self.pad[:, None]).clamp(min=0)
+        return out if self.offset is None else out + self.offset[:, None]
 
     def mask(self, seq: int, first: int = 0) -> torch.Tensor:
         """(batch, 1, seq, length + seq - first): which keys, from cache index `first` on (a

@@ -43,11 +43,13 @@ def generate(
     sampling: Sampling = Sampling(),
     on_step=None,
     device: torch.device | None = None,
+    fields: dict | None = None,
 ) -> list[list[int]]:
     """The new tokens of each prompt (up to and including EOS). `model(tokens, cache=cache)`
     is a family's model with a decode cache (or a callable as one; then give `device`);
     prompts are left-padded into one batch. `on_step(new_ids)` sees each step's (batch,)
-    tokens, e.g. to stream them."""
+    tokens, e.g. to stream them. `fields`: the prompts' batch fields (their images), left-
+    padded as the prompts are, which the model reads with them."""
     from titan.models.common.decode import DecodeCache
 
     device = device or next(model.parameters()).device
@@ -58,7 +60,8 @@ def generate(
     generator = torch.Generator().manual_seed(sampling.seed)
     out: list[list[int]] = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    logits = model(tokens, cache=cache)[:, -1]
+    fields = {k: v.to(device) for k, v in (fields or {}).items()}
+    logits = model(tokens, cache=cache, **fields)[:, -1]
     for i in range(max_new_tokens):
         nxt = sample(logits, sampling, generator)
         for b, t in enumerate(nxt.tolist()):

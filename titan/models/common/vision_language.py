@@ -48,6 +48,14 @@ class VisionLanguage:
     def side_blocks(self) -> list[nn.ModuleDict]:
         return [self.visual.blocks] if self.visual is not None else []
 
+    def forward(self, tokens, cache=None, positions=None, **rest):
+        if cache is not None and positions is not None and positions.dim() == 3:
+            # a prompt with its multimodal positions: the tokens after it go on from its
+            # furthest position, as transformers' rope deltas do
+            real = tokens.shape[1] - cache.pad
+            cache.offset = positions.amax(dim=(1, 2)) + 1 - (cache.length + real)
+        return super().forward(tokens, cache=cache, positions=positions, **rest)
+
     def embed(self, tokens, pixel_values=None, image_grid_thw=None, vision_slots=None, **rest):
         h, _ = super().embed(tokens, **rest)
         if pixel_values is None or self.visual is None:
