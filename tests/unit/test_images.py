@@ -64,3 +64,25 @@ def test_pixels_and_grid_equal_transformers_processor(size):
     pixels, grid = image_patches(image, RULE)
     assert grid.tolist() == want["image_grid_thw"][0].tolist()
     torch.testing.assert_close(pixels, want["pixel_values"].float(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.needs("transformers", "PIL")
+def test_an_exports_processor_file_is_transformers_processor_of_the_rule(tmp_path):
+    """preprocessor_config.json as an HF export writes it: transformers' processor read from
+    it cuts an image as titan does, and titan reads the same rule back."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from titan.components.data.image_text import image_rule, write_processor
+    from titan.models.common.vision_args import VISION_DEBUG
+
+    rule = ImageRule(patch_size=8, min_pixels=4096, max_pixels=16384)
+    write_processor(tmp_path, rule)
+    assert image_rule(VISION_DEBUG, None, tmp_path) == rule
+    hf = Qwen2VLImageProcessorPil.from_pretrained(str(tmp_path))
+    image = picture(150, 40)
+    want = hf(images=[image], return_tensors="pt")
+    pixels, grid = image_patches(image, rule)
+    assert grid.tolist() == want["image_grid_thw"][0].tolist()
+    torch.testing.assert_close(pixels, want["pixel_values"].float(), rtol=0, atol=1e-6)
