@@ -126,16 +126,11 @@ def test_collate_pads_the_rows_images():
     assert batch["positions"].shape == (2, 128, 3)
 
 
-def test_tar_shards_and_an_image_feature_dataset_give_the_same_windows(tmp_path):
-    from datasets import Dataset, Image
-
-    from titan.components.data.image_sources import open_image_source
-
-    rows = records()
-    shard = tmp_path / "shards" / "part-0000.tar"
-    shard.parent.mkdir()
+def write_shard(shard, rows=None):
+    """The validation pictures as one WebDataset-style shard: KEY.png and KEY.json."""
+    shard.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(shard, "w") as tar:
-        for i, r in enumerate(rows):
+        for i, r in enumerate(rows or records()):
             for name, data in (
                 (f"{i:05d}.png", open(f"{SHAPES}/{r['image']}", "rb").read()),
                 (f"{i:05d}.json", json.dumps({"text": r["text"]}).encode()),
@@ -143,6 +138,33 @@ def test_tar_shards_and_an_image_feature_dataset_give_the_same_windows(tmp_path)
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
+    return shard
+
+
+@pytest.mark.needs("moto", "s3fs", "upath")
+def test_tar_shards_in_object_storage_give_the_local_windows(tmp_path, monkeypatch):
+    """s3://bucket/prefix of tar shards: copied once into the cache, read as local shards."""
+    from tests.s3_server import s3_server
+    from titan.components.data.image_sources import open_image_source
+
+    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path / "cache"))
+    shard = write_shard(tmp_path / "part-0000.tar")
+    with s3_server("pictures") as client:
+        client.upload_file(str(shard), "pictures", "shards/part-0000.tar")
+        got = windows(open_image_source("s3://pictures/shards", None, "image", "text", "k"))
+    expected = windows(jsonl_source())
+    assert len(got) == len(expected)
+    for i in range(len(got)):
+        assert all(torch.equal(got[i][k], t) for k, t in expected[i].items())
+
+
+def test_tar_shards_and_an_image_feature_dataset_give_the_same_windows(tmp_path):
+    from datasets import Dataset, Image
+
+    from titan.components.data.image_sources import open_image_source
+
+    rows = records()
+    shard = write_shard(tmp_path / "shards" / "part-0000.tar")
     table = Dataset.from_dict(
         {"picture": [f"{SHAPES}/{r['image']}" for r in rows], "text": [r["text"] for r in rows]}
     ).cast_column("picture", Image())

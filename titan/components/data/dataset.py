@@ -365,7 +365,9 @@ def _hub_unreachable() -> str | None:
     return None
 
 
-def open_hub(name: str, key: str = "training.dataset"):
+def open_hub(name: str, key: str = "training.dataset", streaming: bool = True):
+    """A hub dataset's train split: streamed, or (`streaming=False`: read at random, as
+    image records are) downloaded into the HF cache."""
     from datasets import load_dataset
 
     repo, _, subset = location_of(name).partition(":")  # "allenai/c4:en" names a subset
@@ -378,7 +380,7 @@ def open_hub(name: str, key: str = "training.dataset"):
             "HF_HUB_OFFLINE=1 to read the hub's local cache)"
         )
     try:
-        return load_dataset(repo, subset or None, split="train", streaming=True)
+        return load_dataset(repo, subset or None, split="train", streaming=streaming)
     except Exception as e:  # noqa: BLE001  any hub failure gets one actionable message
         from datasets import config as hf_config
 

@@ -18,7 +18,13 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan.components.data.dataset import DataError, local_files, open_local
+from titan.components.data.dataset import (
+    DataError,
+    local_files,
+    location_of,
+    open_hub,
+    open_local,
+)
 from titan.runtime.paths import is_remote, local_copy, resolve
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
@@ -188,23 +194,37 @@ def _text(row: dict, field: str, where: str) -> str:
     return text
 
 
+def local_shards(shards: list) -> list[Path]:
+    """Tar shards in object storage, copied once into the local cache (keyed by their URLs
+    and sizes, alike on every rank): images are read at their offsets in local files."""
+    import hashlib
+
+    listing = [(str(s), s.stat().st_size) for s in shards]
+    key = hashlib.sha256(repr(listing).encode()).hexdigest()[:20]
+    folder = local_copy(shards, f"image-shards-{key}")
+    return [folder / s.name for s in shards]
+
+
 def open_image_source(name: str, path: str | None, image_field: str, text_field: str, key: str):
     """The source of training.dataset / dataset_path: tar shards, local files, or a hub
     dataset."""
-    p = resolve(path or name)
-    if is_remote(p) or p.suffix == ".tar" or (p.is_dir() and any(p.glob("*.tar"))):
+    where = path or location_of(name)
+    p = resolve(where)
+    if p.suffix == ".tar" or (p.is_dir() and any(p.glob("*.tar"))):
         shards = [p] if p.suffix == ".tar" else sorted(p.glob("*.tar"))
-        if is_remote(p):
-            shards = [local_copy([s], f"tar-{abs(hash(str(s)))}") / s.name for s in shards]
-        return TarImages(shards, text_field)
+        return TarImages(local_shards(shards) if is_remote(where) else shards, text_field)
     files = local_files(name, path, key=key)
     if files is not None and files[0].suffix != ".parquet":
         return FileImages(files, image_field, text_field)
+    if files is None:
+        return DatasetImages(
+            open_hub(name, key.removesuffix("_path"), streaming=False),
+            name,
+            image_field,
+            text_field,
+        )
     from datasets import load_dataset
 
-    if files is not None:  # parquet: an Image feature's bytes are in the file
-        ds = load_dataset("parquet", data_files=[str(f) for f in files], split="train")
-    else:
-        repo, _, subset = name.partition(":")
-        ds = load_dataset(repo, subset or None, split="train")
+    # parquet: an Image feature's bytes are in the file
+    ds = load_dataset("parquet", data_files=[str(f) for f in files], split="train")
     return DatasetImages(ds, name, image_field, text_field)
