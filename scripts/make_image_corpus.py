@@ -9,8 +9,10 @@ a plain background, holding one or two shapes (circle, square, triangle) in one 
 colours, left or right, above or below; the caption names them and where they stand ("a red
 circle on the left and a blue square on the right."). What the caption says can be read only
 from the picture, so a model learns it only through its vision tower. Each record is
-{"image": "<file relative to the jsonl>", "text": "<caption>"}. Deterministic: the same
-pixels and captions on every run (tests/unit/test_image_corpus.py draws them again).
+{"image": "<file relative to the jsonl>", "text": "<caption>"}; `chat_{train,valid}.jsonl` hold
+the same pictures as image-chat records (a question, the caption as the answer).
+Deterministic: the same pixels and captions on every run (tests/unit/test_image_corpus.py
+draws them again).
 """
 
 from __future__ import annotations
@@ -79,6 +81,22 @@ def records(split: str) -> list[tuple[object, str]]:
     return [picture(rng) for _ in range(count)]
 
 
+# the questions of the image-chat records, taken in turn
+QUESTIONS = ("What is in the picture?", "Describe the picture.", "What do you see?")
+
+
+def conversation(name: str, caption: str, i: int) -> dict:
+    """An image-chat record of a picture: a question about it, its caption as the answer."""
+    question = {"type": "text", "text": QUESTIONS[i % len(QUESTIONS)]}
+    return {
+        "image": name,
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, question]},
+            {"role": "assistant", "content": caption[0].upper() + caption[1:]},
+        ],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(OUT), help="folder of the jsonl files and pictures")
@@ -86,13 +104,15 @@ def main() -> None:
     for split in SPLITS:
         folder = out / split
         folder.mkdir(parents=True, exist_ok=True)
-        lines = []
+        lines, chat = [], []
         for i, (image, caption) in enumerate(records(split)):
             name = f"{split}/{i:04d}.png"
             image.save(out / name, optimize=True)
             lines.append(json.dumps({"image": name, "text": caption}))
+            chat.append(json.dumps(conversation(name, caption, i)))
         (out / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
-        print(f"{out / split}.jsonl: {len(lines)} pictures")
+        (out / f"chat_{split}.jsonl").write_text("\n".join(chat) + "\n")
+        print(f"{out / split}.jsonl, chat_{split}.jsonl: {len(lines)} pictures")
 
 
 if __name__ == "__main__":

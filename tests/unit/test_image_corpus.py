@@ -25,9 +25,11 @@ def test_the_bundled_pictures_are_the_scripts(split):
     lines = (corpus.OUT / f"{split}.jsonl").read_text().splitlines()
     drawn = corpus.records(split)
     assert len(lines) == len(drawn) == corpus.SPLITS[split][0]
-    for line, (image, caption) in zip(lines, drawn, strict=True):
+    chat = (corpus.OUT / f"chat_{split}.jsonl").read_text().splitlines()
+    for i, (line, (image, caption)) in enumerate(zip(lines, drawn, strict=True)):
         record = json.loads(line)
         assert record["text"] == caption
+        assert json.loads(chat[i]) == corpus.conversation(record["image"], caption, i)
         with Image.open(corpus.OUT / record["image"]) as bundled:
             assert bundled.size == image.size and torch.equal(pixels(bundled), pixels(image))
 

@@ -8,6 +8,7 @@ import io
 import json
 import shutil
 import tarfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +264,56 @@ def test_a_text_flavor_or_another_tokenizer_given_image_data_is_refused():
         )
     with pytest.raises(ConfigError, match="model.attn_mask_type = 'causal'.*block_causal"):
         parse_args([*tiny_run(1), *images, *vl])
+
+
+def test_image_chat_trains_on_the_answers_only():
+    """shapes_chat: a user turn holding the picture and a question, the caption as the
+    answer, rendered with the tokenizer folder's template (assets/tokenizer_vlm: ChatML with
+    the vision tokens); the loss counts the answer and its <|im_end|>, not the prompt or the
+    image."""
+    from titan.components.data.image_text import VisionTokens
+
+    vt = VisionTokens.of(tokenizer())
+    rows = [json.loads(line) for line in open(f"{SHAPES}/chat_valid.jsonl")]
+    w = windows(jsonl_source(f"{SHAPES}/chat_valid.jsonl"))
+    seen = 0
+    for i in range(len(w)):
+        s = w[i]
+        ids, labels, docs = s["input_ids"], s["labels"], s["doc_ids"]
+        for d in docs.unique().tolist():
+            place = (docs == d).nonzero().flatten()
+            if (ids[place] == vt.start).sum() == 0:
+                continue  # the padding
+            text = tokenizer().decode(ids[place].tolist(), skip_special=False)
+            assert text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|>")
+            counted = labels[place][labels[place] != IGNORE_INDEX]
+            answer = tokenizer().decode(counted.tolist(), skip_special=True)
+            assert answer.strip() == rows[seen]["messages"][1]["content"]
+            assert counted[-1] == tokenizer().token_id("<|im_end|>")
+            seen += 1
+    assert seen == len(rows)
+
+
+def test_image_chat_placeholders_must_match_the_images(tmp_path):
+    row = json.loads(open(f"{SHAPES}/chat_valid.jsonl").readline())
+    shutil.copy(f"{SHAPES}/{row['image']}", tmp_path / "p.png")
+    row["image"] = ["p.png", "p.png"]  # two images, one placeholder
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=r"d.jsonl: record 1 has 1 image placeholder\(s\).* for 2"):
+        windows(jsonl_source(str(tmp_path / "d.jsonl")))
+
+
+def test_the_launchers_look_at_image_records_names_the_field(tmp_path):
+    """Before any rank starts: the first lines name an image and hold a caption or a
+    conversation (the launcher's content check)."""
+    from titan.components.data.content_check import check_image_file
+
+    check_image_file(Path(f"{SHAPES}/chat_valid.jsonl"), "image", "text", "messages")
+    check_image_file(Path(f"{SHAPES}/valid.jsonl"), "image", "text", "messages")
+    bad = tmp_path / "d.jsonl"
+    bad.write_text(json.dumps({"picture": "a.png", "text": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"d.jsonl line 1 has no 'image' field.*images.image_field"):
+        check_image_file(bad, "image", "text", "messages")
+    bad.write_text(json.dumps({"image": "a.png", "caption": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"neither a caption in 'text' nor a conversation"):
+        check_image_file(bad, "image", "text", "messages")

@@ -193,7 +193,7 @@ class ChatTemplate:
         search starting past the previous message's content."""
         cursor, spans = 0, []
         for i, message in enumerate(messages):
-            content = message["content"]
+            content = _text_of(message["content"])
             # templates may trim a message, or keep only the answer after a reasoning block
             needles = [content.strip(), content.rpartition("</think>")[2].strip()]
             pos, needle = next(
@@ -217,6 +217,15 @@ class ChatTemplate:
             spans.append((start, end))
             cursor = end
         return spans
+
+
+def _text_of(content) -> str:
+    """A message's text: its content, or the last text part of content given as parts (an
+    image's part renders as the template's placeholder, between the text parts)."""
+    if isinstance(content, str):
+        return content
+    texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return texts[-1] if texts else ""
 
 
 def _plain(messages: list[dict]) -> list[dict]:

@@ -37,6 +37,7 @@ def plan_check(job: JobConfig, plan) -> None:
 def check_content(job: JobConfig, tokenizer: Tokenizer) -> None:
     """ConfigError naming the file and the fix for the first bad one."""
     chat = job.training.dataset_format == "chat"
+    images = job.training.dataset_format == "images"
     field = job.chat.messages_field if chat else job.training.dataset_text_field
     for key, name, path in _local_sources(job):
         files = local_files(name, path)  # plan_run has refused missing paths already
@@ -47,7 +48,10 @@ def check_content(job: JobConfig, tokenizer: Tokenizer) -> None:
                 verify(files[0], tokenizer)
             else:
                 for f in files:
-                    check_text_file(f, field, chat)
+                    if images:
+                        check_image_file(f, job.images.image_field, field, job.chat.messages_field)
+                    else:
+                        check_text_file(f, field, chat)
         except (DataError, ShardError) as e:
             raise ConfigError(f"{key}: {e}") from None
     ck = job.checkpoint
@@ -85,7 +89,9 @@ def check_text_file(path: Path, text_field: str, chat: bool = False) -> None:
         _check_parquet_schema(path, text_field, key)
 
 
-def _check_jsonl_head(path: Path, text_field: str, chat: bool) -> None:
+def _head_records(path: Path, text_field: str):
+    """(where, record) of the first lines of a JSON-lines file, each a JSON object (a
+    DataError naming the line otherwise)."""
     with path.open("rb") as raw:  # a Path, or a UPath of a bucket (fsspec's file object)
         f = raw if isinstance(raw, io.BufferedIOBase) else io.BufferedReader(raw)
         for number in range(1, FIRST_LINES + 1):
@@ -111,24 +117,47 @@ def _check_jsonl_head(path: Path, text_field: str, chat: bool) -> None:
                     f"{where} is a JSON {type(record).__name__}, not an object "
                     f"with a '{text_field}' field; fix or remove the file"
                 )
-            if chat and text_field in record:
-                check_messages(record[text_field], where, text_field)
-            elif not isinstance(record.get(text_field), str) or chat:
-                what = (
-                    f"a {type(record[text_field]).__name__} in '{text_field}'"
-                    if text_field in record
-                    else f"no '{text_field}' field"
-                )
-                key, holds = (
-                    ("chat.messages_field", "conversations")
-                    if chat
-                    else ("training.dataset_text_field", "text")
-                )
-                raise DataError(
-                    f"{where} has {what} (fields: {sorted(record)[:8]}); set {key} to the "
-                    f"field holding the {holds}, or fix the file"
-                    + ("" if chat else chat_hint(record))
-                )
+            yield where, record
+
+
+def check_image_file(path: Path, image_field: str, text_field: str, messages_field: str) -> None:
+    """Image-text records (training.dataset_format = "images"): the first lines of a JSON
+    lines file name an image and hold a caption or a conversation."""
+    if path.suffix != ".jsonl":
+        return  # tar shards and parquet tables: read when the index is built
+    for where, record in _head_records(path, text_field):
+        if image_field not in record:
+            raise DataError(
+                f"{where} has no '{image_field}' field (fields: {sorted(record)[:8]}); set "
+                "images.image_field to the field naming the image, or fix the file"
+            )
+        if not isinstance(record.get(text_field), str) and messages_field not in record:
+            raise DataError(
+                f"{where} has neither a caption in '{text_field}' nor a conversation in "
+                f"'{messages_field}' (fields: {sorted(record)[:8]}); set "
+                "training.dataset_text_field or chat.messages_field, or fix the file"
+            )
+
+
+def _check_jsonl_head(path: Path, text_field: str, chat: bool) -> None:
+    for where, record in _head_records(path, text_field):
+        if chat and text_field in record:
+            check_messages(record[text_field], where, text_field)
+        elif not isinstance(record.get(text_field), str) or chat:
+            what = (
+                f"a {type(record[text_field]).__name__} in '{text_field}'"
+                if text_field in record
+                else f"no '{text_field}' field"
+            )
+            key, holds = (
+                ("chat.messages_field", "conversations")
+                if chat
+                else ("training.dataset_text_field", "text")
+            )
+            raise DataError(
+                f"{where} has {what} (fields: {sorted(record)[:8]}); set {key} to the "
+                f"field holding the {holds}, or fix the file" + ("" if chat else chat_hint(record))
+            )
 
 
 def _check_parquet_schema(path: Path, text_field: str, key: str) -> None:

@@ -456,18 +456,22 @@ def build_image_dataloader(
     seq_len: int,
     text_field: str = "text",
     section: str = "training",
+    chat=None,
     **reading,
 ):
     """Image-text records (`images`: the images section; `vision`: the model's VisionArgs,
-    whose patches the processor's rule makes) as packed windows with their images; `reading`:
+    whose patches the processor's rule makes; `chat`: the chat section, whose template and
+    messages field image conversations use) as packed windows with their images; `reading`:
     what `_indexed` takes (batch sizes, shard, seed, order, workers)."""
     from titan.components.data.image_sources import open_image_source
     from titan.components.data.image_text import image_rule, image_text_windows
 
     rule = image_rule(vision, images)
     key = f"{section}.dataset_path"
-    source = open_image_source(dataset, dataset_path, images.image_field, text_field, key)
-    windows = image_text_windows(source, rule, tokenizer, seq_len, dataset)
+    messages = chat.messages_field if chat is not None else "messages"
+    source = open_image_source(dataset, dataset_path, images.image_field, text_field, key, messages)
+    template = chat.template if chat is not None else ""
+    windows = image_text_windows(source, rule, tokenizer, seq_len, dataset, template)
     return _indexed(windows, dataset, **reading)
 
 
@@ -502,6 +506,7 @@ def build_dataloader(
             **common,
             images=sections["images"],
             vision=model_args.vision,
+            chat=sections["chat"],
             text_field=cfg.dataset_text_field,
         )
     return build_text_dataloader(

@@ -46,6 +46,9 @@ for _name, _location in (
     # pictures of shapes with their captions (training.dataset_format = "images")
     ("shapes", "assets/images/shapes/train.jsonl"),
     ("shapes_valid", "assets/images/shapes/valid.jsonl"),
+    # the same pictures as image-chat records (a question, the caption as the answer)
+    ("shapes_chat", "assets/images/shapes/chat_train.jsonl"),
+    ("shapes_chat_valid", "assets/images/shapes/chat_valid.jsonl"),
 ):
     register(DatasetSpec(_name, _location))
 unregister_dataset = _DATASETS.remove

@@ -34,8 +34,11 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 class ImageRecord:
     images: tuple  # what the source's `read` takes, one per image
     sizes: tuple[tuple[int, int], ...]  # (height, width) of each
-    text: str
+    text: str  # a caption; "" for a conversation
     where: str
+    # a conversation about the images (image chat): {role, content} messages whose content
+    # holds one {"type": "image"} part per image
+    messages: list | None = None
 
 
 def _pil():
@@ -80,8 +83,9 @@ def _size(data, where: str) -> tuple[int, int]:
 class FileImages:
     """Records of local files naming their images."""
 
-    def __init__(self, files: list[Path], image_field: str, text_field: str):
+    def __init__(self, files: list[Path], image_field: str, text_field: str, messages_field: str):
         self.files, self.image_field, self.text_field = files, image_field, text_field
+        self.messages_field = messages_field
 
     def records(self):
         for f in self.files:
@@ -96,12 +100,8 @@ class FileImages:
                         "a list of paths); fix or drop that record, or set images.image_field"
                     )
                 full = tuple(str(f.parent / p) for p in paths)
-                yield ImageRecord(
-                    full,
-                    tuple(_size(p, where) for p in full),
-                    _text(row, self.text_field, where),
-                    where,
-                )
+                sizes = tuple(_size(p, where) for p in full)
+                yield _record(full, sizes, row, self.text_field, self.messages_field, where)
 
     def read(self, path: str, where: str):
         return decoded(path, where)
@@ -110,8 +110,8 @@ class FileImages:
 class TarImages:
     """Records of WebDataset-style tar shards; an image is read at its offset in its shard."""
 
-    def __init__(self, shards: list[Path], text_field: str):
-        self.shards, self.text_field = shards, text_field
+    def __init__(self, shards: list[Path], text_field: str, messages_field: str):
+        self.shards, self.text_field, self.messages_field = shards, text_field, messages_field
 
     def records(self):
         for shard in self.shards:
@@ -128,18 +128,16 @@ class TarImages:
                         raise DataError(
                             f"{where} has no image ({', '.join(IMAGE_SUFFIXES)}): fix the shard"
                         )
-                    text = self._text(tar, members, where)
+                    row = self._row(tar, members, where)
                     ref = (str(shard), image.offset_data, image.size)
-                    head = tar.extractfile(image).read()
-                    yield ImageRecord((ref,), (_size(head, where),), text, where)
+                    size = _size(tar.extractfile(image).read(), where)
+                    yield _record((ref,), (size,), row, self.text_field, self.messages_field, where)
 
-    def _text(self, tar, members, where) -> str:
+    def _row(self, tar, members, where) -> dict:
         if "txt" in members:
-            return tar.extractfile(members["txt"]).read().decode("utf-8")
+            return {self.text_field: tar.extractfile(members["txt"]).read().decode("utf-8")}
         if "json" in members:
-            return _text(
-                json.loads(tar.extractfile(members["json"]).read()), self.text_field, where
-            )
+            return json.loads(tar.extractfile(members["json"]).read())
         raise DataError(f"{where} has no text (KEY.txt or KEY.json): fix the shard")
 
     def read(self, ref, where: str):
@@ -152,28 +150,29 @@ class TarImages:
 class DatasetImages:
     """Records of an HF dataset whose image column is `datasets`' Image feature, as bytes."""
 
-    def __init__(self, dataset, name: str, image_field: str, text_field: str):
+    def __init__(self, dataset, name: str, image_field: str, text_field: str, messages_field: str):
         from datasets import Image
 
-        for field, key in (
-            (image_field, "images.image_field"),
-            (text_field, "training.dataset_text_field"),
-        ):
-            if field not in dataset.column_names:
-                raise DataError(
-                    f"dataset {name} has no column '{field}' (columns: {dataset.column_names}); "
-                    f"set {key}"
-                )
+        columns = dataset.column_names
+        if image_field not in columns:
+            raise DataError(
+                f"dataset {name} has no column '{image_field}' (columns: {columns}); set "
+                "images.image_field"
+            )
+        if text_field not in columns and messages_field not in columns:
+            raise DataError(
+                f"dataset {name} has neither a text column '{text_field}' nor a conversation "
+                f"column '{messages_field}' (columns: {columns}); set training.dataset_text_field"
+            )
         self.dataset = dataset.cast_column(image_field, Image(decode=False))
         self.name, self.image_field, self.text_field = name, image_field, text_field
+        self.messages_field = messages_field
 
     def records(self):
         for n, row in enumerate(self.dataset):
             where = f"{self.name}: record {n + 1}"
-            data = self._bytes(row[self.image_field], where)
-            yield ImageRecord(
-                (n,), (_size(data, where),), _text(row, self.text_field, where), where
-            )
+            size = _size(self._bytes(row[self.image_field], where), where)
+            yield _record((n,), (size,), row, self.text_field, self.messages_field, where)
 
     def _bytes(self, image, where):
         if not image or not (image.get("bytes") or image.get("path")):
@@ -182,6 +181,43 @@ class DatasetImages:
 
     def read(self, row: int, where: str):
         return decoded(self._bytes(self.dataset[row][self.image_field], where), where)
+
+
+def _record(images, sizes, row: dict, text_field: str, messages_field: str, where: str):
+    """A caption record (its text), or a conversation (its messages) where it holds them."""
+    messages = row.get(messages_field)
+    if messages is None:
+        return ImageRecord(images, sizes, _text(row, text_field, where), where)
+    check_image_messages(messages, len(images), where, messages_field)
+    return ImageRecord(images, sizes, "", where, messages)
+
+
+def check_image_messages(messages, images: int, where: str, field: str) -> None:
+    """A conversation about `images` images: {role, content} messages, an assistant turn,
+    content as text or parts of type text and image, one image part per image."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: field '{field}' is not a list of messages; fix that record")
+    parts = 0
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        kinds = (
+            [p.get("type") for p in content if isinstance(p, dict)]
+            if isinstance(content, list)
+            else []
+        )
+        if not isinstance(content, str) and (not kinds or set(kinds) - {"text", "image"}):
+            raise DataError(
+                f"{where}: message {i + 1} has content that is neither text nor parts of type "
+                "text and image; fix that record"
+            )
+        parts += kinds.count("image")
+    if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+        raise DataError(f"{where}: no assistant message, nothing to train on; fix or drop it")
+    if parts != images:
+        raise DataError(
+            f"{where} has {parts} image placeholder(s) ({{'type': 'image'}} parts) for "
+            f"{images} image(s); give each image one"
+        )
 
 
 def _text(row: dict, field: str, where: str) -> str:
@@ -205,17 +241,25 @@ def local_shards(shards: list) -> list[Path]:
     return [folder / s.name for s in shards]
 
 
-def open_image_source(name: str, path: str | None, image_field: str, text_field: str, key: str):
+def open_image_source(
+    name: str,
+    path: str | None,
+    image_field: str,
+    text_field: str,
+    key: str,
+    messages_field: str = "messages",
+):
     """The source of training.dataset / dataset_path: tar shards, local files, or a hub
     dataset."""
     where = path or location_of(name)
     p = resolve(where)
     if p.suffix == ".tar" or (p.is_dir() and any(p.glob("*.tar"))):
         shards = [p] if p.suffix == ".tar" else sorted(p.glob("*.tar"))
-        return TarImages(local_shards(shards) if is_remote(where) else shards, text_field)
+        shards = local_shards(shards) if is_remote(where) else shards
+        return TarImages(shards, text_field, messages_field)
     files = local_files(name, path, key=key)
     if files is not None and files[0].suffix != ".parquet":
-        return FileImages(files, image_field, text_field)
+        return FileImages(files, image_field, text_field, messages_field)
     if files is None:
         return DatasetImages(
             open_hub(name, key.removesuffix("_path"), streaming=False),
@@ -227,4 +271,4 @@ def open_image_source(name: str, path: str | None, image_field: str, text_field:
 
     # parquet: an Image feature's bytes are in the file
     ds = load_dataset("parquet", data_files=[str(f) for f in files], split="train")
-    return DatasetImages(ds, name, image_field, text_field)
+    return DatasetImages(ds, name, image_field, text_field, messages_field)

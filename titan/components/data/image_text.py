@@ -119,28 +119,53 @@ class Packed:
     grids: tuple
 
 
+def conversation_tokens(record, grids, template, vt: VisionTokens, merge: int):
+    """(ids, labels, kinds) of an image conversation rendered with the chat template: the
+    loss on the assistant's tokens only (prompt and images masked), as chat data's."""
+    try:
+        ids, counted = template.encode(record.messages)
+    except DataError as e:
+        raise DataError(f"{record.where}: {e}; fix the template or drop that record") from None
+    ids, kinds = with_images(ids, grids, vt, merge, record.where)
+    counted = np.asarray(_widened(counted, kinds), bool)
+    ids, kinds = np.asarray(ids, np.int64), np.asarray(kinds, np.int8)
+    labels = np.full(len(ids), IGNORE_INDEX, np.int64)
+    labels[:-1] = np.where(counted[1:], ids[1:], IGNORE_INDEX)
+    return ids, labels, kinds
+
+
+def _widened(counted: list[bool], kinds: list[int]) -> list[bool]:
+    """`counted` (of the tokens before each image placeholder was widened) for the widened
+    tokens: an image's places are never counted."""
+    out, it, previous = [], iter(counted), None
+    for k in kinds:
+        if k == IMAGE and previous == IMAGE:
+            out.append(False)
+        else:
+            out.append(bool(next(it)) and k == TEXT)
+        previous = k
+    return out
+
+
 class ImageTextWindows(Dataset):
     def __init__(
-        self, source, records, rule: ImageRule, vt: VisionTokens, tokenizer, seq_len: int, name: str
+        self, source, records, rule: ImageRule, tokenizer, seq_len: int, name: str, template=None
     ):
-        self.source, self.records, self.rule, self.seq_len, self.name = (
-            source,
-            records,
-            rule,
-            seq_len,
-            name,
-        )
-        self.pad_id = tokenizer.pad_id
-        merge = rule.merge_size
+        self.source, self.records, self.rule = source, records, rule
+        self.seq_len, self.name, self.pad_id = seq_len, name, tokenizer.pad_id
+        vt, merge = VisionTokens.of(tokenizer), rule.merge_size
         self.placed: list[list[Packed]] = []
         self.tokens: list[tuple] = []
         fill, dropped = seq_len, []
         texts = tokenizer.encode_batch([r.text for r in records], bos=False, eos=False)
         for i, (record, text_ids) in enumerate(zip(records, texts, strict=True)):
             grids = tuple(grid_of(s, rule) for s in record.sizes)
-            ids, labels, kinds = record_tokens(
-                grids, list(text_ids), vt, merge, tokenizer.bos_id, tokenizer.eos_id
-            )
+            if record.messages is not None:
+                ids, labels, kinds = conversation_tokens(record, grids, template, vt, merge)
+            else:
+                ids, labels, kinds = record_tokens(
+                    grids, list(text_ids), vt, merge, tokenizer.bos_id, tokenizer.eos_id
+                )
             if len(ids) > seq_len:
                 dropped.append(record.where)
                 self.tokens.append(None)
@@ -210,9 +235,11 @@ class ImageTextWindows(Dataset):
 
 
 def image_text_windows(
-    source, rule: ImageRule, tokenizer, seq_len: int, name: str
+    source, rule: ImageRule, tokenizer, seq_len: int, name: str, template: str = ""
 ) -> ImageTextWindows:
-    vt = VisionTokens.of(tokenizer)
+    """The windows of an image source; conversations among its records are rendered with
+    the chat template (`template`: a file, or the tokenizer folder's)."""
+    VisionTokens.of(tokenizer)  # the tokenizer's vision tokens, named before any image is read
     counted = []
     records = list(
         with_progress(
@@ -222,7 +249,12 @@ def image_text_windows(
     )
     if not records:
         raise DataError(f"{name} holds no image-text records")
-    windows = ImageTextWindows(source, records, rule, vt, tokenizer, seq_len, name)
+    chat = None
+    if any(r.messages is not None for r in records):
+        from titan.components.data.chat_template import ChatTemplate
+
+        chat = ChatTemplate.load(tokenizer, template)
+    windows = ImageTextWindows(source, records, rule, tokenizer, seq_len, name, chat)
     images = sum(len(p.grids) for w in windows.placed for p in w)
     logger.info(
         "image data %s: %d records, %d images in %d windows of %d places",
