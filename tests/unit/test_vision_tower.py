@@ -90,3 +90,17 @@ def test_init_is_seeded_by_name():
     assert a.blocks["0"].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.2)
     for args in (VISION_DEBUG, VISION_DEBUG.with_updates(deepstack_layers=(1,))):
         assert args.num_params() == sum(p.numel() for p in VisionTower(args).parameters())
+
+
+def test_the_towers_training_flops_are_what_torch_counts():
+    """VisionArgs.training_flops: 3 x the forward's matmul and attention FLOPs as torch's
+    FlopCounterMode counts them (the convention of the text model's figure)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = VISION_DEBUG.with_updates(deepstack_layers=(0, 1))
+    tower = VisionTower(args).eval()
+    patches = sum(t * h * w for t, h, w in GRIDS)
+    pixels = torch.randn(patches, args.patch_values)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        tower(pixels, GRIDS)
+    assert args.training_flops(GRIDS) == pytest.approx(3 * counter.get_total_flops(), rel=1e-9)

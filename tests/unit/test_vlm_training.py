@@ -58,6 +58,11 @@ def test_resume_is_bitwise_and_the_loss_falls(one_rank, tmp_path):
     records, _ = one_rank
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 1.0
+    # tokens/s of text and of images apart: 3 to 6 pictures a window of 128, 16 to 24
+    # places each
+    for r in records:
+        assert r["text_tps"] + r["image_tps"] == pytest.approx(r["tps"], rel=1e-9)
+        assert 0.3 < r["image_tps"] / r["tps"] < 0.8
     check_resume_is_bitwise(one_rank, tmp_path, RUN, STEPS, at=3)
 
 

@@ -23,6 +23,7 @@ OPTIONAL_MEMBERS = (
     "masked_labels_problem",
     "training_blocks",
     "upcycled",
+    "input_costs",
 )
 
 
@@ -67,6 +68,12 @@ class ModelArgsBase:
         1/granularity of the FFN's width, softmax routing whose k weights sum to 1, in place of
         every block's FFN; None: the family has no MoE form."""
         return None
+
+    def input_costs(self, batch: dict) -> tuple[float, dict[str, int]]:
+        """(the training FLOPs of a batch's inputs beyond what flops_per_token counts of its
+        tokens, the count of each kind of its tokens that is not text): a vision tower's over
+        the batch's images, and its image tokens. `batch` is on the host (no device read)."""
+        return 0.0, {}
 
     def layer_costs(self) -> list[int] | None:
         """Each block's parameters one token uses, which a pipeline split balances when blocks

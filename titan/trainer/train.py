@@ -24,6 +24,7 @@ from titan.components.data.batch import INPUT_IDS, LABELS, to_device
 from titan.components.data.dataset import DataError
 from titan.components.fault_tolerance import interrupts
 from titan.components.fault_tolerance.watchdog import StepWatchdog
+from titan.components.observability.metrics import input_costs
 from titan.components.optim.grad_clip import clip_grad_norm_
 from titan.components.optim.optimizer import build_optimizer
 from titan.components.training.callbacks import StepEnd, StopTraining, build_callbacks
@@ -220,8 +221,10 @@ class Trainer:
             self.train_state.tokens_seen += batch_tokens * self.plan.data_parallel_size
             # tp/cp/pp ranks share their batch: count each token once per device group
             tokens = batch_tokens // self.plan.dims.non_dp
-            flops = self.flops_per_token(shape.seq_len)
-            self.metrics.record_step(tokens, data_s, started_ns, flops_per_token=flops)
+            extra, kinds = input_costs(self.plan.model_args, microbatches)
+            flops = self.flops_per_token(shape.seq_len) + extra / batch_tokens
+            kinds = {k: n // self.plan.dims.non_dp for k, n in kinds.items()}
+            self.metrics.record_step(tokens, data_s, started_ns, flops, kinds)
             logged = None
             if self.metrics.should_log(self.step, t.steps):
                 logged = self._log_step(figures, lr)

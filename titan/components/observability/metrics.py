@@ -100,6 +100,7 @@ class _Window:
     data_s: float = 0.0
     steps: int = 0
     excluded_s: float = 0.0
+    kinds: dict = field(default_factory=dict)  # tokens of each kind that is not text
     last_step: tuple | None = None  # (start ns, end ns, data s) of the newest step
 
 
@@ -140,13 +141,18 @@ class MetricsLogger:
         data_s: float,
         started_ns: int | None = None,
         flops_per_token: float | None = None,
+        kinds: dict[str, int] | None = None,
     ) -> None:
         """`started_ns`: the step's start (time.time_ns()); it ends now. `flops_per_token`:
-        the step's own, where its sequence length is not the run's (a warm-up)."""
+        the step's own, where its sequence length is not the run's (a warm-up) or its inputs
+        cost more than their tokens (images). `kinds`: how many of the tokens are of each
+        kind that is not text (image), logged apart."""
         w = self.window
         if started_ns is not None:
             w.last_step = (started_ns, time.time_ns(), data_s)
         w.tokens += tokens
+        for kind, n in (kinds or {}).items():
+            w.kinds[kind] = w.kinds.get(kind, 0) + n
         w.flops += tokens * (flops_per_token or self.flops_per_token)
         w.data_s += data_s
         w.steps += 1
@@ -179,6 +185,15 @@ class MetricsLogger:
             "data_pct": 100 * w.data_s / elapsed,
             "step_time_s": elapsed / max(w.steps, 1),
             "tokens_seen": tokens_seen,
+            # text and each other kind of token apart (image_tps: an image's tokens a second)
+            **(
+                {
+                    "text_tps": (w.tokens - sum(w.kinds.values())) / elapsed,
+                    **{f"{k}_tps": n / elapsed for k, n in w.kinds.items()},
+                }
+                if w.kinds
+                else {}
+            ),
             **extra,
         }
         self.window = _Window()
@@ -189,13 +204,24 @@ class MetricsLogger:
             f"{c('step')}step: {self._progress(step)}  {c('loss')}loss: {loss:8.4f}{c('reset')}  "
             f"grad_norm: {grad_norm:7.4f}  lr: {lr:.2e}  "
             f"{c('mem')}memory: {record['memory_gib']:6.2f}GiB  "
-            f"{c('tps')}tps: {tps:>10,.0f}  tflops: {tflops:7.2f}  "
+            f"{c('tps')}tps: {tps:>10,.0f}{self._kinds(record)}  tflops: {tflops:7.2f}  "
             f"{c('mfu')}mfu: {_percent(record['mfu'])}{c('reset')}  "
             f"data: {record['data_pct']:4.1f}%"
             + "".join(f"  {k}: {_short(v, k)}" for k, v in printed.items())
             + self._eta(step, record["step_time_s"])
         )
         return record
+
+    @staticmethod
+    def _kinds(record: dict) -> str:
+        """The tokens/s of text and of each other kind, where a step had another kind."""
+        kinds = [k for k in record if k.endswith("_tps") and k != "text_tps"]
+        if not kinds:
+            return ""
+        parts = [f"text {record['text_tps']:,.0f}"] + [
+            f"{k[: -len('_tps')]} {record[k]:,.0f}" for k in kinds
+        ]
+        return f" ({', '.join(parts)})"
 
     def _progress(self, step: int) -> str:
         if self.total_steps is None:
@@ -224,3 +250,15 @@ class MetricsLogger:
     def exclude(self, seconds: float) -> None:
         """Keep time spent outside training steps (validation, checkpoints) out of tokens/s."""
         self.window.excluded_s += seconds
+
+
+def input_costs(model_args, batches: list) -> tuple[float, dict[str, int]]:
+    """(the inputs' FLOPs beyond their tokens', the tokens of each other kind) of a step's
+    batches, on the host (the family's ModelArgs.input_costs)."""
+    flops, kinds = 0.0, {}
+    for batch in batches:
+        f, k = model_args.input_costs(batch)
+        flops += f
+        for kind, n in k.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    return flops, kinds

@@ -40,6 +40,18 @@ class VisionArgs:
     def position_side(self) -> int:
         return int(round(self.num_position_embeddings**0.5))
 
+    def training_flops(self, grids) -> float:
+        """Forward and backward FLOPs of the tower on images of these `grids` ((frames, rows,
+        columns) of patches): 6 x each patch's matmul parameters (the mergers' per merged
+        token), and attention's 12 x depth x dim x n^2 over each frame of n patches (the
+        PaLM / torchtitan convention the text model's figure follows)."""
+        d, f, merged = self.dim, self.ffn_dim, self.dim * self.merge_size**2
+        per_patch = self.patch_values * d + self.depth * (4 * d * d + 2 * d * f)
+        mergers = (1 + len(self.deepstack_layers)) * (merged * merged + merged * self.out_dim)
+        patches = sum(t * h * w for t, h, w in grids)
+        attention = sum(t * 12 * self.depth * d * (h * w) ** 2 for t, h, w in grids)
+        return 6 * patches * (per_patch + mergers / self.merge_size**2) + attention
+
     def problems(self) -> list[str]:
         out = []
         if self.dim % self.n_heads or self.head_dim % 4:
@@ -107,6 +119,15 @@ class VisionLanguageFields:
                 f"vision out_dim {self.vision.out_dim} must be the text model's dim {self.dim}"
             )
         return out
+
+    def input_costs(self, batch: dict) -> tuple[float, dict[str, int]]:
+        """The tower's FLOPs on the batch's images, and its image tokens."""
+        grids = batch.get("image_grid_thw")
+        if self.vision is None or grids is None:
+            return 0.0, {}
+        shapes = [tuple(g) for g in grids.reshape(-1, 3).tolist() if g[0] > 0]
+        images = int((batch["vision_slots"] >= 0).sum())
+        return self.vision.training_flops(shapes), {"image": images}
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         """With the tower's, which no text token uses (`active`: those one text token uses)."""
