@@ -98,7 +98,9 @@ def test_the_scan_sees_family_imports():
     # the checks above would pass vacuously if they could not see an import of a family
     assert imports_a_family("titan.models.llama3.args") == "llama3"
     assert "titan.models.llama3.args" in imported_modules(TITAN / "models" / "llama3" / "model.py")
-    assert "titan.models.qwen3.args" in imported_modules(TITAN / "models" / "qwen3" / "model.py")
+    assert "titan.models.qwen3_5.args" in imported_modules(
+        TITAN / "models" / "qwen3_5" / "__init__.py"
+    )
     assert TITAN / "models" / "common" / "attention.py" in generic_files()
 
 

@@ -4,7 +4,7 @@ FSDP (the tower's blocks sharded with the decoder's), TP with and without sequen
 parallelism (the tower whole on each rank), PP (the tower on the first stage), CP (each rank
 places its part of the sequence's image tokens) and FSDP x TP; with activation checkpointing
 of the tower's blocks too. Resume is bitwise and the loss falls. Qwen3.5's tower trains alike
-under TP as well."""
+under TP, FSDP, PP and CP as well, and Qwen3-VL's MoE flavor under EP."""
 
 import sys
 
@@ -66,12 +66,40 @@ def test_resume_is_bitwise_and_the_loss_falls(one_rank, tmp_path):
     check_resume_is_bitwise(one_rank, tmp_path, RUN, STEPS, at=3)
 
 
-def test_qwen3_5s_tower_trains_alike_under_tp(tmp_path):
-    qwen = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_vision"]
-    argv = [*RUN[:-3], *qwen, "--training.steps", "3"]
-    one = run_trainer(tmp_path / "one", 1, argv)
-    two = run_trainer(tmp_path / "two", 2, [*argv, *degrees(tensor_parallel=2)])
-    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+OTHERS = {
+    # Qwen3.5's tower (no DeepStack) in front of the hybrid decoder
+    "qwen3_5": ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_vision"],
+    # Qwen3-VL's MoE flavor, its experts balanced
+    "qwen3_vl_moe": ["--model.flavor", "debugmodel_moe"],
+}
+OTHER_LAYOUTS = {
+    "qwen3_5": {
+        "tp2": degrees(tensor_parallel=2),
+        "fsdp2": degrees(data_parallel_shard=2),
+        "pp2": degrees(pipeline_parallel=2),
+        "cp2": degrees(context_parallel=2),
+    },
+    "qwen3_vl_moe": {"ep2": degrees(data_parallel_shard=2, expert_parallel=2)},
+}
+
+
+@pytest.fixture(scope="module")
+def other_one_rank(tmp_path_factory):
+    out = {}
+    for name, flags in OTHERS.items():
+        out[name] = run_trainer(tmp_path_factory.mktemp(name), 1, [*RUN[:-3], *flags])
+    return out
+
+
+@pytest.mark.slow("the other VL flavors on 2 forked ranks")
+@pytest.mark.parametrize(
+    "name, layout", [(n, lay) for n, layouts in OTHER_LAYOUTS.items() for lay in layouts]
+)
+def test_the_other_vl_flavors_train_alike(other_one_rank, tmp_path, name, layout):
+    flags = [*RUN[:-3], *OTHERS[name], *OTHER_LAYOUTS[name][layout]]
+    got = run_trainer(tmp_path, 2, flags, deadline_s=300)
+    one = other_one_rank[name]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in one], rel=1e-5)
 
 
 def test_a_frozen_tower_keeps_its_weights_while_the_decoder_trains(one_rank, tmp_path):

@@ -142,9 +142,18 @@ def check_deepstack_stage(job, plan) -> None:
     deep = len(args.vision.deepstack_layers) if getattr(args, "vision", None) else 0
     if not deep or not plan.dims.pp_enabled:
         return
-    from titan.plan.run_plan import pipeline_plans
+    from titan.parallelisms.pipeline import PipelineConfigError, plan_pipelines
 
-    first = pipeline_plans(job, args)[0].layer_ranges[0]
+    try:
+        plans = plan_pipelines(
+            job.parallelism,
+            n_layers=args.n_layers,
+            local_batch_size=job.training.local_batch_size,
+            layer_costs=args.layer_costs(),
+        )
+    except PipelineConfigError:
+        return  # the layout's own check names it
+    first = plans[0].layer_ranges[0]
     if deep > len(first):
         from titan.config import ConfigError
 

@@ -7,8 +7,8 @@ sizes as Qwen3's, RoPE base 5M, 262,144 positions; a 24-block tower of width 102
 from dataclasses import dataclass, replace
 
 from titan.models.common.moe_args import MoEArgs
+from titan.models.common.qwen3_args import Qwen3Args
 from titan.models.common.vision_args import VISION_DEBUG, VisionArgs, VisionLanguageFields
-from titan.models.qwen3.args import Qwen3Args
 
 
 @dataclass(frozen=True)

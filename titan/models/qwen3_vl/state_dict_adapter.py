@@ -6,13 +6,13 @@ MoE flavors' experts one tensor each of gate-and-up and down, as the hub stores 
 import dataclasses
 
 from titan.models.common.hf_adapter import FusedExperts
+from titan.models.common.qwen3_hf import Qwen3StateDictAdapter, qwen3_args_from_hf_config
 from titan.models.common.vision_hf import (
     VisionLanguageHF,
     mrope_of,
     vision_fields,
     vision_language_config,
 )
-from titan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter, qwen3_args_from_hf_config
 from titan.models.qwen3_vl.args import Qwen3VLArgs
 
 
