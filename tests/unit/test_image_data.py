@@ -46,6 +46,22 @@ def records(path=f"{SHAPES}/valid.jsonl"):
     return [json.loads(line) for line in open(path)]
 
 
+def packed_records(w):
+    """(a record's ids, the labels its loss counts) of every record of the windows `w`, in
+    order (a window's padding, which holds no image, left out)."""
+    from titan.components.data.image_text import VisionTokens
+
+    start = VisionTokens.of(tokenizer()).start
+    for i in range(len(w)):
+        s = w[i]
+        docs = s["doc_ids"]
+        for d in docs.unique().tolist():
+            place = (docs == d).nonzero().flatten()
+            ids, labels = s["input_ids"][place], s["labels"][place]
+            if (ids == start).any():
+                yield ids, labels[labels != IGNORE_INDEX]
+
+
 def test_records_are_packed_whole_with_the_loss_on_their_captions():
     from titan.components.data.image_text import VisionTokens
 
@@ -54,27 +70,23 @@ def test_records_are_packed_whole_with_the_loss_on_their_captions():
     assert len(w) > 1
     captions = [r["text"] for r in records()]
     seen = 0
+    for ids, counted in packed_records(w):
+        assert ids[0] == tokenizer().bos_id
+        starts, ends = (ids == vt.start).sum(), (ids == vt.end).sum()
+        assert starts == ends == 1  # each record's image whole within its window
+        text = tokenizer().decode(counted.tolist(), skip_special=True)
+        assert text == captions[seen]  # the loss: the caption (and its EOS)
+        assert counted[-1] == tokenizer().eos_id
+        seen += 1
+    assert seen == len(captions)
     for i in range(len(w)):
-        s = w[i]
-        ids, labels, docs = s["input_ids"], s["labels"], s["doc_ids"]
-        for d in docs.unique().tolist():
-            place = (docs == d).nonzero().flatten()
-            if ids[place[0]] != tokenizer().bos_id:
-                continue  # the window's padding
-            record = ids[place]
-            starts, ends = (record == vt.start).sum(), (record == vt.end).sum()
-            assert starts == ends == 1  # each record's image whole within its window
-            counted = labels[place][labels[place] != IGNORE_INDEX]
-            text = tokenizer().decode(counted.tolist(), skip_special=True)
-            assert text == captions[seen]  # the loss: the caption (and its EOS)
-            assert counted[-1] == tokenizer().eos_id
-            seen += 1
         # one place per 2x2 patches of each image, every slot once, in order
+        s = w[i]
+        ids = s["input_ids"]
         pads = (ids == vt.pad).sum().item()
         assert s["image_grid_thw"].prod(-1).sum().item() == 4 * pads
         assert s["vision_slots"][ids == vt.pad].tolist() == list(range(pads))
         assert (s["vision_slots"][ids != vt.pad] == -1).all()
-    assert seen == len(captions)
 
 
 def test_a_windows_pixels_are_its_images_cut_by_the_rule():
@@ -271,27 +283,16 @@ def test_image_chat_trains_on_the_answers_only():
     answer, rendered with the tokenizer folder's template (assets/tokenizer_vlm: ChatML with
     the vision tokens); the loss counts the answer and its <|im_end|>, not the prompt or the
     image."""
-    from titan.components.data.image_text import VisionTokens
-
-    vt = VisionTokens.of(tokenizer())
     rows = [json.loads(line) for line in open(f"{SHAPES}/chat_valid.jsonl")]
     w = windows(jsonl_source(f"{SHAPES}/chat_valid.jsonl"))
-    seen = 0
-    for i in range(len(w)):
-        s = w[i]
-        ids, labels, docs = s["input_ids"], s["labels"], s["doc_ids"]
-        for d in docs.unique().tolist():
-            place = (docs == d).nonzero().flatten()
-            if (ids[place] == vt.start).sum() == 0:
-                continue  # the padding
-            text = tokenizer().decode(ids[place].tolist(), skip_special=False)
-            assert text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|>")
-            counted = labels[place][labels[place] != IGNORE_INDEX]
-            answer = tokenizer().decode(counted.tolist(), skip_special=True)
-            assert answer.strip() == rows[seen]["messages"][1]["content"]
-            assert counted[-1] == tokenizer().token_id("<|im_end|>")
-            seen += 1
-    assert seen == len(rows)
+    got = list(packed_records(w))
+    assert len(got) == len(rows)
+    for (ids, counted), row in zip(got, rows, strict=True):
+        text = tokenizer().decode(ids.tolist(), skip_special=False)
+        assert text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|>")
+        answer = tokenizer().decode(counted.tolist(), skip_special=True)
+        assert answer.strip() == row["messages"][1]["content"]
+        assert counted[-1] == tokenizer().token_id("<|im_end|>")
 
 
 def test_image_chat_placeholders_must_match_the_images(tmp_path):

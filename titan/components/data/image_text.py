@@ -110,10 +110,9 @@ def image_fields(kinds, grids, pixels: list[torch.Tensor], merge: int) -> dict:
 
 @dataclass
 class Packed:
-    """Where a record sits: its window, its first place, its length and grids."""
+    """Where a record sits in its window: its first place, its length, its images' grids."""
 
     record: int
-    window: int
     start: int
     length: int
     grids: tuple
@@ -173,7 +172,7 @@ class ImageTextWindows(Dataset):
             if fill + len(ids) > seq_len:
                 self.placed.append([])
                 fill = 0
-            self.placed[-1].append(Packed(i, len(self.placed) - 1, fill, len(ids), grids))
+            self.placed[-1].append(Packed(i, fill, len(ids), grids))
             self.tokens.append((ids, labels, kinds))
             fill += len(ids)
         if dropped:
@@ -211,18 +210,18 @@ class ImageTextWindows(Dataset):
                 torch.from_numpy(lab),
                 doc,
             )
-            kinds = torch.from_numpy(kinds.astype(np.int64))
-            positions[span] = multimodal_positions(kinds, list(p.grids), self.rule.merge_size).T
-            images = kinds == IMAGE
-            slots[span][images] = torch.arange(seen, seen + int(images.sum()))
-            seen += int(images.sum())
             record = self.records[p.record]
-            for ref, grid in zip(record.images, p.grids, strict=True):
-                values, got = image_patches(self.source.read(ref, record.where), self.rule)
-                if tuple(got.tolist()) != grid:  # the header said another size than the pixels
-                    raise DataError(f"{record.where}: the image's size changed since indexing")
-                pixels.append(values)
-                grids.append(got)
+            own = [
+                self._patches(record, ref, grid)
+                for ref, grid in zip(record.images, p.grids, strict=True)
+            ]
+            f = image_fields(kinds, p.grids, own, self.rule.merge_size)
+            positions[span] = f["positions"]
+            # the window's image tokens counted on from the records before
+            slots[span] = torch.where(f["vision_slots"] >= 0, f["vision_slots"] + seen, -1)
+            seen += int((f["vision_slots"] >= 0).sum())
+            pixels.append(f["pixel_values"])
+            grids.append(f["image_grid_thw"])
         return sample(
             inputs,
             labels,
@@ -230,8 +229,15 @@ class ImageTextWindows(Dataset):
             positions=positions,
             vision_slots=slots,
             pixel_values=torch.cat(pixels),
-            image_grid_thw=torch.stack(grids),
+            image_grid_thw=torch.cat(grids),
         )
+
+    def _patches(self, record, ref, grid) -> torch.Tensor:
+        """An image's patches, decoded, resized and cut by the rule."""
+        values, got = image_patches(self.source.read(ref, record.where), self.rule)
+        if tuple(got.tolist()) != grid:  # the header said another size than the pixels
+            raise DataError(f"{record.where}: the image's size changed since indexing")
+        return values
 
 
 def image_text_windows(
