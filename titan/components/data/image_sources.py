@@ -12,6 +12,7 @@ headers when the index is built, so that each sample's token count is known befo
 is decoded), its text and where it came from ("FILE: record N"), which every error names.
 """
 
+import contextlib
 import io
 import json
 import tarfile
@@ -25,6 +26,7 @@ from titan.components.data.dataset import (
     open_hub,
     open_local,
 )
+from titan.components.data.images import pil
 from titan.runtime.paths import is_remote, local_copy, resolve
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
@@ -41,43 +43,33 @@ class ImageRecord:
     messages: list | None = None
 
 
-def _pil():
+@contextlib.contextmanager
+def _opened(data, where: str, trouble: str):
+    """The PIL image of `data` (a path or bytes); a missing or bad file is one DataError
+    naming the record (`trouble`: what a bad one is said to be)."""
     try:
-        from PIL import Image
-    except ImportError as e:
-        raise ImportError("images in the batch need pillow: pip install 'titan[vision]'") from e
-    return Image
+        with pil().open(data if isinstance(data, (str, Path)) else io.BytesIO(data)) as im:
+            yield im
+    except FileNotFoundError:
+        raise DataError(f"{where}: image {data} does not exist; fix or drop that record") from None
+    except Exception as e:  # noqa: BLE001  PIL raises many types for bad files
+        raise DataError(
+            f"{where}: the image is {trouble} ({type(e).__name__}: {e}); fix or drop that record"
+        ) from None
 
 
 def decoded(data, where: str):
     """The whole RGB image of `data` (a path or bytes); a missing, unreadable or truncated
     image is one DataError naming it (never half an image)."""
-    Image = _pil()
-    try:
-        with Image.open(data if isinstance(data, (str, Path)) else io.BytesIO(data)) as im:
-            im.load()  # a truncated file raises here, not later
-            return im.convert("RGB")
-    except FileNotFoundError:
-        raise DataError(f"{where}: image {data} does not exist; fix or drop that record") from None
-    except Exception as e:  # noqa: BLE001  PIL raises many types for bad files
-        raise DataError(
-            f"{where}: the image is unreadable or truncated ({type(e).__name__}: {e}); fix or "
-            "drop that record"
-        ) from None
+    with _opened(data, where, "unreadable or truncated") as im:
+        im.load()  # a truncated file raises here, not later
+        return im.convert("RGB")
 
 
 def _size(data, where: str) -> tuple[int, int]:
     """(height, width) from the image's header."""
-    Image = _pil()
-    try:
-        with Image.open(data if isinstance(data, (str, Path)) else io.BytesIO(data)) as im:
-            return im.height, im.width
-    except FileNotFoundError:
-        raise DataError(f"{where}: image {data} does not exist; fix or drop that record") from None
-    except Exception as e:  # noqa: BLE001
-        raise DataError(
-            f"{where}: the image is unreadable ({type(e).__name__}: {e}); fix or drop that record"
-        ) from None
+    with _opened(data, where, "unreadable") as im:
+        return im.height, im.width
 
 
 class FileImages:

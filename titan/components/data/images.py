@@ -50,14 +50,19 @@ def fitted_size(height: int, width: int, rule: ImageRule) -> tuple[int, int]:
     return h, w
 
 
-def image_patches(image, rule: ImageRule = ImageRule()) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pixel values (patches, 3 x frames x patch x patch) float32, its grid (frames, rows,
-    columns) of patches) of one PIL image."""
+def pil():
+    """PIL's Image module, or one ImportError naming the extra that installs it."""
     try:
         from PIL import Image
     except ImportError as e:
         raise ImportError("images in the batch need pillow: pip install 'titan[vision]'") from e
+    return Image
 
+
+def image_patches(image, rule: ImageRule = ImageRule()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel values (patches, 3 x frames x patch x patch) float32, its grid (frames, rows,
+    columns) of patches) of one PIL image."""
+    Image = pil()
     image = image.convert("RGB")
     h, w = fitted_size(image.height, image.width, rule)
     if (h, w) != (image.height, image.width):
