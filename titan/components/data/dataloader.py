@@ -377,23 +377,23 @@ def build_text_dataloader(
         )
         return StreamLoader(ds, local_batch_size, fields)
     windows = _packed(sources, files, tokenizer, text_field, seq_len, skip_documents)
-    order = GlobalOrder(
-        [len(w) for w in windows],
-        [w for _, w in sources],
-        dp_rank=shard.dp_rank,
-        dp_world_size=shard.dp_world_size,
+    return _indexed(
+        windows,
+        sources,
+        local_batch_size=local_batch_size,
         global_batch_size=global_batch_size,
+        shard=shard,
         seed=seed,
         shuffle=shuffle,
         infinite=infinite,
-        names=[name for name, _ in sources],
+        workers=workers,
+        fields=fields,
     )
-    return IndexedLoader(MixedWindows(windows, fields), order, local_batch_size, workers)
 
 
 def _indexed(
-    windows,
-    name: str,
+    windows: list,
+    sources: list[tuple[str, float]],
     *,
     local_batch_size: int,
     global_batch_size: int,
@@ -404,20 +404,20 @@ def _indexed(
     workers: Workers = Workers(),
     fields=None,
 ):
-    """One indexed source's windows read in a global order: resumes exactly, on any dp
-    degree."""
+    """Indexed sources' windows (one list each; `sources`: their (name, weight)) read in a
+    global order: resumes exactly, on any dp degree."""
     order = GlobalOrder(
-        [len(windows)],
-        [1.0],
+        [len(w) for w in windows],
+        [weight for _, weight in sources],
         dp_rank=shard.dp_rank,
         dp_world_size=shard.dp_world_size,
         global_batch_size=global_batch_size,
         seed=seed,
         shuffle=shuffle,
         infinite=infinite,
-        names=[name],
+        names=[name for name, _ in sources],
     )
-    return IndexedLoader(MixedWindows([windows], fields), order, local_batch_size, workers)
+    return IndexedLoader(MixedWindows(windows, fields), order, local_batch_size, workers)
 
 
 def build_chat_dataloader(
@@ -443,7 +443,8 @@ def build_chat_dataloader(
     )
     files = local_files(dataset, dataset_path, key=f"{section}.dataset_path")
     windows = chat_windows(files or dataset, template, opts, tokenizer.pad_id, dataset)
-    return _indexed(windows, dataset, fields=sample_fields(dataset, tokenizer), **reading)
+    fields = sample_fields(dataset, tokenizer)
+    return _indexed([windows], [(dataset, 1.0)], fields=fields, **reading)
 
 
 def build_image_dataloader(
@@ -472,7 +473,7 @@ def build_image_dataloader(
     source = open_image_source(dataset, dataset_path, images.image_field, text_field, key, messages)
     template = chat.template if chat is not None else ""
     windows = image_text_windows(source, rule, tokenizer, seq_len, dataset, template)
-    return _indexed(windows, dataset, **reading)
+    return _indexed([windows], [(dataset, 1.0)], **reading)
 
 
 def build_dataloader(
